@@ -1,0 +1,1 @@
+"""Triton row kernels (RMSNorm, LayerNorm, RoPE, SwiGLU, GeGLU) and model patching."""

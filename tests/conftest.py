@@ -1,0 +1,19 @@
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    has_cuda = torch.cuda.is_available()
+    n_gpu = torch.cuda.device_count() if has_cuda else 0
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    skip_multi = pytest.mark.skip(reason="needs two or more CUDA devices")
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(skip_gpu)
+        if "multigpu" in item.keywords and n_gpu < 2:
+            item.add_marker(skip_multi)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

@@ -1,0 +1,1 @@
+"""TRL trainers that use the chunked losses."""
