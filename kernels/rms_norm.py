@@ -1,0 +1,247 @@
+"""RMSNorm: ``y = x / sqrt(mean(x**2) + eps) * (offset + w)``, forward and backward in Triton.
+
+Matches ``transformers``' ``LlamaRMSNorm`` (``casting="llama"``: normalise in fp32, cast to the input
+dtype, then multiply by ``w``) and ``GemmaRMSNorm`` (``casting="gemma"``, ``offset=1``: everything in fp32,
+``1 + w``, one cast at the end). The forward stores only the reciprocal RMS of each row; the backward
+recomputes the normalised row from ``x`` instead of keeping it.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import nn
+
+from ._utils import lastdim_contiguous, num_sms, row_block, row_warps, rows_per_tile
+
+CASTING_MODES = ("llama", "gemma")
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0,
+                 casting: str = "llama") -> torch.Tensor:
+    """Pure-PyTorch RMSNorm, op for op as ``LlamaRMSNorm`` / ``GemmaRMSNorm`` compute it.
+
+    Args:
+        x: (..., D) input.
+        weight: (D,) scale.
+        eps: added to the mean square.
+        offset: added to ``weight`` (1.0 for Gemma's ``1 + w``).
+        casting: "llama" (cast the normalised row to ``x.dtype`` before scaling) or "gemma" (all in fp32).
+
+    Returns:
+        (..., D); dtype of ``weight * x`` for "llama", ``x.dtype`` for "gemma".
+    """
+    if casting == "llama":
+        input_dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        w = weight if offset == 0.0 else weight + offset
+        return w * h.to(input_dtype)
+    if casting == "gemma":
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return (h * (offset + weight.float())).type_as(x)
+    raise ValueError(f"casting must be one of {CASTING_MODES}, got {casting!r}")
+
+
+@dataclass(frozen=True)
+class RMSNormOptions:
+    eps: float = 1e-6
+    offset: float = 0.0
+    casting: str = "llama"
+    in_place: bool = False  # backward writes dx over dy: only when dy feeds no other node
+
+
+# Forward, per row:  rstd = 1 / sqrt(sum(x^2) / D + eps),  xhat = x * rstd,  wt = w + offset,
+#   y = cast(xhat) * wt   ("llama", cast = round to x's dtype)   or   y = xhat * wt   ("gemma").
+@triton.jit
+def _rms_norm_fwd_kernel(
+    X,  # (N, D) input, rows stride_x apart
+    Y,  # (N, D) output, contiguous
+    W,  # (D,) weight
+    RSTD,  # (N,) fp32, reciprocal RMS saved for the backward
+    stride_x,
+    stride_y,
+    n_rows,
+    n_cols,
+    eps,
+    offset,
+    CAST_LLAMA: tl.constexpr,  # round xhat to X's dtype before the scale
+    BLOCK_M: tl.constexpr,  # rows per program (>1 only for short rows)
+    BLOCK_N: tl.constexpr,  # power of two >= D
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask = rows < n_rows
+    mask = row_mask[:, None] & (cols < n_cols)[None, :]
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    wt = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32) + offset
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+    xhat = x * rstd[:, None]
+    if CAST_LLAMA:
+        xhat = xhat.to(X.dtype.element_ty).to(tl.float32)
+    y = xhat * wt[None, :]
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(RSTD + rows, rstd, mask=row_mask)
+
+
+# Backward, per row, with dxhat = dy * wt:
+#   dx = rstd * (dxhat - xhat * sum(dxhat * xhat) / D)
+#   dw = sum over rows of dy * xhat (cast(xhat) for "llama"); each program sums its contiguous block of rows
+#   into one fp32 row of DW_PARTIAL, the launcher adds the (n_programs, D) partials.
+@triton.jit
+def _rms_norm_bwd_kernel(
+    DY,  # (N, D) upstream gradient, rows stride_dy apart
+    X,  # (N, D) forward input, rows stride_x apart
+    W,  # (D,) weight
+    RSTD,  # (N,) fp32 from the forward
+    DX,  # (N, D) input gradient (may alias DY), rows stride_dx apart
+    DW_PARTIAL,  # (n_programs, D) fp32 per-program sums of dy * xhat
+    stride_dy,
+    stride_x,
+    stride_dx,
+    n_rows,
+    n_cols,
+    rows_per_program,  # a multiple of BLOCK_M
+    offset,
+    CAST_LLAMA: tl.constexpr,
+    HAS_DW: tl.constexpr,  # weight requires grad
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    row_start = pid.to(tl.int64) * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, n_rows)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    wt = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
+    dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    # A while loop rather than range(): the Triton interpreter cannot index range() by a tensor bound.
+    start = row_start
+    while start < row_end:
+        rows = start + tl.arange(0, BLOCK_M).to(tl.int64)
+        start += BLOCK_M
+        row_mask = rows < row_end
+        mask = row_mask[:, None] & col_mask[None, :]
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+        xhat = x * rstd[:, None]
+        dxhat = dy * wt[None, :]
+        c = tl.sum(dxhat * xhat, axis=1) / n_cols
+        dx = rstd[:, None] * (dxhat - xhat * c[:, None])
+        tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        if HAS_DW:
+            if CAST_LLAMA:
+                xhat = xhat.to(X.dtype.element_ty).to(tl.float32)
+            dw_acc += tl.sum(dy * xhat, axis=0)
+    if HAS_DW:
+        tl.store(DW_PARTIAL + pid.to(tl.int64) * n_cols + cols, dw_acc, mask=col_mask)
+
+
+# Backward programs per SM: more than one keeps several rows in flight per SM (the row loop is serial).
+BWD_PROGRAMS_PER_SM = 4
+
+
+def _rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, opts: RMSNormOptions):
+    assert x.ndim == 2 and weight.ndim == 1 and x.shape[1] == weight.shape[0], (x.shape, weight.shape)
+    assert opts.casting in CASTING_MODES, opts.casting
+    x = lastdim_contiguous(x)
+    n_rows, n_cols = x.shape
+    cast_llama = opts.casting == "llama"
+    out_dtype = torch.promote_types(x.dtype, weight.dtype) if cast_llama else x.dtype
+    y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    block_n = row_block(n_cols)
+    block_m = rows_per_tile(block_n)
+    _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
+        x, y, weight, rstd, x.stride(0), y.stride(0), n_rows, n_cols, opts.eps, opts.offset,
+        CAST_LLAMA=cast_llama, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=row_warps(block_m * block_n),
+    )
+    return y, x, rstd
+
+
+def _rms_norm_bwd(dy, x, weight, rstd, opts: RMSNormOptions, needs_dw: bool):
+    n_rows, n_cols = x.shape
+    dy = lastdim_contiguous(dy)
+    # dx may overwrite dy only if the caller promised dy is not shared and the dtypes let the rows line up.
+    dx = dy if (opts.in_place and dy.dtype == x.dtype and dy.is_contiguous()) else torch.empty_like(x)
+    block_n = row_block(n_cols)
+    block_m = rows_per_tile(block_n)
+    n_programs = max(1, min(num_sms(x.device) * BWD_PROGRAMS_PER_SM, triton.cdiv(n_rows, block_m)))
+    rows_per_program = triton.cdiv(triton.cdiv(n_rows, n_programs), block_m) * block_m
+    n_programs = triton.cdiv(n_rows, rows_per_program)
+    dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device) if needs_dw else None
+    _rms_norm_bwd_kernel[(n_programs,)](
+        dy, x, weight, rstd, dx, dw_partial, dy.stride(0), x.stride(0), dx.stride(0), n_rows, n_cols,
+        rows_per_program, opts.offset, CAST_LLAMA=opts.casting == "llama", HAS_DW=needs_dw,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=row_warps(block_m * block_n),
+    )
+    dw = dw_partial.sum(0).to(weight.dtype) if needs_dw else None
+    return dx, dw
+
+
+class RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, opts: RMSNormOptions):
+        y, x, rstd = _rms_norm_fwd(x, weight, opts)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.opts = opts
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        if not any(ctx.needs_input_grad[:2]):
+            return None, None, None
+        dx, dw = _rms_norm_bwd(dy, x, weight, rstd, ctx.opts, ctx.needs_input_grad[1])
+        return (dx if ctx.needs_input_grad[0] else None), dw, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0,
+             casting: str = "llama", in_place: bool = False) -> torch.Tensor:
+    """Triton RMSNorm; equals :func:`rms_norm_ref` (``LlamaRMSNorm`` / ``GemmaRMSNorm``).
+
+    Args:
+        x: (..., D) input, any float dtype; rows may be strided, a non-unit last stride is copied.
+        weight: (D,) scale.
+        eps: added to the mean square. Default 1e-6.
+        offset: added to ``weight`` inside the kernel (1.0 for Gemma). Default 0.
+        casting: "llama" or "gemma", see the module docstring.
+        in_place: let the backward write dx over the incoming gradient. Only safe when that gradient tensor
+            feeds no other node, e.g. a norm whose output goes only into linear layers; wrong otherwise
+            (a norm output added to a residual shares its gradient with the residual branch).
+
+    Returns:
+        (..., D), dtype as :func:`rms_norm_ref`.
+    """
+    shape = x.shape
+    opts = RMSNormOptions(eps, offset, casting, in_place)
+    y = RMSNormFunction.apply(x.reshape(-1, shape[-1]), weight, opts)
+    return y.view(*shape[:-1], y.shape[-1])
+
+
+class RMSNorm(nn.Module):
+    """Drop-in ``LlamaRMSNorm`` (defaults) or ``GemmaRMSNorm`` (``offset=1.0, casting="gemma"``, zero init).
+
+    Args:
+        hidden_size: D.
+        eps: added to the mean square.
+        offset: added to the weight (Gemma stores ``w`` and scales by ``1 + w``).
+        casting: "llama" or "gemma".
+        in_place: see :func:`rms_norm`.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0, casting: str = "llama",
+                 in_place: bool = False, device=None, dtype=None):
+        super().__init__()
+        init = torch.zeros if offset == 1.0 else torch.ones
+        self.weight = nn.Parameter(init(hidden_size, device=device, dtype=dtype))
+        self.eps, self.offset, self.casting, self.in_place = eps, offset, casting, in_place
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, self.offset, self.casting, self.in_place)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}, offset={self.offset}, casting={self.casting}"
