@@ -1,0 +1,523 @@
+"""FusedLinearBase: the one chunk loop every chunkloss loss runs on.
+
+A loss over the LM head ``logits = hidden @ weight.T (+ bias)`` is computed without ever holding the
+full ``[N, V]`` logits. The rows that take part (label not ignored, loss mask 1) are selected first;
+then, chunk by chunk, the logits are projected, the loss and ``dL/dlogits`` come from
+``torch.func.grad_and_value`` of the loss's per-chunk math (under ``torch.compile``), and three GEMMs
+turn that into the gradients::
+
+    logits_c     = x_c @ W.T (+ b)            # GEMM 1 (forward)
+    grad_x[c]    = g_c @ W                    # GEMM 2, written into a preallocated buffer
+    grad_W      += g_c.T @ x_c                # GEMM 3, accumulated in place (fp32 by default)
+    grad_b      += g_c.sum(0)
+
+The logits are then dropped. Backward only multiplies the stored gradients by ``grad_output``.
+
+Two kinds of loss run on the loop:
+
+* **token losses** (cross-entropy, JSD, token-level GRPO) define ``chunk_loss``: a sum over the
+  chunk's rows, already divided by global normalisers passed in as tensors;
+* **sequence losses** (DPO, ORPO, SimPO, CPO, sequence-level GRPO) define ``token_stats`` (a few
+  differentiable numbers per row, e.g. the label log-prob) and ``sequence_loss`` (the loss from those
+  numbers, grouped by sequence). When whole groups of sequences (a chosen/rejected pair) fit in a
+  chunk, chunks are aligned to groups and the loss is done in **one pass**. Otherwise (or when the
+  loss needs batch-wide statistics such as an entropy quantile) it takes **two passes**: pass 1
+  projects each chunk without grad and stores the per-row statistics; ``sequence_loss`` then runs on
+  those small tensors and autograd gives ``dL/dstats``; pass 2 re-projects each chunk and pulls that
+  coefficient back to ``dL/dlogits`` (one extra forward GEMM, 4 GEMMs instead of 3).
+
+Heads without grad (a reference model, a teacher) ride along: their logits for the same rows are
+projected in the same chunk step and handed to the loss as ``extra_logits``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["Batch", "FusedLinearBase", "FusedOptions", "Head", "segment_sum", "sequence_batch"]
+
+
+@dataclass(frozen=True)
+class FusedOptions:
+    """Options every chunked loss takes.
+
+    Args:
+        chunk_size: rows of logits per chunk; ``None`` picks one from ``logits_budget_mb``.
+        logits_budget_mb: memory for one chunk's logits and their gradient, used when
+            ``chunk_size`` is ``None``.
+        accum_dtype: dtype of the weight/bias gradient accumulator across chunks; ``None`` uses the
+            weight's own dtype (saves 4·V·H bytes at bf16, loses some precision).
+        compile: run the per-chunk math under ``torch.compile``.
+    """
+
+    chunk_size: int | None = None
+    logits_budget_mb: int = 512
+    accum_dtype: torch.dtype | None = torch.float32
+    compile: bool = True
+
+    def __post_init__(self):
+        if self.chunk_size is not None and (not isinstance(self.chunk_size, int) or self.chunk_size <= 0):
+            raise ValueError(f"chunk_size must be a positive int or None, got {self.chunk_size!r}")
+        if self.logits_budget_mb <= 0:
+            raise ValueError(f"logits_budget_mb must be positive, got {self.logits_budget_mb!r}")
+
+
+@dataclass
+class Head:
+    """A linear head: ``hidden (N, H) @ weight.T (V, H) + bias (V,)`` over the same N rows."""
+
+    hidden: Tensor  # (N, H)
+    weight: Tensor  # (V, H)
+    bias: Tensor | None = None  # (V,)
+
+
+@dataclass
+class Batch:
+    """What a loss hands the engine: the rows that take part and the tensors that go with them.
+
+    Attributes:
+        rows: indices into the flattened hidden of the rows that take part, in chunk order (N_valid,).
+        token: per-row tensors, already restricted to ``rows`` (N_valid, ...).
+        scalars: 0-d tensors computed once for the whole batch (normalisers).
+        extra: heads without grad projected over the same rows (reference model, teacher).
+        seq_id: for sequence losses, the group-local sequence index of each row (N_valid,).
+        sequence: for sequence losses, per-sequence tensors (S, ...).
+        group_of_seq: for sequence losses, the group of each sequence (S,); sequences of one group
+            (a chosen/rejected pair) must share a chunk for the one-pass mode. Groups are numbered
+            in row order, so ``rows`` sorted by group keeps each group contiguous.
+        tokens_per_group: host list of rows per group (one-pass chunk planning).
+        num_seqs: S, number of sequences (sequence losses).
+        num_rows: N, rows of the flattened hidden (for the per-row output of reduction='none').
+        all_rows: ``rows`` is ``arange(N)``: chunks are plain slices (no gather/scatter copies).
+    """
+
+    rows: Tensor
+    token: dict[str, Tensor] = field(default_factory=dict)
+    scalars: dict[str, Tensor] = field(default_factory=dict)
+    extra: list[Head] = field(default_factory=list)
+    seq_id: Tensor | None = None
+    sequence: dict[str, Tensor] = field(default_factory=dict)
+    group_of_seq: Tensor | None = None
+    tokens_per_group: list[int] | None = None
+    num_rows: int = 0
+    all_rows: bool = False
+    num_seqs: int = 0
+
+
+def default_chunk_size(vocab: int, itemsize: int, budget_mb: int) -> int:
+    """Rows per chunk so that one chunk's logits and their gradient fit in ``budget_mb``.
+
+    Rounded down to a multiple of 128 (whole tensor-core tiles) and kept in [128, 16384]: fewer than
+    128 rows leave the GEMM's M dimension too thin to keep an H100 busy.
+    """
+    rows = budget_mb * 2**20 // (2 * vocab * max(itemsize, 2))
+    return int(min(16384, max(128, rows // 128 * 128)))
+
+
+def _project(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return torch.addmm(bias, x, weight.t()) if bias is not None else x @ weight.t()
+
+
+def _accumulate_weight_grad(acc: Tensor, g: Tensor, x: Tensor) -> None:
+    """``acc += g.T @ x`` in place, without a [V, H] temporary."""
+    if acc.dtype == g.dtype:
+        acc.addmm_(g.t(), x)
+    elif acc.is_cuda:
+        # cuBLAS: bf16/fp16 operands, fp32 output and accumulation.
+        torch.addmm(acc, g.t(), x, out_dtype=acc.dtype, out=acc)
+    else:
+        acc.addmm_(g.t().to(acc.dtype), x.to(acc.dtype))
+
+
+def segment_sum(values: Tensor, seq_id: Tensor, num_seqs: int) -> Tensor:
+    """Sum of ``values`` (N, ...) per sequence id -> (num_seqs, ...)."""
+    out = values.new_zeros((num_seqs, *values.shape[1:]))
+    return out.index_add(0, seq_id, values)
+
+
+def sequence_batch(
+    keep: Tensor,  # (S, T) bool: rows that take part
+    group_of_seq: Tensor,  # (S,) long: sequences of one group must share a chunk (pairs)
+    token: dict[str, Tensor] | None = None,  # (S, T, ...) per-token tensors
+    sequence: dict[str, Tensor] | None = None,  # (S, ...) per-sequence tensors
+    scalars: dict[str, Tensor] | None = None,
+    extra: list[Head] | None = None,
+) -> tuple[Batch, Tensor]:
+    """A :class:`Batch` for a sequence loss over S sequences of T positions (flattened row = s·T + t).
+
+    Sequences are reordered by group (stable), so each group's rows are contiguous in ``rows``;
+    ``sequence`` tensors and ``seq_id`` follow that order. Returns the batch and ``order`` (S,), the
+    original index of each reordered sequence (e.g. pairs (g, B+g) come out as [0, B, 1, B+1, ...]).
+    """
+    n_seq, t = keep.shape
+    order = torch.argsort(group_of_seq, stable=True)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(n_seq, device=order.device)
+    rows = keep.reshape(-1).nonzero().squeeze(1)
+    seq_of_row = rows // t
+    perm = torch.argsort(rank[seq_of_row] * t + rows % t)  # rows by (reordered seq, position)
+    rows = rows[perm]
+    seq_id = rank[rows // t]
+    groups = group_of_seq[order]
+    _, group_idx = torch.unique_consecutive(groups, return_inverse=True)
+    batch = Batch(
+        rows=rows,
+        token={k: v.reshape(n_seq * t, *v.shape[2:])[rows] for k, v in (token or {}).items()},
+        scalars=scalars or {},
+        extra=extra or [],
+        seq_id=seq_id,
+        sequence={k: v[order] for k, v in (sequence or {}).items()},
+        group_of_seq=group_idx,
+        tokens_per_group=torch.bincount(
+            group_idx[seq_id], minlength=int(group_idx.max()) + 1 if n_seq else 0
+        ).tolist(),
+        num_rows=n_seq * t,
+        all_rows=False,
+        num_seqs=n_seq,
+    )
+    return batch, order
+
+
+class FusedLinearBase(nn.Module):
+    """Base module of every chunked loss. Subclasses set ``options_cls`` and define either
+    ``chunk_loss`` (token losses) or ``token_stats`` + ``sequence_loss`` (sequence losses), and a
+    ``forward`` that validates its inputs, builds a :class:`Batch` and calls :meth:`run`.
+
+    After each call ``self.metrics`` holds the loss's metrics by name (detached 0-d tensors).
+    """
+
+    options_cls: type[FusedOptions] = FusedOptions
+    #: sequence losses: the loss needs statistics of the whole batch (always two passes).
+    needs_global_stats: bool = False
+    #: per-row outputs of ``chunk_loss``'s metrics dict (e.g. "loss" for reduction='none').
+    token_outputs: tuple[str, ...] = ()
+
+    def __init__(self, **options):
+        super().__init__()
+        fields = {f.name for f in dataclasses.fields(self.options_cls)}
+        unknown = sorted(set(options) - fields)
+        if unknown:
+            raise TypeError(
+                f"{type(self).__name__} got unknown option(s) {unknown}; accepted: {sorted(fields)}"
+            )
+        self.options = self.options_cls(**options)
+        self.metrics: dict[str, Tensor] = {}
+        self._compiled: dict[str, object] = {}
+
+    # ----------------------------------------------------------------------------------------------
+    # The per-chunk math a subclass provides (pure functions of tensors and the options).
+    @staticmethod
+    def chunk_loss(logits, extra_logits, token, scalars, opts):  # pragma: no cover - interface
+        """Token losses: ``(loss, metrics)`` of one chunk; a sum over rows, already normalised."""
+        raise NotImplementedError
+
+    @staticmethod
+    def token_stats(logits, extra_logits, token, opts):  # pragma: no cover - interface
+        """Sequence losses: differentiable per-row statistics ``(N_c, K)`` in fp32."""
+        raise NotImplementedError
+
+    @staticmethod
+    def sequence_loss(stats, seq_id, num_seqs, token, sequence, scalars, opts):  # pragma: no cover
+        """Sequence losses: ``(loss, metrics)`` from the rows' statistics of whole sequences."""
+        raise NotImplementedError
+
+    @property
+    def is_sequence_loss(self) -> bool:
+        return type(self).sequence_loss is not FusedLinearBase.sequence_loss
+
+    # ----------------------------------------------------------------------------------------------
+    def _step_fn(self, kind: str):
+        """The per-chunk step of ``kind``, compiled once per loss instance when asked."""
+        fn = self._compiled.get(kind)
+        if fn is None:
+            opts = self.options
+            if kind == "token":
+                fn = functools.partial(_token_step, type(self).chunk_loss, opts)
+            elif kind == "token_value":
+                fn = functools.partial(_token_value, type(self).chunk_loss, opts)
+            elif kind == "stats":
+                fn = functools.partial(_stats_value, type(self).token_stats, opts)
+            elif kind == "seq_onepass":
+                fn = functools.partial(
+                    _sequence_onepass_step, type(self).token_stats, type(self).sequence_loss, opts
+                )
+            elif kind == "seq_pass2":
+                fn = functools.partial(_sequence_pass2_step, type(self).token_stats, opts)
+            else:  # pragma: no cover
+                raise KeyError(kind)
+            if opts.compile:
+                fn = torch.compile(fn, dynamic=True)
+            self._compiled[kind] = fn
+        return fn
+
+    def run(self, hidden: Tensor, weight: Tensor, bias: Tensor | None, batch: Batch) -> Tensor:
+        """Run the chunk loop. ``hidden`` (N, H) is the flattened hidden state, ``batch.rows`` the
+        rows that take part. Returns the loss (0-d, or (N,) for per-row outputs)."""
+        metrics: dict[str, Tensor] = {}
+        loss = _FusedLinearFunction.apply(hidden, weight, bias, self, batch, metrics)
+        self.metrics = metrics
+        return loss
+
+    def chunk_rows(self, weight: Tensor, hidden: Tensor) -> int:
+        opts = self.options
+        if opts.chunk_size is not None:
+            return opts.chunk_size
+        return default_chunk_size(weight.shape[0], hidden.element_size(), opts.logits_budget_mb)
+
+
+# --------------------------------------------------------------------------------------------------
+# Per-chunk steps. Each returns (grad wrt logits or None, loss, metrics) and is what torch.compile sees.
+def _token_step(chunk_loss, opts, logits, extra_logits, token, scalars):
+    (g, (loss, metrics)) = torch.func.grad_and_value(
+        lambda z: _with_aux(chunk_loss(z, extra_logits, token, scalars, opts)), has_aux=True
+    )(logits)
+    return g.to(logits.dtype), loss, metrics
+
+
+def _token_value(chunk_loss, opts, logits, extra_logits, token, scalars):
+    loss, metrics = chunk_loss(logits, extra_logits, token, scalars, opts)
+    return None, loss, metrics
+
+
+def _stats_value(token_stats, opts, logits, extra_logits, token):
+    return token_stats(logits, extra_logits, token, opts)
+
+
+def _sequence_onepass_step(
+    token_stats, sequence_loss, opts, logits, extra_logits, token, seq_id, num_seqs, sequence, scalars
+):
+    def f(z):
+        stats = token_stats(z, extra_logits, token, opts)
+        loss, metrics = sequence_loss(stats, seq_id, num_seqs, token, sequence, scalars, opts)
+        return loss, (loss.detach(), metrics)
+
+    g, (loss, metrics) = torch.func.grad(f, has_aux=True)(logits)
+    return g.to(logits.dtype), loss, metrics
+
+
+def _sequence_pass2_step(token_stats, opts, logits, extra_logits, token, coef):
+    g = torch.func.grad(lambda z: (token_stats(z, extra_logits, token, opts) * coef).sum())(logits)
+    return g.to(logits.dtype)
+
+
+def _with_aux(out):
+    loss, metrics = out
+    return loss, {k: v.detach() for k, v in metrics.items()}
+
+
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class _Plan:
+    """Chunk boundaries over ``batch.rows`` and, for one-pass sequence losses, the sequences each
+    chunk holds."""
+
+    bounds: list[tuple[int, int]]
+    seq_bounds: list[tuple[int, int]] | None = None  # sequences [s0, s1) of each chunk
+
+
+def _plan_chunks(loss: FusedLinearBase, batch: Batch, n_rows: int, chunk: int) -> tuple[_Plan, bool]:
+    """Chunk boundaries, and whether a sequence loss runs in one pass."""
+    if not loss.is_sequence_loss:
+        return _Plan([(s, min(s + chunk, n_rows)) for s in range(0, n_rows, chunk)]), True
+    counts = batch.tokens_per_group
+    if loss.needs_global_stats or counts is None or max(counts, default=0) > chunk:
+        return _Plan([(s, min(s + chunk, n_rows)) for s in range(0, n_rows, chunk)]), False
+    # Pack whole groups greedily; each chunk ends on a group boundary.
+    seqs_per_group = torch.bincount(batch.group_of_seq, minlength=len(counts)).tolist()
+    bounds, seq_bounds = [], []
+    r0 = r = s0 = s = 0
+    for n_tok, n_seq in zip(counts, seqs_per_group):
+        if r + n_tok - r0 > chunk:
+            bounds.append((r0, r))
+            seq_bounds.append((s0, s))
+            r0, s0 = r, s
+        r += n_tok
+        s += n_seq
+    bounds.append((r0, r))
+    seq_bounds.append((s0, s))
+    return _Plan(bounds, seq_bounds), True
+
+
+def _slice_rows(d: dict[str, Tensor], a: int, b: int) -> dict[str, Tensor]:
+    return {k: v[a:b] for k, v in d.items()}
+
+
+class _FusedLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, loss_mod: FusedLinearBase, batch: Batch, metrics_out: dict):
+        grad_enabled = torch.is_grad_enabled() or any(ctx.needs_input_grad[:3])
+        need = (
+            grad_enabled and ctx.needs_input_grad[0],
+            grad_enabled and ctx.needs_input_grad[1],
+            grad_enabled and bias is not None and ctx.needs_input_grad[2],
+        )
+        per_row = ctx.per_row = bool(loss_mod.token_outputs)
+        if per_row:
+            # reduction='none': the forward only evaluates; backward reruns the loop with the
+            # per-row grad_output as the rows' weights (the stored-gradient trick needs a scalar).
+            loss, _, token_out, metric_sums = _run_loop(loss_mod, hidden, weight, bias, batch, (False,) * 3)
+            ctx.loss_mod, ctx.batch, ctx.need = loss_mod, batch, need
+            ctx.save_for_backward(hidden, weight, bias)
+            metrics_out.update(metric_sums)
+            return token_out
+        loss, grads, _, metric_sums = _run_loop(loss_mod, hidden, weight, bias, batch, need)
+        ctx.save_for_backward(*grads)
+        metrics_out.update(metric_sums)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        if ctx.per_row:
+            hidden, weight, bias = ctx.saved_tensors
+            batch = dataclasses.replace(
+                ctx.batch, token={**ctx.batch.token, "grad_scale": grad_output.reshape(-1)[ctx.batch.rows]}
+            )
+            _, grads, _, _ = _run_loop(ctx.loss_mod, hidden, weight, bias, batch, ctx.need)
+            return (*grads, None, None, None)
+        grad_h, grad_w, grad_b = ctx.saved_tensors if ctx.saved_tensors else (None, None, None)
+        return (
+            None if grad_h is None else grad_h * grad_output.to(grad_h.dtype),
+            None if grad_w is None else grad_w * grad_output.to(grad_w.dtype),
+            None if grad_b is None else grad_b * grad_output.to(grad_b.dtype),
+            None,
+            None,
+            None,
+        )
+
+
+def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, need):
+    """The chunk loop. Returns (loss, (grad_hidden, grad_weight, grad_bias), per-row outputs, metrics)."""
+    opts = loss_mod.options
+    n_rows = batch.rows.numel()
+    need_h, need_w, need_b = need
+    any_grad = need_h or need_w or need_b
+    accum = opts.accum_dtype or weight.dtype
+    grad_h = torch.zeros_like(hidden) if need_h else None
+    grad_w = torch.zeros(weight.shape, dtype=accum, device=weight.device) if need_w else None
+    grad_b = torch.zeros(bias.shape, dtype=accum, device=bias.device) if need_b else None
+    loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    metrics: dict[str, Tensor] = {}
+    token_out = (
+        {
+            k: torch.zeros(batch.num_rows, dtype=torch.float32, device=hidden.device)
+            for k in loss_mod.token_outputs
+        }
+        if loss_mod.token_outputs
+        else {}
+    )
+    chunk = loss_mod.chunk_rows(weight, hidden)
+    plan, one_pass = _plan_chunks(loss_mod, batch, n_rows, chunk)
+    # Rows in natural order with nothing dropped: chunks are slices, no gather/scatter copies.
+    contiguous = batch.all_rows
+
+    def rows_of(a, b):
+        return batch.rows[a:b]
+
+    def gather(h: Tensor, a: int, b: int) -> Tensor:
+        return h[a:b] if contiguous else h.index_select(0, rows_of(a, b))
+
+    def project(a, b):
+        x = gather(hidden, a, b)
+        logits = _project(x, weight, bias)
+        extra = [_project(gather(e.hidden, a, b), e.weight, e.bias) for e in batch.extra]
+        return x, logits, extra
+
+    def backprop(g, x, a, b):
+        if need_h:
+            if contiguous:
+                torch.mm(g, weight, out=grad_h[a:b])
+            else:
+                grad_h.index_copy_(0, rows_of(a, b), g @ weight)
+        if need_w:
+            _accumulate_weight_grad(grad_w, g, x)
+        if need_b:
+            grad_b.add_(g.sum(0, dtype=accum))
+
+    def add_metrics(m):
+        for k, v in m.items():
+            if k in token_out:
+                continue
+            metrics[k] = metrics[k] + v.float() if k in metrics else v.float()
+
+    with torch.no_grad():
+        if not loss_mod.is_sequence_loss:
+            step = loss_mod._step_fn("token" if any_grad else "token_value")
+            for a, b in plan.bounds:
+                x, logits, extra = project(a, b)
+                g, l_c, m = step(logits, extra, _slice_rows(batch.token, a, b), batch.scalars)
+                loss += l_c
+                add_metrics(m)
+                for k in token_out:
+                    token_out[k].index_copy_(0, rows_of(a, b), m[k].float())
+                if any_grad:
+                    backprop(g, x, a, b)
+        elif one_pass:
+            step = loss_mod._step_fn("seq_onepass")
+            seq_id = batch.seq_id
+            for (a, b), (s0, s1) in zip(plan.bounds, plan.seq_bounds):
+                x, logits, extra = project(a, b)
+                g, l_c, m = step(
+                    logits,
+                    extra,
+                    _slice_rows(batch.token, a, b),
+                    seq_id[a:b] - s0,
+                    s1 - s0,
+                    _slice_rows(batch.sequence, s0, s1),
+                    batch.scalars,
+                )
+                loss += l_c
+                add_metrics(m)
+                if any_grad:
+                    backprop(g, x, a, b)
+        else:
+            stats_fn = loss_mod._step_fn("stats")
+            parts = []
+            for a, b in plan.bounds:
+                _, logits, extra = project(a, b)
+                parts.append(stats_fn(logits, extra, _slice_rows(batch.token, a, b)))
+            stats = torch.cat(parts) if parts else _empty_stats(loss_mod, hidden, weight, batch)
+            num_seqs = batch.num_seqs
+            with torch.enable_grad():
+                stats = stats.detach().requires_grad_(True)
+                l_all, m = type(loss_mod).sequence_loss(
+                    stats, batch.seq_id, num_seqs, batch.token, batch.sequence, batch.scalars, opts
+                )
+                coef = torch.autograd.grad(l_all, stats, allow_unused=True)[0] if any_grad else None
+            loss += l_all.detach()
+            add_metrics({k: v.detach() for k, v in m.items()})
+            if any_grad and coef is not None:
+                step = loss_mod._step_fn("seq_pass2")
+                for a, b in plan.bounds:
+                    x, logits, extra = project(a, b)
+                    g = step(logits, extra, _slice_rows(batch.token, a, b), coef[a:b])
+                    backprop(g, x, a, b)
+
+    grads = (
+        grad_h,
+        None if grad_w is None else grad_w.to(weight.dtype),
+        None if grad_b is None else grad_b.to(bias.dtype),
+    )
+    out = next(iter(token_out.values())) if token_out else loss
+    return out, grads, token_out, metrics
+
+
+def _empty_stats(loss_mod, hidden, weight, batch) -> Tensor:
+    """Statistics of zero rows, with the loss's own width (evaluated on a 1-row dummy)."""
+    dummy = torch.zeros(1, weight.shape[0], dtype=torch.float32, device=hidden.device)
+    extra = [
+        torch.zeros(1, e.weight.shape[0], dtype=torch.float32, device=hidden.device) for e in batch.extra
+    ]
+    token = {k: v.new_zeros((1, *v.shape[1:])) for k, v in batch.token.items()}
+    width = type(loss_mod).token_stats(dummy, extra, token, loss_mod.options).shape[1]
+    return torch.zeros(0, width, dtype=torch.float32, device=hidden.device)
+
+
+def log1mexp(x: Tensor) -> Tensor:
+    """``log(1 - exp(x))`` for x ≤ 0, accurate at both ends (Mächler 2012)."""
+    return torch.where(x > -math.log(2), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))

@@ -1,0 +1,80 @@
+"""Checks and small math shared by the losses (no chunk loop here: that lives in chunkloss.base)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def scale_logits(z: Tensor, logit_scale: float = 1.0, softcap: float | None = None, temperature: float = 1.0):
+    """The model-side transforms of the logits, in the order transformers applies them:
+    ``logit_scale`` (Cohere), final softcapping ``c·tanh(z/c)`` (Gemma-2), then ``/ temperature``."""
+    if logit_scale != 1.0:
+        z = z * logit_scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    if temperature != 1.0:
+        z = z / temperature
+    return z
+
+
+def label_logprobs(z: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """``(log p(label), logsumexp)`` per row of fp32 logits ``z`` (N, V)."""
+    lse = torch.logsumexp(z, dim=-1)
+    return z.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse, lse
+
+
+def entropy_from_logits(z: Tensor, lse: Tensor | None = None) -> Tensor:
+    """Entropy ``-Σ p log p`` per row of fp32 logits (N, V)."""
+    if lse is None:
+        lse = torch.logsumexp(z, dim=-1)
+    p = torch.exp(z - lse.unsqueeze(-1))
+    return lse - (p * z).sum(-1)
+
+
+def check_head(hidden: Tensor, weight: Tensor, bias: Tensor | None, name: str = "hidden") -> None:
+    """Shapes and dtypes of one linear head: hidden (..., H), weight (V, H), bias (V,)."""
+    for arg, t in ((name, hidden), ("weight", weight)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{arg} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{arg} must be a floating-point tensor, got {t.dtype}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be (V, H), got shape {tuple(weight.shape)}")
+    if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"{name} last dim ({tuple(hidden.shape)}) must equal weight's hidden size H={weight.shape[1]}"
+        )
+    if hidden.dtype != weight.dtype:
+        raise TypeError(f"{name} dtype {hidden.dtype} differs from weight dtype {weight.dtype}")
+    if hidden.device != weight.device:
+        raise ValueError(f"{name} is on {hidden.device} but weight is on {weight.device}")
+    if bias is not None:
+        if bias.shape != (weight.shape[0],):
+            raise ValueError(f"bias must be (V,)=({weight.shape[0]},), got {tuple(bias.shape)}")
+        if bias.dtype != weight.dtype:
+            raise TypeError(f"bias dtype {bias.dtype} differs from weight dtype {weight.dtype}")
+
+
+def check_labels(labels: Tensor, rows_shape: torch.Size, vocab: int, ignore_index: int, name: str = "labels"):
+    """Integer labels of the hidden's leading shape, each in [0, V) or ``ignore_index``."""
+    if not isinstance(labels, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(labels).__name__}")
+    if labels.dtype.is_floating_point or labels.dtype == torch.bool or labels.is_complex():
+        raise TypeError(f"{name} must be an integer tensor, got {labels.dtype}")
+    if labels.shape != rows_shape:
+        raise ValueError(
+            f"{name} shape {tuple(labels.shape)} must equal hidden's leading shape {tuple(rows_shape)}"
+        )
+    flat = labels.reshape(-1)
+    bad = (flat != ignore_index) & ((flat < 0) | (flat >= vocab))
+    if bool(bad.any()):
+        first = flat[bad][0].item()
+        raise ValueError(f"{name} holds {first}, outside [0, {vocab}) and not ignore_index={ignore_index}")
+
+
+def to_scalar(x, device, dtype=torch.float32) -> Tensor:
+    """A Python number or tensor as a 0-d tensor on ``device`` (no host sync)."""
+    if isinstance(x, Tensor):
+        return x.detach().to(device=device, dtype=dtype).reshape(())
+    return torch.tensor(float(x), device=device, dtype=dtype)

@@ -1,0 +1,136 @@
+"""Chunked linear + cross-entropy.
+
+Equals ``torch.nn.functional.cross_entropy(scale(hidden @ weight.T + bias), labels, ...)`` with
+``ignore_index``, ``reduction`` and ``label_smoothing`` as torch defines them::
+
+    ℓ_i = (1 - ε)·(lse_i - z_{i,y_i}) + ε·(lse_i - mean_j z_ij) + λ·lse_i²
+
+where ``z = scale(logits)`` applies ``logit_scale``, Gemma's ``softcap·tanh(z/softcap)`` and
+``/ temperature``, and ``λ·lse²`` is the z-loss of PaLM (arXiv:2204.02311), reported separately as
+``z_loss``. ``num_items_in_batch`` divides the summed loss, as transformers' ``ForCausalLMLoss``
+does under gradient accumulation. With every label ignored, 'mean' gives 0 (torch gives NaN).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from chunkloss.base import Batch, FusedLinearBase, FusedOptions
+from chunkloss.losses.common import check_head, check_labels, entropy_from_logits, scale_logits, to_scalar
+
+__all__ = ["CrossEntropyOptions", "FusedLinearCrossEntropyLoss"]
+
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+@dataclass(frozen=True)
+class CrossEntropyOptions(FusedOptions):
+    """Args:
+    ignore_index: label value that takes no part (its row costs no GEMM).
+    reduction: 'mean' over non-ignored rows, 'sum', or 'none' (per-row losses, 0 where ignored).
+    label_smoothing: ε, as in ``F.cross_entropy``.
+    lse_square_scale: λ of the z-loss ``λ·logsumexp²``; 0 turns it off.
+    softcap: final logit softcapping (Gemma-2), ``None`` for none.
+    temperature: logits are divided by it.
+    logit_scale: logits are multiplied by it first (Cohere).
+    return_token_accuracy: report ``mean_token_accuracy`` (TRL's SFT name).
+    return_entropy: report ``entropy``, the mean per-token entropy.
+    """
+
+    ignore_index: int = -100
+    reduction: str = "mean"
+    label_smoothing: float = 0.0
+    lse_square_scale: float = 0.0
+    softcap: float | None = None
+    temperature: float = 1.0
+    logit_scale: float = 1.0
+    return_token_accuracy: bool = False
+    return_entropy: bool = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.reduction not in _REDUCTIONS:
+            raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {self.reduction!r}")
+        if not 0.0 <= self.label_smoothing <= 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1], got {self.label_smoothing}")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be positive, got {self.temperature}")
+        if self.softcap is not None and self.softcap <= 0:
+            raise ValueError(f"softcap must be positive or None, got {self.softcap}")
+
+
+def cross_entropy_chunk(logits, extra_logits, token, scalars, opts: CrossEntropyOptions):
+    """Loss of one chunk: Σ_i w_i·ℓ_i / normaliser, and metrics as sums over the chunk."""
+    z = scale_logits(logits.float(), opts.logit_scale, opts.softcap, opts.temperature)
+    labels = token["labels"]
+    lse = torch.logsumexp(z, dim=-1)
+    per_row = lse - z.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    if opts.label_smoothing > 0:
+        per_row = (1 - opts.label_smoothing) * per_row + opts.label_smoothing * (lse - z.mean(-1))
+    metrics = {}
+    if opts.lse_square_scale > 0:
+        z_loss = opts.lse_square_scale * lse.square()
+        per_row = per_row + z_loss
+        metrics["z_loss"] = z_loss.sum() / scalars["n_valid"]
+    scaled = per_row * token["grad_scale"] if "grad_scale" in token else per_row
+    loss = scaled.sum() / scalars["normaliser"]
+    if opts.reduction == "none":
+        metrics["loss"] = per_row
+    if opts.return_token_accuracy:
+        metrics["mean_token_accuracy"] = (z.argmax(-1) == labels).float().sum() / scalars["n_valid"]
+    if opts.return_entropy:
+        metrics["entropy"] = entropy_from_logits(z, lse).sum() / scalars["n_valid"]
+    return loss, metrics
+
+
+class FusedLinearCrossEntropyLoss(FusedLinearBase):
+    """``F.cross_entropy(hidden @ weight.T + bias, labels)`` without materialising the logits.
+
+    Example::
+
+        loss = FusedLinearCrossEntropyLoss()(hidden, lm_head.weight, labels)   # hidden (B, T, H)
+    """
+
+    options_cls = CrossEntropyOptions
+    options: CrossEntropyOptions
+    chunk_loss = staticmethod(cross_entropy_chunk)
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        if self.options.reduction == "none":
+            self.token_outputs = ("loss",)
+
+    def forward(
+        self,
+        hidden: Tensor,  # (..., H)
+        weight: Tensor,  # (V, H)
+        labels: Tensor,  # (...), already shifted
+        bias: Tensor | None = None,  # (V,)
+        num_items_in_batch: int | Tensor | None = None,
+    ) -> Tensor:
+        opts = self.options
+        check_head(hidden, weight, bias)
+        check_labels(labels, hidden.shape[:-1], weight.shape[0], opts.ignore_index)
+        x = hidden.reshape(-1, hidden.shape[-1])
+        y = labels.reshape(-1)
+        keep = y != opts.ignore_index
+        rows = keep.nonzero().squeeze(1)
+        n_valid = keep.sum().clamp(min=1).float()
+        if num_items_in_batch is not None and opts.reduction != "none":
+            normaliser = to_scalar(num_items_in_batch, x.device)
+        elif opts.reduction == "mean":
+            normaliser = n_valid
+        else:
+            normaliser = torch.ones((), device=x.device)
+        batch = Batch(
+            rows=rows,
+            token={"labels": y[rows].long()},
+            scalars={"normaliser": normaliser, "n_valid": n_valid},
+            num_rows=x.shape[0],
+            all_rows=rows.numel() == x.shape[0],
+        )
+        out = self.run(x, weight, bias, batch)
+        return out.view(labels.shape) if opts.reduction == "none" else out
