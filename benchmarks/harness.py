@@ -1,0 +1,101 @@
+"""Timing and memory harness shared by every GPU benchmark of chunkloss.
+
+A benchmark case builds its inputs once and offers one callable per implementation (ours and each
+installed peer). Each callable runs forward + backward of the LM-head step on those inputs. The
+harness times it with CUDA events after warm-up (median of ``repeats``) and measures the peak extra
+memory: ``max_memory_allocated`` during the step minus what was allocated before it, with every
+gradient set to ``None`` first so the step allocates its own outputs. ``extra_beyond_grads``
+subtracts the bytes of the gradients the step returns (hidden, weight, bias): the working memory an
+implementation needs on top of its outputs.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+PEAK_TFLOPS = 800.0  # bf16 dense GEMM rate measured on the H100 (8192³: 798 TFLOP/s)
+
+
+@dataclass
+class Case:
+    """One benchmark case.
+
+    Attributes:
+        name: row label, e.g. "ce N=8192".
+        group: the loss or kernel family ("cross_entropy", "dpo", ...), one table/plot each.
+        tokens: x-axis value for plots (tokens in the batch).
+        floor_flops: FLOPs of the GEMMs the step cannot avoid (e.g. 6·N_valid·H·V for CE;
+            + 2·N_valid·H·V per no-grad head).
+        make_inputs: ``device -> dict`` of tensors (leaf tensors that need grad have requires_grad).
+        impls: implementation name -> ``inputs -> loss`` (a scalar tensor to call .backward() on).
+        meta: anything to record alongside (shapes, options).
+    """
+
+    name: str
+    group: str
+    tokens: int
+    floor_flops: float
+    make_inputs: Callable[[torch.device], dict]
+    impls: dict[str, Callable[[dict], torch.Tensor]]
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def floor_ms(self) -> float:
+        return self.floor_flops / (PEAK_TFLOPS * 1e12) * 1e3
+
+
+def _grad_leaves(inputs: dict) -> list[torch.Tensor]:
+    return [t for t in inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def measure(fn: Callable[[dict], torch.Tensor], inputs: dict, warmup: int = 2, repeats: int = 7) -> dict:
+    """Median time (ms) of forward+backward and peak extra memory (bytes) of one implementation."""
+    leaves = _grad_leaves(inputs)
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        loss = fn(inputs)
+        loss.backward()
+        return loss
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        for t in leaves:
+            t.grad = None
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        loss = fn(inputs)
+        loss.backward()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    for t in leaves:
+        t.grad = None
+    del loss
+    gc.collect()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss = step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    grad_bytes = sum(t.grad.numel() * t.grad.element_size() for t in leaves if t.grad is not None)
+    out = {
+        "ms": statistics.median(times),
+        "ms_all": times,
+        "peak_extra_bytes": peak,
+        "extra_beyond_grads_bytes": peak - grad_bytes,
+        "loss": float(loss.detach().float()),
+    }
+    for t in leaves:
+        t.grad = None
+    return out
