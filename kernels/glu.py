@@ -1,0 +1,204 @@
+"""Gated activations ``act(a) * b``: SwiGLU (``act = silu``) and GeGLU (``act = gelu_tanh``) in Triton.
+
+SwiGLU equals ``transformers``' ``ACT2FN["silu"](a) * b`` (Llama, Mistral, Qwen MLPs), GeGLU equals
+``ACT2FN["gelu_pytorch_tanh"](a) * b`` (Gemma MLPs). The activation is computed in fp32 and rounded once.
+The forward saves only ``a`` and ``b``; the backward recomputes ``act(a)`` and ``act'(a)``.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import nn
+
+ACTIVATIONS = ("silu", "gelu_tanh")
+_ACT_ID = {"silu": 0, "gelu_tanh": 1}
+
+
+def swiglu_ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``F.silu(a) * b`` ((..., I), (..., I) -> (..., I)), as LlamaMLP computes it."""
+    return F.silu(a) * b
+
+
+def geglu_ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``F.gelu(a, approximate="tanh") * b`` ((..., I), (..., I) -> (..., I)), as GemmaMLP computes it."""
+    return F.gelu(a, approximate="tanh") * b
+
+
+@dataclass(frozen=True)
+class GLUOptions:
+    activation: str = "silu"
+    in_place: bool = False  # backward writes da, db over the saved a, b
+
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+# act(a) and act'(a) in fp32, with s = sigmoid(a) and, for gelu_tanh, u = k0 * (a + 0.044715 a^3):
+#   silu(a) = a s,                 silu'(a) = s (1 + a (1 - s))
+#   gelu_tanh(a) = 0.5 a (1 + t),  gelu_tanh'(a) = 0.5 (1 + t) + 0.5 a (1 - t^2) k0 (1 + 3 0.044715 a^2)
+#   with t = tanh(u).
+# tanh(u) = 2 sigmoid(2u) - 1, which every backend (and the interpreter) provides and is stable for large |u|.
+@triton.jit
+def _act_and_grad(a, ACT: tl.constexpr, K0: tl.constexpr):
+    if ACT == 0:
+        s = tl.sigmoid(a)
+        return a * s, s * (1.0 + a * (1.0 - s))
+    else:
+        t = 2.0 * tl.sigmoid(2.0 * K0 * (a + 0.044715 * a * a * a)) - 1.0
+        act = 0.5 * a * (1.0 + t)
+        dact = 0.5 * (1.0 + t) + 0.5 * a * (1.0 - t * t) * K0 * (1.0 + 3.0 * 0.044715 * a * a)
+        return act, dact
+
+
+@triton.jit
+def _glu_fwd_kernel(
+    A,  # (n,) gate input, flat contiguous
+    B,  # (n,) up input, flat contiguous
+    C,  # (n,) output act(a) * b
+    n_elements,
+    ACT: tl.constexpr,  # 0 silu, 1 gelu_tanh
+    K0: tl.constexpr,  # sqrt(2 / pi)
+    BLOCK_SIZE: tl.constexpr,
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    mask = offs < n_elements
+    a = tl.load(A + offs, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
+    act, _ = _act_and_grad(a, ACT, K0)
+    tl.store(C + offs, (act * b).to(C.dtype.element_ty), mask=mask)
+
+
+# Backward of c = act(a) * b:  da = dc * b * act'(a),  db = dc * act(a).
+@triton.jit
+def _glu_bwd_kernel(
+    DC,  # (n,) upstream gradient
+    A,  # (n,) saved gate input
+    B,  # (n,) saved up input
+    DA,  # (n,) gate gradient (may alias A)
+    DB,  # (n,) up gradient (may alias B)
+    n_elements,
+    ACT: tl.constexpr,
+    K0: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    mask = offs < n_elements
+    dc = tl.load(DC + offs, mask=mask, other=0.0).to(tl.float32)
+    a = tl.load(A + offs, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
+    act, dact = _act_and_grad(a, ACT, K0)
+    tl.store(DA + offs, (dc * b * dact).to(DA.dtype.element_ty), mask=mask)
+    tl.store(DB + offs, (dc * act).to(DB.dtype.element_ty), mask=mask)
+
+
+# Elementwise: big tiles (16 elements per thread at 8 warps) so each thread issues wide vector loads.
+BLOCK_SIZE = 4096
+NUM_WARPS = 8
+
+
+def _glu_fwd(a, b, opts: GLUOptions):
+    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, b.shape, a.dtype, b.dtype)
+    assert opts.activation in ACTIVATIONS, opts.activation
+    a, b = a.contiguous(), b.contiguous()
+    c = torch.empty_like(a)
+    n = a.numel()
+    _glu_fwd_kernel[(triton.cdiv(n, BLOCK_SIZE),)](
+        a, b, c, n, ACT=_ACT_ID[opts.activation], K0=_SQRT_2_OVER_PI, BLOCK_SIZE=BLOCK_SIZE,
+        num_warps=NUM_WARPS,
+    )
+    return c, a, b
+
+
+def _glu_bwd(dc, a, b, opts: GLUOptions):
+    dc = dc.contiguous()
+    da, db = (a, b) if opts.in_place else (torch.empty_like(a), torch.empty_like(b))
+    n = a.numel()
+    _glu_bwd_kernel[(triton.cdiv(n, BLOCK_SIZE),)](
+        dc, a, b, da, db, n, ACT=_ACT_ID[opts.activation], K0=_SQRT_2_OVER_PI, BLOCK_SIZE=BLOCK_SIZE,
+        num_warps=NUM_WARPS,
+    )
+    return da, db
+
+
+class GLUFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, opts: GLUOptions):
+        c, a, b = _glu_fwd(a, b, opts)
+        ctx.save_for_backward(a, b)
+        ctx.opts = opts
+        return c
+
+    @staticmethod
+    def backward(ctx, dc):
+        a, b = ctx.saved_tensors
+        if not any(ctx.needs_input_grad[:2]):
+            return None, None, None
+        # One pass writes both gradients; the unneeded one is dropped (it costs one store, not a second read).
+        da, db = _glu_bwd(dc, a, b, ctx.opts)
+        return (da if ctx.needs_input_grad[0] else None), (db if ctx.needs_input_grad[1] else None), None
+
+
+def _glu(a, b, activation, in_place):
+    shape = a.shape
+    opts = GLUOptions(activation, in_place)
+    c = GLUFunction.apply(a.reshape(-1, shape[-1]), b.reshape(-1, shape[-1]), opts)
+    return c.view(shape)
+
+
+def swiglu(a: torch.Tensor, b: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+    """Triton ``F.silu(a) * b``.
+
+    Args:
+        a: (..., I) gate projection.
+        b: (..., I) up projection, same shape and dtype.
+        in_place: the backward writes da and db over the saved ``a`` and ``b`` (saves two (..., I) buffers).
+            Only safe when nothing else reads ``a``/``b`` after the backward (e.g. fresh projections inside an
+            MLP) and the graph is not backwarded twice.
+
+    Returns:
+        (..., I) in ``a.dtype``.
+    """
+    return _glu(a, b, "silu", in_place)
+
+
+def geglu(a: torch.Tensor, b: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+    """Triton ``F.gelu(a, approximate="tanh") * b``; arguments as :func:`swiglu`."""
+    return _glu(a, b, "gelu_tanh", in_place)
+
+
+class GLU(nn.Module):
+    """``act(a) * b`` as a module (no parameters).
+
+    Args:
+        activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU).
+        in_place: see :func:`swiglu`.
+    """
+
+    def __init__(self, activation: str = "silu", in_place: bool = False):
+        super().__init__()
+        assert activation in ACTIVATIONS, activation
+        self.activation, self.in_place = activation, in_place
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return _glu(a, b, self.activation, self.in_place)
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation}"
+
+
+class SwiGLU(GLU):
+    """``F.silu(a) * b`` as a module."""
+
+    def __init__(self, in_place: bool = False):
+        super().__init__("silu", in_place)
+
+
+class GeGLU(GLU):
+    """``F.gelu(a, approximate="tanh") * b`` as a module."""
+
+    def __init__(self, in_place: bool = False):
+        super().__init__("gelu_tanh", in_place)
