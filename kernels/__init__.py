@@ -1,1 +1,29 @@
-"""Triton row kernels (RMSNorm, LayerNorm, RoPE, SwiGLU, GeGLU) and model patching."""
+"""Triton row kernels (RMSNorm, LayerNorm, RoPE, SwiGLU, GeGLU) and one-call model patching.
+
+Every kernel has a pure-PyTorch ``*_ref`` beside it that matches the corresponding ``transformers`` module.
+"""
+
+from .glu import GeGLU, SwiGLU, geglu, geglu_ref, swiglu, swiglu_ref
+from .layer_norm import LayerNorm, layer_norm, layer_norm_ref
+from .patch import SUPPORTED_MODEL_TYPES, patch
+from .rms_norm import RMSNorm, rms_norm, rms_norm_ref
+from .rope import apply_rotary_pos_emb, apply_rotary_pos_emb_ref
+
+__all__ = [
+    "RMSNorm",
+    "rms_norm",
+    "rms_norm_ref",
+    "LayerNorm",
+    "layer_norm",
+    "layer_norm_ref",
+    "apply_rotary_pos_emb",
+    "apply_rotary_pos_emb_ref",
+    "SwiGLU",
+    "GeGLU",
+    "swiglu",
+    "swiglu_ref",
+    "geglu",
+    "geglu_ref",
+    "patch",
+    "SUPPORTED_MODEL_TYPES",
+]

@@ -1,0 +1,201 @@
+"""Chunked generalized Jensen-Shannon divergence between a student head and a teacher head.
+
+Distillation loss of GKD (Agarwal et al., arXiv:2306.13649, Eq. 1) as TRL writes it in
+``GKDTrainer.generalized_jsd_loss`` (trl/experimental/gkd) and in the ``DistillationTrainer``'s
+``_chunked_divergence_loss`` (trl/trainer/distillation_trainer.py, kernels/chunked_divergence.py)::
+
+    M      = (1 - β)·S + β·T                                 (log M by logaddexp, in log space)
+    jsd_i  = β·KL(T_i ‖ M_i) + (1 - β)·KL(S_i ‖ M_i)         0 < β < 1
+    jsd_i  = KL(T_i ‖ S_i)                                    β = 0  (forward KL)
+    jsd_i  = KL(S_i ‖ T_i)                                    β = 1  (reverse KL)
+
+with ``S = softmax(z_s / τ)``, ``T = softmax(z_t / τ)`` and each head's logits first passed through
+its own ``logit_scale`` and final softcapping (``scale_logits``). The endpoints are TRL's: the
+mixture's limit at β → 0 is 0, not KL(T‖S), so β = 0 and β = 1 are separate branches, exact and
+free of ``log 0``. Each KL is summed over the vocabulary; the loss is::
+
+    loss = weight_soft·Σ_i jsd_i / D + weight_hard·Σ_i CE(z_s,i, y_i) / D
+
+where D is ``num_items_in_batch`` when given (gradient accumulation, as both TRL trainers do), else
+the number of rows with a label (``reduction='batchmean'``, both trainers' default), 1 for 'sum',
+or rows·V for 'mean' (GKD's ``jsd.mean()`` over elements). The hard-label cross-entropy is the one
+Liger's ``LigerFusedLinearJSDLoss`` adds: on the student's scaled logits *without* the temperature.
+
+Temperature: GKD calls ``generalized_jsd_loss`` with its default ``temperature=1.0`` (its
+``args.temperature`` is a sampling temperature only), while ``DistillationTrainer`` passes
+``args.temperature`` to the divergence. ``temperature`` defaults to 1.0 here, GKD's behaviour; set it
+to the trainer's ``args.temperature`` to mirror ``DistillationTrainer``.
+
+Rows whose label is ``ignore_index`` take no part (their rows cost no GEMM). The teacher is
+projected without grad chunk by chunk in the same pass; it receives no gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from chunkloss.base import Batch, FusedLinearBase, FusedOptions, Head
+from chunkloss.losses.common import check_head, check_labels, scale_logits, to_scalar
+
+__all__ = ["FusedLinearJSDLoss", "JSDOptions", "jsd_chunk"]
+
+_REDUCTIONS = ("batchmean", "sum", "mean")
+METRICS = ("soft_loss", "hard_loss", "entropy")
+
+
+@dataclass(frozen=True)
+class JSDOptions(FusedOptions):
+    """Args:
+    beta: β in [0, 1]; 0 is forward KL(T‖S), 1 reverse KL(S‖T), TRL's convention.
+    temperature: τ dividing both heads' logits in the divergence (not in the hard loss).
+    weight_hard_loss: weight of the student's cross-entropy on the labels.
+    weight_soft_loss: weight of the divergence.
+    ignore_index: label value that takes no part.
+    reduction: 'batchmean' (sum over vocabulary, mean over labelled rows), 'sum', or 'mean' (mean
+        over rows and vocabulary, GKD's ``reduction='mean'``). ``num_items_in_batch`` overrides it.
+    student_logit_scale, teacher_logit_scale: multipliers of each head's logits (Cohere, Granite).
+    student_softcap, teacher_softcap: each head's final logit softcapping (Gemma-2), ``None`` for none.
+    """
+
+    beta: float = 0.5
+    temperature: float = 1.0
+    weight_hard_loss: float = 0.0
+    weight_soft_loss: float = 1.0
+    ignore_index: int = -100
+    reduction: str = "batchmean"
+    student_logit_scale: float = 1.0
+    teacher_logit_scale: float = 1.0
+    student_softcap: float | None = None
+    teacher_softcap: float | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0.0 <= self.beta <= 1.0:
+            raise ValueError(f"beta must be in [0, 1], got {self.beta}")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be positive, got {self.temperature}")
+        if self.reduction not in _REDUCTIONS:
+            raise ValueError(
+                f"reduction must be one of {_REDUCTIONS}, got {self.reduction!r} "
+                "(TRL's per-element 'none' would materialise the [N, V] divergence)"
+            )
+        for name in ("student_softcap", "teacher_softcap"):
+            cap = getattr(self, name)
+            if cap is not None and cap <= 0:
+                raise ValueError(f"{name} must be positive or None, got {cap}")
+
+
+def jsd_chunk(logits, extra_logits, token, scalars, opts: JSDOptions):
+    """Loss of one chunk: the weighted divergence and hard loss summed over rows, divided by the
+    global normaliser; metrics are the same sums, unweighted."""
+    z_s = scale_logits(logits.float(), opts.student_logit_scale, opts.student_softcap)
+    z_t = scale_logits(extra_logits[0].float(), opts.teacher_logit_scale, opts.teacher_softcap)
+    log_s = torch.log_softmax(z_s / opts.temperature if opts.temperature != 1.0 else z_s, dim=-1)
+    log_t = torch.log_softmax(z_t / opts.temperature if opts.temperature != 1.0 else z_t, dim=-1)
+    beta = opts.beta
+    if beta == 0.0:
+        per_row = (log_t.exp() * (log_t - log_s)).sum(-1)
+    elif beta == 1.0:
+        per_row = (log_s.exp() * (log_s - log_t)).sum(-1)
+    else:
+        log_m = torch.logaddexp(log_s + math.log1p(-beta), log_t + math.log(beta))
+        per_row = (beta * (log_t.exp() * (log_t - log_m)) + (1 - beta) * (log_s.exp() * (log_s - log_m))).sum(
+            -1
+        )
+    normaliser = scalars["normaliser"]
+    soft = per_row.sum() / normaliser
+    loss = opts.weight_soft_loss * soft
+    metrics = {"soft_loss": soft}
+    if opts.weight_hard_loss != 0.0:
+        hard = F.cross_entropy(z_s, token["labels"], reduction="sum") / normaliser
+        loss = loss + opts.weight_hard_loss * hard
+        metrics["hard_loss"] = hard
+    metrics["entropy"] = -(log_s.exp() * log_s).sum() / scalars["n_valid"]
+    return loss, metrics
+
+
+class FusedLinearJSDLoss(FusedLinearBase):
+    """Generalized JSD between a student and a teacher LM head, without materialising either
+    ``[N, V]`` logits. Gradients flow to the student's hidden, weight and bias only.
+
+    Example::
+
+        loss_fn = FusedLinearJSDLoss(beta=0.5)
+        loss = loss_fn(student_hidden, student.lm_head.weight, teacher_hidden, teacher.lm_head.weight, labels)
+        loss_fn.metrics["soft_loss"], loss_fn.metrics["entropy"]
+
+    Metrics: ``soft_loss`` (the divergence, normalised like the loss), ``hard_loss`` (the hard-label
+    cross-entropy, when ``weight_hard_loss`` ≠ 0), ``entropy`` (mean student entropy at τ over
+    labelled rows, the DistillationTrainer's logged ``entropy``).
+    """
+
+    options_cls = JSDOptions
+    options: JSDOptions
+    chunk_loss = staticmethod(jsd_chunk)
+
+    def forward(
+        self,
+        student_hidden: Tensor,  # (..., H_s)
+        student_weight: Tensor,  # (V, H_s)
+        teacher_hidden: Tensor,  # (..., H_t), same leading shape
+        teacher_weight: Tensor,  # (V, H_t)
+        labels: Tensor,  # (...), already shifted; ignore_index marks rows that take no part
+        student_bias: Tensor | None = None,  # (V,)
+        teacher_bias: Tensor | None = None,  # (V,)
+        num_items_in_batch: int | Tensor | None = None,
+    ) -> Tensor:
+        opts = self.options
+        check_head(student_hidden, student_weight, student_bias, name="student_hidden")
+        try:
+            check_head(teacher_hidden, teacher_weight, teacher_bias, name="teacher_hidden")
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"teacher head: {e}") from None
+        if teacher_weight.shape[0] != student_weight.shape[0]:
+            raise ValueError(
+                f"student and teacher vocabularies differ: student_weight has V={student_weight.shape[0]}, "
+                f"teacher_weight has V={teacher_weight.shape[0]}"
+            )
+        if teacher_hidden.shape[:-1] != student_hidden.shape[:-1]:
+            raise ValueError(
+                f"teacher_hidden leading shape {tuple(teacher_hidden.shape[:-1])} must equal "
+                f"student_hidden's {tuple(student_hidden.shape[:-1])}"
+            )
+        if teacher_hidden.device != student_hidden.device:
+            raise ValueError(
+                f"teacher_hidden is on {teacher_hidden.device}, student_hidden on {student_hidden.device}"
+            )
+        check_labels(labels, student_hidden.shape[:-1], student_weight.shape[0], opts.ignore_index)
+        x = student_hidden.reshape(-1, student_hidden.shape[-1])
+        x_t = teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1])
+        y = labels.reshape(-1)
+        keep = y != opts.ignore_index
+        rows = keep.nonzero().squeeze(1)
+        n_valid = keep.sum().clamp(min=1).float()
+        if num_items_in_batch is not None:
+            normaliser = to_scalar(num_items_in_batch, x.device)
+        elif opts.reduction == "batchmean":
+            normaliser = n_valid
+        elif opts.reduction == "mean":
+            normaliser = n_valid * student_weight.shape[0]
+        else:
+            normaliser = torch.ones((), device=x.device)
+        teacher = Head(x_t, teacher_weight.detach(), None if teacher_bias is None else teacher_bias.detach())
+        batch = Batch(
+            rows=rows,
+            token={"labels": y[rows].long()},
+            scalars={"normaliser": normaliser, "n_valid": n_valid},
+            extra=[teacher],
+            num_rows=x.shape[0],
+            all_rows=rows.numel() == x.shape[0],
+        )
+        loss = self.run(x, student_weight, student_bias, batch)
+        # No labelled row: the loop never ran; report zeros rather than missing metrics.
+        names = METRICS if opts.weight_hard_loss != 0.0 else ("soft_loss", "entropy")
+        zero = torch.zeros((), device=x.device)
+        self.metrics = {k: self.metrics.get(k, zero) for k in names}
+        return loss

@@ -1,0 +1,271 @@
+"""Shared base of the chunked preference losses (DPO, ORPO, SimPO, CPO).
+
+Inputs follow TRL's concatenated layout: ``hidden`` (2B, T, H) holds the chosen rows followed by the
+rejected rows; ``chosen`` and ``rejected`` (B, T) are the (already shifted) labels of those rows, with
+``ignore_index`` on prompt and padding. The rows that take part are projected chunk by chunk over the
+B·T tokens (never whole pairs at a time, so memory does not grow with T). Per row the base keeps a
+few statistics (fp32)::
+
+    logp       w_t · log p(y_t)            w_t = 1 on completion tokens (DPO's ld_alpha: α past the
+                                           shorter completion of the pair), 0 elsewhere
+    logp_raw   m_t · log p(y_t)            m_t = 1 on completion tokens
+    nll        n_t · log p(y'_t)           NLL targets y' of the chosen rows (ORPO, CPO), n_t their mask
+    ref_logp   w_t · log p_ref(y_t)        reference head, no grad
+    mean_logit m_t · mean_v z_tv           no grad (the ``logits/*`` metrics)
+    wpo        m_t · (log p(y_t) - log Σ_v p_v²)   no grad (WPO weights, DPO only)
+
+Per sequence these are summed (``segment_sum``); a subclass turns the pair sums into a per-pair loss
+with ``pair_loss``. The loss is ``Σ_pairs pair_loss / B + nll_coef · NLL``, NLL being the mean over
+the NLL targets of the chosen rows (``torch.nn.CrossEntropyLoss`` as TRL's ORPO/CPO take it).
+
+When a chosen/rejected pair's valid tokens fit in one chunk the engine runs one pass with chunks
+aligned to pairs; otherwise (long sequences) it takes two passes, so the chunk stays a fixed number
+of tokens whatever T is.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from chunkloss.base import FusedLinearBase, FusedOptions, Head, segment_sum, sequence_batch
+from chunkloss.losses.common import check_head, check_labels
+
+__all__ = ["FusedLinearPreferenceLoss", "PreferenceOptions"]
+
+# Columns of the per-row statistics.
+LOGP, LOGP_RAW, NLL, REF_LOGP, MEAN_LOGIT, WPO = range(6)
+
+
+@dataclass(frozen=True)
+class PreferenceOptions(FusedOptions):
+    """Args:
+    ignore_index: label value of prompt and padding tokens (their rows cost no GEMM).
+    beta: the loss's β.
+    """
+
+    ignore_index: int = -100
+    beta: float = 0.1
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.beta > 0:
+            raise ValueError(f"beta must be positive, got {self.beta}")
+
+    @property
+    def avg_logps(self) -> bool:
+        """Sequence log-prob is the mean over completion tokens (True) or their sum (False)."""
+        return False
+
+    @property
+    def nll_coef(self) -> float:
+        """Weight of the NLL term over the chosen rows."""
+        return 0.0
+
+    @property
+    def wpo(self) -> bool:
+        """Compute the WPO statistic (an extra logsumexp over V per row)."""
+        return False
+
+
+def preference_token_stats(logits, extra_logits, token, opts: PreferenceOptions) -> Tensor:
+    """Per-row statistics (C, 6) of one chunk; columns as in the module docstring."""
+    z = logits.float()
+    lse = torch.logsumexp(z, dim=-1)
+    lp = z.gather(-1, token["labels"].unsqueeze(-1)).squeeze(-1) - lse
+    m, w = token["pref_mask"], token["pref_weight"]
+    zero = torch.zeros_like(lp)
+    if "nll_labels" in token:
+        nll = (z.gather(-1, token["nll_labels"].unsqueeze(-1)).squeeze(-1) - lse) * token["nll_mask"]
+    else:
+        nll = zero
+    if extra_logits:
+        zr = extra_logits[0].float()
+        ref_lp = zr.gather(-1, token["labels"].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(zr, dim=-1)
+        ref = (ref_lp * w).detach()
+    else:
+        ref = zero
+    mean_logit = (z.mean(-1) * m).detach()
+    if opts.wpo:
+        # log Σ_v p_v² = logsumexp(2z) - 2·lse
+        wpo = ((lp - (torch.logsumexp(2 * z, dim=-1) - 2 * lse)) * m).detach()
+    else:
+        wpo = zero
+    return torch.stack([lp * w, lp * m, nll, ref, mean_logit, wpo], dim=1)
+
+
+def preference_sequence_loss(pair_loss, stats, seq_id, num_seqs, token, sequence, scalars, opts):
+    """Loss of whole pairs from their rows' statistics: ``Σ pair_loss / B + nll_coef·NLL``.
+
+    Sequences come ordered [c0, r0, c1, r1, ...] (``sequence_batch`` groups each pair), so the
+    per-sequence sums reshape to (P, 2, K).
+    """
+    s = segment_sum(stats, seq_id, num_seqs).view(-1, 2, stats.shape[1])
+    n_tok = sequence["n_tokens"].view(-1, 2)
+    logps = s[:, :, LOGP]
+    if opts.avg_logps:
+        logps = logps / n_tok.clamp(min=1)
+    if "ref_logps" in sequence:
+        ref = sequence["ref_logps"].view(-1, 2)
+    else:
+        ref = s[:, :, REF_LOGP]
+        if opts.avg_logps:
+            ref = ref / n_tok.clamp(min=1)
+    pair = {
+        "chosen": logps[:, 0],
+        "rejected": logps[:, 1],
+        "ref_chosen": ref[:, 0],
+        "ref_rejected": ref[:, 1],
+        "n_chosen": n_tok[:, 0],
+        "n_rejected": n_tok[:, 1],
+        "raw_chosen": s[:, 0, LOGP_RAW],
+        "wpo_chosen": s[:, 0, WPO],
+        "wpo_rejected": s[:, 1, WPO],
+        "valid": (n_tok[:, 0] > 0) & (n_tok[:, 1] > 0),
+    }
+    per_pair, reward_c, reward_r, extra = pair_loss(pair, scalars, opts)
+    n_pairs = scalars["n_pairs"]
+    loss = per_pair.sum() / n_pairs
+    reward_c, reward_r = reward_c.detach(), reward_r.detach()
+    metrics = {
+        "rewards/chosen": reward_c.sum() / n_pairs,
+        "rewards/rejected": reward_r.sum() / n_pairs,
+        "rewards/accuracies": (reward_c > reward_r).float().sum() / n_pairs,
+        "rewards/margins": (reward_c - reward_r).sum() / n_pairs,
+        "logps/chosen": pair["chosen"].detach().sum() / n_pairs,
+        "logps/rejected": pair["rejected"].detach().sum() / n_pairs,
+        "logits/chosen": s[:, 0, MEAN_LOGIT].sum() / scalars["n_chosen_tokens"],
+        "logits/rejected": s[:, 1, MEAN_LOGIT].sum() / scalars["n_rejected_tokens"],
+    }
+    if opts.nll_coef != 0 or "nll_labels" in token:
+        nll = -s[:, 0, NLL].sum() / scalars["n_nll_tokens"]
+        metrics["nll_loss"] = nll.detach()
+        if opts.nll_coef != 0:
+            loss = loss + opts.nll_coef * nll
+    metrics.update({k: v.detach().sum() / n_pairs for k, v in extra.items()})
+    return loss, metrics
+
+
+class FusedLinearPreferenceLoss(FusedLinearBase):
+    """Base of the paired preference losses. A subclass sets ``options_cls`` and defines::
+
+        @staticmethod
+        def pair_loss(pair, scalars, opts) -> (per_pair_loss, reward_chosen, reward_rejected, metrics)
+
+    where ``pair`` holds (P,) tensors: ``chosen``/``rejected`` (policy sequence log-probs, summed or
+    averaged per ``opts.avg_logps``), ``ref_chosen``/``ref_rejected`` (0 without a reference),
+    ``n_chosen``/``n_rejected`` (completion tokens), ``raw_chosen`` (unweighted chosen log-prob sum),
+    ``wpo_chosen``/``wpo_rejected`` and ``valid`` (both completions non-empty); ``metrics`` are (P,)
+    tensors averaged over pairs under their names.
+    """
+
+    options_cls = PreferenceOptions
+    options: PreferenceOptions
+    token_stats = staticmethod(preference_token_stats)
+    #: the loss takes a reference (model head or precomputed log-probs).
+    uses_reference: bool = False
+    #: the loss has an NLL term over the chosen rows that may take its own targets.
+    uses_nll: bool = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "pair_loss" in cls.__dict__:
+            cls.sequence_loss = staticmethod(functools.partial(preference_sequence_loss, cls.pair_loss))
+
+    @staticmethod
+    def pair_loss(pair, scalars, opts):  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def token_weights(self, chosen_mask: Tensor, rejected_mask: Tensor) -> Tensor:
+        """Weights (2B, T) of each completion token in the sequence log-prob (DPO's ld_alpha)."""
+        return torch.cat([chosen_mask, rejected_mask]).float()
+
+    def forward(
+        self,
+        hidden: Tensor,  # (2B, T, H): chosen rows, then rejected rows
+        weight: Tensor,  # (V, H)
+        chosen: Tensor,  # (B, T) labels of the chosen rows, already shifted
+        rejected: Tensor,  # (B, T) labels of the rejected rows
+        bias: Tensor | None = None,  # (V,)
+        *,
+        nll_labels: Tensor | None = None,  # (B, T) NLL targets of the chosen rows; default ``chosen``
+        ref_hidden: Tensor | None = None,  # (2B, T, H_ref) reference model's last hidden state
+        ref_weight: Tensor | None = None,  # (V, H_ref)
+        ref_bias: Tensor | None = None,  # (V,)
+        ref_chosen_logps: Tensor | None = None,  # (B,) precomputed reference sequence log-probs
+        ref_rejected_logps: Tensor | None = None,  # (B,)
+    ) -> Tensor:
+        opts = self.options
+        name = type(self).__name__
+        check_head(hidden, weight, bias)
+        if hidden.dim() != 3 or hidden.shape[0] % 2:
+            raise ValueError(
+                f"hidden must be (2B, T, H) with the chosen rows then the rejected rows, got {tuple(hidden.shape)}"
+            )
+        n_pairs, t = hidden.shape[0] // 2, hidden.shape[1]
+        vocab = weight.shape[0]
+        check_labels(chosen, torch.Size((n_pairs, t)), vocab, opts.ignore_index, "chosen")
+        check_labels(rejected, torch.Size((n_pairs, t)), vocab, opts.ignore_index, "rejected")
+        if nll_labels is not None:
+            if not self.uses_nll:
+                raise ValueError(f"{name} has no NLL term: nll_labels must be None")
+            check_labels(nll_labels, torch.Size((n_pairs, t)), vocab, opts.ignore_index, "nll_labels")
+        has_ref_head = ref_hidden is not None or ref_weight is not None or ref_bias is not None
+        has_ref_logps = ref_chosen_logps is not None or ref_rejected_logps is not None
+        if (has_ref_head or has_ref_logps) and not self.uses_reference:
+            raise ValueError(f"{name} takes no reference: ref_* arguments must be None")
+        if has_ref_head and has_ref_logps:
+            raise ValueError("give the reference either as ref_hidden/ref_weight or as ref_*_logps, not both")
+        extra = []
+        if has_ref_head:
+            if ref_hidden is None or ref_weight is None:
+                raise ValueError("a reference head needs both ref_hidden and ref_weight")
+            check_head(ref_hidden, ref_weight, ref_bias, "ref_hidden")
+            if ref_hidden.shape[:2] != hidden.shape[:2]:
+                raise ValueError(
+                    f"ref_hidden rows {tuple(ref_hidden.shape[:2])} must match hidden's {tuple(hidden.shape[:2])}"
+                )
+            if ref_weight.shape[0] != vocab:
+                raise ValueError(f"ref_weight vocab {ref_weight.shape[0]} must equal weight's {vocab}")
+            if ref_hidden.device != hidden.device:
+                raise ValueError(f"ref_hidden is on {ref_hidden.device} but hidden is on {hidden.device}")
+            extra = [Head(ref_hidden.detach().reshape(-1, ref_hidden.shape[-1]), ref_weight.detach(),
+                          None if ref_bias is None else ref_bias.detach())]
+        sequence = {}
+        if has_ref_logps:
+            if ref_chosen_logps is None or ref_rejected_logps is None:
+                raise ValueError("give both ref_chosen_logps and ref_rejected_logps")
+            for arg, v in (("ref_chosen_logps", ref_chosen_logps), ("ref_rejected_logps", ref_rejected_logps)):
+                if not isinstance(v, Tensor) or v.shape != (n_pairs,):
+                    raise ValueError(f"{arg} must be a ({n_pairs},) tensor, got {getattr(v, 'shape', type(v))}")
+            sequence["ref_logps"] = torch.cat([ref_chosen_logps, ref_rejected_logps]).detach().float()
+
+        dev = hidden.device
+        chosen, rejected = chosen.to(dev), rejected.to(dev)
+        labels = torch.cat([chosen, rejected]).long()  # (2B, T)
+        pref_mask = labels != opts.ignore_index
+        keep = pref_mask
+        token = {
+            "labels": labels.masked_fill(~pref_mask, 0),
+            "pref_mask": pref_mask.float(),
+            "pref_weight": self.token_weights(pref_mask[:n_pairs], pref_mask[n_pairs:]),
+        }
+        scalars = {"n_pairs": torch.tensor(float(n_pairs), device=dev)}
+        if self.uses_nll:
+            nll = (chosen if nll_labels is None else nll_labels.to(dev)).long()
+            nll = torch.cat([nll, torch.full_like(nll, opts.ignore_index)])
+            nll_mask = nll != opts.ignore_index
+            keep = keep | nll_mask
+            token["nll_labels"] = nll.masked_fill(~nll_mask, 0)
+            token["nll_mask"] = nll_mask.float()
+            scalars["n_nll_tokens"] = nll_mask.sum().clamp(min=1).float()
+        n_tok = pref_mask.sum(1).float()
+        sequence["n_tokens"] = n_tok
+        scalars["n_chosen_tokens"] = n_tok[:n_pairs].sum().clamp(min=1)
+        scalars["n_rejected_tokens"] = n_tok[n_pairs:].sum().clamp(min=1)
+        group = torch.arange(2 * n_pairs, device=dev) % max(n_pairs, 1)
+        batch, _ = sequence_batch(keep, group, token=token, sequence=sequence, scalars=scalars, extra=extra)
+        return self.run(hidden.reshape(-1, hidden.shape[-1]), weight, bias, batch)
