@@ -380,11 +380,18 @@ class _FusedLinearFunction(torch.autograd.Function):
             )
             _, grads, _, _ = _run_loop(ctx.loss_mod, hidden, weight, bias, batch, ctx.need)
             return (*grads, None, None, None)
+        if getattr(ctx, "consumed", False):
+            raise RuntimeError(
+                "chunkloss computes the gradients in forward and scales them in place in backward; "
+                "backward through the same loss twice (retain_graph=True) is not supported"
+            )
+        ctx.consumed = True
         grad_h, grad_w, grad_b = ctx.saved_tensors if ctx.saved_tensors else (None, None, None)
+        # In place: the stored gradients belong to this call alone; a copy would double their memory.
         return (
-            None if grad_h is None else grad_h * grad_output.to(grad_h.dtype),
-            None if grad_w is None else grad_w * grad_output.to(grad_w.dtype),
-            None if grad_b is None else grad_b * grad_output.to(grad_b.dtype),
+            None if grad_h is None else grad_h.mul_(grad_output.to(grad_h.dtype)),
+            None if grad_w is None else grad_w.mul_(grad_output.to(grad_w.dtype)),
+            None if grad_b is None else grad_b.mul_(grad_output.to(grad_b.dtype)),
             None,
             None,
             None,
