@@ -1,0 +1,501 @@
+"""Chunked linear + GRPO loss, with every loss option of TRL 1.16's ``GRPOTrainer``.
+
+Equals the loss part of ``trl.trainer.grpo_trainer.GRPOTrainer._compute_loss`` (TRL 1.16.0) on the
+per-token log-probs ``logp = log_softmax((hidden @ weight.T + bias) / temperature)[completion_ids]``::
+
+    w        = exp(logp - old)                     importance_sampling_level='token'
+             = exp(mean_t (logp - old))            'sequence' (GSPO, masked mean over the completion)
+             = exp(logp - sg(logp) + sg(mean_t(logp - old)))   'sequence_token' (GSPO-token, see below)
+    ℓ_t      = -min(w·A, clip(w, 1-ε_low, 1+ε_high)·A)          grpo, bnpo, dr_grpo, dapo, luspo
+                 (w first clamped at ``delta`` when set: INTELLECT-2's two-sided clip)
+             = -sg(min(w, ε_high))·A·logp                          cispo
+             = -σ(τ·(w-1))·4/τ·A,  τ = τ_pos if A>0 else τ_neg    sapo
+             = -φ(W)·A·logp, φ(W) = e^λ·W^k·e^{-λW} (no grad)     vespo, W = Π_t w_t (clamped)
+    ℓ_t     *= off-policy mask · entropy mask · vLLM IS ratio (not vespo)
+    ℓ_t     += β·(exp(ref - logp) - (ref - logp) - 1)·(w if use_bias_correction_kl)    k3 KL
+
+and the sum over the completion mask (``completion_mask · tool_mask``) is normalised as TRL does:
+
+    grpo, sapo       Σ_s (Σ_t ℓ / |s|) / B / GA
+    bnpo             Σ ℓ / N_local / GA
+    dr_grpo          Σ ℓ / (B · max_completion_length) / GA
+    dapo, cispo,     Σ ℓ / (num_items_in_batch / num_processes · GA / steps_per_generation)
+    vespo            (``num_items_in_batch``: TRL's global masked-token count of the generation batch)
+    luspo            Σ ℓ / B / GA
+
+minus the entropy bonus ``entropy_coef · mean_t H_t / GA`` over the mask (times the entropy mask).
+``GA`` is the trainer's ``current_gradient_accumulation_steps``; trainer state (GA, process count,
+``num_items_in_batch``) comes in as explicit arguments of ``forward``.
+
+``'sequence_token'`` is not in TRL 1.16 (it only has 'token' and 'sequence'): it is the GSPO-token
+weight of the GSPO paper (arXiv:2507.18071, eq. 13), equal in value to 'sequence' with per-token
+gradients, as Liger names it.
+
+Metrics carry TRL's names and are this process's values, before TRL's cross-process reduction:
+``kl`` and ``entropy`` (masked token means), ``clip_ratio/{low_mean,high_mean,region_mean}``
+(masked token means, or means over the B sequences when the ratio is per sequence),
+``clip_ratio/low_min`` and ``clip_ratio/high_max`` (min/max over this process's sequences of the
+per-sequence mean, NaN-skipping), ``cispo_clip_ratio``, ``vespo/phi_seq_mean``. With
+``top_entropy_quantile < 1`` the entropy threshold is the quantile of this process's tokens (TRL
+gathers every process's tokens first).
+
+Execution: with token-level weights and no per-sequence statistic (no off-policy mask, no entropy
+mask, not vespo) the loss is a token loss (one pass, 3 GEMMs). Otherwise it is a sequence loss
+(per-row log-prob and entropy as statistics): one pass when each completion fits in a chunk, two
+passes otherwise or with the entropy mask (its quantile needs every token's entropy).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from chunkloss.base import FusedLinearBase, FusedOptions, Head, segment_sum, sequence_batch
+from chunkloss.losses.common import check_head, check_labels, entropy_from_logits, label_logprobs, to_scalar
+
+__all__ = ["FusedLinearGRPOLoss", "GRPOOptions"]
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+IS_LEVELS = ("token", "sequence", "sequence_token")
+_CLIP_FAMILY = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+_LOG_1E8 = math.log(1e-8)
+
+
+@dataclass(frozen=True)
+class GRPOOptions(FusedOptions):
+    """Args (GRPOConfig names, except ``epsilon_low`` for TRL's ``epsilon``):
+    loss_type: one of 'grpo', 'bnpo', 'dr_grpo', 'dapo' (TRL's default), 'cispo', 'sapo', 'luspo', 'vespo'.
+    beta: KL coefficient; needs ``ref_logps`` or a reference head when non-zero.
+    epsilon_low: lower clip ε (TRL ``epsilon``).
+    epsilon_high: upper clip ε (cispo: the ratio cap ε_max); ``None`` means ``epsilon_low``.
+    delta: two-sided clip: the ratio is first clamped at ``delta`` (INTELLECT-2); ``None`` for off.
+    importance_sampling_level: 'token', 'sequence' or 'sequence_token'.
+    sapo_temperature_pos, sapo_temperature_neg: SAPO gate temperatures.
+    vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO Gamma weight parameters.
+    use_bias_correction_kl: multiply the KL term by the importance ratio (DeepSeek-V3.2).
+    temperature: the logits (policy and reference) are divided by it.
+    off_policy_mask_threshold: drop negative-advantage sequences whose mean KL(sampler ‖ policy)
+        exceeds it (DeepSeek-V3.2 off-policy sequence masking); ``None`` for off.
+    top_entropy_quantile: keep only the top ρ of tokens by entropy in the policy loss (1.0: all).
+    entropy_coef: coefficient of the entropy bonus (loss -= coef · mean entropy / GA).
+    use_adaptive_entropy: refused: the controller is trainer state; pass its current coefficient as
+        ``entropy_coef`` instead.
+    max_completion_length: the dr_grpo normaliser's constant (required for dr_grpo).
+    """
+
+    loss_type: str = "dapo"
+    beta: float = 0.0
+    epsilon_low: float = 0.2
+    epsilon_high: float | None = None
+    delta: float | None = None
+    importance_sampling_level: str = "token"
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    use_bias_correction_kl: bool = True
+    temperature: float = 1.0
+    off_policy_mask_threshold: float | None = None
+    top_entropy_quantile: float = 1.0
+    entropy_coef: float = 0.0
+    use_adaptive_entropy: bool = False
+    max_completion_length: int | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+        if self.importance_sampling_level not in IS_LEVELS:
+            raise ValueError(
+                f"importance_sampling_level must be one of {IS_LEVELS}, got {self.importance_sampling_level!r}"
+            )
+        if self.loss_type == "dr_grpo" and (
+            self.max_completion_length is None or self.max_completion_length <= 0
+        ):
+            raise ValueError(
+                "loss_type='dr_grpo' normalises by B·max_completion_length: pass max_completion_length "
+                f"(a positive int), got {self.max_completion_length!r}"
+            )
+        if self.use_adaptive_entropy:
+            raise ValueError(
+                "use_adaptive_entropy=True is not supported: the adaptive controller is trainer state that "
+                "changes entropy_coef between optimizer steps; pass its current value as entropy_coef"
+            )
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be positive, got {self.temperature}")
+        if not 0.0 <= self.top_entropy_quantile <= 1.0:
+            raise ValueError(f"top_entropy_quantile must be in [0, 1], got {self.top_entropy_quantile}")
+        if self.sapo_temperature_pos <= 0 or self.sapo_temperature_neg <= 0:
+            raise ValueError("sapo_temperature_pos and sapo_temperature_neg must be positive")
+
+    @property
+    def eps_high(self) -> float:
+        return self.epsilon_low if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def needs_sequence_path(self) -> bool:
+        """Whether some per-sequence statistic of the policy log-probs enters the loss."""
+        return (
+            self.importance_sampling_level != "token"
+            or self.loss_type == "vespo"
+            or self.off_policy_mask_threshold is not None
+            or self.top_entropy_quantile < 1.0
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# Per-row math shared by both paths. Every row is a completion token with mask 1.
+def _row_logprobs(logits, extra_logits, token, opts: GRPOOptions):
+    """(logp, entropy, ref_logp or None) of the chunk's rows from its logits."""
+    z = logits.float()
+    if opts.temperature != 1.0:
+        z = z / opts.temperature
+    logp, lse = label_logprobs(z, token["ids"])
+    # The entropy only needs a gradient for the entropy bonus.
+    ent = entropy_from_logits(z, lse) if opts.entropy_coef != 0 else entropy_from_logits(z.detach(), lse.detach())
+    ref = None
+    if opts.beta != 0.0:
+        if extra_logits:
+            zr = extra_logits[0].float()
+            if opts.temperature != 1.0:
+                zr = zr / opts.temperature
+            ref, _ = label_logprobs(zr, token["ids"])
+        else:
+            ref = token["ref_logps"]
+    return logp, ent, ref
+
+
+def _gamma_weight(adv, log_w_seq, opts: GRPOOptions):
+    """VESPO's φ(W) = exp(λ + k·log W - λ·W), k/λ by the advantage's sign (TRL's get_gamma_weights)."""
+    nonneg = adv >= 0
+    k = torch.where(nonneg, opts.vespo_k_pos, opts.vespo_k_neg)
+    lam = torch.where(nonneg, opts.vespo_lambda_pos, opts.vespo_lambda_neg).clamp(min=1e-4)
+    log_phi = lam + k * log_w_seq - lam * torch.exp(log_w_seq)
+    return torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _row_loss(logp, ent, ref, log_w, token, scalars, opts: GRPOOptions, keep=None, phi=None, n_bonus=None):
+    """Σ over the rows of the normalised TRL per-token loss, and token-shaped metric sums."""
+    adv = token["adv"]
+    coef_1 = torch.exp(log_w)
+    metrics = {}
+    if opts.beta != 0.0:
+        d = ref - logp
+        kl = torch.exp(d) - d - 1
+        if opts.use_bias_correction_kl:
+            kl = kl * coef_1
+        metrics["kl"] = kl.detach().sum() / scalars["n_valid"]
+    eps_hi = opts.eps_high
+    if opts.loss_type == "cispo":
+        per = -torch.clamp(coef_1, max=eps_hi).detach() * adv * logp
+    elif opts.loss_type == "sapo":
+        tau = torch.where(adv > 0, opts.sapo_temperature_pos, opts.sapo_temperature_neg)
+        per = -torch.sigmoid(tau * (coef_1 - 1)) * 4 / tau * adv
+    elif opts.loss_type == "vespo":
+        per = -phi * adv * logp
+    else:
+        coef_2 = torch.clamp(coef_1, 1 - opts.epsilon_low, 1 + eps_hi)
+        if opts.delta is not None:
+            coef_1 = torch.clamp(coef_1, max=opts.delta)
+        per = -torch.min(coef_1 * adv, coef_2 * adv)
+    if keep is not None:
+        per = per * keep
+    if "is_ratio" in token and opts.loss_type != "vespo":
+        per = per * token["is_ratio"]
+    if opts.beta != 0.0:
+        per = per + opts.beta * kl
+    loss = (per * token["weight"]).sum()
+    if opts.entropy_coef != 0.0:
+        eff = ent * token["emask"] if "emask" in token else ent
+        n_eff = scalars["n_bonus"] if n_bonus is None else n_bonus
+        loss = loss - opts.entropy_coef * eff.sum() / n_eff / scalars["grad_accum"]
+    metrics["entropy"] = ent.detach().sum() / scalars["n_valid"]
+    c = coef_1.detach()
+    if opts.loss_type in _CLIP_FAMILY:
+        low = ((c < 1 - opts.epsilon_low) & (adv < 0)).float()
+        high = ((c > 1 + eps_hi) & (adv > 0)).float()
+        metrics["_low"], metrics["_high"], metrics["_region"] = low, high, torch.maximum(low, high)
+    elif opts.loss_type == "cispo":
+        metrics["cispo_clip_ratio"] = ((c > eps_hi) & (adv > 0)).float().sum() / scalars["n_valid"]
+    elif opts.loss_type == "vespo":
+        metrics["_phi"] = phi
+    return loss, metrics
+
+
+def _token_shaped_metrics(m: dict, token, scalars) -> dict:
+    """Token means of the per-row flags, and their per-sequence means scattered into (B,) vectors."""
+    out = {k: v for k, v in m.items() if not k.startswith("_")}
+    names = {"_low": "clip_ratio/low_mean", "_high": "clip_ratio/high_mean", "_region": "clip_ratio/region_mean"}
+    for k, name in names.items():
+        if k in m:
+            out[name] = m[k].sum() / scalars["n_valid"]
+    if "_low" in m:
+        zeros = scalars["seq_zeros"]
+        out["_low_seq"] = zeros.index_add(0, token["seq"], m["_low"] * token["inv_len"])
+        out["_high_seq"] = zeros.index_add(0, token["seq"], m["_high"] * token["inv_len"])
+    if "_phi" in m:
+        out["vespo/phi_seq_mean"] = m["_phi"].sum() / scalars["n_valid"]
+    return out
+
+
+def grpo_chunk(logits, extra_logits, token, scalars, opts: GRPOOptions):
+    """Token path: token-level weights, nothing per sequence but the normaliser."""
+    logp, ent, ref = _row_logprobs(logits, extra_logits, token, opts)
+    old = token["old_logps"] if "old_logps" in token else logp.detach()
+    loss, m = _row_loss(logp, ent, ref, logp - old, token, scalars, opts)
+    return loss, _token_shaped_metrics(m, token, scalars)
+
+
+def grpo_token_stats(logits, extra_logits, token, opts: GRPOOptions):
+    """Sequence path statistics: (logp, entropy[, ref_logp]) per row."""
+    logp, ent, ref = _row_logprobs(logits, extra_logits, token, opts)
+    cols = [logp, ent] if ref is None else [logp, ent, ref]
+    return torch.stack(cols, dim=1)
+
+
+def grpo_sequence_loss(stats, seq_id, num_seqs, token, sequence, scalars, opts: GRPOOptions):
+    """Sequence path: the per-sequence statistics of TRL, then the per-row loss of the token path."""
+    logp, ent = stats[:, 0], stats[:, 1]
+    ref = stats[:, 2] if stats.shape[1] > 2 else None
+    old = token["old_logps"] if "old_logps" in token else logp.detach()
+    log_ratio = logp - old
+    n_rows = sequence["len"].clamp(min=1)  # (S,) mask count per sequence
+    adv = token["adv"]
+    lw_seq = segment_sum(log_ratio, seq_id, num_seqs) / n_rows
+    if opts.importance_sampling_level == "sequence":
+        log_w = lw_seq[seq_id]
+    elif opts.importance_sampling_level == "sequence_token":
+        log_w = logp - logp.detach() + lw_seq.detach()[seq_id]
+    else:
+        log_w = log_ratio
+    keep = None
+    if opts.off_policy_mask_threshold is not None:
+        samp = token["sampling_logps"] if "sampling_logps" in token else old
+        kl_div = torch.nan_to_num(samp - logp.detach(), nan=0.0)
+        avg_kl = segment_sum(kl_div, seq_id, num_seqs) / n_rows
+        keep = ((adv >= 0) | (avg_kl[seq_id] <= opts.off_policy_mask_threshold)).float()
+    n_bonus = None
+    emask = None
+    if opts.top_entropy_quantile < 1.0:
+        # Two passes: every row of the batch is here.
+        e = ent.detach()
+        if e.numel():
+            thr = torch.quantile(e, 1 - opts.top_entropy_quantile)
+            emask = (e >= thr).float()
+        else:
+            emask = e
+        keep = emask if keep is None else keep * emask
+        n_bonus = emask.sum().clamp(min=1.0)
+    phi = phi_seq = None
+    if opts.loss_type == "vespo":
+        with torch.no_grad():
+            slr = segment_sum(torch.clamp(log_ratio.detach(), -20.0, 20.0), seq_id, num_seqs) + sequence["vespo_log_is"]
+            lw_v = torch.clamp(slr, _LOG_1E8, 20.0)
+            phi = _gamma_weight(adv, lw_v[seq_id], opts)
+            if "adv" in sequence:
+                phi_seq = _gamma_weight(sequence["adv"], lw_v, opts)
+    tok = token if emask is None else {**token, "emask": emask}
+    loss, m = _row_loss(logp, ent, ref, log_w, tok, scalars, opts, keep=keep, phi=phi, n_bonus=n_bonus)
+    seq_clip = opts.importance_sampling_level == "sequence" and "adv" in sequence
+    if phi_seq is not None:
+        m.pop("_phi")
+    out = _token_shaped_metrics({k: v for k, v in m.items() if not (seq_clip and k in ("_low", "_high", "_region"))},
+                                token, scalars)
+    if phi_seq is not None:
+        out["vespo/phi_seq_mean"] = phi_seq.sum() / scalars["n_seqs"]
+    if seq_clip and opts.loss_type in _CLIP_FAMILY:
+        # One ratio per sequence: TRL's metrics are over the B sequences (empty ones included).
+        c = torch.exp(lw_seq.detach())
+        if opts.delta is not None:
+            c = torch.clamp(c, max=opts.delta)
+        a = sequence["adv"]
+        low = ((c < 1 - opts.epsilon_low) & (a < 0)).float()
+        high = ((c > 1 + opts.eps_high) & (a > 0)).float()
+        out["clip_ratio/low_mean"] = low.sum() / scalars["n_seqs"]
+        out["clip_ratio/high_mean"] = high.sum() / scalars["n_seqs"]
+        out["clip_ratio/region_mean"] = torch.maximum(low, high).sum() / scalars["n_seqs"]
+        zeros = scalars["seq_zeros"]
+        out["_low_seq"] = zeros.index_add(0, sequence["index"], low)
+        out["_high_seq"] = zeros.index_add(0, sequence["index"], high)
+    return loss, out
+
+
+class _GRPOSequenceEngine(FusedLinearBase):
+    """The sequence-loss form of GRPO (per-sequence ratios, masks or quantiles)."""
+
+    options_cls = GRPOOptions
+    token_stats = staticmethod(grpo_token_stats)
+    sequence_loss = staticmethod(grpo_sequence_loss)
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        self.needs_global_stats = self.options.top_entropy_quantile < 1.0
+
+
+class FusedLinearGRPOLoss(FusedLinearBase):
+    """TRL 1.16 ``GRPOTrainer._compute_loss`` over ``hidden @ weight.T`` without materialising logits.
+
+    Example::
+
+        loss_fn = FusedLinearGRPOLoss(loss_type="dapo", beta=0.04)
+        loss = loss_fn(hidden, lm_head.weight, completion_ids, completion_mask, advantages,
+                       ref_logps=ref_logps)     # hidden (B, T, H): row t predicts completion_ids[:, t]
+        loss_fn.metrics["clip_ratio/region_mean"]
+    """
+
+    options_cls = GRPOOptions
+    options: GRPOOptions
+    chunk_loss = staticmethod(grpo_chunk)
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        self._seq_engine = _GRPOSequenceEngine(**options) if self.options.needs_sequence_path else None
+
+    def forward(
+        self,
+        hidden: Tensor,  # (B, T, H)
+        weight: Tensor,  # (V, H)
+        completion_ids: Tensor,  # (B, T)
+        completion_mask: Tensor,  # (B, T) 0/1
+        advantages: Tensor,  # (B,) or (B, T)
+        bias: Tensor | None = None,  # (V,)
+        old_logps: Tensor | None = None,  # (B, T); None: on-policy (old = logp.detach())
+        ref_logps: Tensor | None = None,  # (B, T)
+        ref_hidden: Tensor | None = None,  # (B, T, H_ref) reference head, projected in the same pass
+        ref_weight: Tensor | None = None,  # (V, H_ref)
+        ref_bias: Tensor | None = None,  # (V,)
+        importance_sampling_ratio: Tensor | None = None,  # vLLM IS ratio (B, T), (B, 1) or (B,)
+        num_items_in_batch: int | Tensor | None = None,  # global mask count (dapo/cispo/vespo)
+        *,
+        tool_mask: Tensor | None = None,  # (B, T) 0/1, folded into the mask
+        sampling_logps: Tensor | None = None,  # (B, T) sampler log-probs for the off-policy mask
+        num_processes: int = 1,
+        gradient_accumulation_steps: int = 1,  # TRL's current_gradient_accumulation_steps
+        steps_per_generation: int | None = None,  # None: gradient_accumulation_steps
+    ) -> Tensor:
+        opts = self.options
+        check_head(hidden, weight, bias)
+        if hidden.dim() != 3:
+            raise ValueError(f"hidden must be (B, T, H), got shape {tuple(hidden.shape)}")
+        b, t, h = hidden.shape
+        dev = hidden.device
+        _check_bt(completion_ids, (b, t), "completion_ids")
+        mask = _check_bt(completion_mask, (b, t), "completion_mask").bool()
+        if tool_mask is not None:
+            mask = mask & _check_bt(tool_mask, (b, t), "tool_mask").bool()
+        # Padding ids outside the mask are never read.
+        check_labels(completion_ids.masked_fill(~mask, -1), (b, t), weight.shape[0], ignore_index=-1,
+                     name="completion_ids")
+        if not isinstance(advantages, Tensor) or advantages.shape not in ((b,), (b, t)):
+            raise ValueError(
+                f"advantages must be (B,)=({b},) or (B, T)=({b}, {t}), got "
+                f"{tuple(advantages.shape) if isinstance(advantages, Tensor) else type(advantages).__name__}"
+            )
+        extra = []
+        if opts.beta != 0.0:
+            if ref_logps is not None and ref_hidden is not None:
+                raise ValueError("pass either ref_logps or a reference head (ref_hidden, ref_weight), not both")
+            if ref_hidden is not None:
+                if ref_weight is None:
+                    raise ValueError("ref_hidden needs ref_weight")
+                check_head(ref_hidden, ref_weight, ref_bias, name="ref_hidden")
+                if ref_hidden.shape[:-1] != (b, t) or ref_weight.shape[0] != weight.shape[0]:
+                    raise ValueError(
+                        f"reference head must give (B, T, V)=({b}, {t}, {weight.shape[0]}) logits, got ref_hidden "
+                        f"{tuple(ref_hidden.shape)} and ref_weight {tuple(ref_weight.shape)}"
+                    )
+                extra = [Head(ref_hidden.detach().reshape(b * t, -1), ref_weight.detach(),
+                              None if ref_bias is None else ref_bias.detach())]
+            elif ref_logps is None:
+                raise ValueError(f"beta={opts.beta} needs ref_logps or a reference head (ref_hidden, ref_weight)")
+        if opts.loss_type == "vespo" and importance_sampling_ratio is not None and (
+            importance_sampling_ratio.shape != (b, t)
+        ):
+            raise ValueError("vespo needs a token-level importance_sampling_ratio (B, T) (TRL's token_* modes)")
+
+        f32 = torch.float32
+        n_local = mask.sum()
+        n_valid = n_local.clamp(min=1).to(f32)
+        ga = float(gradient_accumulation_steps)
+        len_s = mask.sum(-1).to(f32)  # (B,)
+        lt = opts.loss_type
+        if lt in ("grpo", "sapo"):
+            row_w = (1.0 / (len_s.clamp(min=1.0) * b * ga)).unsqueeze(1).expand(b, t)
+        else:
+            if lt == "bnpo":
+                norm = n_valid * ga
+            elif lt == "dr_grpo":
+                norm = torch.tensor(float(b * opts.max_completion_length) * ga, device=dev)
+            elif lt == "luspo":
+                norm = torch.tensor(float(b) * ga, device=dev)
+            else:
+                items = n_local if num_items_in_batch is None else to_scalar(num_items_in_batch, dev)
+                spg = gradient_accumulation_steps if steps_per_generation is None else steps_per_generation
+                norm = items.to(f32).clamp(min=1.0) / num_processes * ga / spg
+            row_w = (1.0 / norm).expand(b, t)
+        adv = advantages.to(f32)
+        token = {
+            "ids": completion_ids.long(),
+            "adv": adv.unsqueeze(1).expand(b, t) if adv.dim() == 1 else adv,
+            "weight": row_w,
+            "seq": torch.arange(b, device=dev).unsqueeze(1).expand(b, t),
+            "inv_len": (1.0 / len_s.clamp(min=1.0)).unsqueeze(1).expand(b, t),
+        }
+        for name, v in (("old_logps", old_logps), ("ref_logps", ref_logps if not extra else None),
+                        ("sampling_logps", sampling_logps)):
+            if v is not None:
+                token[name] = _check_bt(v, (b, t), name).to(f32)
+        if importance_sampling_ratio is not None:
+            isr = importance_sampling_ratio.to(f32)
+            if isr.shape in ((b,), (b, 1)):
+                isr = isr.reshape(b, 1).expand(b, t)
+            token["is_ratio"] = _check_bt(isr, (b, t), "importance_sampling_ratio")
+        sequence = {"len": len_s, "index": torch.arange(b, device=dev)}
+        if adv.dim() == 1:
+            sequence["adv"] = adv
+        if lt == "vespo":
+            sequence["vespo_log_is"] = (
+                torch.zeros(b, device=dev) if importance_sampling_ratio is None
+                else torch.clamp(torch.log(importance_sampling_ratio.to(f32)), _LOG_1E8, 20.0).sum(-1)
+            )
+        scalars = {
+            "n_valid": n_valid,
+            "n_bonus": n_valid,
+            "n_seqs": torch.tensor(float(max(b, 1)), device=dev),
+            "grad_accum": torch.tensor(ga, device=dev),
+            "seq_zeros": torch.zeros(b, device=dev),
+        }
+        batch, _ = sequence_batch(mask, torch.arange(b, device=dev), token=token, sequence=sequence,
+                                  scalars=scalars, extra=extra)
+        engine = self._seq_engine or self
+        x = hidden.reshape(b * t, h)
+        loss = engine.run(x, weight, bias, batch)
+        self.metrics = _finish_metrics(engine.metrics, len_s, opts.importance_sampling_level == "sequence"
+                                       and adv.dim() == 1)
+        return loss
+
+
+def _finish_metrics(raw: dict, len_s: Tensor, seq_shaped: bool) -> dict:
+    """Per-sequence clip vectors -> TRL's low_min / high_max (NaN-skipping over this process)."""
+    out = {k: v for k, v in raw.items() if not k.startswith("_")}
+    if "_low_seq" in raw:
+        empty = (len_s == 0) & (not seq_shaped)
+        for key, name, red in (("_low_seq", "clip_ratio/low_min", torch.min),
+                               ("_high_seq", "clip_ratio/high_max", torch.max)):
+            v = raw[key].masked_fill(empty, float("nan"))
+            ok = ~torch.isnan(v)
+            out[name] = red(v[ok]) if bool(ok.any()) else v.new_tensor(float("nan"))
+    return out
+
+
+def _check_bt(x, shape, name: str) -> Tensor:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must be (B, T)={tuple(shape)}, got {tuple(x.shape)}")
+    return x
