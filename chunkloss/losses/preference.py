@@ -203,7 +203,8 @@ class FusedLinearPreferenceLoss(FusedLinearBase):
         check_head(hidden, weight, bias)
         if hidden.dim() != 3 or hidden.shape[0] % 2:
             raise ValueError(
-                f"hidden must be (2B, T, H) with the chosen rows then the rejected rows, got {tuple(hidden.shape)}"
+                "hidden must be (2B, T, H), the chosen rows then the rejected rows, "
+                f"got {tuple(hidden.shape)}"
             )
         n_pairs, t = hidden.shape[0] // 2, hidden.shape[1]
         vocab = weight.shape[0]
@@ -226,21 +227,32 @@ class FusedLinearPreferenceLoss(FusedLinearBase):
             check_head(ref_hidden, ref_weight, ref_bias, "ref_hidden")
             if ref_hidden.shape[:2] != hidden.shape[:2]:
                 raise ValueError(
-                    f"ref_hidden rows {tuple(ref_hidden.shape[:2])} must match hidden's {tuple(hidden.shape[:2])}"
+                    f"ref_hidden rows {tuple(ref_hidden.shape[:2])} must equal hidden's "
+                    f"{tuple(hidden.shape[:2])}"
                 )
             if ref_weight.shape[0] != vocab:
                 raise ValueError(f"ref_weight vocab {ref_weight.shape[0]} must equal weight's {vocab}")
             if ref_hidden.device != hidden.device:
                 raise ValueError(f"ref_hidden is on {ref_hidden.device} but hidden is on {hidden.device}")
-            extra = [Head(ref_hidden.detach().reshape(-1, ref_hidden.shape[-1]), ref_weight.detach(),
-                          None if ref_bias is None else ref_bias.detach())]
+            extra = [
+                Head(
+                    ref_hidden.detach().reshape(-1, ref_hidden.shape[-1]),
+                    ref_weight.detach(),
+                    None if ref_bias is None else ref_bias.detach(),
+                )
+            ]
         sequence = {}
         if has_ref_logps:
             if ref_chosen_logps is None or ref_rejected_logps is None:
                 raise ValueError("give both ref_chosen_logps and ref_rejected_logps")
-            for arg, v in (("ref_chosen_logps", ref_chosen_logps), ("ref_rejected_logps", ref_rejected_logps)):
+            for arg, v in (
+                ("ref_chosen_logps", ref_chosen_logps),
+                ("ref_rejected_logps", ref_rejected_logps),
+            ):
                 if not isinstance(v, Tensor) or v.shape != (n_pairs,):
-                    raise ValueError(f"{arg} must be a ({n_pairs},) tensor, got {getattr(v, 'shape', type(v))}")
+                    raise ValueError(
+                        f"{arg} must be a ({n_pairs},) tensor, got {getattr(v, 'shape', type(v))}"
+                    )
             sequence["ref_logps"] = torch.cat([ref_chosen_logps, ref_rejected_logps]).detach().float()
 
         dev = hidden.device

@@ -1,0 +1,87 @@
+"""Chunked linear + CPO (Xu et al., arXiv:2401.08417) and its AlphaPO reward transform.
+
+Equals ``trl.experimental.cpo.CPOTrainer`` (TRL 1.16: ``cpo_loss`` and ``get_batch_loss_metrics``)::
+
+    u = ℓ_c - ℓ_r                     (alpha = 0)
+    u = ρ_c - ρ_r,  ρ = (1 - e^{-α ℓ}) / α    (AlphaPO, alpha ≠ 0)
+    sigmoid: -(1-ε)·logσ(β u) - ε·logσ(-β u)      hinge: relu(1 - β u)
+    ipo: (u - 1/(2β))²                            simpo: sigmoid with u - γ/β
+    L = mean_pairs loss + cpo_alpha · NLL_chosen
+
+ℓ is the summed completion log-prob, or its mean for ``ipo`` and ``simpo`` (as TRL). The NLL is the
+mean cross-entropy of the chosen rows over ``nll_labels`` (default: ``chosen``). Metrics: rewards/*
+(β·ℓ, or β·ρ under AlphaPO), logps/*, logits/*, nll_loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from chunkloss.losses.preference import FusedLinearPreferenceLoss, PreferenceOptions
+
+__all__ = ["CPOOptions", "FusedLinearCPOLoss"]
+
+CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
+
+
+@dataclass(frozen=True)
+class CPOOptions(PreferenceOptions):
+    """Args (names and defaults of ``CPOConfig``, TRL 1.16):
+    loss_type: sigmoid, hinge, ipo or simpo.
+    label_smoothing: ε of sigmoid/simpo.
+    cpo_alpha: weight of the NLL term.
+    simpo_gamma: γ, SimPO's target margin.
+    alpha: AlphaPO's α (0: plain log-prob rewards).
+    """
+
+    loss_type: str = "sigmoid"
+    label_smoothing: float = 0.0
+    cpo_alpha: float = 1.0
+    simpo_gamma: float = 0.5
+    alpha: float = 0.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.loss_type not in CPO_LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {CPO_LOSS_TYPES}, got {self.loss_type!r}")
+        if not 0.0 <= self.label_smoothing <= 0.5:
+            raise ValueError(f"label_smoothing must be in [0, 0.5], got {self.label_smoothing}")
+
+    @property
+    def avg_logps(self) -> bool:
+        return self.loss_type in ("ipo", "simpo")
+
+    @property
+    def nll_coef(self) -> float:
+        return self.cpo_alpha
+
+
+def cpo_pair_loss(pair, scalars, opts: CPOOptions):
+    """Per-pair loss of ``CPOTrainer.cpo_loss`` (TRL 1.16)."""
+    beta, eps = opts.beta, opts.label_smoothing
+    chosen, rejected = pair["chosen"], pair["rejected"]
+    if opts.alpha != 0.0:
+        chosen = (1 - torch.exp(-opts.alpha * chosen)) / opts.alpha  # (1 - p^-α)/α
+        rejected = (1 - torch.exp(-opts.alpha * rejected)) / opts.alpha
+    u = chosen - rejected
+    if opts.loss_type == "hinge":
+        loss = torch.relu(1 - beta * u)
+    elif opts.loss_type == "ipo":
+        loss = (u - 1 / (2 * beta)) ** 2
+    else:
+        if opts.loss_type == "simpo":
+            u = u - opts.simpo_gamma / beta
+        loss = -F.logsigmoid(beta * u) * (1 - eps) - F.logsigmoid(-beta * u) * eps
+    return loss, beta * chosen, beta * rejected, {}
+
+
+class FusedLinearCPOLoss(FusedLinearPreferenceLoss):
+    """CPO over the chunked LM head (``nll_labels`` gives the NLL its own targets)."""
+
+    options_cls = CPOOptions
+    options: CPOOptions
+    uses_nll = True
+    pair_loss = staticmethod(cpo_pair_loss)
