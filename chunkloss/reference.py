@@ -128,3 +128,180 @@ def jsd_ref(
     loss = weight_soft_loss * soft + (weight_hard_loss * hard if weight_hard_loss != 0 else 0.0)
     entropy = (-(log_s.exp() * log_s).sum(-1) * valid).sum() / n_valid
     return loss, {"soft_loss": soft, "hard_loss": hard, "entropy": entropy}
+
+
+# --------------------------------------------------------------------------------------------------
+# GRPO: a transcription of TRL 1.16 GRPOTrainer._compute_loss (trl/trainer/grpo_trainer.py), loss part,
+# on (B, T) per-token tensors; tests/losses/test_grpo.py checks it against TRL's own method.
+def grpo_logps_ref(hidden, weight, bias, completion_ids, temperature=1.0):
+    """fp32 per-token ``(logp, entropy)`` (B, T) of ``(hidden @ weight.T + bias) / temperature``."""
+    z = hidden.float() @ weight.float().t()
+    if bias is not None:
+        z = z + bias.float()
+    z = z / temperature
+    logp_all = torch.log_softmax(z, dim=-1)
+    logp = logp_all.gather(-1, completion_ids.long().unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+def grpo_loss_from_logps_ref(
+    logps,  # (B, T) with grad
+    entropies,  # (B, T)
+    completion_mask,  # (B, T)
+    advantages,  # (B,) or (B, T)
+    *,
+    old_logps=None,
+    ref_logps=None,
+    importance_sampling_ratio=None,
+    sampling_logps=None,
+    tool_mask=None,
+    num_items_in_batch=None,
+    num_processes=1,
+    gradient_accumulation_steps=1,
+    steps_per_generation=None,
+    loss_type="dapo",
+    beta=0.0,
+    epsilon_low=0.2,
+    epsilon_high=None,
+    delta=None,
+    importance_sampling_level="token",
+    sapo_temperature_pos=1.0,
+    sapo_temperature_neg=1.05,
+    vespo_k_pos=2.0,
+    vespo_lambda_pos=3.0,
+    vespo_k_neg=3.0,
+    vespo_lambda_neg=2.0,
+    use_bias_correction_kl=True,
+    off_policy_mask_threshold=None,
+    top_entropy_quantile=1.0,
+    entropy_coef=0.0,
+    max_completion_length=None,
+    **_,
+):
+    """TRL 1.16's GRPO loss and its metrics (one process, train mode), in fp32."""
+    mask = completion_mask.float() if tool_mask is None else (completion_mask * tool_mask).float()
+    eps_hi = epsilon_low if epsilon_high is None else epsilon_high
+    ga = gradient_accumulation_steps
+    spg = ga if steps_per_generation is None else steps_per_generation
+    if num_items_in_batch is None:
+        num_items_in_batch = mask.sum()
+    num_items_in_batch = torch.as_tensor(num_items_in_batch, dtype=torch.float32)
+    if top_entropy_quantile < 1.0:
+        local = entropies.detach()[mask.bool()].float()
+        if local.numel() == 0:
+            entropy_mask = torch.zeros_like(entropies, dtype=torch.bool)
+        else:
+            thr = torch.quantile(local, 1 - top_entropy_quantile)
+            entropy_mask = ((entropies.detach() * mask) >= thr) & mask.bool()
+    else:
+        entropy_mask = None
+    adv = advantages.float()
+    if adv.dim() == 1:
+        adv = adv.unsqueeze(1)
+    old = logps.detach() if old_logps is None else old_logps
+    if off_policy_mask_threshold is not None:
+        samp = old if sampling_logps is None else sampling_logps
+        kl_div = torch.nan_to_num(samp - logps.detach(), nan=0.0)
+        avg = (kl_div * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1.0)
+        off_policy_mask = ((adv >= 0) | (avg <= off_policy_mask_threshold)).float()
+    log_ratio = logps - old
+    if importance_sampling_level == "token":
+        log_w = log_ratio
+    else:
+        seq = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+        log_w = seq if importance_sampling_level == "sequence" else logps - logps.detach() + seq.detach()
+    coef_1 = torch.exp(log_w)
+    if beta != 0.0:
+        per_token_kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
+        if use_bias_correction_kl:
+            per_token_kl = per_token_kl * coef_1
+    if loss_type == "cispo":
+        per_token_loss = -torch.clamp(coef_1, max=eps_hi).detach() * adv * logps
+    elif loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+        coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + eps_hi)
+        if delta is not None:
+            coef_1 = torch.clamp(coef_1, max=delta)
+        per_token_loss = -torch.min(coef_1 * adv, coef_2 * adv)
+    elif loss_type == "sapo":
+        temps = torch.where(adv > 0, sapo_temperature_pos, sapo_temperature_neg)
+        per_token_loss = -torch.sigmoid(temps * (coef_1 - 1)) * 4 / temps * adv
+    elif loss_type == "vespo":
+        with torch.no_grad():
+            lrc = torch.clamp(log_ratio.detach(), -20.0, 20.0)
+            slr = (lrc * mask).sum(-1, keepdim=True)
+            if importance_sampling_ratio is not None:
+                log_is = torch.clamp(torch.log(importance_sampling_ratio), math.log(1e-8), 20.0)
+                slr = slr + log_is.sum(-1, keepdim=True)
+            lw = torch.clamp(slr, math.log(1e-8), 20.0)
+            nonneg = adv >= 0
+            k = torch.where(nonneg, vespo_k_pos, vespo_k_neg)
+            lam = torch.where(nonneg, vespo_lambda_pos, vespo_lambda_neg).clamp(min=1e-4)
+            phi_seq = torch.exp(lam + k * lw - lam * torch.exp(lw))
+            phi_seq = phi_seq.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+        per_token_loss = -phi_seq * adv * logps
+    if off_policy_mask_threshold is not None:
+        per_token_loss = per_token_loss * off_policy_mask
+    if entropy_mask is not None:
+        per_token_loss = per_token_loss * entropy_mask
+    if importance_sampling_ratio is not None and loss_type != "vespo":
+        isr = importance_sampling_ratio
+        per_token_loss = per_token_loss * (isr.unsqueeze(1) if isr.dim() == 1 else isr)
+    if beta != 0.0:
+        per_token_loss = per_token_loss + beta * per_token_kl
+    b = per_token_loss.size(0)
+    if loss_type in ("grpo", "sapo"):
+        loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / ga
+    elif loss_type == "bnpo":
+        loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0) / ga
+    elif loss_type == "dr_grpo":
+        loss = (per_token_loss * mask).sum() / (b * max_completion_length) / ga
+    elif loss_type == "luspo":
+        loss = (per_token_loss * mask).sum(-1).mean() / ga
+    else:
+        normalizer = num_items_in_batch.clamp(min=1.0) / num_processes * ga / spg
+        loss = (per_token_loss * mask).sum() / normalizer
+    if entropy_coef != 0.0:
+        eff = mask if entropy_mask is None else mask * entropy_mask
+        loss = loss - entropy_coef * (entropies * eff).sum() / eff.sum().clamp(min=1.0) / ga
+
+    def seq_mean(x):
+        return x.squeeze(1) if x.shape[1] == 1 else (x * mask).sum(-1) / mask.sum(-1)
+
+    def global_mean(x):
+        if x.shape[1] == 1:
+            return x.sum() / x.shape[0]
+        return (x * mask).sum() / mask.sum().float().clamp(min=1.0)
+
+    def nan_red(x, fn):
+        x = x[~torch.isnan(x)]
+        return fn(x) if x.numel() else torch.tensor(float("nan"))
+
+    metrics = {}
+    if beta != 0.0:
+        metrics["kl"] = global_mean(per_token_kl.detach())
+    metrics["entropy"] = global_mean(entropies.detach())
+    c1 = coef_1.detach()
+    if loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+        low = ((c1 < 1 - epsilon_low) & (adv < 0)).float()
+        high = ((c1 > 1 + eps_hi) & (adv > 0)).float()
+        metrics["clip_ratio/low_mean"] = global_mean(low)
+        metrics["clip_ratio/high_mean"] = global_mean(high)
+        metrics["clip_ratio/region_mean"] = global_mean(torch.maximum(low, high))
+        metrics["clip_ratio/low_min"] = nan_red(seq_mean(low), torch.min)
+        metrics["clip_ratio/high_max"] = nan_red(seq_mean(high), torch.max)
+    elif loss_type == "cispo":
+        metrics["cispo_clip_ratio"] = global_mean(((c1 > eps_hi) & (adv > 0)).float())
+    elif loss_type == "vespo":
+        metrics["vespo/phi_seq_mean"] = global_mean(phi_seq)
+    return loss, metrics
+
+
+def grpo_ref(hidden, weight, completion_ids, completion_mask, advantages, bias=None, *, ref_hidden=None,
+             ref_weight=None, ref_bias=None, ref_logps=None, temperature=1.0, **kw):
+    """fp32 GRPO loss of the materialised logits (and reference head): (loss, metrics)."""
+    logp, ent = grpo_logps_ref(hidden, weight, bias, completion_ids, temperature)
+    if ref_hidden is not None:
+        with torch.no_grad():
+            ref_logps, _ = grpo_logps_ref(ref_hidden, ref_weight, ref_bias, completion_ids, temperature)
+    return grpo_loss_from_logps_ref(logp, ent, completion_mask, advantages, ref_logps=ref_logps, **kw)

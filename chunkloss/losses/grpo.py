@@ -112,7 +112,8 @@ class GRPOOptions(FusedOptions):
             raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
         if self.importance_sampling_level not in IS_LEVELS:
             raise ValueError(
-                f"importance_sampling_level must be one of {IS_LEVELS}, got {self.importance_sampling_level!r}"
+                f"importance_sampling_level must be one of {IS_LEVELS}, "
+                f"got {self.importance_sampling_level!r}"
             )
         if self.loss_type == "dr_grpo" and (
             self.max_completion_length is None or self.max_completion_length <= 0
@@ -157,7 +158,11 @@ def _row_logprobs(logits, extra_logits, token, opts: GRPOOptions):
         z = z / opts.temperature
     logp, lse = label_logprobs(z, token["ids"])
     # The entropy only needs a gradient for the entropy bonus.
-    ent = entropy_from_logits(z, lse) if opts.entropy_coef != 0 else entropy_from_logits(z.detach(), lse.detach())
+    ent = (
+        entropy_from_logits(z, lse)
+        if opts.entropy_coef != 0
+        else entropy_from_logits(z.detach(), lse.detach())
+    )
     ref = None
     if opts.beta != 0.0:
         if extra_logits:
@@ -230,7 +235,11 @@ def _row_loss(logp, ent, ref, log_w, token, scalars, opts: GRPOOptions, keep=Non
 def _token_shaped_metrics(m: dict, token, scalars) -> dict:
     """Token means of the per-row flags, and their per-sequence means scattered into (B,) vectors."""
     out = {k: v for k, v in m.items() if not k.startswith("_")}
-    names = {"_low": "clip_ratio/low_mean", "_high": "clip_ratio/high_mean", "_region": "clip_ratio/region_mean"}
+    names = {
+        "_low": "clip_ratio/low_mean",
+        "_high": "clip_ratio/high_mean",
+        "_region": "clip_ratio/region_mean",
+    }
     for k, name in names.items():
         if k in m:
             out[name] = m[k].sum() / scalars["n_valid"]
@@ -294,7 +303,10 @@ def grpo_sequence_loss(stats, seq_id, num_seqs, token, sequence, scalars, opts: 
     phi = phi_seq = None
     if opts.loss_type == "vespo":
         with torch.no_grad():
-            slr = segment_sum(torch.clamp(log_ratio.detach(), -20.0, 20.0), seq_id, num_seqs) + sequence["vespo_log_is"]
+            slr = (
+                segment_sum(torch.clamp(log_ratio.detach(), -20.0, 20.0), seq_id, num_seqs)
+                + sequence["vespo_log_is"]
+            )
             lw_v = torch.clamp(slr, _LOG_1E8, 20.0)
             phi = _gamma_weight(adv, lw_v[seq_id], opts)
             if "adv" in sequence:
@@ -304,8 +316,9 @@ def grpo_sequence_loss(stats, seq_id, num_seqs, token, sequence, scalars, opts: 
     seq_clip = opts.importance_sampling_level == "sequence" and "adv" in sequence
     if phi_seq is not None:
         m.pop("_phi")
-    out = _token_shaped_metrics({k: v for k, v in m.items() if not (seq_clip and k in ("_low", "_high", "_region"))},
-                                token, scalars)
+    out = _token_shaped_metrics(
+        {k: v for k, v in m.items() if not (seq_clip and k in ("_low", "_high", "_region"))}, token, scalars
+    )
     if phi_seq is not None:
         out["vespo/phi_seq_mean"] = phi_seq.sum() / scalars["n_seqs"]
     if seq_clip and opts.loss_type in _CLIP_FAMILY:
@@ -389,8 +402,13 @@ class FusedLinearGRPOLoss(FusedLinearBase):
         if tool_mask is not None:
             mask = mask & _check_bt(tool_mask, (b, t), "tool_mask").bool()
         # Padding ids outside the mask are never read.
-        check_labels(completion_ids.masked_fill(~mask, -1), (b, t), weight.shape[0], ignore_index=-1,
-                     name="completion_ids")
+        check_labels(
+            completion_ids.masked_fill(~mask, -1),
+            (b, t),
+            weight.shape[0],
+            ignore_index=-1,
+            name="completion_ids",
+        )
         if not isinstance(advantages, Tensor) or advantages.shape not in ((b,), (b, t)):
             raise ValueError(
                 f"advantages must be (B,)=({b},) or (B, T)=({b}, {t}), got "
@@ -399,24 +417,37 @@ class FusedLinearGRPOLoss(FusedLinearBase):
         extra = []
         if opts.beta != 0.0:
             if ref_logps is not None and ref_hidden is not None:
-                raise ValueError("pass either ref_logps or a reference head (ref_hidden, ref_weight), not both")
+                raise ValueError(
+                    "pass either ref_logps or a reference head (ref_hidden, ref_weight), not both"
+                )
             if ref_hidden is not None:
                 if ref_weight is None:
                     raise ValueError("ref_hidden needs ref_weight")
                 check_head(ref_hidden, ref_weight, ref_bias, name="ref_hidden")
                 if ref_hidden.shape[:-1] != (b, t) or ref_weight.shape[0] != weight.shape[0]:
                     raise ValueError(
-                        f"reference head must give (B, T, V)=({b}, {t}, {weight.shape[0]}) logits, got ref_hidden "
-                        f"{tuple(ref_hidden.shape)} and ref_weight {tuple(ref_weight.shape)}"
+                        f"reference head must give (B, T, V)=({b}, {t}, {weight.shape[0]}) logits, "
+                        f"got ref_hidden {tuple(ref_hidden.shape)} and ref_weight {tuple(ref_weight.shape)}"
                     )
-                extra = [Head(ref_hidden.detach().reshape(b * t, -1), ref_weight.detach(),
-                              None if ref_bias is None else ref_bias.detach())]
+                extra = [
+                    Head(
+                        ref_hidden.detach().reshape(b * t, -1),
+                        ref_weight.detach(),
+                        None if ref_bias is None else ref_bias.detach(),
+                    )
+                ]
             elif ref_logps is None:
-                raise ValueError(f"beta={opts.beta} needs ref_logps or a reference head (ref_hidden, ref_weight)")
-        if opts.loss_type == "vespo" and importance_sampling_ratio is not None and (
-            importance_sampling_ratio.shape != (b, t)
+                raise ValueError(
+                    f"beta={opts.beta} needs ref_logps or a reference head (ref_hidden, ref_weight)"
+                )
+        if (
+            opts.loss_type == "vespo"
+            and importance_sampling_ratio is not None
+            and (importance_sampling_ratio.shape != (b, t))
         ):
-            raise ValueError("vespo needs a token-level importance_sampling_ratio (B, T) (TRL's token_* modes)")
+            raise ValueError(
+                "vespo needs a token-level importance_sampling_ratio (B, T) (TRL's token_* modes)"
+            )
 
         f32 = torch.float32
         n_local = mask.sum()
@@ -446,8 +477,11 @@ class FusedLinearGRPOLoss(FusedLinearBase):
             "seq": torch.arange(b, device=dev).unsqueeze(1).expand(b, t),
             "inv_len": (1.0 / len_s.clamp(min=1.0)).unsqueeze(1).expand(b, t),
         }
-        for name, v in (("old_logps", old_logps), ("ref_logps", ref_logps if not extra else None),
-                        ("sampling_logps", sampling_logps)):
+        for name, v in (
+            ("old_logps", old_logps),
+            ("ref_logps", ref_logps if not extra else None),
+            ("sampling_logps", sampling_logps),
+        ):
             if v is not None:
                 token[name] = _check_bt(v, (b, t), name).to(f32)
         if importance_sampling_ratio is not None:
@@ -460,7 +494,8 @@ class FusedLinearGRPOLoss(FusedLinearBase):
             sequence["adv"] = adv
         if lt == "vespo":
             sequence["vespo_log_is"] = (
-                torch.zeros(b, device=dev) if importance_sampling_ratio is None
+                torch.zeros(b, device=dev)
+                if importance_sampling_ratio is None
                 else torch.clamp(torch.log(importance_sampling_ratio.to(f32)), _LOG_1E8, 20.0).sum(-1)
             )
         scalars = {
@@ -470,13 +505,15 @@ class FusedLinearGRPOLoss(FusedLinearBase):
             "grad_accum": torch.tensor(ga, device=dev),
             "seq_zeros": torch.zeros(b, device=dev),
         }
-        batch, _ = sequence_batch(mask, torch.arange(b, device=dev), token=token, sequence=sequence,
-                                  scalars=scalars, extra=extra)
+        batch, _ = sequence_batch(
+            mask, torch.arange(b, device=dev), token=token, sequence=sequence, scalars=scalars, extra=extra
+        )
         engine = self._seq_engine or self
         x = hidden.reshape(b * t, h)
         loss = engine.run(x, weight, bias, batch)
-        self.metrics = _finish_metrics(engine.metrics, len_s, opts.importance_sampling_level == "sequence"
-                                       and adv.dim() == 1)
+        self.metrics = _finish_metrics(
+            engine.metrics, len_s, opts.importance_sampling_level == "sequence" and adv.dim() == 1
+        )
         return loss
 
 
@@ -485,8 +522,10 @@ def _finish_metrics(raw: dict, len_s: Tensor, seq_shaped: bool) -> dict:
     out = {k: v for k, v in raw.items() if not k.startswith("_")}
     if "_low_seq" in raw:
         empty = (len_s == 0) & (not seq_shaped)
-        for key, name, red in (("_low_seq", "clip_ratio/low_min", torch.min),
-                               ("_high_seq", "clip_ratio/high_max", torch.max)):
+        for key, name, red in (
+            ("_low_seq", "clip_ratio/low_min", torch.min),
+            ("_high_seq", "clip_ratio/high_max", torch.max),
+        ):
             v = raw[key].masked_fill(empty, float("nan"))
             ok = ~torch.isnan(v)
             out[name] = red(v[ok]) if bool(ok.any()) else v.new_tensor(float("nan"))
