@@ -1,0 +1,165 @@
+"""One call that makes a ``transformers`` causal LM run on chunkloss's kernels.
+
+``patch(model)`` swaps, on a Llama, Mistral, Qwen2, Qwen3, Gemma or Gemma-2 model:
+
+* every RMSNorm module's forward for :func:`~chunkloss.kernels.rms_norm` (Gemma: ``1 + w`` in fp32);
+* the family's ``apply_rotary_pos_emb`` for the Triton one (q and k rotated in place);
+* every MLP's ``act(gate) * up`` for :func:`~chunkloss.kernels.swiglu` / :func:`~chunkloss.kernels.geglu`;
+* the causal-LM forward, when called with ``labels``, for one that feeds the final hidden states straight
+  into ``chunkloss.FusedLinearCrossEntropyLoss``: the (tokens x vocab) logits are never materialised and the
+  output's ``logits`` is ``None``. Without labels the original forward runs and returns logits as usual.
+
+Norms, MLPs and the loss are patched on this model's modules only. Rotary embedding is a module-level
+function in transformers, so it is replaced in the family's modeling module and applies to every model of
+that family in the process (the result is the same up to rounding).
+"""
+
+import functools
+import sys
+import types
+import warnings
+
+from torch import nn
+
+from . import glu as _glu
+from . import rms_norm as _rms
+from . import rope as _rope
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
+_GEMMA_TYPES = ("gemma", "gemma2")
+_RMSNORM_CLASSES = {f"{name}RMSNorm" for name in ("Llama", "Mistral", "Qwen2", "Qwen3", "Gemma", "Gemma2")}
+_MLP_CLASSES = {f"{name}MLP" for name in ("Llama", "Mistral", "Qwen2", "Qwen3", "Gemma", "Gemma2")}
+
+
+def _rotary_fn(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    # q and k are fresh projections (transposed views) that attention reads only through the result.
+    return _rope.apply_rotary_pos_emb(q, k, cos, sin, position_ids, unsqueeze_dim, in_place=True)
+
+
+def _norm_in_place_safe(name: str, model_type: str) -> bool:
+    """Norms whose output only feeds linear layers, so their incoming gradient is a fresh tensor.
+
+    Gemma-2's post-attention / post-feedforward norms feed the residual add, whose backward hands the same
+    gradient tensor to both branches: overwriting it would corrupt the residual's gradient.
+    """
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf in ("input_layernorm", "pre_feedforward_layernorm"):
+        return True
+    return leaf == "post_attention_layernorm" and model_type != "gemma2"
+
+
+def _norm_forward(module, x, *, eps, offset, casting, in_place):
+    return _rms.rms_norm(x, module.weight, eps, offset, casting, in_place)
+
+
+def _mlp_forward(module, x, *, activation):
+    # gate_proj / up_proj outputs are read only here, so the backward may overwrite them with their grads.
+    gated = _glu._glu(module.gate_proj(x), module.up_proj(x), activation, True)
+    return module.down_proj(gated)
+
+
+def _mlp_activation(mlp: nn.Module) -> str | None:
+    name = type(mlp.act_fn).__name__
+    if name in ("SiLUActivation", "SiLU"):
+        return "silu"
+    if name in ("GELUTanh", "PytorchGELUTanh", "NewGELUActivation", "FastGELUActivation"):
+        return "gelu_tanh"
+    return None
+
+
+def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                       inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+    """``XForCausalLM.forward`` whose loss skips the logits; see :func:`patch`."""
+    if labels is None:
+        return self._chunkloss_forward(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+            logits_to_keep=logits_to_keep, **kwargs,
+        )
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from chunkloss import FusedLinearCrossEntropyLoss
+
+    return_dict = kwargs.pop("return_dict", None)
+    shift_labels = kwargs.pop("shift_labels", None)
+    outputs = self.model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
+    )
+    hidden = outputs.last_hidden_state
+    keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+    hidden = hidden[:, keep, :]
+    if self._chunkloss_ce is None:
+        softcap = getattr(self.config, "final_logit_softcapping", None)
+        self._chunkloss_ce = FusedLinearCrossEntropyLoss(ignore_index=-100, softcap=softcap,
+                                                         **self._chunkloss_loss_options)
+    if shift_labels is None:
+        # As transformers' ForCausalLMLoss: position t predicts token t + 1, the last one predicts nothing.
+        shift_labels = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+    loss = self._chunkloss_ce(hidden, self.lm_head.weight, shift_labels.to(hidden.device),
+                              bias=self.lm_head.bias, num_items_in_batch=kwargs.get("num_items_in_batch"))
+    out = CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
+                                 hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+    if return_dict is False or (return_dict is None and not getattr(self.config, "return_dict", True)):
+        return out.to_tuple()
+    return out
+
+
+def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, loss: bool = True,
+          loss_options: dict | None = None) -> nn.Module:
+    """Make a transformers Llama / Mistral / Qwen2 / Qwen3 / Gemma / Gemma-2 model use chunkloss's kernels.
+
+    Args:
+        model: an ``XForCausalLM`` or the bare ``XModel`` (then ``loss`` does nothing).
+        rms_norm: patch every RMSNorm module (including Qwen3's per-head q/k norms).
+        rope: replace the family's ``apply_rotary_pos_emb`` (process-wide, see the module docstring).
+        mlp: patch every gated MLP's activation.
+        loss: with ``labels``, compute the causal-LM loss through ``chunkloss.FusedLinearCrossEntropyLoss``
+            without logits; the output's ``logits`` is then ``None``. Gemma-2's ``final_logit_softcapping``
+            is passed to the loss as ``softcap``.
+        loss_options: extra keyword options for ``FusedLinearCrossEntropyLoss`` (e.g. ``{"compile": False}``).
+
+    Returns:
+        ``model``, patched in place.
+
+    Raises:
+        ValueError: the model's ``config.model_type`` is not one of ``SUPPORTED_MODEL_TYPES``.
+    """
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"chunkloss.kernels.patch supports model types {', '.join(SUPPORTED_MODEL_TYPES)}; "
+            f"got {model_type!r} ({type(model).__name__})."
+        )
+    gemma = model_type in _GEMMA_TYPES
+    for name, module in model.named_modules():
+        cls = type(module).__name__
+        if rms_norm and cls in _RMSNORM_CLASSES:
+            eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
+            module.forward = types.MethodType(functools.partial(
+                _norm_forward, eps=eps, offset=1.0 if gemma else 0.0, casting="gemma" if gemma else "llama",
+                in_place=_norm_in_place_safe(name, model_type),
+            ), module)
+        elif mlp and cls in _MLP_CLASSES:
+            activation = _mlp_activation(module)
+            if activation is None:
+                act = type(module.act_fn).__name__
+                warnings.warn(f"chunkloss: {name} uses {act}, left unpatched", stacklevel=2)
+                continue
+            module.forward = types.MethodType(functools.partial(_mlp_forward, activation=activation), module)
+    if rope:
+        modeling = sys.modules[type(model).__module__]
+        if not hasattr(modeling, "apply_rotary_pos_emb"):
+            raise ValueError(f"{modeling.__name__} has no apply_rotary_pos_emb to replace")
+        modeling.apply_rotary_pos_emb = _rotary_fn
+    if loss and hasattr(model, "lm_head") and hasattr(model, "model"):
+        if not hasattr(model, "_chunkloss_forward"):
+            model._chunkloss_forward = model.forward
+        model._chunkloss_ce = None
+        model._chunkloss_loss_options = dict(loss_options or {})
+        model.forward = types.MethodType(_causal_lm_forward, model)
+    return model
+
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "patch"]
