@@ -27,8 +27,8 @@ def apply_rotary_pos_emb_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor
     Args:
         q: (B, Hq, T, D) for ``unsqueeze_dim=1`` or (B, T, Hq, D) for ``unsqueeze_dim=2``.
         k: same layout with Hkv heads.
-        cos, sin: (B, T, R) or (T, R), R <= D and even; with ``position_ids`` and 2-D tables, (T_max, R) rows
-            gathered by ``position_ids`` (B, T) (the pre-4.38 transformers convention).
+        cos, sin: (B, T, R) or (T, R) (shared by the batch), R <= D and even; with ``position_ids`` and
+            2-D tables, (T_max, R) rows gathered by ``position_ids`` (B, T) (pre-4.38 transformers).
         position_ids: see ``cos``; ignored for 3-D tables, as transformers does.
         unsqueeze_dim: the head axis of q and k.
 
@@ -37,6 +37,8 @@ def apply_rotary_pos_emb_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor
     """
     if position_ids is not None and cos.ndim == 2:
         cos, sin = cos[position_ids], sin[position_ids]
+    if cos.ndim == 2:  # (T, R) shared by the batch (transformers itself would broadcast it wrongly)
+        cos, sin = cos[None], sin[None]
     cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
     rot = cos.shape[-1]
 

@@ -1,0 +1,246 @@
+"""Triton row kernels vs their fp32 references (CPU through TRITON_INTERPRET=1, small odd shapes).
+
+Three-way check for every output and gradient: ``err(ours) <= K * err(torch_same_dtype) + ATOL``, where
+``err`` is the max abs difference to the fp32 reference divided by the reference's max abs value.
+"""
+
+import warnings
+
+import pytest
+import torch
+from chunkloss.kernels import (
+    apply_rotary_pos_emb,
+    apply_rotary_pos_emb_ref,
+    geglu,
+    geglu_ref,
+    layer_norm,
+    layer_norm_ref,
+    rms_norm,
+    rms_norm_ref,
+    swiglu,
+    swiglu_ref,
+)
+
+# dtype -> (K, ATOL). K = 2: we may round differently from PyTorch (one fp32 pass and one cast where
+# PyTorch rounds after each op) but must not be worse than twice its error. ATOL is a few units in the last
+# place of the dtype relative to the output scale (fp32 2^-23, bf16 2^-8, fp16 2^-11), for quantities
+# PyTorch happens to get exactly (e.g. a fp32 sum in a different order than ours).
+TOL = {
+    torch.float32: (2.0, 1e-5),
+    torch.bfloat16: (2.0, 1e-2),
+    torch.float16: (2.0, 2e-3),
+}
+DTYPES = [torch.float32, torch.bfloat16]
+WIDTHS = [31, 127, 1000]  # below a warp, just under a power of two, and a wide masked row
+LAYOUTS = ["contiguous", "strided_rows", "transposed"]  # row stride > width; last-dim stride != 1
+
+
+def rel_err(x, ref):
+    return ((x.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-6)).item()
+
+
+def assert_close3(ours, torch_same, ref, dtype, what):
+    k, atol = TOL[dtype]
+    e_ours, e_torch = rel_err(ours, ref), rel_err(torch_same, ref)
+    assert e_ours <= k * e_torch + atol, f"{what}: err {e_ours:.3g} vs torch {e_torch:.3g} ({dtype})"
+
+
+def laid_out(master: torch.Tensor, layout: str, dtype) -> torch.Tensor:
+    """A (N, D) input with `layout`: a non-leaf view, so gradients are taken w.r.t. the view itself."""
+    if layout == "contiguous":
+        return master.to(dtype).requires_grad_(True) * 1
+    if layout == "strided_rows":
+        leaf = torch.cat([master, torch.randn(master.shape[0], 5)], dim=1).to(dtype).requires_grad_(True)
+        return leaf[:, : master.shape[1]]
+    leaf = master.t().contiguous().to(dtype).requires_grad_(True)
+    return leaf.t()
+
+
+def run3(fn_ours, fn_ref, masters, layouts, dtype, grad_fn=torch.randn_like):
+    """Outputs and input gradients of ours (dtype), torch's same ops (dtype) and the fp32 reference."""
+    results = []
+    upstream = None
+    for fn, dt in ((fn_ref, torch.float32), (fn_ref, dtype), (fn_ours, dtype)):
+        inputs = [laid_out(m, lay, dt) if lay else m.to(dt).requires_grad_(True)
+                  for m, lay in zip(masters, layouts)]
+        out = fn(*inputs)
+        if upstream is None:
+            upstream = grad_fn(out.float())
+        grads = torch.autograd.grad(out, inputs, upstream.to(out.dtype))
+        results.append((out, grads))
+    return results
+
+
+def check3(results, dtype, names):
+    (ref, ref_g), (tch, tch_g), (ours, ours_g) = results
+    assert ours.shape == ref.shape and ours.dtype == tch.dtype
+    assert_close3(ours, tch, ref, dtype, "output")
+    for name, a, b, c in zip(names, ours_g, tch_g, ref_g):
+        assert_close3(a, b, c, dtype, f"d{name}")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("casting,offset", [("llama", 0.0), ("gemma", 1.0)])
+def test_rms_norm(casting, offset, width, dtype, layout):
+    x = torch.randn(19, width) * 3
+    w = torch.randn(width) * 0.3 + (0.0 if offset else 1.0)
+    results = run3(lambda x, w: rms_norm(x, w, 1e-6, offset, casting),
+                   lambda x, w: rms_norm_ref(x, w, 1e-6, offset, casting), [x, w], [layout, None], dtype)
+    check3(results, dtype, ["x", "w"])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("has_bias", [True, False])
+def test_layer_norm(has_bias, width, dtype, layout):
+    x = torch.randn(19, width) * 2 + 1.5  # a non-zero mean exercises the centring
+    w = torch.randn(width) * 0.3 + 1.0
+    b = torch.randn(width) * 0.3
+    masters, layouts = ([x, w, b], [layout, None, None]) if has_bias else ([x, w], [layout, None])
+    results = run3(layer_norm, layer_norm_ref, masters, layouts, dtype)
+    check3(results, dtype, ["x", "w", "b"])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("ours,ref", [(swiglu, swiglu_ref), (geglu, geglu_ref)], ids=["swiglu", "geglu"])
+def test_glu(ours, ref, width, dtype, layout):
+    a = torch.randn(19, width) * 3  # covers both tails of the activations
+    b = torch.randn(19, width)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # numpy's exp overflow in the interpreter's sigmoid
+        results = run3(ours, ref, [a, b], [layout, "contiguous"], dtype)
+    check3(results, dtype, ["a", "b"])
+
+
+def rope_tables(batch, seq, rot, kind):
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
+    pos = torch.arange(seq).float()[None, :] + torch.arange(batch).float()[:, None] * 3  # distinct per row
+    freqs = pos[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, R), as LlamaRotaryEmbedding builds it
+    if kind == "batched":
+        return emb.cos(), emb.sin(), None
+    if kind == "shared":
+        return emb[0].cos(), emb[0].sin(), None  # (T, R)
+    table = torch.cat((freqs, freqs), dim=-1).reshape(-1, rot)  # (B * T, R) rows gathered by position_ids
+    position_ids = torch.arange(batch * seq).view(batch, seq).flip(-1)
+    return table.cos(), table.sin(), position_ids
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,rot", [(16, 16), (30, 30), (16, 8)], ids=["full", "odd_width", "partial"])
+# Each table form once, with both head layouts covered: (B, H, T, D) views and (B, T, H, D).
+@pytest.mark.parametrize("tables,unsqueeze_dim", [("batched", 1), ("shared", 2), ("position_ids", 1)])
+def test_rope(tables, unsqueeze_dim, head_dim, rot, dtype, in_place):
+    batch, seq, n_q, n_k = 2, 5, 6, 2  # grouped-query: 3 q heads per k head; 6 is not a power of two
+    cos, sin, position_ids = rope_tables(batch, seq, rot, tables)
+    q_proj = torch.randn(batch, seq, n_q * head_dim)
+    k_proj = torch.randn(batch, seq, n_k * head_dim)
+
+    def heads(x, n):  # transformers' q_proj(x).view(B, T, H, D).transpose(1, 2): a non-contiguous view
+        x = x.view(batch, seq, n, head_dim)
+        return x.transpose(1, 2) if unsqueeze_dim == 1 else x
+
+    outs = []
+    for dt, fn in ((torch.float32, apply_rotary_pos_emb_ref), (dtype, apply_rotary_pos_emb_ref),
+                   (dtype, apply_rotary_pos_emb)):
+        qp, kp = q_proj.to(dt).requires_grad_(), k_proj.to(dt).requires_grad_()
+        kwargs = {"in_place": in_place} if fn is apply_rotary_pos_emb else {}
+        q, k = heads(qp * 1, n_q), heads(kp * 1, n_k)  # non-leaf, like a projection output
+        qe, ke = fn(q, k, cos.to(dt), sin.to(dt), position_ids, unsqueeze_dim, **kwargs)
+        if fn is apply_rotary_pos_emb and in_place:
+            assert qe.data_ptr() == q.data_ptr() and ke.data_ptr() == k.data_ptr()
+        torch.manual_seed(1)
+        # A transposed (non-contiguous) upstream gradient, as attention's backward produces.
+        gq = torch.randn(qe.shape[::-1]).permute(3, 2, 1, 0).to(dt)
+        gk = torch.randn(ke.shape).to(dt)
+        dq, dk = torch.autograd.grad((qe, ke), (qp, kp), (gq, gk))
+        outs.append((qe, ke, dq, dk))
+    ref, tch, ours = outs
+    for i, name in enumerate(["q_embed", "k_embed", "dq", "dk"]):
+        assert ours[i].shape == ref[i].shape
+        assert_close3(ours[i], tch[i], ref[i], dtype, name)
+
+
+def test_rope_gradient_of_one_output_only():
+    cos, sin, _ = rope_tables(2, 4, 8, "batched")
+    q = torch.randn(2, 3, 4, 8, requires_grad=True)
+    k = torch.randn(2, 1, 4, 8, requires_grad=True)
+    qe, _ = apply_rotary_pos_emb(q, k, cos, sin)
+    qr, _ = apply_rotary_pos_emb_ref(q, k, cos, sin)
+    dq, dk = torch.autograd.grad(qe.sum(), (q, k), allow_unused=True)
+    dq_ref, = torch.autograd.grad(qr.sum(), (q,))
+    torch.testing.assert_close(dq, dq_ref)
+    assert dk is None or dk.abs().max() == 0
+
+
+def test_no_grad_for_inputs_that_do_not_require_it():
+    x = torch.randn(7, 33, requires_grad=True)
+    w = torch.randn(33)
+    y = rms_norm(x, w)
+    assert y.grad_fn is not None
+    (dx,) = torch.autograd.grad(y.sum(), (x,))
+    assert dx.shape == x.shape
+    b = torch.randn(33, requires_grad=True)
+    dx, db = torch.autograd.grad(layer_norm(x, w, b).sum(), (x, b))
+    torch.testing.assert_close(db, torch.full((33,), 7.0))
+
+
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_norm_in_place_backward_matches(norm):
+    x = torch.randn(3, 5, 100, requires_grad=True)  # 3-D input: rows flattened before the kernel
+    w = torch.randn(100, requires_grad=True)
+    if norm == "rms":
+        def fn(x, ip):
+            return rms_norm(x, w, in_place=ip)
+    else:
+        def fn(x, ip):
+            return layer_norm(x, w, None, in_place=ip)
+    g = torch.randn(3, 5, 100)
+    expected = torch.autograd.grad(fn(x, False), (x, w), g.clone())
+    g_buffer = g.clone()
+    got = torch.autograd.grad(fn(x, True), (x, w), g_buffer)
+    torch.testing.assert_close(got, expected)
+    assert not torch.equal(g_buffer, g), "in_place=True should have reused the gradient buffer"
+
+
+@pytest.mark.parametrize("ours,ref", [(swiglu, swiglu_ref), (geglu, geglu_ref)], ids=["swiglu", "geglu"])
+def test_glu_in_place_backward_matches(ours, ref):
+    a = torch.randn(4, 3, 50)
+    b = torch.randn(4, 3, 50)
+    g = torch.randn(4, 3, 50)
+    a1, b1 = a.clone().requires_grad_(), b.clone().requires_grad_()
+    expected = torch.autograd.grad(ref(a1, b1), (a1, b1), g)
+    a2, b2 = (a * 1).requires_grad_(), (b * 1).requires_grad_()
+    got = torch.autograd.grad(ours(a2 * 1, b2 * 1, in_place=True), (a2, b2), g)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_rms_norm_gemma_offset_matches_transformers():
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    x = torch.randn(6, 40, dtype=torch.bfloat16)
+    gemma, llama = GemmaRMSNorm(40, eps=1e-6), LlamaRMSNorm(40, eps=1e-6)
+    with torch.no_grad():
+        gemma.weight.normal_()
+        llama.weight.normal_()
+    llama.to(torch.bfloat16)
+    torch.testing.assert_close(rms_norm_ref(x, gemma.weight, 1e-6, 1.0, "gemma"), gemma(x), atol=0, rtol=0)
+    torch.testing.assert_close(rms_norm_ref(x, llama.weight, 1e-6), llama(x), atol=0, rtol=0)
+    torch.testing.assert_close(rms_norm(x, gemma.weight, 1e-6, 1.0, "gemma"), gemma(x), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(rms_norm(x, llama.weight, 1e-6), llama(x), atol=2e-2, rtol=2e-2)
+
+
+def test_rope_ref_matches_transformers():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_rope
+
+    cos, sin, _ = rope_tables(2, 5, 16, "batched")
+    q, k = torch.randn(2, 4, 5, 16), torch.randn(2, 2, 5, 16)
+    for got, want in zip(apply_rotary_pos_emb_ref(q, k, cos, sin), hf_rope(q, k, cos, sin)):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
