@@ -1,0 +1,216 @@
+"""The chunked LM head the trainers call: the model's backbone runs inside the model's own forward, and the
+chunked loss gets the last hidden states with the head's weight, bias and logit transforms.
+
+``add_chunked_head(model)`` patches ``model.forward`` the way TRL 1.16's ``add_fused_lm_head`` does, so
+that ``model(**inputs, chunked_head=fn)`` returns ``ChunkedHeadOutput(fn(hidden, head), aux_loss)``.
+Running the loss inside the forward keeps FSDP's and DeepSpeed ZeRO-3's hooks armed: under FSDP2 a
+``DTensor`` head weight is gathered with ``full_tensor()``, under ZeRO-3 the head is gathered around the call
+(``trl.trainer.utils.maybe_gather_lm_head_ctx``), and the chunked losses compute their gradients in the
+forward.
+
+A LoRA adapter on ``lm_head`` trains through the chunked loss: its logits
+``x·Wᵀ + b + Σ_a s_a·(drop_a(x)·A_aᵀ)·B_aᵀ`` equal ``[x, drop_a(x)·A_aᵀ, …] · [W, s_a·B_a, …]ᵀ + b``, so the
+loss gets the concatenated hidden states and weight, and autograd carries the gradient to ``A`` and ``B``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["ChunkedHeadOutput", "Head", "add_chunked_head", "allow_lm_head_adapter", "head_transforms"]
+
+
+@dataclass
+class Head:
+    """The LM head as the chunked losses take it: ``logits = scale(hidden @ weight.T + bias)``."""
+
+    weight: Tensor  # (V, H')
+    bias: Tensor | None  # (V,)
+    softcap: float | None
+    logit_scale: float
+
+    def features(self, hidden: Tensor) -> Tensor:
+        """Hidden states ``(..., H)`` as the head's input ``(..., H')`` (LoRA columns appended)."""
+        return self._features(hidden) if self._features is not None else hidden
+
+    _features: Callable[[Tensor], Tensor] | None = None
+
+
+@dataclass
+class ChunkedHeadOutput:
+    """What ``model(..., chunked_head=fn)`` returns: ``fn``'s result and the MoE load-balancing loss."""
+
+    result: Any
+    aux_loss: Tensor | None = None
+
+
+def head_transforms(config) -> tuple[float | None, float]:
+    """``(final_logit_softcapping, logit_scale)`` of a config, read as TRL 1.16's fused head reads them."""
+    text_config = config.get_text_config()
+    softcap = getattr(text_config, "final_logit_softcapping", None)
+    logit_scale = getattr(text_config, "logit_scale", None)
+    if logit_scale is None:
+        logit_scale = getattr(text_config, "output_multiplier", None)
+    if logit_scale is None:
+        logit_scale = getattr(text_config, "lm_head_multiplier", None)
+    if logit_scale is None and getattr(text_config, "logits_scaling", None) is not None:
+        scaling = text_config.logits_scaling
+        logit_scale = scaling if text_config.model_type == "hyperclovax" else 1 / scaling
+    return softcap, 1.0 if logit_scale is None else float(logit_scale)
+
+
+def _lora_layer_type():
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:  # PEFT is optional
+        return None
+    return LoraLayer
+
+
+def _base_linear(lm_head: nn.Module) -> nn.Module:
+    """The plain ``nn.Linear`` under a PEFT tuner layer (or the head itself)."""
+    return lm_head.get_base_layer() if hasattr(lm_head, "get_base_layer") else lm_head
+
+
+def check_head_supported(model: nn.Module) -> None:
+    """Raise a clear error for LM heads the chunked losses cannot take exactly."""
+    lm_head = model.get_output_embeddings()
+    if lm_head is None:
+        raise ValueError(f"{type(model).__name__} has no output embeddings (lm_head) to fuse into the loss")
+    lora = _lora_layer_type()
+    base = _base_linear(lm_head)
+    if lm_head is not base:
+        if lora is None or not isinstance(lm_head, lora):
+            raise ValueError(
+                f"The adapter on lm_head ({type(lm_head).__name__}) is not supported by the chunked loss: "
+                "only LoRA adapters are. Remove 'lm_head' from the adapter's target modules."
+            )
+        if getattr(lm_head, "lora_variant", None):
+            raise ValueError(
+                f"LoRA variants on lm_head ({sorted(lm_head.lora_variant)}: DoRA and the like) are not "
+                "supported by the chunked loss: use plain LoRA or drop 'lm_head' from the target modules."
+            )
+        if any(b.bias is not None for b in lm_head.lora_B.values()):
+            raise ValueError("lora_bias=True on lm_head is not supported by the chunked loss")
+    if not isinstance(base, nn.Linear):
+        raise ValueError(f"lm_head must be an nn.Linear for the chunked loss, got {type(base).__name__}")
+
+
+def _gathered_weight(t: Tensor | None) -> Tensor | None:
+    # FSDP2 exposes sharded parameters as DTensors; the backbone output is a plain tensor.
+    if t is not None and type(t).__name__ == "DTensor":
+        return t.full_tensor()
+    return t
+
+
+def _head_of(model: nn.Module) -> tuple[Head, tuple[Tensor, ...]]:
+    """The :class:`Head` of ``model`` (looked up on each call: FSDP and PEFT replace modules) and the raw
+    parameters to gather under ZeRO-3."""
+    lm_head = model.get_output_embeddings()
+    base = _base_linear(lm_head)
+    softcap, logit_scale = head_transforms(model.config)
+    weight, bias = _gathered_weight(base.weight), _gathered_weight(base.bias)
+    raw = tuple(p for p in (base.weight, base.bias) if p is not None)
+    adapters = []
+    if lm_head is not base and not lm_head.disable_adapters and not lm_head.merged:
+        for name in lm_head.active_adapters:
+            if name in lm_head.lora_A:
+                adapters.append(
+                    (
+                        lm_head.lora_A[name],
+                        lm_head.lora_B[name],
+                        lm_head.lora_dropout[name],
+                        lm_head.scaling[name],
+                    )
+                )
+    if not adapters:
+        return Head(weight, bias, softcap, logit_scale), raw
+
+    def features(x: Tensor) -> Tensor:
+        cols = [x]
+        for a, _, drop, _ in adapters:
+            cols.append(drop(x.to(a.weight.dtype)) @ _gathered_weight(a.weight).t())
+        return torch.cat([c.to(x.dtype) for c in cols], dim=-1)
+
+    weight = torch.cat(
+        [weight, *[s * _gathered_weight(b.weight).to(weight.dtype) for _, b, _, s in adapters]], 1
+    )
+    return Head(weight, bias, softcap, logit_scale, features), raw
+
+
+def _gather_ctx(params: tuple[Tensor, ...]):
+    try:
+        from trl.trainer.utils import maybe_gather_lm_head_ctx
+    except ImportError:  # pragma: no cover - TRL is a dependency
+        return contextlib.nullcontext()
+    return maybe_gather_lm_head_ctx(*params)
+
+
+def add_chunked_head(model: nn.Module) -> None:
+    """Patch ``model.forward`` so that ``model(..., chunked_head=fn)`` runs the backbone and returns
+    ``ChunkedHeadOutput(fn(last_hidden_state, head), aux_loss)``; without ``chunked_head`` the forward is the
+    one the model had (generation and TRL's own fused head are unchanged). Patch the base model, before or
+    after PEFT wraps it (the head and backbone are looked up on each call)."""
+    if getattr(model, "_chunkloss_head", False):
+        return
+    check_head_supported(model)
+    previous_forward = model.forward
+    text_config = model.config.get_text_config()
+
+    @functools.wraps(type(model).forward)
+    def _forward(self, *args, chunked_head=None, **kwargs):
+        if chunked_head is None:
+            return previous_forward(*args, **kwargs)
+        for key in ("labels", "shift_labels", "num_items_in_batch", "fused_lm_head", "logits_to_keep"):
+            kwargs.pop(key, None)
+        kwargs["use_cache"] = False
+        if getattr(text_config, "output_router_logits", False):
+            kwargs.setdefault("output_router_logits", True)
+        backbone_out = self.base_model(*args, **kwargs)
+        head, raw = _head_of(self)
+        hidden = backbone_out.last_hidden_state.to(head.weight.device)
+        with _gather_ctx(raw):
+            result = chunked_head(hidden, head)
+        aux_loss = None
+        if kwargs.get("output_router_logits"):
+            from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+            aux_loss = load_balancing_loss_func(
+                backbone_out.router_logits,
+                text_config.num_experts
+                if hasattr(text_config, "num_experts")
+                else text_config.num_local_experts,
+                text_config.num_experts_per_tok,
+                kwargs.get("attention_mask"),
+            )
+        return ChunkedHeadOutput(result, aux_loss)
+
+    model.forward = types.MethodType(_forward, model)
+    model._chunkloss_head = True
+
+
+@contextlib.contextmanager
+def allow_lm_head_adapter(model: nn.Module):
+    """While TRL's constructor runs, show it the plain ``nn.Linear`` under a LoRA adapter on ``lm_head``.
+
+    TRL refuses such an adapter because its fused head reads ``lm_head.weight`` and would never train it; the
+    chunked head here trains it, so the refusal does not apply. Only ``get_output_embeddings`` is shadowed on
+    the instance, and only for the duration of the block.
+    """
+    target = model
+    while hasattr(target, "get_base_model") and target is not target.get_base_model():
+        target = target.get_base_model()
+    cls_get = type(target).get_output_embeddings
+    target.get_output_embeddings = lambda: _base_linear(cls_get(target))
+    try:
+        yield
+    finally:
+        del target.get_output_embeddings

@@ -1,0 +1,158 @@
+"""``ChunkedSFTTrainer``: TRL's ``SFTTrainer`` with the loss computed by chunkloss's fused LM-head losses.
+
+Same constructor, same config (``ChunkedSFTConfig`` adds the chunkloss fields), same metrics under the same
+names. The loss equals ``SFTTrainer.compute_loss`` for ``loss_type`` ``"nll"`` and ``"dft"``, with
+``label_smoothing_factor`` (which TRL computes from materialised logits), completion-only and assistant-only
+labels, padding-free batches, ``num_items_in_batch`` under gradient accumulation and the MoE router loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass
+
+import torch
+from accelerate.utils import is_peft_model
+from torch import nn
+from trl import SFTConfig, SFTTrainer
+
+from chunkloss.losses.cross_entropy import FusedLinearCrossEntropyLoss
+
+from ._common import ChunkedArguments, chunk_options, refuse
+from ._head import add_chunked_head, allow_lm_head_adapter, check_head_supported
+from ._losses import FusedLinearDFTLoss
+
+__all__ = ["ChunkedSFTConfig", "ChunkedSFTTrainer"]
+
+
+@dataclass
+class ChunkedSFTConfig(SFTConfig, ChunkedArguments):
+    """``trl.SFTConfig`` with the chunkloss fields of :class:`ChunkedArguments`."""
+
+
+def _base(model: nn.Module) -> nn.Module:
+    return model.get_base_model() if is_peft_model(model) else model
+
+
+class ChunkedSFTTrainer(SFTTrainer):
+    """``trl.SFTTrainer`` whose loss never materialises the ``[tokens, vocab]`` logits.
+
+    Refused at construction (no silent fallback): ``compute_loss_func`` (an arbitrary function of the logits),
+    DeepSpeed sequence parallelism (TRL reduces the model's own loss there), and adapters on ``lm_head`` other
+    than plain LoRA. A LoRA adapter on ``lm_head`` is trained (TRL refuses it).
+    """
+
+    _tag_names = ["trl", "sft", "chunkloss"]
+
+    def __init__(self, model, args: SFTConfig | None = None, *pos, compute_loss_func=None, **kwargs):
+        name = type(self).__name__
+        if compute_loss_func is not None:
+            refuse(
+                name,
+                "compute_loss_func",
+                "it needs the full logits; subclass and override compute_loss instead",
+            )
+        if args is not None:
+            chunk_options(args)  # validate early
+        ctx = allow_lm_head_adapter(model) if isinstance(model, nn.Module) else contextlib.nullcontext()
+        with ctx:
+            super().__init__(model, args, *pos, **kwargs)
+        pc = self.accelerator.parallelism_config
+        if (
+            pc is not None
+            and getattr(pc, "sp_enabled", False)
+            and getattr(pc, "sp_backend", None) == "deepspeed"
+        ):
+            refuse(
+                name, "DeepSpeed sequence parallelism", "TRL reduces the model's own loss across ranks there"
+            )
+        base = _base(self.model)
+        check_head_supported(base)
+        add_chunked_head(base)
+        opts = chunk_options(self.args)
+        common = dict(return_token_accuracy=True, return_entropy=True, **opts)
+        if self.args.loss_type == "dft":
+            self._chunk_loss_cls, self._chunk_loss_kwargs = FusedLinearDFTLoss, common
+        else:
+            eps = self.args.label_smoothing_factor
+            self._chunk_loss_cls = FusedLinearCrossEntropyLoss
+            self._chunk_loss_kwargs = dict(label_smoothing=eps, **common)
+        self._chunk_losses: dict = {}
+
+    def _loss_module(self, head):
+        key = (head.softcap, head.logit_scale)
+        mod = self._chunk_losses.get(key)
+        if mod is None:
+            mod = self._chunk_loss_cls(
+                softcap=head.softcap, logit_scale=head.logit_scale, **self._chunk_loss_kwargs
+            )
+            self._chunk_losses[key] = mod
+        return mod
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        mode = "train" if self.model.training else "eval"
+        inputs["use_cache"] = False
+        if self.aux_loss_enabled:
+            inputs["output_router_logits"] = True
+        logits_inputs = {k: v for k, v in inputs.items() if k != "labels"}
+        labels, shift_labels = inputs.get("labels"), inputs.get("shift_labels")
+        model_inputs = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
+        normaliser = None if num_items_in_batch is None else torch.as_tensor(num_items_in_batch).clamp(min=1)
+
+        def head_fn(hidden, head):
+            if shift_labels is None:
+                hidden, target = hidden[:, :-1], labels[:, 1:]
+            else:
+                target = shift_labels
+            target = target.to(hidden.device)
+            loss_mod = self._loss_module(head)
+            loss = loss_mod(
+                head.features(hidden), head.weight, target, bias=head.bias, num_items_in_batch=normaliser
+            )
+            return loss, loss_mod.metrics, (target != -100).sum()
+
+        out = model(**model_inputs, chunked_head=head_fn)
+        loss, metrics, num_valid_local = out.result
+        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+            loss = loss * (self.accelerator.num_processes // self.get_tp_size())
+        if self.aux_loss_enabled:
+            steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None else 1
+            loss = loss + self.router_aux_loss_coef * out.aux_loss / steps
+
+        # Entropy and token accuracy, as TRL logs them: sums gathered over ranks, divided by the valid count.
+        num_valid = self.accelerator.gather_for_metrics(num_valid_local).sum()
+        entropy_sum = self.accelerator.gather_for_metrics(metrics["entropy"] * num_valid_local).sum()
+        num_correct = self.accelerator.gather_for_metrics(
+            metrics["mean_token_accuracy"] * num_valid_local
+        ).sum()
+        self._metrics[mode]["entropy"].append((entropy_sum / num_valid).item() if num_valid > 0 else 0.0)
+        self._metrics[mode]["mean_token_accuracy"].append(
+            (num_correct / num_valid).item() if num_valid > 0 else 0.0
+        )
+
+        if mode == "train":
+            if "attention_mask" in inputs:
+                num_tokens_in_batch = (
+                    self.accelerator.gather_for_metrics(inputs["attention_mask"].sum()).sum().item()
+                )
+            elif "position_ids" in inputs:
+                local = torch.tensor(inputs["position_ids"].size(1), device=inputs["position_ids"].device)
+                num_tokens_in_batch = self.accelerator.gather_for_metrics(local).sum().item()
+            else:
+                raise ValueError("Expected 'attention_mask' or 'position_ids' in inputs.")
+            self._total_train_tokens += num_tokens_in_batch // self._tp_size
+        self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
+        if self.aux_loss_enabled:
+            aux = self.accelerator.gather_for_metrics(out.aux_loss).mean().item()
+            self._metrics[mode]["aux_loss"].append(aux)
+
+        if return_outputs:
+            # Asked for by compute_metrics / preprocess_logits_for_metrics: the user wants the logits.
+            warnings.warn(
+                "return_outputs=True materialises the full logits with an extra forward pass.", stacklevel=2
+            )
+            with torch.no_grad():
+                outputs = model(**logits_inputs)
+            return loss, outputs
+        return loss
