@@ -261,6 +261,7 @@ def grpo_loss_from_logps_ref(
     else:
         normalizer = num_items_in_batch.clamp(min=1.0) / num_processes * ga / spg
         loss = (per_token_loss * mask).sum() / normalizer
+    policy_loss = loss.detach() * (1.0 if loss_type in ("dapo", "cispo", "vespo") else ga)
     if entropy_coef != 0.0:
         eff = mask if entropy_mask is None else mask * entropy_mask
         loss = loss - entropy_coef * (entropies * eff).sum() / eff.sum().clamp(min=1.0) / ga
@@ -281,6 +282,8 @@ def grpo_loss_from_logps_ref(
     if beta != 0.0:
         metrics["kl"] = global_mean(per_token_kl.detach())
     metrics["entropy"] = global_mean(entropies.detach())
+    if entropy_coef != 0.0:
+        metrics["policy_loss"] = policy_loss
     c1 = coef_1.detach()
     if loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
         low = ((c1 < 1 - epsilon_low) & (adv < 0)).float()
@@ -305,3 +308,213 @@ def grpo_ref(hidden, weight, completion_ids, completion_mask, advantages, bias=N
         with torch.no_grad():
             ref_logps, _ = grpo_logps_ref(ref_hidden, ref_weight, ref_bias, completion_ids, temperature)
     return grpo_loss_from_logps_ref(logp, ent, completion_mask, advantages, ref_logps=ref_logps, **kw)
+
+
+# --- preference losses (DPO, ORPO, CPO, SimPO) ----------------------------------------------------
+def _pref_token_logps(hidden, weight, bias, labels, ignore_index):
+    """fp32 per-token label log-probs (0 where ignored), mean logits and log Σ p² of (S, T) labels."""
+    z = logits_ref(hidden, weight, bias)
+    mask = labels != ignore_index
+    logp = torch.log_softmax(z, -1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1) * mask
+    return z, logp, mask
+
+
+def _pref_logps(hidden, weight, bias, chosen, rejected, ignore_index, average, ld_alpha=None):
+    """Per-sequence log-probs (2B,) as TRL sums them (``ld_alpha``: DPOTrainer's shared/tail split)."""
+    labels = torch.cat([chosen, rejected])
+    z, logp, mask = _pref_token_logps(hidden, weight, bias, labels, ignore_index)
+    if ld_alpha is None:
+        seq = logp.sum(-1)
+    else:
+        pos = mask.cumsum(1)
+        lens = mask.sum(1)
+        c_len, r_len = lens.chunk(2)
+        shared = torch.minimum(c_len, r_len).repeat(2).unsqueeze(1)
+        seq = (logp * ((pos > 0) & (pos <= shared))).sum(1) + ld_alpha * (logp * (pos > shared)).sum(1)
+    n = mask.sum(-1)
+    if average:
+        seq = seq / n.clamp(min=1)
+    return seq, z, logp, mask
+
+
+def _pref_metrics(seq, reward, z, mask, beta):
+    """TRL's preference metrics (means over pairs; logits/* over completion tokens)."""
+    c_lp, r_lp = seq.detach().chunk(2)
+    rc, rr = reward.detach().chunk(2)
+    zm = z.detach().mean(-1) * mask
+    mc, mr = mask.chunk(2)
+    return {
+        "rewards/chosen": rc.mean(),
+        "rewards/rejected": rr.mean(),
+        "rewards/accuracies": (rc > rr).float().mean(),
+        "rewards/margins": (rc - rr).mean(),
+        "logps/chosen": c_lp.mean(),
+        "logps/rejected": r_lp.mean(),
+        "logits/chosen": zm.chunk(2)[0].sum() / mc.sum().clamp(min=1),
+        "logits/rejected": zm.chunk(2)[1].sum() / mr.sum().clamp(min=1),
+    }
+
+
+def dpo_ref(
+    hidden,  # (2B, T, H)
+    weight,
+    chosen,  # (B, T)
+    rejected,
+    bias=None,
+    *,
+    ref_hidden=None,
+    ref_weight=None,
+    ref_bias=None,
+    ref_chosen_logps=None,
+    ref_rejected_logps=None,
+    beta=0.1,
+    loss_type="sigmoid",
+    loss_weights=None,
+    label_smoothing=0.0,
+    f_divergence_type="reverse_kl",
+    f_alpha_divergence_coef=0.5,
+    ld_alpha=None,
+    use_weighting=False,
+    discopop_tau=0.05,
+    average_log_prob=False,
+    ignore_index=-100,
+):
+    """The loss of ``trl.DPOTrainer._compute_loss`` (TRL 1.16) on fp32 logits, written out per loss
+    type; reference-free when no reference is given."""
+    types = [loss_type] if isinstance(loss_type, str) else list(loss_type)
+    weights = loss_weights or [1.0] * len(types)
+    seq, z, logp, mask = _pref_logps(
+        hidden, weight, bias, chosen, rejected, ignore_index, average_log_prob, ld_alpha
+    )
+    if ref_hidden is not None:
+        with torch.no_grad():
+            ref = _pref_logps(ref_hidden, ref_weight, ref_bias, chosen, rejected, ignore_index,
+                              average_log_prob, ld_alpha)[0]  # fmt: skip
+    elif ref_chosen_logps is not None:
+        ref = torch.cat([ref_chosen_logps, ref_rejected_logps]).float()
+    else:
+        ref = torch.zeros_like(seq)
+    c, r = seq.chunk(2)
+    ref_c, ref_r = ref.chunk(2)
+    lc, lr = c - ref_c, r - ref_r
+
+    def score(x):
+        if f_divergence_type == "forward_kl":
+            return 1 - torch.exp(-x)
+        if f_divergence_type == "js_divergence":
+            return math.log(2) + F.logsigmoid(x)
+        if f_divergence_type == "alpha_divergence" and abs(f_alpha_divergence_coef - 1) >= 1e-6:
+            a = f_alpha_divergence_coef
+            return (torch.exp(torch.clamp((a - 1) * x, max=80.0)) - 1) / (a - 1)
+        return x
+
+    sc, sr = score(lc), score(lr)
+    d = sc - sr
+    mc, mr = mask.chunk(2)
+    nc, nr = mc.sum(1).clamp(min=1), mr.sum(1).clamp(min=1)
+    eps, b = label_smoothing, beta
+    loss = 0.0
+    for t, wt in zip(types, weights):
+        if t == "sigmoid":
+            per = -F.logsigmoid(b * d)
+        elif t == "hinge":
+            per = torch.relu(1 - b * d)
+        elif t == "ipo":
+            per = (sc / nc - sr / nr - 1 / (2 * b)) ** 2
+        elif t == "exo_pair":
+            per = torch.sigmoid(b * d) * (F.logsigmoid(b * d) - math.log1p(-eps)) + torch.sigmoid(-b * d) * (
+                F.logsigmoid(-b * d) - math.log(eps)
+            )
+        elif t == "nca_pair":
+            per = -F.logsigmoid(b * lc) - 0.5 * F.logsigmoid(-b * lc) - 0.5 * F.logsigmoid(-b * lr)
+        elif t == "robust":
+            per = (-(1 - eps) * F.logsigmoid(b * d) + eps * F.logsigmoid(-b * d)) / (1 - 2 * eps)
+        elif t == "bco_pair":
+            per = -F.logsigmoid(b * lc) - F.logsigmoid(-b * lr)
+        elif t == "sppo_hard":
+            per = (lc - 0.5 / b) ** 2 + (lr + 0.5 / b) ** 2
+        elif t in ("aot", "aot_unpaired"):
+            x, y = (c - r, ref_c - ref_r) if t == "aot" else (lc, lr)
+            delta = torch.sort(x, 0)[0] - torch.sort(y, 0)[0]
+            per = -F.logsigmoid(b * delta) * (1 - eps) - F.logsigmoid(-b * delta) * eps
+        elif t == "apo_zero":
+            per = 1 - torch.sigmoid(b * lc) + torch.sigmoid(b * lr)
+        elif t == "apo_down":
+            per = torch.sigmoid(b * lc) + 1 - torch.sigmoid(b * (lc - lr))
+        elif t == "discopop":
+            x = b * d
+            mod = torch.sigmoid(x / discopop_tau)
+            per = -F.logsigmoid(x) * (1 - mod) + torch.exp(-x) * mod
+        elif t == "sft":
+            per = (-logp.chunk(2)[0].sum() / mc.sum().clamp(min=1)).expand(c.shape[0])
+        elif t == "sigmoid_norm":
+            per = -F.logsigmoid(b * (sc / nc - sr / nr))
+        else:
+            raise ValueError(t)
+        if use_weighting:
+            with torch.no_grad():
+                lse = torch.logsumexp(z, -1)
+                aligned = (logp - (torch.logsumexp(2 * z, -1) - 2 * lse)) * mask
+                wts = torch.exp(aligned.sum(1) / mask.sum(1).clamp(min=1))
+            per = per * wts.chunk(2)[0] * wts.chunk(2)[1]
+        loss = loss + per.mean() * wt
+    return loss, _pref_metrics(seq, beta * (seq - ref), z, mask, beta)
+
+
+def _nll_chosen(z, nll_labels, ignore_index):
+    zc = z[: nll_labels.shape[0]]
+    valid = nll_labels != ignore_index
+    nll = F.cross_entropy(zc.reshape(-1, zc.shape[-1]), nll_labels.reshape(-1), ignore_index=ignore_index,
+                          reduction="sum")  # fmt: skip
+    return nll / valid.sum().clamp(min=1)
+
+
+def orpo_ref(hidden, weight, chosen, rejected, bias=None, *, nll_labels=None, beta=0.1, ignore_index=-100):
+    """``ORPOTrainer.get_batch_loss_metrics`` (TRL 1.16) on fp32 logits; ``logits/*`` averaged over
+    completion tokens; a pair with an empty completion adds 0 to the odds-ratio term."""
+    seq, z, logp, mask = _pref_logps(hidden, weight, bias, chosen, rejected, ignore_index, True)
+    c, r = seq.chunk(2)
+    valid = (mask.chunk(2)[0].any(1)) & (mask.chunk(2)[1].any(1))
+    cs, rs = torch.where(valid, c, -1.0), torch.where(valid, r, -1.0)
+
+    def log1mexp(x):
+        return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+    log_odds = torch.where(valid, (cs - rs) - (log1mexp(cs) - log1mexp(rs)), 0.0)
+    ratio = torch.where(valid, F.logsigmoid(log_odds), 0.0)
+    nll = _nll_chosen(z, chosen if nll_labels is None else nll_labels, ignore_index)
+    loss = nll - (beta * ratio).mean()
+    metrics = _pref_metrics(seq, beta * seq, z, mask, beta)
+    metrics.update(
+        nll_loss=nll.detach(), log_odds_ratio=ratio.detach().mean(), log_odds_chosen=log_odds.detach().mean()
+    )
+    return loss, metrics
+
+
+def cpo_ref(
+    hidden, weight, chosen, rejected, bias=None, *, nll_labels=None, beta=0.1, loss_type="sigmoid",
+    label_smoothing=0.0, cpo_alpha=1.0, simpo_gamma=0.5, alpha=0.0, ignore_index=-100,
+):  # fmt: skip
+    """``CPOTrainer.cpo_loss`` + NLL (TRL 1.16) on fp32 logits; SimPO is ``loss_type="simpo"``."""
+    seq, z, logp, mask = _pref_logps(hidden, weight, bias, chosen, rejected, ignore_index,
+                                     loss_type in ("ipo", "simpo"))  # fmt: skip
+    c, r = seq.chunk(2)
+    if alpha != 0.0:
+        c, r = (1 - torch.exp(c).pow(-alpha)) / alpha, (1 - torch.exp(r).pow(-alpha)) / alpha
+    u = c - r
+    eps = label_smoothing
+    if loss_type == "simpo":
+        u = u - simpo_gamma / beta
+    if loss_type in ("sigmoid", "simpo"):
+        per = -F.logsigmoid(beta * u) * (1 - eps) - F.logsigmoid(-beta * u) * eps
+    elif loss_type == "hinge":
+        per = torch.relu(1 - beta * u)
+    else:
+        per = (u - 1 / (2 * beta)) ** 2
+    loss = per.mean()
+    metrics = _pref_metrics(seq, beta * torch.cat([c, r]), z, mask, beta)
+    if cpo_alpha != 0:  # no NLL term: its rows are not even projected
+        nll = _nll_chosen(z, chosen if nll_labels is None else nll_labels, ignore_index)
+        loss = loss + cpo_alpha * nll
+        metrics["nll_loss"] = nll.detach()
+    return loss, metrics

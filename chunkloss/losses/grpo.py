@@ -35,7 +35,8 @@ Metrics carry TRL's names and are this process's values, before TRL's cross-proc
 ``kl`` and ``entropy`` (masked token means), ``clip_ratio/{low_mean,high_mean,region_mean}``
 (masked token means, or means over the B sequences when the ratio is per sequence),
 ``clip_ratio/low_min`` and ``clip_ratio/high_max`` (min/max over this process's sequences of the
-per-sequence mean, NaN-skipping), ``cispo_clip_ratio``, ``vespo/phi_seq_mean``. With
+per-sequence mean, NaN-skipping), ``cispo_clip_ratio``, ``vespo/phi_seq_mean``, and ``policy_loss``
+when the entropy bonus is on. With
 ``top_entropy_quantile < 1`` the entropy threshold is the quantile of this process's tokens (TRL
 gathers every process's tokens first).
 
@@ -216,6 +217,9 @@ def _row_loss(logp, ent, ref, log_w, token, scalars, opts: GRPOOptions, keep=Non
         per = per + opts.beta * kl
     loss = (per * token["weight"]).sum()
     if opts.entropy_coef != 0.0:
+        # TRL logs the policy part alone when the bonus is on (before its GA division for the
+        # per-sequence / local normalisers).
+        metrics["policy_loss"] = loss.detach() * scalars["policy_scale"]
         eff = ent * token["emask"] if "emask" in token else ent
         n_eff = scalars["n_bonus"] if n_bonus is None else n_bonus
         loss = loss - opts.entropy_coef * eff.sum() / n_eff / scalars["grad_accum"]
@@ -503,6 +507,7 @@ class FusedLinearGRPOLoss(FusedLinearBase):
             "n_bonus": n_valid,
             "n_seqs": torch.tensor(float(max(b, 1)), device=dev),
             "grad_accum": torch.tensor(ga, device=dev),
+            "policy_scale": torch.tensor(1.0 if lt in ("dapo", "cispo", "vespo") else ga, device=dev),
             "seq_zeros": torch.zeros(b, device=dev),
         }
         batch, _ = sequence_batch(
@@ -511,10 +516,22 @@ class FusedLinearGRPOLoss(FusedLinearBase):
         engine = self._seq_engine or self
         x = hidden.reshape(b * t, h)
         loss = engine.run(x, weight, bias, batch)
-        self.metrics = _finish_metrics(
-            engine.metrics, len_s, opts.importance_sampling_level == "sequence" and adv.dim() == 1
-        )
+        seq_shaped = opts.importance_sampling_level == "sequence" and adv.dim() == 1
+        self.metrics = _finish_metrics({**_zero_metrics(opts, dev), **engine.metrics}, len_s, seq_shaped)
         return loss
+
+
+def _zero_metrics(opts: GRPOOptions, device) -> dict:
+    """The metrics when no row takes part (every completion empty): masked means of nothing are 0."""
+    names = ["entropy"] + (["kl"] if opts.beta != 0.0 else [])
+    names += ["policy_loss"] if opts.entropy_coef != 0.0 else []
+    if opts.loss_type in _CLIP_FAMILY:
+        names += ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"]
+    names += {"cispo": ["cispo_clip_ratio"], "vespo": ["vespo/phi_seq_mean"]}.get(opts.loss_type, [])
+    out = {k: torch.zeros((), device=device) for k in names}
+    if opts.loss_type in _CLIP_FAMILY:
+        out["clip_ratio/low_min"] = out["clip_ratio/high_max"] = torch.full((), float("nan"), device=device)
+    return out
 
 
 def _finish_metrics(raw: dict, len_s: Tensor, seq_shaped: bool) -> dict:

@@ -1,0 +1,498 @@
+"""FusedLinearGRPOLoss against the fp32 reference (chunkloss.reference.grpo_ref) and TRL 1.16's own
+``GRPOTrainer._compute_loss`` (called unbound on a stub trainer whose model returns given log-probs)."""
+
+from __future__ import annotations
+
+import math
+import types
+from collections import defaultdict
+
+import pytest
+import torch
+from trl.trainer.grpo_trainer import GRPOTrainer
+
+from chunkloss.losses.grpo import LOSS_TYPES, FusedLinearGRPOLoss
+from chunkloss.reference import grpo_loss_from_logps_ref, grpo_ref
+
+# Tolerances. fp32: chunked sums reorder fp32 additions; measured max |diff| ≤ 6e-6 on the loss
+# (vespo's φ amplifies ratios) and ≤ 2e-6 on gradients at these shapes.
+FP32_ATOL = {"loss": 2e-5, "grad": 1e-5, "metric": 1e-5}
+# bf16: err(ours) ≤ K·err(torch bf16) + ATOL against the fp32 reference. torch bf16 materialises
+# bf16 logits; ours projects bf16 too but keeps the loss math in fp32, so its error is measured at
+# ≤ 1.0× torch's on the loss and ≤ 1.3× on gradients (weight grad accumulated in fp32); the atol
+# covers cases where torch's own error happens to be ~0 (1 bf16 ulp of the values involved).
+BF16_K = 2.0
+BF16_ATOL = {"loss": 2e-3, "grad": 2e-2}
+
+B, T, H, V = 3, 11, 16, 37  # odd shapes; sequence 2 is an empty completion
+
+
+def make_inputs(dtype=torch.float32, adv_2d=False, bias=True, ref_head=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(B, T, H, generator=g).to(dtype).requires_grad_(True)
+    w = (torch.randn(V, H, generator=g) * 0.5).to(dtype).requires_grad_(True)
+    b = (torch.randn(V, generator=g) * 0.1).to(dtype).requires_grad_(True) if bias else None
+    ids = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[0, 7:] = 0
+    mask[2] = 0  # empty completion
+    mask[1, 3] = 0
+    adv = torch.randn(B, T, generator=g) if adv_2d else torch.randn(B, generator=g)
+    with torch.no_grad():
+        z = h.float() @ w.float().t() + (b.float() if bias else 0)
+        cur = torch.log_softmax(z, -1).gather(-1, ids[..., None])[..., 0]
+    # Old log-probs close enough to the policy that some ratios fall inside the clip range, some outside.
+    old = cur + 0.3 * torch.randn(B, T, generator=g)
+    ref = cur + 0.3 * torch.randn(B, T, generator=g)
+    inp = dict(hidden=h, weight=w, completion_ids=ids, completion_mask=mask, advantages=adv, bias=b)
+    kw = dict(old_logps=old, ref_logps=ref)
+    if ref_head:
+        kw = dict(
+            old_logps=old,
+            ref_hidden=(h.detach().float() + 0.1 * torch.randn(B, T, H, generator=g)).to(dtype),
+            ref_weight=w.detach().clone(),
+            ref_bias=None if b is None else b.detach().clone(),
+        )
+    return inp, kw
+
+
+def leaves(inp):
+    return [inp[k] for k in ("hidden", "weight", "bias") if inp[k] is not None]
+
+
+def run_ours(inp, kw, **opts):
+    for x in leaves(inp):
+        x.grad = None
+    mod = FusedLinearGRPOLoss(**opts)
+    loss = mod(**inp, **kw)
+    loss.backward()
+    return loss.detach().float(), [x.grad.float() for x in leaves(inp)], mod.metrics
+
+
+def run_ref(inp, kw, opts, dtype=torch.float32):
+    """fp32 reference (dtype=float32), or the materialised torch loss with logits in ``dtype``."""
+    f = {k: v for k, v in opts.items() if k not in ("chunk_size", "compile")}
+    leaf = leaves(inp)
+    xs = [x.detach().to(dtype).requires_grad_(True) for x in leaf]
+    h, w, b = xs[0], xs[1], xs[2] if len(xs) > 2 else None
+    kw2 = dict(kw)
+    for k in ("ref_hidden", "ref_weight", "ref_bias"):
+        if kw2.get(k) is not None:
+            kw2[k] = kw2[k].to(dtype)
+    if dtype == torch.float32:
+        loss, m = grpo_ref(
+            h, w, inp["completion_ids"], inp["completion_mask"], inp["advantages"], b, **kw2, **f
+        )
+    else:
+        temp = f.get("temperature", 1.0)
+        z = (h @ w.t() + (b if b is not None else 0)).float() / temp
+        lp_all = torch.log_softmax(z, -1)
+        logp = lp_all.gather(-1, inp["completion_ids"][..., None])[..., 0]
+        ent = -(lp_all.exp() * lp_all).sum(-1)
+        if kw2.get("ref_hidden") is not None:
+            with torch.no_grad():
+                zr = (kw2["ref_hidden"] @ kw2["ref_weight"].t()).float() / temp
+                kw2["ref_logps"] = torch.log_softmax(zr, -1).gather(-1, inp["completion_ids"][..., None])[
+                    ..., 0
+                ]
+        kw2 = {k: v for k, v in kw2.items() if not k.startswith("ref_") or k == "ref_logps"}
+        f.pop("temperature", None)
+        loss, m = grpo_loss_from_logps_ref(logp, ent, inp["completion_mask"], inp["advantages"], **kw2, **f)
+    loss.backward()
+    return loss.detach().float(), [x.grad.float() for x in xs], m
+
+
+def assert_close_fp32(ours, ref):
+    (lo, go, mo), (lr, gr, mr) = ours, ref
+    assert abs(lo - lr) <= FP32_ATOL["loss"] * max(1.0, abs(lr)), (lo, lr)
+    for a, b in zip(go, gr):
+        torch.testing.assert_close(a, b, atol=FP32_ATOL["grad"], rtol=1e-4)
+    assert set(mo) == set(mr), (set(mo), set(mr))
+    for k in mr:
+        vo, vr = float(mo[k]), float(mr[k])
+        if math.isnan(vr):
+            assert math.isnan(vo), k
+        else:
+            assert abs(vo - vr) <= FP32_ATOL["metric"], (k, vo, vr)
+
+
+def grid_opts(loss_type, level, **extra):
+    opts = dict(loss_type=loss_type, importance_sampling_level=level, compile=False, max_completion_length=T)
+    if loss_type == "cispo":
+        opts["epsilon_high"] = 1.2  # ε_max: some ratios above it
+    else:
+        opts["epsilon_high"] = 0.28
+    opts.update(extra)
+    return opts
+
+
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("level", ["token", "sequence", "sequence_token"])
+@pytest.mark.parametrize("kl", ["none", "precomputed", "head"])
+def test_grid_fp32(loss_type, level, kl):
+    """Every loss type × IS level × KL source; chunk sizes 1 and larger than B·T (odd sizes in
+    test_options_fp32); old logps and on-policy; (B,) and (B,T) advantages. The sequence path runs one
+    pass (chunk ≥ a completion) and two passes (chunk 1 < completion length)."""
+    beta = 0.0 if kl == "none" else 0.04
+    for adv_2d, on_policy in ((False, False), (True, True)):
+        inp, kw = make_inputs(adv_2d=adv_2d, ref_head=kl == "head")
+        if kl == "none":
+            kw.pop("ref_logps", None)
+            kw = {k: v for k, v in kw.items() if not k.startswith("ref_")}
+        if on_policy:
+            kw.pop("old_logps")
+        opts = grid_opts(loss_type, level, beta=beta)
+        ref = run_ref(inp, kw, opts)
+        results = []
+        for cs in (1, 1000):
+            ours = run_ours(inp, kw, chunk_size=cs, **opts)
+            assert_close_fp32(ours, ref)
+            results.append(ours)
+        for other in results[1:]:  # results agree across chunk sizes
+            assert abs(other[0] - results[0][0]) <= 1e-5
+            for a, b in zip(other[1], results[0][1]):
+                torch.testing.assert_close(a, b, atol=5e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(loss_type="dapo", top_entropy_quantile=0.3, beta=0.04),
+        dict(
+            loss_type="grpo", top_entropy_quantile=0.5, entropy_coef=0.1, importance_sampling_level="sequence"
+        ),
+        dict(loss_type="dapo", entropy_coef=0.05),
+        dict(loss_type="bnpo", entropy_coef=0.05, top_entropy_quantile=0.0),
+        dict(loss_type="grpo", off_policy_mask_threshold=0.05, beta=0.04),
+        dict(loss_type="dapo", off_policy_mask_threshold=0.05, importance_sampling_level="sequence"),
+        dict(loss_type="dapo", delta=1.1, temperature=0.7, beta=0.04, use_bias_correction_kl=False),
+        dict(loss_type="sapo", sapo_temperature_pos=0.5, sapo_temperature_neg=2.0, temperature=1.3),
+        dict(loss_type="vespo", vespo_k_pos=1.5, vespo_lambda_neg=1.0),
+    ],
+)
+@pytest.mark.parametrize("adv_2d", [False, True])
+def test_options_fp32(opts, adv_2d):
+    """Entropy mask (two passes) and bonus, off-policy mask, delta, temperature, SAPO/VESPO parameters."""
+    inp, kw = make_inputs(adv_2d=adv_2d)
+    if opts.get("beta", 0) == 0:
+        kw.pop("ref_logps")
+    opts = {"compile": False, "epsilon_high": 0.28, **opts}
+    ref = run_ref(inp, kw, opts)
+    for cs in (3, 1000):
+        assert_close_fp32(run_ours(inp, kw, chunk_size=cs, **opts), ref)
+
+
+@pytest.mark.parametrize(
+    "loss_type,isr_shape", [("dapo", "token"), ("dapo", "sequence"), ("grpo", "sequence"), ("vespo", "token")]
+)
+def test_trainer_inputs(loss_type, isr_shape):
+    """vLLM IS ratio ((B,T) or (B,)), tool mask, sampling logps, num_items_in_batch across processes
+    and gradient accumulation."""
+    inp, kw = make_inputs()
+    g = torch.Generator().manual_seed(3)
+    shape = (B, T) if isr_shape == "token" else (B,)
+    kw.update(
+        importance_sampling_ratio=torch.rand(shape, generator=g) + 0.5,
+        tool_mask=(torch.rand(B, T, generator=g) > 0.2).long(),
+        sampling_logps=kw["old_logps"] + 0.1 * torch.randn(B, T, generator=g),
+        num_items_in_batch=torch.tensor(37.0),
+        num_processes=2,
+        gradient_accumulation_steps=4,
+        steps_per_generation=2,
+    )
+    opts = grid_opts(loss_type, "token", beta=0.04, off_policy_mask_threshold=0.05, entropy_coef=0.02)
+    ref = run_ref(inp, kw, opts)
+    for cs in (2, 1000):
+        assert_close_fp32(run_ours(inp, kw, chunk_size=cs, **opts), ref)
+
+
+# --------------------------------------------------------------------------------------------------
+# Parity with TRL's own code: GRPOTrainer._compute_loss, unbound, on a stub trainer.
+class _Accel:
+    num_processes = 1
+    sync_gradients = True
+
+    def gather(self, x):
+        return x
+
+    def reduce(self, x, reduction="sum"):
+        return x
+
+    def pad_across_processes(self, x, dim=0, pad_index=0):
+        return x
+
+
+def trl_compute_loss(logps, entropies, mask, advantages, *, ga=1, spg=1, inputs_extra=None, **cfg):
+    """TRL 1.16's loss on given per-token log-probs and entropies: (loss, metrics)."""
+    stub = types.SimpleNamespace(
+        top_entropy_quantile=cfg.get("top_entropy_quantile", 1.0),
+        off_policy_mask_threshold=cfg.get("off_policy_mask_threshold"),
+        importance_sampling_level=cfg.get("importance_sampling_level", "token"),
+        beta=cfg.get("beta", 0.0),
+        loss_type=cfg.get("loss_type", "dapo"),
+        epsilon_low=cfg.get("epsilon_low", 0.2),
+        epsilon_high=cfg.get("epsilon_high", 0.2),
+        use_vllm=True,
+        vllm_importance_sampling_correction=True,
+        max_completion_length=cfg.get("max_completion_length"),
+        current_gradient_accumulation_steps=ga,
+        aux_loss_enabled=False,
+        entropy_coef=cfg.get("entropy_coef", 0.0),
+        _entropy_bonus_enabled=cfg.get("entropy_coef", 0.0) != 0.0,
+        use_adaptive_entropy=False,
+        accelerator=_Accel(),
+        model=types.SimpleNamespace(training=True),
+        args=types.SimpleNamespace(
+            use_bias_correction_kl=cfg.get("use_bias_correction_kl", True),
+            delta=cfg.get("delta"),
+            sapo_temperature_pos=cfg.get("sapo_temperature_pos", 1.0),
+            sapo_temperature_neg=cfg.get("sapo_temperature_neg", 1.05),
+            vespo_k_pos=2.0,
+            vespo_lambda_pos=3.0,
+            vespo_k_neg=3.0,
+            vespo_lambda_neg=2.0,
+            steps_per_generation=spg,
+        ),
+        _metrics=defaultdict(lambda: defaultdict(list)),
+        get_off_policy_mask=GRPOTrainer.get_off_policy_mask,
+        get_gamma_weights=GRPOTrainer.get_gamma_weights,
+    )
+    stub.get_high_entropy_mask = types.MethodType(GRPOTrainer.get_high_entropy_mask, stub)
+    stub._get_per_token_logps_and_entropies = lambda *a, **k: (logps, entropies, None)
+    b = mask.shape[0]
+    inputs = {
+        "prompt_ids": torch.zeros(b, 0, dtype=torch.long),
+        "prompt_mask": torch.zeros(b, 0, dtype=torch.long),
+        "completion_ids": torch.zeros_like(mask),
+        "completion_mask": mask,
+        "advantages": advantages,
+        **(inputs_extra or {}),
+    }
+    loss = GRPOTrainer._compute_loss(stub, None, inputs)
+    # entropy_coef is the (static here) coefficient TRL logs, not a function of the batch.
+    return loss, {k: v[0] for k, v in stub._metrics["train"].items() if k != "entropy_coef"}
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("extras", [False, True])
+def test_reference_matches_trl(loss_type, level, extras):
+    """The fp32 reference equals TRL's _compute_loss (value, d/dlogps, d/dentropy, metrics)."""
+    g = torch.Generator().manual_seed(1)
+    mask = (torch.rand(4, 9, generator=g) > 0.2).long()
+    mask[3] = 0
+    logps = (-torch.rand(4, 9, generator=g) * 3).requires_grad_(True)
+    ent = (torch.rand(4, 9, generator=g) * 2).requires_grad_(True)
+    adv = torch.randn(4, 9, generator=g) if extras else torch.randn(4, generator=g)
+    old = logps.detach() + 0.3 * torch.randn(4, 9, generator=g)
+    ref = logps.detach() + 0.3 * torch.randn(4, 9, generator=g)
+    cfg = dict(
+        loss_type=loss_type,
+        importance_sampling_level=level,
+        beta=0.04,
+        epsilon_low=0.2,
+        epsilon_high=0.28,
+        max_completion_length=9,
+    )
+    extra_in = {"old_per_token_logps": old, "ref_per_token_logps": ref, "num_items_in_batch": mask.sum()}
+    ours_kw = dict(old_logps=old, ref_logps=ref)
+    ga = spg = 1
+    if extras:
+        cfg.update(top_entropy_quantile=0.4, entropy_coef=0.1, off_policy_mask_threshold=0.05, delta=1.3)
+        isr = torch.rand(4, 9, generator=g) + 0.5
+        tool = (torch.rand(4, 9, generator=g) > 0.1).long()
+        samp = old + 0.1 * torch.randn(4, 9, generator=g)
+        extra_in.update(
+            importance_sampling_ratio=isr,
+            tool_mask=tool,
+            sampling_per_token_logps=samp,
+            num_items_in_batch=torch.tensor(50.0),
+        )
+        ours_kw.update(
+            importance_sampling_ratio=isr,
+            tool_mask=tool,
+            sampling_logps=samp,
+            num_items_in_batch=torch.tensor(50.0),
+        )
+        ga, spg = 3, 2
+    else:
+        ours_kw.update(importance_sampling_ratio=torch.ones(4, 9))  # TRL applies the ratio when use_vllm
+        extra_in["importance_sampling_ratio"] = torch.ones(4, 9)
+    lt, mt = trl_compute_loss(logps, ent, mask, adv, ga=ga, spg=spg, inputs_extra=extra_in, **cfg)
+    gt = torch.autograd.grad(lt, (logps, ent), allow_unused=True)
+    lr, mr = grpo_loss_from_logps_ref(
+        logps, ent, mask, adv, gradient_accumulation_steps=ga, steps_per_generation=spg, **ours_kw, **cfg
+    )
+    gr = torch.autograd.grad(lr, (logps, ent), allow_unused=True)
+    torch.testing.assert_close(lr, lt, atol=1e-6, rtol=1e-6)
+    for a, b in zip(gr, gt):
+        if b is None:
+            assert a is None or a.abs().max() == 0
+        else:
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    assert set(mr) == set(mt), (set(mr), set(mt))
+    for k in mt:
+        if math.isnan(mt[k]):
+            assert math.isnan(float(mr[k])), k
+        else:
+            assert abs(float(mr[k]) - mt[k]) <= 1e-6, (k, float(mr[k]), mt[k])
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "cispo", "vespo"])
+def test_module_matches_trl(loss_type):
+    """End to end: chunked module vs TRL's _compute_loss on the fp32 log-probs of the same head."""
+    inp, kw = make_inputs()
+    opts = grid_opts(loss_type, "token", beta=0.04)
+    h, w, b = (x.detach().requires_grad_(True) for x in leaves(inp))
+    z = h @ w.t() + b
+    lp_all = torch.log_softmax(z, -1)
+    logp = lp_all.gather(-1, inp["completion_ids"][..., None])[..., 0]
+    ent = -(lp_all.exp() * lp_all).sum(-1)
+    extra_in = {
+        "old_per_token_logps": kw["old_logps"],
+        "ref_per_token_logps": kw["ref_logps"],
+        "num_items_in_batch": inp["completion_mask"].sum(),
+    }
+    cfg = {k: v for k, v in opts.items() if k != "compile"}
+    stub_vllm_ratio_is_one = torch.ones(B, T)  # the stub has use_vllm=True: TRL multiplies by the ratio
+    lt, mt = trl_compute_loss(
+        logp,
+        ent,
+        inp["completion_mask"],
+        inp["advantages"],
+        inputs_extra={**extra_in, "importance_sampling_ratio": stub_vllm_ratio_is_one},
+        **cfg,
+    )
+    lt.backward()
+    lo, go, mo = run_ours(inp, kw, chunk_size=5, **opts)
+    assert abs(float(lo) - lt.item()) <= 1e-5
+    for a, x in zip(go, (h, w, b)):
+        torch.testing.assert_close(a, x.grad, atol=1e-5, rtol=1e-4)
+    for k in mt:
+        vo = float(mo[k])
+        assert (math.isnan(vo) and math.isnan(mt[k])) or abs(vo - mt[k]) <= 1e-5, (k, vo, mt[k])
+
+
+# --------------------------------------------------------------------------------------------------
+def test_hand_computed():
+    """On-policy dapo, β=0: value -A (ratio 1), dL/dz_t = -(A/N)·(e_y - p_t); two tokens, V=2."""
+    h = torch.tensor([[[1.0], [2.0]]], requires_grad=True)
+    w = torch.tensor([[1.0], [0.0]], requires_grad=True)
+    ids = torch.tensor([[0, 1]])
+    a = 0.5
+    mod = FusedLinearGRPOLoss(compile=False, chunk_size=1)
+    loss = mod(h, w, ids, torch.ones(1, 2), torch.tensor([a]))
+    loss.backward()
+    s1, s2 = 1 / (1 + math.exp(-1)), 1 / (1 + math.exp(-2))
+    assert abs(loss.item() + a) < 1e-6
+    # grad_h[t] = dL/dz_t[0]·w[0] + dL/dz_t[1]·w[1] = dL/dz_t[0]
+    expect = torch.tensor([[[-(a / 2) * (1 - s1)], [-(a / 2) * (0 - s2)]]])
+    torch.testing.assert_close(h.grad, expect, atol=1e-6, rtol=0)
+
+    def bin_ent(p):
+        return -(p * math.log(p) + (1 - p) * math.log(1 - p))
+
+    assert abs(mod.metrics["entropy"].item() - (bin_ent(s1) + bin_ent(s2)) / 2) < 1e-6
+    assert mod.metrics["clip_ratio/region_mean"].item() == 0.0
+
+
+@pytest.mark.parametrize("case", ["token_kl_head", "sequence_onepass", "entropy_two_pass"])
+def test_compiled(case):
+    """torch.compile on the three execution paths (token loss, one-pass and two-pass sequence loss)."""
+    if case == "token_kl_head":
+        inp, kw = make_inputs(ref_head=True)
+        opts = grid_opts("dapo", "token", beta=0.04)
+    elif case == "sequence_onepass":
+        inp, kw = make_inputs()
+        opts = grid_opts("grpo", "sequence", beta=0.04)
+    else:
+        inp, kw = make_inputs(adv_2d=True)
+        opts = grid_opts("dapo", "token", beta=0.04, top_entropy_quantile=0.3, entropy_coef=0.1)
+    ref = run_ref(inp, kw, opts)
+    opts["compile"] = True
+    assert_close_fp32(run_ours(inp, kw, chunk_size=16, **opts), ref)
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(loss_type="dapo", beta=0.04),
+        dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.04),
+        dict(loss_type="dapo", top_entropy_quantile=0.5, entropy_coef=0.1),
+        dict(loss_type="cispo", epsilon_high=1.2),
+    ],
+)
+def test_bf16(opts):
+    """bf16 error at most BF16_K × the materialised bf16 torch loss's error, plus BF16_ATOL."""
+    inp, kw = make_inputs(dtype=torch.bfloat16)
+    opts = {"compile": False, **opts}
+    l32, g32, _ = run_ref(inp, kw, opts)
+    lt, gt, _ = run_ref(inp, kw, opts, dtype=torch.bfloat16)
+    lo, go, _ = run_ours(inp, kw, chunk_size=7, **opts)
+    assert (lo - l32).abs() <= BF16_K * (lt - l32).abs() + BF16_ATOL["loss"]
+    for a, b, r in zip(go, gt, g32):
+        assert (a - r).abs().max() <= BF16_K * (b - r).abs().max() + BF16_ATOL["grad"]
+
+
+def test_no_grad_inputs():
+    """Gradients are None for inputs that do not require grad; the loss is unchanged."""
+    inp, kw = make_inputs()
+    inp["weight"].requires_grad_(False)
+    inp["bias"].requires_grad_(False)
+    mod = FusedLinearGRPOLoss(compile=False, beta=0.04, chunk_size=4)
+    loss = mod(**inp, **kw)
+    loss.backward()
+    assert inp["weight"].grad is None and inp["bias"].grad is None
+    assert inp["hidden"].grad is not None
+    with torch.no_grad():
+        assert torch.equal(mod(**inp, **kw), loss.detach())
+
+
+def test_all_masked():
+    """Every completion empty: loss 0, zero gradients, NaN min/max metrics (TRL's nanmin of nothing)."""
+    inp, kw = make_inputs()
+    inp["completion_mask"] = torch.zeros(B, T, dtype=torch.long)
+    for lt in ("dapo", "grpo"):
+        for level in ("token", "sequence"):
+            lo, go, mo = run_ours(
+                inp, kw, compile=False, chunk_size=4, beta=0.04, loss_type=lt, importance_sampling_level=level
+            )
+            lr, _, mr = run_ref(inp, kw, dict(beta=0.04, loss_type=lt, importance_sampling_level=level))
+            assert lo == 0.0 and lr == 0.0
+            assert all(float(g.abs().max()) == 0.0 for g in go)
+            for k in mr:
+                assert (math.isnan(float(mr[k])) and math.isnan(float(mo[k]))) or float(mr[k]) == float(
+                    mo[k]
+                ), k
+
+
+def test_bad_inputs():
+    inp, kw = make_inputs()
+    mod = FusedLinearGRPOLoss(compile=False, beta=0.04)
+    with pytest.raises(ValueError, match="completion_mask"):
+        mod(**{**inp, "completion_mask": inp["completion_mask"][:, :-1]}, **kw)
+    with pytest.raises(ValueError, match="completion_ids"):
+        mod(**{**inp, "completion_ids": inp["completion_ids"][:-1]}, **kw)
+    with pytest.raises(ValueError, match="completion_ids holds"):
+        ids = inp["completion_ids"].clone()
+        ids[0, 0] = V
+        mod(**{**inp, "completion_ids": ids}, **kw)
+    with pytest.raises(ValueError, match="advantages"):
+        mod(**{**inp, "advantages": torch.randn(B + 1)}, **kw)
+    with pytest.raises(ValueError, match="ref_logps"):
+        mod(**inp, old_logps=kw["old_logps"])
+    with pytest.raises(ValueError, match="old_logps"):
+        mod(**inp, old_logps=kw["old_logps"][:, :3], ref_logps=kw["ref_logps"])
+    with pytest.raises(ValueError, match="max_completion_length"):
+        FusedLinearGRPOLoss(loss_type="dr_grpo")
+    with pytest.raises(ValueError, match="use_adaptive_entropy"):
+        FusedLinearGRPOLoss(use_adaptive_entropy=True)
+    with pytest.raises(ValueError, match="loss_type"):
+        FusedLinearGRPOLoss(loss_type="ppo")
+    with pytest.raises(ValueError, match="importance_sampling_level"):
+        FusedLinearGRPOLoss(importance_sampling_level="tok")
+    with pytest.raises(TypeError, match="unknown option"):
+        FusedLinearGRPOLoss(epsilon=0.2)
+    with pytest.raises(ValueError, match="token-level importance_sampling_ratio"):
+        FusedLinearGRPOLoss(loss_type="vespo")(**inp, importance_sampling_ratio=torch.ones(B))
