@@ -140,11 +140,10 @@ def preference_sequence_loss(pair_loss, stats, seq_id, num_seqs, token, sequence
         "logits/chosen": s[:, 0, MEAN_LOGIT].sum() / scalars["n_chosen_tokens"],
         "logits/rejected": s[:, 1, MEAN_LOGIT].sum() / scalars["n_rejected_tokens"],
     }
-    if opts.nll_coef != 0 or "nll_labels" in token:
+    if "nll_labels" in token:
         nll = -s[:, 0, NLL].sum() / scalars["n_nll_tokens"]
         metrics["nll_loss"] = nll.detach()
-        if opts.nll_coef != 0:
-            loss = loss + opts.nll_coef * nll
+        loss = loss + opts.nll_coef * nll
     metrics.update({k: v.detach().sum() / n_pairs for k, v in extra.items()})
     return loss, metrics
 
@@ -211,8 +210,8 @@ class FusedLinearPreferenceLoss(FusedLinearBase):
         check_labels(chosen, torch.Size((n_pairs, t)), vocab, opts.ignore_index, "chosen")
         check_labels(rejected, torch.Size((n_pairs, t)), vocab, opts.ignore_index, "rejected")
         if nll_labels is not None:
-            if not self.uses_nll:
-                raise ValueError(f"{name} has no NLL term: nll_labels must be None")
+            if not (self.uses_nll and opts.nll_coef != 0):
+                raise ValueError(f"{name} has no NLL term with these options: nll_labels must be None")
             check_labels(nll_labels, torch.Size((n_pairs, t)), vocab, opts.ignore_index, "nll_labels")
         has_ref_head = ref_hidden is not None or ref_weight is not None or ref_bias is not None
         has_ref_logps = ref_chosen_logps is not None or ref_rejected_logps is not None
@@ -266,7 +265,7 @@ class FusedLinearPreferenceLoss(FusedLinearBase):
             "pref_weight": self.token_weights(pref_mask[:n_pairs], pref_mask[n_pairs:]),
         }
         scalars = {"n_pairs": torch.tensor(float(n_pairs), device=dev)}
-        if self.uses_nll:
+        if self.uses_nll and opts.nll_coef != 0:
             nll = (chosen if nll_labels is None else nll_labels.to(dev)).long()
             nll = torch.cat([nll, torch.full_like(nll, opts.ignore_index)])
             nll_mask = nll != opts.ignore_index

@@ -1,0 +1,408 @@
+"""FusedLinearDPOLoss / ORPO / CPO / SimPO against their fp32 references (``dpo_ref``, ``orpo_ref``,
+``cpo_ref``), in one-pass and two-pass mode, plus bad inputs and a hand-computed case."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from chunkloss.base import _plan_chunks
+from chunkloss.losses.cpo import FusedLinearCPOLoss
+from chunkloss.losses.dpo import DPO_LOSS_TYPES, FusedLinearDPOLoss
+from chunkloss.losses.orpo import FusedLinearORPOLoss
+from chunkloss.losses.simpo import FusedLinearSimPOLoss
+from chunkloss.reference import cpo_ref, dpo_ref, orpo_ref
+
+# Tolerances.
+# fp32: ours and the reference differ in summation order only (chunked logsumexp and segment sums
+#   vs whole rows); measured ≤ 3e-7 relative on losses and ≤ 1e-7 absolute on gradients here.
+FP32 = dict(rtol=2e-5, atol=2e-6)
+# bf16: err(ours) ≤ K·err(torch bf16) + ATOL (max abs deviation from the fp32 reference). Plain bf16
+#   torch (bf16 logits, log-softmax in bf16) measured ≈ 3e-2 on the loss and 1e-3..1e-2 on gradients;
+#   ours (bf16 GEMM, fp32 softmax and sums) measured 0.05..0.6× that. ATOL = a few bf16 ulps at the
+#   gradients' magnitude (≈ 0.1 → ulp 4e-4), for tensors torch happens to get nearly exact.
+BF16_K = 1.0
+BF16_ATOL = 2e-3
+# Chunkings of the same rows (one pass vs two passes, chunk 1 vs 1000): summation order only.
+CHUNK_INVARIANCE = dict(rtol=1e-5, atol=1e-6)
+
+B, T, H, V = 3, 13, 31, 123  # odd shapes: 3 pairs of 13 tokens, H=31, V=123
+ONE_PASS, TWO_PASS = 1000, 7  # 1000 ≥ any pair's tokens (one pass); 7 < a pair's tokens (two passes)
+
+
+def _inputs(b=B, t=T, h=H, v=V, bias=True, dtype=torch.float32, empty_pair=False, ref=True, seed=1):
+    """Pairs whose first 2..4 positions are prompt (ignored) and whose completions end at different
+    lengths (padding ignored); ``empty_pair`` gives pair 1 a completion of zero tokens."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(2 * b, t, h, generator=g) * 0.5).to(dtype).requires_grad_(True)
+    w = (torch.randn(v, h, generator=g) * 0.5).to(dtype).requires_grad_(True)
+    bb = (torch.randn(v, generator=g) * 0.1).to(dtype).requires_grad_(True) if bias else None
+    y = torch.randint(0, v, (2 * b, t), generator=g)
+    prompt = torch.randint(2, 5, (2 * b,), generator=g)
+    end = t - torch.randint(0, 4, (2 * b,), generator=g)
+    pos = torch.arange(t)
+    y[(pos < prompt[:, None]) | (pos >= end[:, None])] = -100
+    nll = torch.where(pos < end[:, None], torch.randint(0, v, (2 * b, t), generator=g), -100)[:b]
+    if empty_pair and b > 1:
+        y[1] = -100  # chosen completion of pair 1 is empty
+    d = dict(x=x, w=w, b=bb, chosen=y[:b], rejected=y[b:], nll=nll)
+    if ref:
+        d["rx"] = (x.detach().float() + 0.3 * torch.randn(2 * b, t, h, generator=g)).to(dtype)
+        d["rw"] = (w.detach().float() + 0.1 * torch.randn(v, h, generator=g)).to(dtype)
+        d["rb"] = (torch.randn(v, generator=g) * 0.1).to(dtype) if bias else None
+    return d
+
+
+def _leaves(d):
+    return [d["x"], d["w"], d["b"]]
+
+
+def _grads(loss, d):
+    leaves = [t for t in _leaves(d) if t is not None and t.requires_grad]
+    gs = iter(torch.autograd.grad(loss, leaves))
+    return [next(gs) if (t is not None and t.requires_grad) else None for t in _leaves(d)]
+
+
+def _ref_kwargs(d, ref_mode):
+    if ref_mode == "model":
+        return dict(ref_hidden=d["rx"], ref_weight=d["rw"], ref_bias=d["rb"])
+    if ref_mode == "logps":  # the reference head's sequence log-probs, precomputed
+        c, r = _seq_logps(d)
+        return dict(ref_chosen_logps=c, ref_rejected_logps=r)
+    return {}
+
+
+def _seq_logps(d):
+    labels = torch.cat([d["chosen"], d["rejected"]])
+    z = d["rx"].float() @ d["rw"].float().t() + (d["rb"].float() if d["rb"] is not None else 0)
+    lp = torch.log_softmax(z, -1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    s = (lp * (labels != -100)).sum(1)
+    return s[: d["chosen"].shape[0]], s[d["chosen"].shape[0] :]
+
+
+def _run(cls, d, call_kw=None, **opts):
+    mod = cls(**opts)
+    loss = mod(d["x"], d["w"], d["chosen"], d["rejected"], d["b"], **(call_kw or {}))
+    return loss, _grads(loss, d), mod.metrics
+
+
+def _check(ours, ref, d, tol=FP32):
+    loss, grads, metrics = ours
+    ref_loss, ref_metrics = ref
+    ref_grads = _grads(ref_loss, d)
+    torch.testing.assert_close(loss, ref_loss.float(), **tol)
+    assert set(metrics) == set(ref_metrics)
+    for k in ref_metrics:
+        torch.testing.assert_close(metrics[k], ref_metrics[k].float(), **tol, msg=k)
+    for g, rg in zip(grads, ref_grads):
+        assert (g is None) == (rg is None)
+        if g is not None:
+            torch.testing.assert_close(g, rg, **tol)
+
+
+def _dpo_ref_call(d, ref_mode, **opts):
+    kw = _ref_kwargs(d, ref_mode)
+    return dpo_ref(d["x"], d["w"], d["chosen"], d["rejected"], d["b"], **kw, **opts)
+
+
+# --------------------------------------------------------------------------------------------------
+def test_one_and_two_pass_are_what_the_chunk_sizes_pick():
+    d = _inputs()
+    mod = FusedLinearDPOLoss(chunk_size=ONE_PASS)
+    from chunkloss.base import sequence_batch
+
+    keep = torch.cat([d["chosen"], d["rejected"]]) != -100
+    batch, _ = sequence_batch(keep, torch.arange(2 * B) % B)
+    n = batch.rows.numel()
+    assert _plan_chunks(mod, batch, n, ONE_PASS)[1] is True
+    assert _plan_chunks(mod, batch, n, TWO_PASS)[1] is False
+
+
+def _loss_opts(loss_type):
+    opts = dict(loss_type=loss_type, beta=0.3)
+    if loss_type in ("exo_pair", "robust", "aot", "aot_unpaired"):
+        opts["label_smoothing"] = 0.1
+    return opts
+
+
+@pytest.mark.parametrize("chunk", [ONE_PASS, TWO_PASS])
+@pytest.mark.parametrize("loss_type", DPO_LOSS_TYPES)
+def test_dpo_every_loss_type(loss_type, chunk):
+    d = _inputs()
+    opts = _loss_opts(loss_type)
+    ours = _run(FusedLinearDPOLoss, d, _ref_kwargs(d, "model"), chunk_size=chunk, compile=False, **opts)
+    _check(ours, _dpo_ref_call(d, "model", **opts), d)
+
+
+@pytest.mark.parametrize("ref_mode", ["model", "logps", "none"])
+@pytest.mark.parametrize("chunk", [1, TWO_PASS, ONE_PASS])
+def test_dpo_reference_modes(ref_mode, chunk):
+    d = _inputs(bias=ref_mode != "none")
+    ours = _run(FusedLinearDPOLoss, d, _ref_kwargs(d, ref_mode), chunk_size=chunk, compile=False)
+    _check(ours, _dpo_ref_call(d, ref_mode), d)
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(f_divergence_type="forward_kl"),
+        dict(f_divergence_type="js_divergence", loss_type="hinge"),
+        dict(f_divergence_type="alpha_divergence", f_alpha_divergence_coef=0.3, loss_type="ipo"),
+        dict(f_divergence_type="alpha_divergence", f_alpha_divergence_coef=1.0),
+        dict(ld_alpha=0.4),
+        dict(ld_alpha=0.0, loss_type="sigmoid_norm"),
+        dict(use_weighting=True),
+        dict(use_weighting=True, loss_type=("sigmoid", "sft"), loss_weights=(0.8, 0.2)),
+        dict(loss_type=("sigmoid", "bco_pair", "sft"), loss_weights=(1.0, 0.5, 0.3)),
+        dict(loss_type="robust", label_smoothing=0.2),
+        dict(average_log_prob=True),
+        dict(loss_type=("aot", "sigmoid"), label_smoothing=0.05),
+    ],
+    ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()),
+)
+@pytest.mark.parametrize("chunk", [ONE_PASS, TWO_PASS])
+def test_dpo_options(opts, chunk):
+    d = _inputs()
+    ours = _run(FusedLinearDPOLoss, d, _ref_kwargs(d, "model"), chunk_size=chunk, compile=False, **opts)
+    _check(ours, _dpo_ref_call(d, "model", **opts), d)
+
+
+@pytest.mark.parametrize("chunk", [1, TWO_PASS, ONE_PASS])
+@pytest.mark.parametrize("own_nll", [False, True])
+def test_orpo(chunk, own_nll):
+    d = _inputs(ref=False)
+    kw = dict(nll_labels=d["nll"]) if own_nll else {}
+    ours = _run(FusedLinearORPOLoss, d, kw, chunk_size=chunk, compile=False, beta=0.2)
+    _check(ours, orpo_ref(d["x"], d["w"], d["chosen"], d["rejected"], d["b"], beta=0.2, **kw), d)
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(),
+        dict(loss_type="hinge"),
+        dict(loss_type="ipo", cpo_alpha=0.5),
+        dict(loss_type="simpo", simpo_gamma=0.7, label_smoothing=0.1),
+        dict(alpha=0.25, loss_type="simpo"),  # AlphaPO on mean log-probs (on sums p^-α explodes)
+        dict(cpo_alpha=0.0),
+    ],
+    ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()) or "default",
+)
+@pytest.mark.parametrize("chunk", [TWO_PASS, ONE_PASS])
+def test_cpo(opts, chunk):
+    d = _inputs(ref=False)
+    ours = _run(FusedLinearCPOLoss, d, None, chunk_size=chunk, compile=False, beta=0.2, **opts)
+    _check(ours, cpo_ref(d["x"], d["w"], d["chosen"], d["rejected"], d["b"], beta=0.2, **opts), d)
+
+
+@pytest.mark.parametrize("chunk", [TWO_PASS, ONE_PASS])
+def test_simpo_is_cpo_with_simpo_defaults(chunk):
+    d = _inputs(ref=False)
+    ours = _run(FusedLinearSimPOLoss, d, None, chunk_size=chunk, compile=False, beta=2.0, simpo_gamma=0.5)
+    ref = cpo_ref(
+        d["x"], d["w"], d["chosen"], d["rejected"], d["b"], beta=2.0, loss_type="simpo", simpo_gamma=0.5,
+        cpo_alpha=0.0,
+    )  # fmt: skip
+    _check(ours, ref, d)
+    assert "nll_loss" not in ours[2]
+
+
+@pytest.mark.parametrize(
+    "cls,opts,ref_fn",
+    [
+        (FusedLinearDPOLoss, dict(loss_type="ipo"), _dpo_ref_call),
+        (FusedLinearDPOLoss, dict(), _dpo_ref_call),
+        (FusedLinearORPOLoss, dict(), None),
+        (FusedLinearSimPOLoss, dict(), None),
+    ],
+)
+@pytest.mark.parametrize("chunk", [1, ONE_PASS])
+def test_pair_with_empty_completion(cls, opts, ref_fn, chunk):
+    """Pair 1's chosen completion has no tokens: a finite loss and finite gradients."""
+    d = _inputs(empty_pair=True)
+    call = _ref_kwargs(d, "model") if cls is FusedLinearDPOLoss else None
+    ours = _run(cls, d, call, chunk_size=chunk, compile=False, **opts)
+    assert torch.isfinite(ours[0]) and all(torch.isfinite(g).all() for g in ours[1])
+    assert all(torch.isfinite(v) for v in ours[2].values())
+    args = (d["x"], d["w"], d["chosen"], d["rejected"], d["b"])
+    if cls is FusedLinearDPOLoss:
+        ref = _dpo_ref_call(d, "model", **opts)
+    elif cls is FusedLinearORPOLoss:
+        ref = orpo_ref(*args)
+    else:
+        ref = cpo_ref(*args, loss_type="simpo", cpo_alpha=0.0)
+    _check(ours, ref, d)
+
+
+def test_all_tokens_ignored_gives_defined_result():
+    d = _inputs(ref=False)
+    d["chosen"] = torch.full_like(d["chosen"], -100)
+    d["rejected"] = torch.full_like(d["rejected"], -100)
+    loss, grads, metrics = _run(FusedLinearDPOLoss, d, None, chunk_size=5, compile=False)
+    torch.testing.assert_close(loss, torch.tensor(math.log(2)))  # -logσ(0)
+    assert all(g is not None and not g.any() for g in grads)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 17, 1000])
+def test_chunk_invariance(chunk):
+    d = _inputs()
+    kw = _ref_kwargs(d, "model")
+    base = _run(FusedLinearDPOLoss, d, kw, chunk_size=1000, compile=False, use_weighting=True, ld_alpha=0.5)
+    other = _run(FusedLinearDPOLoss, d, kw, chunk_size=chunk, compile=False, use_weighting=True, ld_alpha=0.5)
+    torch.testing.assert_close(other[0], base[0], **CHUNK_INVARIANCE)
+    for g, gb in zip(other[1], base[1]):
+        torch.testing.assert_close(g, gb, **CHUNK_INVARIANCE)
+    for k in base[2]:
+        torch.testing.assert_close(other[2][k], base[2][k], **CHUNK_INVARIANCE)
+
+
+def test_no_grad_inputs_give_none():
+    d = _inputs(ref=False)
+    d["w"].requires_grad_(False)
+    d["b"].requires_grad_(False)
+    loss, grads, _ = _run(FusedLinearORPOLoss, d, None, chunk_size=TWO_PASS, compile=False)
+    ref_loss, _ = orpo_ref(d["x"], d["w"], d["chosen"], d["rejected"], d["b"])
+    assert grads[1] is None and grads[2] is None
+    torch.testing.assert_close(grads[0], _grads(ref_loss, d)[0], **FP32)
+
+
+@pytest.mark.parametrize(
+    "cls,opts", [(FusedLinearDPOLoss, dict(loss_type=("sigmoid", "ipo"))), (FusedLinearORPOLoss, dict())]
+)
+@pytest.mark.parametrize("chunk", [TWO_PASS, ONE_PASS])
+def test_compiled(cls, opts, chunk):
+    d = _inputs()
+    call = _ref_kwargs(d, "model") if cls is FusedLinearDPOLoss else None
+    ours = _run(cls, d, call, chunk_size=chunk, compile=True, **opts)
+    args = (d["x"], d["w"], d["chosen"], d["rejected"], d["b"])
+    ref = _dpo_ref_call(d, "model", **opts) if cls is FusedLinearDPOLoss else orpo_ref(*args)
+    _check(ours, ref, d)
+
+
+def _err(a, b):
+    return (a.float() - b.float()).abs().max().item()
+
+
+@pytest.mark.parametrize("cls", [FusedLinearDPOLoss, FusedLinearORPOLoss, FusedLinearSimPOLoss])
+@pytest.mark.parametrize("chunk", [TWO_PASS, ONE_PASS])
+def test_bf16(cls, chunk):
+    """Three-way: fp32 reference on the bf16 inputs, plain bf16 torch, ours."""
+    d = _inputs(dtype=torch.bfloat16)
+    args = (d["x"], d["w"], d["chosen"], d["rejected"], d["b"])
+    if cls is FusedLinearDPOLoss:
+        call = _ref_kwargs(d, "model")
+        ref_fn = dpo_ref
+    elif cls is FusedLinearORPOLoss:
+        call, ref_fn = None, orpo_ref
+    else:
+        call = None
+
+        def ref_fn(*a, **k):
+            return cpo_ref(*a, **k, loss_type="simpo", cpo_alpha=0.0)
+
+    ours = _run(cls, d, call, chunk_size=chunk, compile=False)
+    ref_loss, ref_m = ref_fn(*args, **(call or {}))
+    ref_g = _grads(ref_loss, d)
+    # Plain bf16 torch: the reference's math with bf16 logits (its logits_ref upcasts, so emulate
+    # the bf16 model head by rounding the inputs' product to bf16 before the fp32 softmax would
+    # hide torch's error; instead run the reference on bf16 logits by a bf16 "identity" head).
+    z16 = (d["x"] @ d["w"].t() + d["b"]).detach().requires_grad_(True)
+    eye = torch.eye(V, dtype=torch.bfloat16)
+    t_args = (z16, eye, d["chosen"], d["rejected"], None)
+    t_call = None
+    if call:
+        rz = (call["ref_hidden"] @ call["ref_weight"].t() + call["ref_bias"]).detach()
+        t_call = dict(ref_hidden=rz, ref_weight=eye)
+    t_loss, _ = ref_fn(*t_args, **(t_call or {}))
+    (gz,) = torch.autograd.grad(t_loss, z16)
+    gz = gz.to(torch.bfloat16)
+    t_grads = [gz @ d["w"], gz.reshape(-1, V).t() @ d["x"].reshape(-1, H), gz.reshape(-1, V).sum(0)]
+    assert _err(ours[0], ref_loss) <= BF16_K * _err(t_loss, ref_loss) + BF16_ATOL
+    for g, rg, tg in zip(ours[1], ref_g, t_grads):
+        assert _err(g, rg) <= BF16_K * _err(tg, rg) + BF16_ATOL
+    for k in ref_m:
+        torch.testing.assert_close(ours[2][k], ref_m[k].float(), rtol=2e-2, atol=2e-2, msg=k)
+
+
+def test_hand_computed_tiny_case():
+    """One pair, V=2, H=1, weight = [[1], [-1]], one completion token each: logits ±x."""
+    x = torch.tensor([[[1.0]], [[0.0]]], requires_grad=True)  # chosen row x=1, rejected row x=0
+    w = torch.tensor([[1.0], [-1.0]], requires_grad=True)
+    chosen, rejected = torch.tensor([[0]]), torch.tensor([[0]])
+    mod = FusedLinearDPOLoss(beta=1.0, compile=False)
+    loss = mod(x, w, chosen, rejected)
+    # log p_c = log σ(2) (logits [1, -1]); log p_r = log ½; reference-free.
+    lc, lr = math.log(1 / (1 + math.exp(-2))), math.log(0.5)
+    expected = -math.log(1 / (1 + math.exp(-(lc - lr))))
+    torch.testing.assert_close(loss, torch.tensor(expected))
+    loss.backward()
+    # dL/dlc = -(1 - σ(lc - lr)); dlc/dx = 2·(1 - σ(2))
+    s = 1 / (1 + math.exp(-(lc - lr)))
+    torch.testing.assert_close(x.grad[0, 0, 0], torch.tensor(-(1 - s) * 2 * (1 - 1 / (1 + math.exp(-2)))))
+    torch.testing.assert_close(mod.metrics["rewards/margins"], torch.tensor(lc - lr))
+    torch.testing.assert_close(mod.metrics["logits/chosen"], torch.tensor(0.0))
+
+
+# --------------------------------------------------------------------------------------------------
+def test_bad_inputs():
+    d = _inputs()
+    dpo, orpo = FusedLinearDPOLoss(compile=False), FusedLinearORPOLoss(compile=False)
+    x, w, c, r = d["x"], d["w"], d["chosen"], d["rejected"]
+    with pytest.raises(ValueError, match="chosen shape"):
+        dpo(x, w, c[:, :-1], r)
+    with pytest.raises(ValueError, match="rejected shape"):
+        dpo(x, w, c, r[:-1])
+    with pytest.raises(ValueError, match=r"\(2B, T, H\)"):
+        dpo(x[:-1], w, c, r)
+    with pytest.raises(ValueError, match=r"\(2B, T, H\)"):
+        dpo(x.reshape(-1, H), w, c, r)
+    with pytest.raises(ValueError, match="ref_hidden and ref_weight"):
+        dpo(x, w, c, r, ref_hidden=d["rx"])
+    with pytest.raises(ValueError, match="not both"):
+        dpo(x, w, c, r, ref_hidden=d["rx"], ref_weight=d["rw"], ref_chosen_logps=torch.zeros(B),
+            ref_rejected_logps=torch.zeros(B))  # fmt: skip
+    with pytest.raises(ValueError, match="both ref_chosen_logps"):
+        dpo(x, w, c, r, ref_chosen_logps=torch.zeros(B))
+    with pytest.raises(ValueError, match="ref_chosen_logps must be"):
+        dpo(x, w, c, r, ref_chosen_logps=torch.zeros(B + 1), ref_rejected_logps=torch.zeros(B))
+    with pytest.raises(ValueError, match="ref_hidden rows"):
+        dpo(x, w, c, r, ref_hidden=d["rx"][:, :-1], ref_weight=d["rw"])
+    with pytest.raises(ValueError, match="ref_weight vocab"):
+        dpo(x, w, c, r, ref_hidden=d["rx"], ref_weight=d["rw"][:-1])
+    with pytest.raises(ValueError, match="takes no reference"):
+        orpo(x, w, c, r, ref_hidden=d["rx"], ref_weight=d["rw"])
+    with pytest.raises(ValueError, match="no NLL term"):
+        dpo(x, w, c, r, nll_labels=c)
+    with pytest.raises(ValueError, match="no NLL term"):
+        FusedLinearSimPOLoss(compile=False)(x, w, c, r, nll_labels=c)
+    with pytest.raises(ValueError, match="outside"):
+        dpo(x, w, c.clamp(min=0) + V, r)
+    with pytest.raises(TypeError, match="integer"):
+        dpo(x, w, c.float(), r)
+
+
+@pytest.mark.parametrize(
+    "opts,match",
+    [
+        (dict(loss_type="kto"), "unknown loss_type"),
+        (dict(loss_type=("sigmoid", "ipo"), loss_weights=(1.0,)), "one weight per loss_type"),
+        (dict(f_divergence_type="tv"), "f_divergence_type must be"),
+        (dict(f_divergence_type="forward_kl", loss_type="bco_pair"), "only supports"),
+        (dict(use_weighting=True, loss_type="aot"), "use_weighting"),
+        (dict(loss_type="exo_pair"), "exo_pair"),
+        (dict(loss_type="robust", label_smoothing=0.5), "robust"),
+        (dict(ld_alpha=1.5), "ld_alpha"),
+        (dict(beta=0.0), "beta"),
+        (dict(rpo_alpha=1.0), "unknown option"),
+    ],
+)
+def test_bad_options(opts, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        FusedLinearDPOLoss(**opts)
+
+
+def test_cpo_bad_options():
+    with pytest.raises(ValueError, match="loss_type"):
+        FusedLinearCPOLoss(loss_type="sppo_hard")
