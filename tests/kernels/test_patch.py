@@ -1,0 +1,130 @@
+"""chunkloss.kernels.patch on tiny random models of each supported family: same logits, loss and gradients."""
+
+import copy
+import sys
+
+import pytest
+import torch
+import transformers
+from chunkloss.kernels import SUPPORTED_MODEL_TYPES, patch
+from transformers import AutoModelForCausalLM
+
+# fp32 models; the kernels round in a different order than PyTorch, nothing else differs.
+ATOL, RTOL = 1e-5, 1e-4
+N_LAYERS, VOCAB = 2, 128
+
+CONFIGS = {
+    "llama": "LlamaConfig",
+    "mistral": "MistralConfig",
+    "qwen2": "Qwen2Config",
+    "qwen3": "Qwen3Config",
+    "gemma": "GemmaConfig",
+    "gemma2": "Gemma2Config",
+}
+
+
+def tiny_model(model_type: str):
+    config = getattr(transformers, CONFIGS[model_type])(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=N_LAYERS, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, max_position_embeddings=64,
+    )
+    config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(config).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:  # ones (Llama) / zeros (Gemma) at init would hide a wrong weight or offset
+                p.normal_(0.0, 0.3)
+    return model
+
+
+def grad_fn_counts(t: torch.Tensor) -> dict[str, int]:
+    """How many autograd nodes of each type produced `t`: proves the patched path ran."""
+    counts, seen, stack = {}, set(), [t.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        counts[type(fn).__name__] = counts.get(type(fn).__name__, 0) + 1
+        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+    return counts
+
+
+@pytest.fixture
+def restore_rope(monkeypatch):
+    """patch() replaces the family's module-level apply_rotary_pos_emb; put it back after each test."""
+    def keep(model):
+        modeling = sys.modules[type(model).__module__]
+        monkeypatch.setattr(modeling, "apply_rotary_pos_emb", modeling.apply_rotary_pos_emb)
+    return keep
+
+
+def expected_norms(model_type: str) -> int:
+    per_layer = {"gemma2": 4, "qwen3": 4}.get(model_type, 2)  # Gemma-2 pre/post norms; Qwen3 q/k norms
+    return per_layer * N_LAYERS + 1
+
+
+@pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
+def test_patch_matches_unpatched(model_type, restore_rope):
+    model = tiny_model(model_type)
+    input_ids = torch.randint(0, VOCAB, (2, 9))
+    labels = input_ids.clone()
+    labels[0, :3] = -100  # a masked prompt
+    out = model(input_ids=input_ids, labels=labels)
+    out.loss.backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    patched = copy.deepcopy(model)
+    patched.zero_grad()
+    restore_rope(patched)
+    assert patch(patched, loss_options={"compile": False}) is patched
+
+    logits = patched(input_ids=input_ids).logits  # no labels: the original forward, logits returned
+    torch.testing.assert_close(logits, out.logits, atol=ATOL, rtol=RTOL)
+
+    out2 = patched(input_ids=input_ids, labels=labels)
+    assert out2.logits is None  # documented: with labels the logits are never materialised
+    torch.testing.assert_close(out2.loss, out.loss, atol=ATOL, rtol=RTOL)
+    counts = grad_fn_counts(out2.loss)
+    assert counts.get("RMSNormFunctionBackward") == expected_norms(model_type), counts
+    assert counts.get("RoPEFunctionBackward") == N_LAYERS, counts
+    assert counts.get("GLUFunctionBackward") == N_LAYERS, counts
+    assert not any("LogSoftmax" in k for k in counts), counts  # the loss went through the chunked CE
+    out2.loss.backward()
+    for name, p in patched.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[name], atol=ATOL, rtol=RTOL, msg=name)
+
+
+def test_patch_num_items_in_batch_and_tuple_output(restore_rope):
+    model = tiny_model("llama")
+    input_ids = torch.randint(0, VOCAB, (2, 7))
+    labels = input_ids.clone()
+    labels[1, 4:] = -100
+    n_items = torch.tensor(5)  # a global count under gradient accumulation, not this batch's
+    ref = model(input_ids=input_ids, labels=labels, num_items_in_batch=n_items).loss
+    patched = copy.deepcopy(model)
+    restore_rope(patched)
+    patch(patched, loss_options={"compile": False})
+    loss = patched(input_ids=input_ids, labels=labels, num_items_in_batch=n_items).loss
+    torch.testing.assert_close(loss, ref, atol=ATOL, rtol=RTOL)
+    tup = patched(input_ids=input_ids, labels=labels, num_items_in_batch=n_items, return_dict=False)
+    torch.testing.assert_close(tup[0], ref, atol=ATOL, rtol=RTOL)
+
+
+def test_patch_parts_can_be_left_out(restore_rope):
+    model = tiny_model("qwen2")
+    restore_rope(model)
+    patch(model, rope=False, loss=False)
+    input_ids = torch.randint(0, VOCAB, (1, 6))
+    out = model(input_ids=input_ids, labels=input_ids)
+    assert out.logits is not None  # loss=False keeps transformers' loss on logits
+    counts = grad_fn_counts(out.loss)
+    assert "RoPEFunctionBackward" not in counts and counts.get("GLUFunctionBackward") == N_LAYERS
+
+
+def test_unsupported_architecture_lists_supported():
+    config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=16)
+    model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match="llama, mistral, qwen2, qwen3, gemma, gemma2") as err:
+        patch(model)
+    assert "gpt2" in str(err.value)

@@ -1,0 +1,265 @@
+"""FusedLinearCrossEntropyLoss against the fp32 reference over dtypes, shapes, options and chunking."""
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from chunkloss import FusedLinearCrossEntropyLoss
+from chunkloss.reference import cross_entropy_ref
+from tests.tolerances import assert_close_to_ref
+
+# Odd shapes: N = 3·47 rows is no multiple of any chunk size used, H and V are odd.
+B, T, H, V = 3, 47, 31, 123
+
+
+def make(dtype, bias=True, ignore_frac=0.3, seed=0, shape=(B, T)):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(*shape, H, generator=g).to(dtype).requires_grad_()
+    weight = (torch.randn(V, H, generator=g) * 0.3).to(dtype).requires_grad_()
+    b = (torch.randn(V, generator=g) * 0.1).to(dtype).requires_grad_() if bias else None
+    labels = torch.randint(0, V, shape, generator=g)
+    labels[torch.rand(shape, generator=g) < ignore_frac] = -100
+    return hidden, weight, b, labels
+
+
+def run_ours(hidden, weight, bias, labels, grad_out=1.0, **opts):
+    leaves = [t for t in (hidden, weight, bias) if t is not None]
+    for t in leaves:
+        t.grad = None
+    fn = FusedLinearCrossEntropyLoss(**opts)
+    loss = fn(hidden, weight, labels, bias=bias)
+    (loss * grad_out).sum().backward() if opts.get("reduction") == "none" else (loss * grad_out).backward()
+    return loss.detach(), [t.grad for t in leaves], fn.metrics
+
+
+def run_ref(hidden, weight, bias, labels, grad_out=1.0, dtype=torch.float32, **opts):
+    """The reference on leaves cast to ``dtype`` (fp32: ground truth; bf16: plain PyTorch's error)."""
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (hidden, weight, bias) if t is not None]
+    h, w = leaves[0], leaves[1]
+    b = leaves[2] if bias is not None else None
+    if dtype == torch.float32:
+        loss, metrics = cross_entropy_ref(h, w, labels, b, **opts)
+    else:  # plain PyTorch in low precision: logits in dtype, loss in fp32 (what users write)
+        z = h @ w.t() + (b if b is not None else 0)
+        loss, metrics = cross_entropy_ref(z, torch.eye(V, dtype=dtype), labels, None, **opts)
+    (loss * grad_out).sum().backward() if opts.get("reduction") == "none" else (loss * grad_out).backward()
+    return loss.detach(), [t.grad for t in leaves], metrics
+
+
+GRID = list(
+    itertools.product(
+        [torch.float32, torch.bfloat16],  # dtype
+        [True, False],  # bias
+        [0.0, 0.3],  # ignored fraction
+        [1, 16, 1000],  # chunk size: 1 row, odd split, larger than N
+    )
+)
+
+
+@pytest.mark.parametrize("dtype,bias,ignore_frac,chunk", GRID)
+def test_matches_reference(dtype, bias, ignore_frac, chunk):
+    hidden, weight, b, labels = make(dtype, bias, ignore_frac)
+    loss, grads, _ = run_ours(hidden, weight, b, labels, chunk_size=chunk, compile=False)
+    ref, ref_grads, _ = run_ref(hidden, weight, b, labels)
+    low, low_grads, _ = run_ref(hidden, weight, b, labels, dtype=dtype) if dtype != torch.float32 else (None,) * 3
+    assert_close_to_ref(loss, ref, low, "loss")
+    for i, (g, r) in enumerate(zip(grads, ref_grads)):
+        assert g.dtype == dtype
+        assert_close_to_ref(g, r, None if low_grads is None else low_grads[i], f"grad {i}")
+
+
+OPTION_CASES = [
+    {"label_smoothing": 0.1},
+    {"lse_square_scale": 1e-2},
+    {"softcap": 3.0},
+    {"temperature": 0.7},
+    {"logit_scale": 0.5},
+    {"reduction": "sum"},
+    {"reduction": "none"},
+    {"label_smoothing": 0.2, "lse_square_scale": 1e-3, "softcap": 5.0, "temperature": 1.3, "logit_scale": 2.0},
+]
+
+
+@pytest.mark.parametrize("opts", OPTION_CASES, ids=lambda o: ",".join(o))
+@pytest.mark.parametrize("grad_out", [1.0, 2.5])
+def test_options_match_reference(opts, grad_out):
+    hidden, weight, b, labels = make(torch.float32)
+    if opts.get("reduction") == "none":
+        grad_out = torch.rand(labels.shape) * grad_out  # a per-row grad_output
+    loss, grads, metrics = run_ours(
+        hidden, weight, b, labels, grad_out, chunk_size=16, compile=False, return_token_accuracy=True,
+        return_entropy=True, **opts,
+    )
+    ref, ref_grads, ref_metrics = run_ref(hidden, weight, b, labels, grad_out, **opts)
+    assert_close_to_ref(loss, ref, name="loss")
+    for g, r in zip(grads, ref_grads):
+        assert_close_to_ref(g, r, name="grad")
+    for name in ("mean_token_accuracy", "entropy") + (("z_loss",) if "lse_square_scale" in opts else ()):
+        assert_close_to_ref(metrics[name], ref_metrics[name], name=name)
+
+
+def test_num_items_in_batch_is_transformers_normaliser():
+    hidden, weight, b, labels = make(torch.float32)
+    loss, grads, _ = run_ours(hidden, weight, b, labels, chunk_size=16, compile=False)
+    loss_n, grads_n, _ = run_ours(hidden, weight, b, labels, chunk_size=16, compile=False)
+    n_valid = (labels != -100).sum()
+    fn = FusedLinearCrossEntropyLoss(chunk_size=16, compile=False)
+    torch.testing.assert_close(fn(hidden, weight, labels, bias=b, num_items_in_batch=2 * n_valid), loss / 2)
+    ref, _ = cross_entropy_ref(hidden, weight, labels, b, num_items_in_batch=2 * n_valid)
+    torch.testing.assert_close(fn(hidden, weight, labels, bias=b, num_items_in_batch=int(2 * n_valid)), ref)
+
+
+def test_hand_computed():
+    # One row, H=1, V=2: logits (w0·x, w1·x) = (1, 3) with x=1; label 0 -> loss = log(1 + e^2) - 0... exactly
+    # lse - z_0 = log(e^1 + e^3) - 1 = log(1 + e^2).
+    hidden = torch.ones(1, 1, requires_grad=True)
+    weight = torch.tensor([[1.0], [3.0]], requires_grad=True)
+    loss = FusedLinearCrossEntropyLoss(compile=False)(hidden, weight, torch.tensor([0]))
+    p1 = torch.sigmoid(torch.tensor(2.0))
+    assert torch.allclose(loss, torch.log1p(torch.exp(torch.tensor(2.0))))
+    loss.backward()
+    # dL/dz = softmax - onehot = (-p1, p1); dL/dx = -p1·1 + p1·3 = 2·p1; dL/dW = (dL/dz)ᵀ x.
+    assert torch.allclose(hidden.grad, torch.tensor([[2 * p1]]))
+    assert torch.allclose(weight.grad, torch.tensor([[-p1], [p1]]))
+
+
+def test_all_ignored():
+    hidden, weight, b, labels = make(torch.float32, ignore_frac=1.0)
+    for reduction in ("mean", "sum"):
+        loss, grads, _ = run_ours(hidden, weight, b, labels, chunk_size=16, compile=False, reduction=reduction)
+        assert loss.item() == 0.0 and not torch.isnan(loss)
+        assert all(torch.count_nonzero(g) == 0 for g in grads)
+
+
+def test_chunk_sizes_agree():
+    hidden, weight, b, labels = make(torch.float32)
+    results = [run_ours(hidden, weight, b, labels, chunk_size=c, compile=False) for c in (1, 7, 64, 10_000)]
+    for loss, grads, _ in results[1:]:
+        torch.testing.assert_close(loss, results[0][0])
+        for g, g0 in zip(grads, results[0][1]):
+            torch.testing.assert_close(g, g0)
+
+
+def test_compiled_matches_eager():
+    hidden, weight, b, labels = make(torch.float32)
+    eager = run_ours(hidden, weight, b, labels, chunk_size=32, compile=False, label_smoothing=0.1)
+    compiled = run_ours(hidden, weight, b, labels, chunk_size=32, compile=True, label_smoothing=0.1)
+    torch.testing.assert_close(compiled[0], eager[0])
+    for g, g0 in zip(compiled[1], eager[1]):
+        torch.testing.assert_close(g, g0)
+
+
+def test_bf16_compiled():
+    hidden, weight, b, labels = make(torch.bfloat16)
+    loss, grads, _ = run_ours(hidden, weight, b, labels, chunk_size=40, compile=True)
+    ref, ref_grads, _ = run_ref(hidden, weight, b, labels)
+    low, low_grads, _ = run_ref(hidden, weight, b, labels, dtype=torch.bfloat16)
+    assert_close_to_ref(loss, ref, low, "loss")
+    for g, r, lg in zip(grads, ref_grads, low_grads):
+        assert_close_to_ref(g, r, lg, "grad")
+
+
+def test_layouts_noncontiguous_and_2d():
+    hidden, weight, b, labels = make(torch.float32)
+    ref, ref_grads, _ = run_ref(hidden, weight, b, labels)
+    # Non-contiguous: the same values seen through a transpose.
+    hid_t = hidden.detach().transpose(0, 1).contiguous().transpose(0, 1).requires_grad_()
+    assert not hid_t.is_contiguous()
+    loss, grads, _ = run_ours(hid_t, weight, b, labels, chunk_size=16, compile=False)
+    assert_close_to_ref(loss, ref, name="loss")
+    assert_close_to_ref(grads[0], ref_grads[0], name="grad hidden")
+    # 2-D hidden (N, H) with (N,) labels.
+    h2 = hidden.detach().reshape(-1, H).requires_grad_()
+    loss2, grads2, _ = run_ours(h2, weight, b, labels.reshape(-1), chunk_size=16, compile=False)
+    assert_close_to_ref(loss2, ref, name="loss 2d")
+    assert_close_to_ref(grads2[0].view_as(hidden), ref_grads[0], name="grad hidden 2d")
+
+
+def test_frozen_weight_and_no_grad():
+    hidden, weight, b, labels = make(torch.float32)
+    weight.requires_grad_(False)
+    loss = FusedLinearCrossEntropyLoss(chunk_size=16, compile=False)(hidden, weight, labels, bias=b)
+    loss.backward()
+    assert weight.grad is None and hidden.grad is not None and b.grad is not None
+    with torch.no_grad():
+        l2 = FusedLinearCrossEntropyLoss(chunk_size=16, compile=False)(hidden, weight, labels, bias=b)
+    assert not l2.requires_grad
+    torch.testing.assert_close(l2, loss.detach())
+
+
+def test_weight_dtype_accumulation():
+    hidden, weight, b, labels = make(torch.bfloat16)
+    _, grads, _ = run_ours(hidden, weight, b, labels, chunk_size=16, compile=False, accum_dtype=None)
+    _, ref_grads, _ = run_ref(hidden, weight, b, labels)
+    _, low_grads, _ = run_ref(hidden, weight, b, labels, dtype=torch.bfloat16)
+    # bf16 accumulation over 9 chunks rounds each partial sum: allow 3x torch's error (measured ~1.6x).
+    assert_close_to_ref(grads[1], ref_grads[1], low_grads[1], "grad weight", k=3.0)
+
+
+def test_metrics_are_named():
+    hidden, weight, b, labels = make(torch.float32)
+    fn = FusedLinearCrossEntropyLoss(compile=False, return_token_accuracy=True, return_entropy=True)
+    fn(hidden, weight, labels, bias=b)
+    assert set(fn.metrics) == {"mean_token_accuracy", "entropy"}
+
+
+@pytest.mark.parametrize(
+    "case,exc,match",
+    [
+        ("hidden_size", ValueError, "hidden"),
+        ("float_labels", TypeError, "labels"),
+        ("label_range", ValueError, "labels"),
+        ("negative_label", ValueError, "labels"),
+        ("label_shape", ValueError, "labels"),
+        ("chunk_size", ValueError, "chunk_size"),
+        ("dtype_mismatch", TypeError, "dtype"),
+        ("bias_shape", ValueError, "bias"),
+        ("unknown_option", TypeError, "unknown option"),
+        ("reduction", ValueError, "reduction"),
+    ],
+)
+def test_bad_input(case, exc, match):
+    hidden, weight, b, labels = make(torch.float32)
+    kwargs, opts = {}, {"compile": False}
+    if case == "hidden_size":
+        hidden = torch.randn(B, T, H + 1)
+    elif case == "float_labels":
+        labels = labels.float()
+    elif case == "label_range":
+        labels = labels.clone()
+        labels[0, 0] = V
+    elif case == "negative_label":
+        labels = labels.clone()
+        labels[0, 0] = -5
+    elif case == "label_shape":
+        labels = labels[:, :-1]
+    elif case == "chunk_size":
+        opts["chunk_size"] = 0
+    elif case == "dtype_mismatch":
+        weight = weight.detach().double()
+    elif case == "bias_shape":
+        kwargs["bias"] = torch.randn(V + 1)
+    elif case == "unknown_option":
+        opts["ignore_idx"] = -100
+    elif case == "reduction":
+        opts["reduction"] = "avg"
+    with pytest.raises(exc, match=match):
+        FusedLinearCrossEntropyLoss(**opts)(hidden, weight, labels, **kwargs)
+
+
+def test_empty_batch():
+    hidden = torch.randn(0, 5, H, requires_grad=True)
+    weight = torch.randn(V, H, requires_grad=True)
+    loss = FusedLinearCrossEntropyLoss(compile=False)(hidden, weight, torch.zeros(0, 5, dtype=torch.long))
+    loss.backward()
+    assert loss.item() == 0.0 and hidden.grad.shape == hidden.shape and torch.count_nonzero(weight.grad) == 0
+
+
+def test_matches_torch_cross_entropy_directly():
+    """The plain torch call a user would write, not our reference."""
+    hidden, weight, b, labels = make(torch.float32)
+    ours = FusedLinearCrossEntropyLoss(compile=False, label_smoothing=0.1)(hidden, weight, labels, bias=b)
+    theirs = F.cross_entropy((hidden @ weight.t() + b).reshape(-1, V), labels.reshape(-1), label_smoothing=0.1)
+    torch.testing.assert_close(ours, theirs)
