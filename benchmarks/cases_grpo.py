@@ -1,0 +1,130 @@
+"""GRPO cases: Llama-3-8B head (H=4096, V=128256), bf16, loss_type='dapo', β=0.04 with precomputed
+reference log-probs, old log-probs given, the last 1/8 of each completion masked.
+
+Floor FLOPs: 6·N_valid·H·V (the policy head's forward and its two gradient GEMMs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks.harness import Case
+from chunkloss.losses.grpo import FusedLinearGRPOLoss
+from chunkloss.reference import grpo_loss_from_logps_ref
+
+H, V = 4096, 128256
+BETA = 0.04
+SHAPES = ((16, 1024), (2, 16384), (2, 32768))
+
+
+def _inputs(b: int, t: int):
+    def make(device):
+        g = torch.Generator(device="cpu").manual_seed(0)
+        hidden = (torch.randn(b, t, H, generator=g) * 0.5).to(device, torch.bfloat16).requires_grad_()
+        weight = (torch.randn(V, H, generator=g) * 0.02).to(device, torch.bfloat16).requires_grad_()
+        ids = torch.randint(0, V, (b, t), generator=g).to(device)
+        mask = torch.ones(b, t, dtype=torch.long)
+        mask[:, t - t // 8 :] = 0
+        # Old/ref log-probs near a uniform-ish policy's (log 1/V ≈ -11.8), so ratios are O(1).
+        old = (-11.8 + 0.1 * torch.randn(b, t, generator=g)).to(device)
+        ref = (-11.8 + 0.1 * torch.randn(b, t, generator=g)).to(device)
+        adv = torch.randn(b, generator=g).to(device)
+        return {
+            "hidden": hidden,
+            "weight": weight,
+            "ids": ids,
+            "mask": mask.to(device),
+            "adv": adv,
+            "old": old,
+            "ref": ref,
+        }
+
+    return make
+
+
+def _trl_loss(logps, i):
+    """TRL 1.16's dapo loss on per-token log-probs (fp32 transcription, tests/losses/test_grpo.py checks it
+    against GRPOTrainer._compute_loss)."""
+    ent = torch.zeros_like(logps)
+    loss, _ = grpo_loss_from_logps_ref(
+        logps, ent, i["mask"], i["adv"], old_logps=i["old"], ref_logps=i["ref"], loss_type="dapo", beta=BETA
+    )
+    return loss
+
+
+def _torch(i):
+    # Materialised: bf16 logits -> fp32 selective log-softmax (TRL's selective_log_softmax) -> TRL loss.
+    logits = i["hidden"] @ i["weight"].t()
+    logps = torch.log_softmax(logits.float(), -1).gather(-1, i["ids"].unsqueeze(-1)).squeeze(-1)
+    return _trl_loss(logps, i)
+
+
+def impls() -> dict:
+    ours = FusedLinearGRPOLoss(loss_type="dapo", beta=BETA)
+    out = {
+        "chunkloss": lambda i: ours(
+            i["hidden"], i["weight"], i["ids"], i["mask"], i["adv"], old_logps=i["old"], ref_logps=i["ref"]
+        ),
+        "torch": _torch,
+    }
+    try:
+        from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+        def trl_head(i):
+            b, t, _ = i["hidden"].shape
+            # TRL's trainer asks its fused head for the entropy too (the `entropy` metric).
+            logps, _ = ChunkedLogProbFunction.apply(
+                i["hidden"].reshape(b * t, H),
+                i["weight"],
+                None,
+                i["ids"].reshape(-1),
+                1.0,
+                4096,
+                None,
+                1.0,
+                ("entropy",),
+            )[:2]
+            return _trl_loss(logps.view(b, t), i)
+
+        out["trl 1.16 head"] = trl_head
+    except ImportError:
+        pass
+    try:
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+        liger = LigerFusedLinearGRPOLoss(beta=BETA, use_ref_model=True, loss_type="dapo")
+
+        def liger_fn(i):
+            return liger(
+                i["hidden"],
+                i["weight"],
+                i["ids"],
+                i["mask"],
+                i["adv"],
+                ref_per_token_logps=i["ref"],
+                old_per_token_logps=i["old"],
+            )[0]
+
+        out["liger"] = liger_fn
+    except ImportError:
+        pass
+    return out
+
+
+def cases() -> list[Case]:
+    fns = impls()
+    out = []
+    for b, t in SHAPES:
+        n_valid = b * (t - t // 8)
+        out.append(
+            Case(
+                f"grpo dapo B={b} T={t}",
+                "grpo",
+                b * t,
+                6 * n_valid * H * V,
+                _inputs(b, t),
+                fns,
+                {"H": H, "V": V, "B": b, "T": t, "loss_type": "dapo", "beta": BETA},
+            )
+        )
+    return out
