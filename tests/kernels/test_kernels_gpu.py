@@ -1,0 +1,155 @@
+"""Kernels at real shapes on a CUDA device (bf16 and fp16) vs the fp32 reference, and int64 offsets.
+
+Run: ``pytest -m gpu tests/kernels -q``.
+"""
+
+import copy
+
+import pytest
+import torch
+from chunkloss.kernels import (
+    apply_rotary_pos_emb,
+    apply_rotary_pos_emb_ref,
+    geglu,
+    geglu_ref,
+    layer_norm,
+    layer_norm_ref,
+    patch,
+    rms_norm,
+    rms_norm_ref,
+    swiglu,
+    swiglu_ref,
+)
+
+from tests.kernels.test_kernels import TOL, assert_close3, rope_tables
+
+pytestmark = pytest.mark.gpu
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def three_way(fn_ours, fn_ref, masters, dtype, in_place=False):
+    """(ref fp32, torch dtype, ours dtype) outputs and gradients for inputs built from fp32 masters."""
+    results, upstream = [], None
+    for fn, dt in ((fn_ref, torch.float32), (fn_ref, dtype), (fn_ours, dtype)):
+        inputs = [m.to(dt).requires_grad_(True) for m in masters]
+        out = fn(*[i * 1 for i in inputs]) if in_place and fn is fn_ours else fn(*inputs)
+        if upstream is None:
+            upstream = torch.randn_like(out, dtype=torch.float32)
+        grads = torch.autograd.grad(out, inputs, upstream.to(out.dtype))
+        results.append((out, grads))
+    (ref, ref_g), (tch, tch_g), (ours, ours_g) = results
+    assert_close3(ours, tch, ref, dtype, "output")
+    for i, (a, b, c) in enumerate(zip(ours_g, tch_g, ref_g)):
+        assert_close3(a, b, c, dtype, f"grad {i}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("casting,offset", [("llama", 0.0), ("gemma", 1.0)])
+def test_rms_norm_4096(casting, offset, dtype):
+    x = torch.randn(4096, 4096, device="cuda")
+    w = torch.randn(4096, device="cuda") * 0.3 + (0.0 if offset else 1.0)
+    three_way(lambda x, w: rms_norm(x, w, 1e-6, offset, casting, in_place=True),
+              lambda x, w: rms_norm_ref(x, w, 1e-6, offset, casting), [x, w], dtype, in_place=True)
+
+
+@pytest.mark.parametrize("width", [2048, 8192, 16384, 5120 + 7])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norms_hidden_sizes(width, dtype):
+    x = torch.randn(1024, width, device="cuda")
+    w = torch.randn(width, device="cuda") * 0.3 + 1.0
+    b = torch.randn(width, device="cuda") * 0.3
+    three_way(rms_norm, rms_norm_ref, [x, w], dtype)
+    three_way(layer_norm, layer_norm_ref, [x, w, b], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layer_norm_4096(dtype):
+    x = torch.randn(4096, 4096, device="cuda") + 1.0
+    w = torch.randn(4096, device="cuda") * 0.3 + 1.0
+    b = torch.randn(4096, device="cuda") * 0.3
+    three_way(layer_norm, layer_norm_ref, [x, w, b], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ours,ref", [(swiglu, swiglu_ref), (geglu, geglu_ref)], ids=["swiglu", "geglu"])
+def test_glu_2048x14336(ours, ref, dtype):
+    a = torch.randn(2048, 14336, device="cuda") * 3
+    b = torch.randn(2048, 14336, device="cuda")
+    three_way(ours, ref, [a, b], dtype)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_llama_shape(dtype, in_place):
+    batch, seq, n_q, n_k, head_dim = 2, 1024, 32, 8, 128
+    cos, sin, _ = rope_tables(batch, seq, head_dim, "batched")
+    q_proj = torch.randn(batch, seq, n_q * head_dim, device="cuda")
+    k_proj = torch.randn(batch, seq, n_k * head_dim, device="cuda")
+    outs = []
+    for dt, fn in ((torch.float32, apply_rotary_pos_emb_ref), (dtype, apply_rotary_pos_emb_ref),
+                   (dtype, apply_rotary_pos_emb)):
+        qp, kp = q_proj.to(dt).requires_grad_(), k_proj.to(dt).requires_grad_()
+        q = (qp * 1).view(batch, seq, n_q, head_dim).transpose(1, 2)
+        k = (kp * 1).view(batch, seq, n_k, head_dim).transpose(1, 2)
+        kwargs = {"in_place": in_place} if fn is apply_rotary_pos_emb else {}
+        qe, ke = fn(q, k, cos.cuda().to(dt), sin.cuda().to(dt), **kwargs)
+        torch.manual_seed(1)
+        gq = torch.randn(batch, seq, n_q, head_dim, device="cuda").transpose(1, 2).to(dt)
+        gk = torch.randn_like(ke)
+        outs.append((qe, ke, *torch.autograd.grad((qe, ke), (qp, kp), (gq, gk))))
+    ref, tch, ours = outs
+    for i, name in enumerate(["q_embed", "k_embed", "dq", "dk"]):
+        assert_close3(ours[i], tch[i], ref[i], dtype, name)
+
+
+def _free_gib():
+    free, _ = torch.cuda.mem_get_info()
+    return free / 2**30
+
+
+def test_rms_norm_int64_row_offsets():
+    """Rows x width past 2^31 elements: the last rows must be normalised where they belong."""
+    width = 4096
+    rows = 2**31 // width + 64
+    if _free_gib() < 4 * rows * width * 2 / 2**30 + 2:
+        pytest.fail("needs ~18 GiB of free GPU memory")
+    x = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(width, device="cuda", dtype=torch.bfloat16)
+    x.requires_grad_(True)
+    y = rms_norm(x, w)
+    tail = slice(rows - 64, rows)
+    torch.testing.assert_close(y[tail], rms_norm_ref(x[tail].detach(), w), atol=2e-2, rtol=2e-2)
+    g = torch.zeros_like(y)
+    g[tail] = 1.0
+    (dx,) = torch.autograd.grad(y, (x,), g)
+    xt = x[tail].detach().requires_grad_(True)
+    (dx_ref,) = torch.autograd.grad(rms_norm_ref(xt, w), (xt,), g[tail])
+    torch.testing.assert_close(dx[tail], dx_ref, atol=2e-2, rtol=2e-2)
+
+
+def test_glu_int64_offsets():
+    n = 2**31 + 4096
+    a = torch.randn(n // 4096, 4096, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn_like(a)
+    c = swiglu(a, b)
+    torch.testing.assert_close(c[-8:], swiglu_ref(a[-8:], b[-8:]), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma2"])
+def test_patch_bf16_on_gpu(model_type, monkeypatch):
+    import sys
+
+    from tests.kernels.test_patch import VOCAB, tiny_model
+
+    model = tiny_model(model_type).cuda().to(torch.bfloat16)
+    modeling = sys.modules[type(model).__module__]
+    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", modeling.apply_rotary_pos_emb)
+    ids = torch.randint(0, VOCAB, (2, 64), device="cuda")
+    ref32 = copy.deepcopy(model).float()(input_ids=ids, labels=ids).loss
+    ref = model(input_ids=ids, labels=ids).loss
+    patched = patch(copy.deepcopy(model))
+    loss = patched(input_ids=ids, labels=ids).loss
+    k, atol = TOL[torch.bfloat16]
+    assert abs(loss.float() - ref32) <= k * abs(ref.float() - ref32) + atol * ref32.abs()
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in patched.parameters())
