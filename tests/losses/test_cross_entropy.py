@@ -63,7 +63,9 @@ def test_matches_reference(dtype, bias, ignore_frac, chunk):
     hidden, weight, b, labels = make(dtype, bias, ignore_frac)
     loss, grads, _ = run_ours(hidden, weight, b, labels, chunk_size=chunk, compile=False)
     ref, ref_grads, _ = run_ref(hidden, weight, b, labels)
-    low, low_grads, _ = run_ref(hidden, weight, b, labels, dtype=dtype) if dtype != torch.float32 else (None,) * 3
+    low, low_grads, _ = (
+        run_ref(hidden, weight, b, labels, dtype=dtype) if dtype != torch.float32 else (None,) * 3
+    )
     assert_close_to_ref(loss, ref, low, "loss")
     for i, (g, r) in enumerate(zip(grads, ref_grads)):
         assert g.dtype == dtype
@@ -78,7 +80,13 @@ OPTION_CASES = [
     {"logit_scale": 0.5},
     {"reduction": "sum"},
     {"reduction": "none"},
-    {"label_smoothing": 0.2, "lse_square_scale": 1e-3, "softcap": 5.0, "temperature": 1.3, "logit_scale": 2.0},
+    {
+        "label_smoothing": 0.2,
+        "lse_square_scale": 1e-3,
+        "softcap": 5.0,
+        "temperature": 1.3,
+        "logit_scale": 2.0,
+    },
 ]
 
 
@@ -89,8 +97,16 @@ def test_options_match_reference(opts, grad_out):
     if opts.get("reduction") == "none":
         grad_out = torch.rand(labels.shape) * grad_out  # a per-row grad_output
     loss, grads, metrics = run_ours(
-        hidden, weight, b, labels, grad_out, chunk_size=16, compile=False, return_token_accuracy=True,
-        return_entropy=True, **opts,
+        hidden,
+        weight,
+        b,
+        labels,
+        grad_out,
+        chunk_size=16,
+        compile=False,
+        return_token_accuracy=True,
+        return_entropy=True,
+        **opts,
     )
     ref, ref_grads, ref_metrics = run_ref(hidden, weight, b, labels, grad_out, **opts)
     assert_close_to_ref(loss, ref, name="loss")
@@ -128,7 +144,9 @@ def test_hand_computed():
 def test_all_ignored():
     hidden, weight, b, labels = make(torch.float32, ignore_frac=1.0)
     for reduction in ("mean", "sum"):
-        loss, grads, _ = run_ours(hidden, weight, b, labels, chunk_size=16, compile=False, reduction=reduction)
+        loss, grads, _ = run_ours(
+            hidden, weight, b, labels, chunk_size=16, compile=False, reduction=reduction
+        )
         assert loss.item() == 0.0 and not torch.isnan(loss)
         assert all(torch.count_nonzero(g) == 0 for g in grads)
 
@@ -261,5 +279,7 @@ def test_matches_torch_cross_entropy_directly():
     """The plain torch call a user would write, not our reference."""
     hidden, weight, b, labels = make(torch.float32)
     ours = FusedLinearCrossEntropyLoss(compile=False, label_smoothing=0.1)(hidden, weight, labels, bias=b)
-    theirs = F.cross_entropy((hidden @ weight.t() + b).reshape(-1, V), labels.reshape(-1), label_smoothing=0.1)
+    theirs = F.cross_entropy(
+        (hidden @ weight.t() + b).reshape(-1, V), labels.reshape(-1), label_smoothing=0.1
+    )
     torch.testing.assert_close(ours, theirs)

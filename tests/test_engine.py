@@ -1,0 +1,74 @@
+"""The engine itself: recompilation across shapes, extension by subclassing, retain_graph refusal."""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from chunkloss import Batch, FusedLinearBase, FusedLinearCrossEntropyLoss, FusedOptions
+
+
+def test_at_most_two_graphs_as_batch_and_length_vary():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    weight = torch.randn(97, 16, requires_grad=True)
+    fn = FusedLinearCrossEntropyLoss(chunk_size=64)
+    for b, t in [(2, 33), (3, 50), (1, 71), (4, 29), (2, 90)]:
+        hidden = torch.randn(b, t, 16, requires_grad=True)
+        labels = torch.randint(0, 97, (b, t))
+        labels[:, : t // 4] = -100
+        fn(hidden, weight, labels).backward()
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert 1 <= frames <= 2, torch._dynamo.utils.counters["stats"]
+
+
+# --- The README's extension example: a focal loss in a few lines ----------------------------------
+@dataclass(frozen=True)
+class FocalOptions(FusedOptions):
+    gamma: float = 2.0
+
+
+class FusedLinearFocalLoss(FusedLinearBase):
+    """Focal loss (arXiv:1708.02002): mean over rows of -(1 - p_y)^γ · log p_y."""
+
+    options_cls = FocalOptions
+
+    @staticmethod
+    def chunk_loss(logits, extra_logits, token, scalars, opts):
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, token["labels"][:, None]).squeeze(-1)
+        return (-((1 - logp.exp()) ** opts.gamma) * logp).sum() / scalars["n"], {}
+
+    def forward(self, hidden, weight, labels):
+        x, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+        rows = (y != -100).nonzero().squeeze(1)
+        batch = Batch(
+            rows=rows, token={"labels": y[rows]}, scalars={"n": rows.new_tensor(rows.numel()).float()}
+        )
+        return self.run(x, weight, None, batch)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_focal_loss_subclass(compile):
+    hidden = torch.randn(3, 11, 8, requires_grad=True)
+    weight = torch.randn(29, 8, requires_grad=True)
+    labels = torch.randint(0, 29, (3, 11))
+    labels[0, :4] = -100
+    loss = FusedLinearFocalLoss(chunk_size=5, gamma=2.0, compile=compile)(hidden, weight, labels)
+    got = torch.autograd.grad(loss, (hidden, weight))
+    logp = torch.log_softmax(hidden @ weight.t(), -1)
+    valid = labels != -100
+    lp = logp.gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1)[valid]
+    ref = (-((1 - lp.exp()) ** 2) * lp).mean()
+    want = torch.autograd.grad(ref, (hidden, weight))
+    torch.testing.assert_close(loss, ref)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+def test_backward_twice_is_refused():
+    hidden = torch.randn(4, 8, requires_grad=True)
+    weight = torch.randn(10, 8, requires_grad=True)
+    loss = FusedLinearCrossEntropyLoss(compile=False)(hidden, weight, torch.randint(0, 10, (4,)))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="twice"):
+        loss.backward()
