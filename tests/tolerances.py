@@ -25,7 +25,8 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def assert_close_to_ref(ours, ref, same_dtype_torch=None, name="", k=K, atol=ATOL):
-    """No low-precision torch result given: allclose to the reference; else err(ours) <= k·err(torch) + atol."""
+    """Without a low-precision torch result: allclose to the reference.
+    With one: err(ours) <= k·err(torch) + atol."""
     assert ours is not None and ref is not None, name
     assert not torch.isnan(ours).any(), f"{name}: NaN"
     if same_dtype_torch is None:
