@@ -398,9 +398,10 @@ class _TokenCounter:
         step = trainer.training_step
 
         def counted(model, inputs, *args, **kwargs):
-            for key, value in inputs.items():
-                if key.endswith("attention_mask") and hasattr(value, "sum"):
-                    self.tokens += int(value.sum())
+            if isinstance(inputs, dict):  # GRPO passes raw rows (a list); it logs num_tokens itself
+                for key, value in inputs.items():
+                    if key.endswith("attention_mask") and hasattr(value, "sum"):
+                        self.tokens += int(value.sum())
             return step(model, inputs, *args, **kwargs)
 
         trainer.training_step = counted
