@@ -1,0 +1,227 @@
+"""Forward + backward of the Triton row kernels vs PyTorch, torch.compile and Liger, on one CUDA GPU.
+
+For each case: median time of one autograd call (forward, then ``torch.autograd.grad``) after warm-up,
+peak extra memory of that call, the minimal bytes it must move, and the floor ``bytes / 3.0 TB/s`` (H100
+HBM3). ``floor / time`` is the fraction of that bandwidth achieved. Writes ``kernels.json`` and
+``kernels.md`` under ``--out``.
+
+    python benchmarks/bench_kernels.py [--out benchmarks/results] [--quick]
+"""
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+PEAK_BW = 3.0e12  # bytes/s, H100 SXM HBM3
+IMPLS = ("torch", "compile", "liger", "ours")
+
+
+def _liger():
+    """Liger's counterparts, or {} when liger_kernel is missing or its API differs."""
+    try:
+        from liger_kernel.ops.geglu import LigerGELUMulFunction
+        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+        from liger_kernel.transformers.layer_norm import LigerLayerNorm
+        from liger_kernel.transformers.rms_norm import LigerRMSNorm
+        from liger_kernel.transformers.rope import liger_rotary_pos_emb
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not available"
+        print(f"liger_kernel unavailable: {exc!r}", file=sys.stderr)
+        return {}
+
+    modules = {}  # built once per weight so module construction stays out of the timed step
+
+    def rms(x, w):
+        if id(w) not in modules:
+            mod = LigerRMSNorm(w.shape[0], eps=1e-6).to(w.device, w.dtype)
+            mod.weight = torch.nn.Parameter(w, requires_grad=w.requires_grad)
+            modules[id(w)] = mod
+        return modules[id(w)](x)
+
+    def ln(x, w, b):
+        if id(w) not in modules:
+            mod = LigerLayerNorm(w.shape[0], eps=1e-5).to(w.device, w.dtype)
+            mod.weight = torch.nn.Parameter(w, requires_grad=w.requires_grad)
+            mod.bias = torch.nn.Parameter(b, requires_grad=b.requires_grad)
+            modules[id(w)] = mod
+        return modules[id(w)](x)
+
+    return {
+        "rms_norm": rms,
+        "layer_norm": ln,
+        "swiglu": LigerSiLUMulFunction.apply,
+        "geglu": LigerGELUMulFunction.apply,
+        "rope": lambda q, k, cos, sin: liger_rotary_pos_emb(q, k, cos, sin),
+    }
+
+
+def make_cases(quick: bool):
+    """(name, op, input factory, minimal bytes) for every case; factories build fresh bf16 inputs."""
+    dt, e = torch.bfloat16, 2
+    cases = []
+    widths = [4096] if quick else [2048, 4096, 8192, 16384]
+    for width in widths:
+        rows = 16384
+        # norm fwd: read x, write y; bwd: read dy and x, write dx (w, b, stats are O(rows + width)).
+        nbytes = 5 * rows * width * e
+
+        def norm_inputs(rows=rows, width=width, bias=False):
+            x = torch.randn(rows, width, device="cuda", dtype=dt, requires_grad=True)
+            w = (torch.randn(width, device="cuda") * 0.1 + 1).to(dt).requires_grad_()
+            if not bias:
+                return [x, w]
+            return [x, w, (torch.randn(width, device="cuda") * 0.1).to(dt).requires_grad_()]
+
+        cases.append((f"RMSNorm {rows}x{width}", "rms_norm", norm_inputs, nbytes))
+        cases.append((f"LayerNorm {rows}x{width}", "layer_norm", lambda f=norm_inputs: f(bias=True), nbytes))
+    for op, name in (("swiglu", "SwiGLU"), ("geglu", "GeGLU")):
+        rows, inter = 8192, 14336
+
+        def glu_inputs(rows=rows, inter=inter):
+            return [torch.randn(rows, inter, device="cuda", dtype=dt, requires_grad=True) for _ in range(2)]
+
+        # fwd: read a, b, write c; bwd: read dc, a, b, write da, db.
+        cases.append((f"{name} {rows}x{inter}", op, glu_inputs, 8 * rows * inter * e))
+    batch, seq, n_q, n_k, head_dim = 4, 4096, 32, 8, 128
+
+    def rope_inputs():
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device="cuda").float() / head_dim))
+        freqs = torch.arange(seq, device="cuda").float()[:, None] * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)[None].expand(batch, seq, head_dim)
+        # Leaves in (B, T, H, D) memory, passed as (B, H, T, D) views like a projection output.
+        q = torch.randn(batch, seq, n_q, head_dim, device="cuda", dtype=dt, requires_grad=True)
+        k = torch.randn(batch, seq, n_k, head_dim, device="cuda", dtype=dt, requires_grad=True)
+        return [q, k, emb.cos().to(dt).contiguous(), emb.sin().to(dt).contiguous()]
+
+    # fwd: read q, k, write q, k; bwd: the same on their gradients (cos/sin are O(B T D)).
+    cases.append((f"RoPE B={batch} T={seq} {n_q}/{n_k}x{head_dim}", "rope", rope_inputs,
+                  4 * batch * seq * (n_q + n_k) * head_dim * e))
+    return cases
+
+
+def implementations(liger):
+    from chunkloss.kernels import (
+        apply_rotary_pos_emb,
+        apply_rotary_pos_emb_ref,
+        geglu,
+        geglu_ref,
+        layer_norm,
+        layer_norm_ref,
+        rms_norm,
+        rms_norm_ref,
+        swiglu,
+        swiglu_ref,
+    )
+
+    refs = {"rms_norm": lambda x, w: rms_norm_ref(x, w, 1e-6), "layer_norm": layer_norm_ref,
+            "swiglu": swiglu_ref, "geglu": geglu_ref,
+            "rope": lambda q, k, cos, sin: apply_rotary_pos_emb_ref(q, k, cos, sin)}
+    # Ours as patch() uses them: gradients written over buffers nobody else reads (Liger does the same).
+    ours = {"rms_norm": lambda x, w: rms_norm(x, w, 1e-6, in_place=True),
+            "layer_norm": lambda x, w, b: layer_norm(x, w, b, in_place=True),
+            "swiglu": lambda a, b: swiglu(a, b, in_place=True),
+            "geglu": lambda a, b: geglu(a, b, in_place=True),
+            "rope": lambda q, k, cos, sin: apply_rotary_pos_emb(q, k, cos, sin, in_place=True)}
+    compiled = {op: torch.compile(fn, dynamic=False) for op, fn in refs.items()}
+    return {"torch": refs, "compile": compiled, "liger": liger, "ours": ours}
+
+
+def step_fn(op, fn, inputs):
+    """One forward + backward; RoPE inputs are (B, T, H, D) leaves handed over as (B, H, T, D) views."""
+    if op == "rope":
+        q, k, cos, sin = inputs
+        grads = [torch.randn(q.shape, device="cuda", dtype=q.dtype).transpose(1, 2),
+                 torch.randn(k.shape, device="cuda", dtype=k.dtype).transpose(1, 2)]
+
+        def step():
+            qe, ke = fn(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            torch.autograd.grad((qe, ke), (q, k), grads)
+        return step
+    leaves = [t for t in inputs if t.requires_grad]
+    probe = fn(*inputs)
+    grad = torch.randn_like(probe)
+    del probe
+
+    def step():
+        torch.autograd.grad(fn(*inputs), leaves, grad)
+    return step
+
+
+def measure(step):
+    import triton.testing
+
+    step()  # compile / autotune outside the timing
+    torch.cuda.synchronize()
+    ms = triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return ms, (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--quick", action="store_true", help="only hidden size 4096 for the norms")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_kernels.py needs a CUDA GPU (none found); nothing was measured.")
+    torch._dynamo.config.cache_size_limit = 64
+    torch.manual_seed(0)
+    impls = implementations(_liger())
+    rows = []
+    start = time.time()
+    for name, op, make_inputs, nbytes in make_cases(args.quick):
+        floor_ms = nbytes / PEAK_BW * 1e3
+        row = {"case": name, "op": op, "bytes": nbytes, "floor_ms": floor_ms}
+        for impl in IMPLS:
+            fn = impls[impl].get(op)
+            if fn is None:
+                continue
+            inputs = make_inputs()
+            try:
+                ms, peak = measure(step_fn(op, fn, inputs))
+            except Exception as exc:  # noqa: BLE001 - record and go on: one failing baseline is not fatal
+                print(f"{name} / {impl}: {exc!r}", file=sys.stderr)
+                continue
+            finally:
+                del inputs
+                torch.cuda.empty_cache()
+            row[impl] = {"ms": ms, "peak_extra_mib": peak, "frac_of_floor": floor_ms / ms}
+        rows.append(row)
+        timings = [f"{impl} {row[impl]['ms']:6.3f} ms ({row[impl]['frac_of_floor']:.0%})"
+                   for impl in IMPLS if impl in row]
+        print(" | ".join([f"{name:<34}", f"floor {floor_ms:6.3f} ms", *timings]), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "peak_bw": PEAK_BW,
+            "dtype": "bfloat16", "seconds": time.time() - start}
+    (out / "kernels.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    lines = [f"# Row kernels, forward + backward ({meta['device']}, bf16, torch {meta['torch']})", "",
+             "Time in ms (median); fraction = floor / time, floor = minimal bytes / 3.0 TB/s; "
+             "peak = extra memory of one step in MiB.", "",
+             "| case | torch | compile | liger | ours | floor | ours fraction | ours / floor "
+             "| peak ours | peak liger |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def cell(row, impl, key="ms", fmt="{:.3f}"):
+        return fmt.format(row[impl][key]) if impl in row else "n/a"
+
+    for row in rows:
+        ratio = row["ours"]["ms"] / row["floor_ms"] if "ours" in row else math.nan
+        times = " | ".join(cell(row, impl) for impl in IMPLS)
+        frac = cell(row, "ours", "frac_of_floor", "{:.0%}")
+        peaks = " | ".join(cell(row, impl, "peak_extra_mib", "{:.0f}") for impl in ("ours", "liger"))
+        lines.append(f"| {row['case']} | {times} | {row['floor_ms']:.3f} | {frac} | {ratio:.2f}x | {peaks} |")
+    (out / "kernels.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {out / 'kernels.json'} and {out / 'kernels.md'} in {meta['seconds']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
