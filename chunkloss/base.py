@@ -110,13 +110,14 @@ class Batch:
     num_seqs: int = 0
 
 
-def default_chunk_size(vocab: int, itemsize: int, budget_mb: int) -> int:
-    """Rows per chunk so that one chunk's logits and their gradient fit in ``budget_mb``.
+def default_chunk_size(vocab: int, itemsize: int, budget_mb: int, extra_vocab: int = 0) -> int:
+    """Rows per chunk so that one chunk's logits, their gradient and the logits of heads without grad
+    (``extra_vocab``: summed vocabularies of a reference/teacher head) fit in ``budget_mb``.
 
     Rounded down to a multiple of 128 (whole tensor-core tiles) and kept in [128, 16384]: fewer than
     128 rows leave the GEMM's M dimension too thin to keep an H100 busy.
     """
-    rows = budget_mb * 2**20 // (2 * vocab * max(itemsize, 2))
+    rows = budget_mb * 2**20 // ((2 * vocab + extra_vocab) * max(itemsize, 2))
     return int(min(16384, max(128, rows // 128 * 128)))
 
 
@@ -268,11 +269,12 @@ class FusedLinearBase(nn.Module):
         self.metrics = metrics
         return loss
 
-    def chunk_rows(self, weight: Tensor, hidden: Tensor) -> int:
+    def chunk_rows(self, weight: Tensor, hidden: Tensor, extra: list[Head] = ()) -> int:
         opts = self.options
         if opts.chunk_size is not None:
             return opts.chunk_size
-        return default_chunk_size(weight.shape[0], hidden.element_size(), opts.logits_budget_mb)
+        extra_vocab = sum(e.weight.shape[0] for e in extra)
+        return default_chunk_size(weight.shape[0], hidden.element_size(), opts.logits_budget_mb, extra_vocab)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -448,7 +450,7 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
         if loss_mod.token_outputs
         else {}
     )
-    chunk = loss_mod.chunk_rows(weight, hidden)
+    chunk = loss_mod.chunk_rows(weight, hidden, batch.extra)
     plan, one_pass = _plan_chunks(loss_mod, batch, n_rows, chunk)
     # Rows in natural order with nothing dropped: chunks are slices, no gather/scatter copies.
     contiguous = batch.all_rows
