@@ -1,0 +1,217 @@
+"""``ChunkedGRPOTrainer``: TRL's ``GRPOTrainer`` with the policy loss computed by ``FusedLinearGRPOLoss``.
+
+Generation, rewards, advantages, vLLM, the reference and old log-probs (TRL's own fused head, without grad)
+are TRL's. Only ``_compute_loss`` changes: the policy's hidden states at the completion positions go to the
+chunked GRPO loss with the LM head's weight, so the ``[B, T, V]`` logits never exist. Every loss type and
+importance-sampling level of TRL 1.16 is covered, with the KL term, two-sided clipping, the off-policy mask,
+the entropy mask and the static entropy bonus; metrics are logged under TRL's names with TRL's values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from accelerate.utils import is_peft_model
+from torch import nn
+from trl import GRPOConfig, GRPOTrainer
+
+from chunkloss.losses.grpo import FusedLinearGRPOLoss
+
+from ._common import ChunkedArguments, chunk_options, refuse
+from ._head import add_chunked_head, allow_lm_head_adapter, check_head_supported, head_transforms
+
+__all__ = ["ChunkedGRPOConfig", "ChunkedGRPOTrainer"]
+
+_MULTIMODAL = (
+    "pixel_values",
+    "image_grid_thw",
+    "pixel_attention_mask",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
+
+
+@dataclass
+class ChunkedGRPOConfig(GRPOConfig, ChunkedArguments):
+    """``trl.GRPOConfig`` with the chunkloss fields of :class:`ChunkedArguments`."""
+
+
+class ChunkedGRPOTrainer(GRPOTrainer):
+    """``trl.GRPOTrainer`` whose policy loss never materialises the logits.
+
+    Refused at construction: ``use_adaptive_entropy`` (the adaptive entropy controller), models with final
+    logit softcapping or a logit scale (the GRPO loss has no such option yet), ``top_entropy_quantile < 1``
+    on several processes (TRL takes the quantile over all processes' tokens), and adapters on ``lm_head``
+    other than plain LoRA. Multimodal inputs are refused when they arrive.
+    """
+
+    _tag_names = ["trl", "grpo", "chunkloss"]
+
+    def __init__(self, model, reward_funcs, args: GRPOConfig | None = None, *pos, **kwargs):
+        name = type(self).__name__
+        if args is not None:
+            chunk_options(args)
+            if args.use_adaptive_entropy:
+                refuse(
+                    name,
+                    "use_adaptive_entropy=True",
+                    "the adaptive entropy controller is not implemented; set a static entropy_coef",
+                )
+        ctx = allow_lm_head_adapter(model) if isinstance(model, nn.Module) else contextlib.nullcontext()
+        with ctx:
+            super().__init__(model, reward_funcs, args, *pos, **kwargs)
+        base = self.model.get_base_model() if is_peft_model(self.model) else self.model
+        check_head_supported(base)
+        softcap, logit_scale = head_transforms(base.config)
+        if softcap is not None or logit_scale != 1.0:
+            refuse(
+                name,
+                f"final_logit_softcapping={softcap}, logit_scale={logit_scale}",
+                "FusedLinearGRPOLoss has no logit transform options yet",
+            )
+        if self.top_entropy_quantile < 1.0 and self.accelerator.num_processes > 1:
+            refuse(
+                name,
+                "top_entropy_quantile < 1 with several processes",
+                "TRL takes the entropy quantile over every process's tokens",
+            )
+        add_chunked_head(base)
+        self._chunk_opts = chunk_options(self.args)
+        self._chunk_losses: dict = {}
+
+    def _grpo_loss(self) -> FusedLinearGRPOLoss:
+        """The loss module for the trainer's current settings (read on each call, as TRL reads them)."""
+        args = self.args
+        opts = dict(
+            loss_type=self.loss_type,
+            beta=float(self.beta),
+            epsilon_low=float(self.epsilon_low),
+            epsilon_high=float(self.epsilon_high),
+            delta=args.delta,
+            importance_sampling_level=self.importance_sampling_level,
+            sapo_temperature_pos=args.sapo_temperature_pos,
+            sapo_temperature_neg=args.sapo_temperature_neg,
+            vespo_k_pos=args.vespo_k_pos,
+            vespo_lambda_pos=args.vespo_lambda_pos,
+            vespo_k_neg=args.vespo_k_neg,
+            vespo_lambda_neg=args.vespo_lambda_neg,
+            use_bias_correction_kl=bool(args.use_bias_correction_kl),
+            temperature=float(self.temperature),
+            off_policy_mask_threshold=self.off_policy_mask_threshold,
+            top_entropy_quantile=float(self.top_entropy_quantile),
+            entropy_coef=float(self.entropy_coef) if self._entropy_bonus_enabled else 0.0,
+            max_completion_length=self.max_completion_length,
+        )
+        key = tuple(sorted(opts.items()))
+        mod = self._chunk_losses.get(key)
+        if mod is None:
+            mod = self._chunk_losses[key] = FusedLinearGRPOLoss(**opts, **self._chunk_opts)
+        return mod
+
+    def _compute_loss(self, model, inputs):
+        for k in _MULTIMODAL:
+            if inputs.get(k) is not None:
+                refuse(
+                    type(self).__name__, f"multimodal input {k!r}", "the chunked head covers text models only"
+                )
+        mode = "train" if self.model.training else "eval"
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        k = completion_ids.size(1)
+        loss_mod = self._grpo_loss()
+        if self.loss_type == "vespo":
+            is_ratio = inputs.get("importance_sampling_ratio")
+        elif self.use_vllm and self.vllm_importance_sampling_correction:
+            is_ratio = inputs["importance_sampling_ratio"]
+        else:
+            is_ratio = None
+        ga = self.current_gradient_accumulation_steps if mode == "train" else 1
+        old = inputs.get("old_per_token_logps")
+        needs_global = self.loss_type in ("dapo", "cispo", "vespo")
+        cast = bool(getattr(self.args, "cast_lm_head_to_fp32", False))
+
+        def head_fn(hidden, head):
+            x = head.features(hidden[:, -k - 1 : -1])  # positions that predict the completion tokens
+            w, b = head.weight, head.bias
+            ctx = contextlib.nullcontext()
+            if cast:
+                x, w, b = x.float(), w.float(), None if b is None else b.float()
+                ctx = torch.autocast(x.device.type, enabled=False)
+            with ctx:
+                loss = loss_mod(
+                    x,
+                    w,
+                    completion_ids,
+                    completion_mask,
+                    inputs["advantages"],
+                    bias=b,
+                    old_logps=old,
+                    ref_logps=inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
+                    importance_sampling_ratio=is_ratio,
+                    num_items_in_batch=inputs["num_items_in_batch"] if needs_global else None,
+                    tool_mask=inputs.get("tool_mask"),
+                    sampling_logps=inputs.get("sampling_per_token_logps"),
+                    num_processes=self.accelerator.num_processes,
+                    gradient_accumulation_steps=ga,
+                    steps_per_generation=self.args.steps_per_generation if mode == "train" else 1,
+                )
+            return loss, dict(loss_mod.metrics)
+
+        model_inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if self.aux_loss_enabled:
+            model_inputs["output_router_logits"] = True
+        with self.accelerator.autocast():
+            out = model(**model_inputs, chunked_head=head_fn)
+        loss, metrics = out.result
+
+        if self._entropy_bonus_enabled:
+            self._metrics[mode]["policy_loss"].append(
+                self.accelerator.gather(metrics["policy_loss"]).nanmean().item()
+            )
+            if mode == "train" and self.accelerator.sync_gradients:
+                self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
+        if self.aux_loss_enabled:
+            loss = loss + self.router_aux_loss_coef * out.aux_loss / ga
+            self._metrics[mode]["aux_loss"].append(
+                self.accelerator.gather_for_metrics(out.aux_loss).mean().item()
+            )
+
+        # TRL's global masked means: local means times local counts, summed over processes.
+        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+        n_tok = mask.sum().float()
+        per_seq = self.importance_sampling_level == "sequence" and inputs["advantages"].dim() == 1
+        n_seq = torch.tensor(float(completion_ids.size(0)), device=n_tok.device)
+
+        def global_mean(name, count):
+            totals = self.accelerator.reduce(
+                torch.stack([metrics[name].float() * count, count]), reduction="sum"
+            )
+            return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+        if self.beta != 0.0:
+            self._metrics[mode]["kl"].append(global_mean("kl", n_tok))
+        self._metrics[mode]["entropy"].append(global_mean("entropy", n_tok))
+        clip_count = n_seq if per_seq else n_tok
+        if self.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+            for name in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
+                self._metrics[mode][name].append(global_mean(name, clip_count))
+            low = self.accelerator.gather(metrics["clip_ratio/low_min"].reshape(1).float())
+            high = self.accelerator.gather(metrics["clip_ratio/high_max"].reshape(1).float())
+            self._metrics[mode]["clip_ratio/low_min"].append(_nanreduce(low, torch.min))
+            self._metrics[mode]["clip_ratio/high_max"].append(_nanreduce(high, torch.max))
+        elif self.loss_type == "cispo":
+            self._metrics[mode]["cispo_clip_ratio"].append(global_mean("cispo_clip_ratio", clip_count))
+        elif self.loss_type == "vespo":
+            self._metrics[mode]["vespo/phi_seq_mean"].append(global_mean("vespo/phi_seq_mean", n_seq))
+        return loss
+
+
+def _nanreduce(x: torch.Tensor, fn) -> float:
+    ok = ~torch.isnan(x)
+    return fn(x[ok]).item() if bool(ok.any()) else float("nan")
