@@ -1,0 +1,143 @@
+"""Preference cases (ORPO, DPO with a reference model): Llama-3-8B head (H=4096, V=128256), bf16,
+the first quarter of every row is prompt (ignored).
+
+Floor FLOPs: 6·N_valid·H·V for the policy head (forward + two gradient GEMMs) plus 2·N_valid·H·V for
+the reference head (forward only). The long-context DPO cases (1 pair × 16k / 32k tokens) are where
+chunking over pairs (Liger) grows with T and chunking over tokens (ours, two passes) does not.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.harness import Case
+from chunkloss.losses.dpo import FusedLinearDPOLoss
+from chunkloss.losses.orpo import FusedLinearORPOLoss
+
+H, V = 4096, 128256
+
+
+def _inputs(pairs: int, t: int, ref: bool):
+    def make(device):
+        g = torch.Generator(device="cpu").manual_seed(0)
+        hidden = (torch.randn(2 * pairs, t, H, generator=g) * 0.5).to(device, torch.bfloat16).requires_grad_()
+        weight = (torch.randn(V, H, generator=g) * 0.02).to(device, torch.bfloat16).requires_grad_()
+        labels = torch.randint(0, V, (2 * pairs, t), generator=g)
+        labels[:, : t // 4] = -100
+        out = {"hidden": hidden, "weight": weight, "labels": labels.to(device), "pairs": pairs}
+        if ref:
+            out["ref_hidden"] = (
+                hidden.detach().float() + 0.1 * torch.randn(2 * pairs, t, H, generator=g).to(device)
+            ).to(torch.bfloat16)
+            out["ref_weight"] = (
+                weight.detach().float() + 0.002 * torch.randn(V, H, generator=g).to(device)
+            ).to(torch.bfloat16)
+        return out
+
+    return make
+
+
+def _seq_logps(hidden, weight, labels, average: bool):
+    """Materialised: bf16 model logits, then fp32 log-softmax (as TRL's trainers do)."""
+    logits = hidden @ weight.t()
+    mask = labels != -100
+    lp = torch.log_softmax(logits.float(), -1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    s = (lp * mask).sum(-1)
+    return (s / mask.sum(-1).clamp(min=1) if average else s), logits
+
+
+def _torch_orpo(i, beta=0.1):
+    b = i["pairs"]
+    logps, logits = _seq_logps(i["hidden"], i["weight"], i["labels"], True)
+    c, r = logps[:b], logps[b:]
+    log_odds = (c - r) - (torch.log1p(-torch.exp(c)) - torch.log1p(-torch.exp(r)))
+    nll = F.cross_entropy(logits[:b].float().flatten(0, 1), i["labels"][:b].flatten())
+    return nll - beta * F.logsigmoid(log_odds).mean()
+
+
+def _torch_dpo(i, beta=0.1):
+    b = i["pairs"]
+    logps, _ = _seq_logps(i["hidden"], i["weight"], i["labels"], False)
+    with torch.no_grad():
+        ref, _ = _seq_logps(i["ref_hidden"], i["ref_weight"], i["labels"], False)
+    d = (logps[:b] - ref[:b]) - (logps[b:] - ref[b:])
+    return -F.logsigmoid(beta * d).mean()
+
+
+def _orpo_impls() -> dict:
+    ours = FusedLinearORPOLoss()
+    b = lambda i: i["pairs"]  # noqa: E731
+    out = {
+        "chunkloss": lambda i: ours(i["hidden"], i["weight"], i["labels"][: b(i)], i["labels"][b(i) :]),
+        "torch": _torch_orpo,
+    }
+    try:
+        from liger_kernel.chunked_loss import LigerFusedLinearORPOLoss
+
+        liger = LigerFusedLinearORPOLoss()
+        out["liger"] = lambda i: liger(i["weight"], i["hidden"], i["labels"])[0]
+    except ImportError:
+        pass
+    return out
+
+
+def _dpo_impls() -> dict:
+    ours = FusedLinearDPOLoss()
+
+    def chunkloss(i):
+        b = i["pairs"]
+        y = i["labels"]
+        return ours(
+            i["hidden"], i["weight"], y[:b], y[b:], ref_hidden=i["ref_hidden"], ref_weight=i["ref_weight"]
+        )
+
+    out = {"chunkloss": chunkloss, "torch": _torch_dpo}
+    try:
+        from liger_kernel.chunked_loss import LigerFusedLinearDPOLoss
+
+        liger = LigerFusedLinearDPOLoss(use_ref_model=True)
+        out["liger"] = lambda i: liger(
+            i["weight"], i["hidden"], i["labels"], None, i["ref_hidden"], i["ref_weight"]
+        )[0]
+    except ImportError:
+        pass
+    try:
+        from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+        def trl_head(i, beta=0.1):
+            """TRL 1.16's fused head on the completion tokens, then DPOTrainer's sigmoid loss."""
+            b, y = i["pairs"], i["labels"]
+            mask = y != -100
+            seq = mask.nonzero()[:, 0]
+
+            def logps(x, w):
+                lp = ChunkedLogProbFunction.apply(x[mask], w, None, y[mask], 1.0, 4096, None, 1.0, ())[0]
+                return torch.zeros(2 * b, device=lp.device, dtype=lp.dtype).index_add(0, seq, lp)
+
+            pol = logps(i["hidden"], i["weight"])
+            with torch.no_grad():
+                ref = logps(i["ref_hidden"], i["ref_weight"])
+            d = (pol[:b] - ref[:b]) - (pol[b:] - ref[b:])
+            return -F.logsigmoid(beta * d.float()).mean()
+
+        out["trl 1.16 head"] = trl_head
+    except ImportError:
+        pass
+    return out
+
+
+def cases() -> list[Case]:
+    out = []
+    orpo, dpo = _orpo_impls(), _dpo_impls()
+    for name, group, pairs, t, fns, ref in [
+        ("orpo 8x1024", "orpo", 8, 1024, orpo, False),
+        ("dpo+ref 8x1024", "dpo", 8, 1024, dpo, True),
+        ("dpo+ref 1x16384", "dpo", 1, 16384, dpo, True),
+        ("dpo+ref 1x32768", "dpo", 1, 32768, dpo, True),
+    ]:
+        n_valid = 2 * pairs * (t - t // 4)
+        flops = (6 + (2 if ref else 0)) * n_valid * H * V
+        meta = {"H": H, "V": V, "pairs": pairs, "T": t, "prompt": t // 4}
+        out.append(Case(name, group, 2 * pairs * t, flops, _inputs(pairs, t, ref), fns, meta))
+    return out
