@@ -411,7 +411,9 @@ def test_compiled(case):
         opts = grid_opts("dapo", "token", beta=0.04, top_entropy_quantile=0.3, entropy_coef=0.1)
     ref = run_ref(inp, kw, opts)
     opts["compile"] = True
-    assert_close_fp32(run_ours(inp, kw, chunk_size=16, **opts), ref)
+    # One-pass chunks here hold several sequences: with a chunk of a single sequence, inductor's CPU
+    # codegen (torch 2.13) fails on the scatter into a 1-element buffer (backward of lw_seq[seq_id]).
+    assert_close_fp32(run_ours(inp, kw, chunk_size=40, **opts), ref)
 
 
 @pytest.mark.parametrize(
