@@ -110,7 +110,8 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, mlp: bo
     """Make a transformers Llama / Mistral / Qwen2 / Qwen3 / Gemma / Gemma-2 model use chunkloss's kernels.
 
     Args:
-        model: an ``XForCausalLM`` or the bare ``XModel`` (then ``loss`` does nothing).
+        model: an ``XForCausalLM``, the bare ``XModel`` (then ``loss`` does nothing), or a PEFT model
+            wrapping either (its base model is patched; LoRA layers stay as they are).
         rms_norm: patch every RMSNorm module (including Qwen3's per-head q/k norms).
         rope: replace the family's ``apply_rotary_pos_emb`` (process-wide, see the module docstring).
         mlp: patch every gated MLP's activation.
@@ -120,11 +121,12 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, mlp: bo
         loss_options: extra keyword options for ``FusedLinearCrossEntropyLoss`` (e.g. ``{"compile": False}``).
 
     Returns:
-        ``model``, patched in place.
+        ``model`` (the object passed in), patched in place.
 
     Raises:
         ValueError: the model's ``config.model_type`` is not one of ``SUPPORTED_MODEL_TYPES``.
     """
+    wrapper, model = model, model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -159,7 +161,7 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, mlp: bo
         model._chunkloss_ce = None
         model._chunkloss_loss_options = dict(loss_options or {})
         model.forward = types.MethodType(_causal_lm_forward, model)
-    return model
+    return wrapper
 
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "patch"]

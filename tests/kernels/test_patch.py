@@ -128,3 +128,42 @@ def test_unsupported_architecture_lists_supported():
     with pytest.raises(ValueError, match="llama, mistral, qwen2, qwen3, gemma, gemma2") as err:
         patch(model)
     assert "gpt2" in str(err.value)
+
+
+def test_patched_generate_matches(restore_rope):
+    """Decoding with a KV cache: one-token steps at growing positions through the patched norms and RoPE."""
+    model = tiny_model("qwen3").eval()
+    prompt = torch.randint(0, VOCAB, (2, 5))
+    kwargs = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        ref = model.generate(prompt, **kwargs)
+        patched = copy.deepcopy(model)
+        restore_rope(patched)
+        patch(patched)
+        got = patched.generate(prompt, **kwargs)
+    torch.testing.assert_close(got, ref, atol=0, rtol=0)
+
+
+def test_patch_peft_model(restore_rope):
+    import peft  # a declared test dependency (pyproject [test])
+
+    model = tiny_model("llama")
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "gate_proj"]))
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.1)  # zero-initialised B would make the adapters invisible
+    input_ids = torch.randint(0, VOCAB, (2, 6))
+    ref = lora(input_ids=input_ids, labels=input_ids).loss
+    ref.backward()
+    ref_grads = {n: p.grad.clone() for n, p in lora.named_parameters() if p.requires_grad}
+    patched = copy.deepcopy(lora)
+    patched.zero_grad()
+    restore_rope(patched.get_base_model())
+    assert patch(patched, loss_options={"compile": False}) is patched
+    loss = patched(input_ids=input_ids, labels=input_ids).loss
+    torch.testing.assert_close(loss, ref, atol=ATOL, rtol=RTOL)
+    loss.backward()
+    for name, p in patched.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, ref_grads[name], atol=ATOL, rtol=RTOL, msg=name)
