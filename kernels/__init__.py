@@ -1,6 +1,12 @@
 """Triton row kernels (RMSNorm, LayerNorm, RoPE, SwiGLU, GeGLU) and one-call model patching.
 
 Every kernel has a pure-PyTorch ``*_ref`` beside it that matches the corresponding ``transformers`` module.
+
+Example::
+
+    from chunkloss.kernels import patch
+    model = patch(AutoModelForCausalLM.from_pretrained("Qwen/Qwen3-0.6B", dtype=torch.bfloat16))
+    loss = model(input_ids=ids, labels=ids).loss   # output.logits is None: the loss never builds them
 """
 
 from .glu import GeGLU, SwiGLU, geglu, geglu_ref, swiglu, swiglu_ref

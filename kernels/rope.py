@@ -216,6 +216,9 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
     """
     assert q.ndim == 4 and k.ndim == 4 and unsqueeze_dim in (1, 2), (q.shape, k.shape, unsqueeze_dim)
     cos, sin = _tables(cos, sin, position_ids, q.shape[0])
-    assert cos.shape[-1] <= q.shape[-1] and cos.shape[-1] % 2 == 0, (cos.shape, q.shape)
+    seq_axis = 3 - unsqueeze_dim
+    assert k.shape[0] == q.shape[0] and k.shape[seq_axis] == q.shape[seq_axis] == cos.shape[1], (
+        q.shape, k.shape, cos.shape)
+    assert cos.shape[-1] <= q.shape[-1] == k.shape[-1] and cos.shape[-1] % 2 == 0, (cos.shape, q.shape)
     opts = RoPEOptions(head_axis=unsqueeze_dim, in_place=in_place)
     return RoPEFunction.apply(q, k, cos, sin, opts)
