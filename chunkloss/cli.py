@@ -357,7 +357,11 @@ def _build(name: str, run_args, model_args, training_args):
 
     if run_args.tiny_model is not None:
         tokenizer = tiny_tokenizer()
-        model = tiny_model(tokenizer, **run_args.tiny_model)
+        # Saved and passed by path, like a hub model: TRL builds reference models (DPO, GRPO with beta > 0)
+        # by reloading the policy from its path.
+        model = os.path.join(os.path.abspath(training_args.output_dir), "tiny-init")
+        tiny_model(tokenizer, **run_args.tiny_model).save_pretrained(model)
+        tokenizer.save_pretrained(model)
     else:
         tokenizer = transformers.AutoTokenizer.from_pretrained(
             run_args.tokenizer_name_or_path or model_args.model_name_or_path,
