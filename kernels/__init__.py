@@ -13,7 +13,7 @@ from .glu import GeGLU, SwiGLU, geglu, geglu_ref, swiglu, swiglu_ref
 from .layer_norm import LayerNorm, layer_norm, layer_norm_ref
 from .patch import SUPPORTED_MODEL_TYPES, patch
 from .rms_norm import RMSNorm, rms_norm, rms_norm_ref
-from .rope import apply_rotary_pos_emb, apply_rotary_pos_emb_ref
+from .rope import ApplyRotaryPosEmb, apply_rotary_pos_emb, apply_rotary_pos_emb_ref
 
 __all__ = [
     "RMSNorm",
@@ -22,6 +22,7 @@ __all__ = [
     "LayerNorm",
     "layer_norm",
     "layer_norm_ref",
+    "ApplyRotaryPosEmb",
     "apply_rotary_pos_emb",
     "apply_rotary_pos_emb_ref",
     "SwiGLU",

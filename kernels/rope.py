@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from torch import nn
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -222,3 +223,22 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
     assert cos.shape[-1] <= q.shape[-1] == k.shape[-1] and cos.shape[-1] % 2 == 0, (cos.shape, q.shape)
     opts = RoPEOptions(head_axis=unsqueeze_dim, in_place=in_place)
     return RoPEFunction.apply(q, k, cos, sin, opts)
+
+
+class ApplyRotaryPosEmb(nn.Module):
+    """:func:`apply_rotary_pos_emb` as a module (no parameters): ``(q, k, cos, sin) -> (q_embed, k_embed)``.
+
+    Args:
+        unsqueeze_dim: head axis of q and k (1 for (B, H, T, D), 2 for (B, T, H, D)).
+        in_place: see :func:`apply_rotary_pos_emb`.
+    """
+
+    def __init__(self, unsqueeze_dim: int = 1, in_place: bool = False):
+        super().__init__()
+        self.unsqueeze_dim, self.in_place = unsqueeze_dim, in_place
+
+    def forward(self, q, k, cos, sin, position_ids=None):
+        return apply_rotary_pos_emb(q, k, cos, sin, position_ids, self.unsqueeze_dim, self.in_place)
+
+    def extra_repr(self) -> str:
+        return f"unsqueeze_dim={self.unsqueeze_dim}, in_place={self.in_place}"

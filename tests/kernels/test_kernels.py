@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 from chunkloss.kernels import (
+    ApplyRotaryPosEmb,
     apply_rotary_pos_emb,
     apply_rotary_pos_emb_ref,
     geglu,
@@ -165,6 +166,14 @@ def test_rope(tables, unsqueeze_dim, head_dim, rot, dtype, in_place):
     for i, name in enumerate(["q_embed", "k_embed", "dq", "dk"]):
         assert ours[i].shape == ref[i].shape
         assert_close3(ours[i], tch[i], ref[i], dtype, name)
+
+
+def test_rope_module_matches_function():
+    cos, sin, _ = rope_tables(2, 4, 8, "batched")
+    q, k = torch.randn(2, 4, 3, 8), torch.randn(2, 4, 1, 8)  # (B, T, H, D)
+    got = ApplyRotaryPosEmb(unsqueeze_dim=2)(q, k, cos, sin)
+    for a, b in zip(got, apply_rotary_pos_emb_ref(q, k, cos, sin, unsqueeze_dim=2)):
+        torch.testing.assert_close(a, b)
 
 
 def test_rope_gradient_of_one_output_only():

@@ -23,10 +23,10 @@ CONFIGS = {
 }
 
 
-def tiny_model(model_type: str):
+def tiny_model(model_type: str, **overrides):
     config = getattr(transformers, CONFIGS[model_type])(
         hidden_size=64, intermediate_size=96, num_hidden_layers=N_LAYERS, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, max_position_embeddings=64,
+        num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, max_position_embeddings=64, **overrides,
     )
     config._attn_implementation = "eager"
     model = AutoModelForCausalLM.from_config(config).float()
@@ -167,3 +167,20 @@ def test_patch_peft_model(restore_rope):
     for name, p in patched.named_parameters():
         if p.requires_grad:
             torch.testing.assert_close(p.grad, ref_grads[name], atol=ATOL, rtol=RTOL, msg=name)
+
+
+def test_gemma2_final_logit_softcapping_reaches_the_loss(restore_rope):
+    # A softcap small enough to change the loss visibly (the default 30 barely touches tiny random logits).
+    model = tiny_model("gemma2", final_logit_softcapping=0.5)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(100.0)  # logits of order 1, where the cap bends them
+    input_ids = torch.randint(0, VOCAB, (2, 6))
+    ref = model(input_ids=input_ids, labels=input_ids).loss
+    model.config.final_logit_softcapping = None
+    uncapped = model(input_ids=input_ids, labels=input_ids).loss
+    model.config.final_logit_softcapping = 0.5
+    assert not torch.allclose(ref, uncapped, atol=1e-3)
+    patched = copy.deepcopy(model)
+    restore_rope(patched)
+    patch(patched, loss_options={"compile": False})
+    torch.testing.assert_close(patched(input_ids=input_ids, labels=input_ids).loss, ref, atol=ATOL, rtol=RTOL)
