@@ -17,6 +17,7 @@ import dataclasses
 import difflib
 import enum
 import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -569,11 +570,15 @@ def bench(argv: list[str]) -> int:
             print(f"chunkloss bench: {script} not found. `chunkloss bench` runs the benchmark scripts of a "
                   "source checkout (git clone the repository and `pip install -e .`).", file=sys.stderr)
             return 2
-    if str(root.parent) not in sys.path:
+    if str(root.parent) not in sys.path:  # the scripts import benchmarks.harness and benchmarks.cases_*
         sys.path.insert(0, str(root.parent))
     for t in targets:
-        print(f"chunkloss bench: running {t} ...", flush=True)
-        module = importlib.import_module(f"benchmarks.bench_{t}")
+        print(f"chunkloss bench: running {t} ({root / f'bench_{t}.py'}) ...", flush=True)
+        name = f"benchmarks.bench_{t}"
+        spec = importlib.util.spec_from_file_location(name, root / f"bench_{t}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
         rc = module.main(list(rest))
         if rc:
             return int(rc)
