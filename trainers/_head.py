@@ -162,13 +162,14 @@ def add_chunked_head(model: nn.Module) -> None:
     if getattr(model, "_chunkloss_head", False):
         return
     check_head_supported(model)
-    previous_forward = model.forward
+    # Kept on the instance rather than in a closure, so that a deep copy of the model calls its own forward.
+    model._chunkloss_previous_forward = model.forward
     text_config = model.config.get_text_config()
 
     @functools.wraps(type(model).forward)
     def _forward(self, *args, chunked_head=None, **kwargs):
         if chunked_head is None:
-            return previous_forward(*args, **kwargs)
+            return self._chunkloss_previous_forward(*args, **kwargs)
         for key in ("labels", "shift_labels", "num_items_in_batch", "fused_lm_head", "logits_to_keep"):
             kwargs.pop(key, None)
         kwargs["use_cache"] = False

@@ -71,8 +71,11 @@ def assert_same_grads(ref_model, our_model, rtol=RTOL, atol=ATOL):
         f"gradients on {sorted(set(g_ref) ^ set(g_our))} differ in presence"
     )
     for n in names:
+        # Relative to the tensor's largest entry: single entries near zero are sums of cancelling terms whose
+        # order differs (measured up to 2e-7 absolute where the largest entry is ~1e-2).
+        scale = float(g_ref[n].abs().max())
         torch.testing.assert_close(
-            g_our[n], g_ref[n], rtol=rtol, atol=atol, msg=lambda m, n=n: f"grad {n}: {m}"
+            g_our[n], g_ref[n], rtol=rtol, atol=max(atol, rtol * scale), msg=lambda m, n=n: f"grad {n}: {m}"
         )
 
 

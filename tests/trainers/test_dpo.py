@@ -1,0 +1,166 @@
+"""ChunkedDPOTrainer against TRL's DPOTrainer: one batch from one state, each loss option, equal loss,
+gradients and logged metrics."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from chunkloss.trainers.dpo import ChunkedDPOConfig, ChunkedDPOTrainer
+from trl import DPOConfig, DPOTrainer
+
+from chunkloss.data import tiny_dataset
+from tests.trainers.helpers import assert_close_loss, assert_same_grads, common_args, model_pair, tokenizer
+
+LOSS_TYPES = ["sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
+              "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm"]  # fmt: skip
+
+
+def _pair(tmp_path, compile_=False, with_ref=True, models=None, peft_config=None, **cfg):
+    ref_m, our_m = models or model_pair()
+    torch.manual_seed(1)
+    refs = model_pair(seed=1) if with_ref else (None, None)
+    ds = tiny_dataset("dpo", n=8)
+    base = common_args(tmp_path, max_length=48, **cfg)
+    ref = DPOTrainer(
+        ref_m,
+        refs[0],
+        DPOConfig(**base),
+        train_dataset=ds,
+        processing_class=tokenizer(),
+        peft_config=copy.deepcopy(peft_config),
+    )
+    ours = ChunkedDPOTrainer(
+        our_m,
+        refs[1],
+        ChunkedDPOConfig(**base, chunk_size=9, chunk_compile=compile_),
+        train_dataset=ds,
+        processing_class=tokenizer(),
+        peft_config=copy.deepcopy(peft_config),
+    )
+    return ref, ours
+
+
+def _check(ref, ours):
+    examples = [ref.train_dataset[i] for i in range(4)]
+    batch = ref._prepare_inputs(ref.data_collator(examples))
+    for tr in (ref, ours):
+        tr.model.train()
+        tr._metrics["train"].clear()
+    l_ref = ref.compute_loss(ref.model, dict(batch))
+    l_ref.backward()
+    l_our = ours.compute_loss(ours.model, dict(batch))
+    l_our.backward()
+    assert_close_loss(l_our, l_ref)
+    assert_same_grads(ref.model, ours.model)
+    m_ref, m_our = ref._metrics["train"], ours._metrics["train"]
+    assert sorted(m_ref) == sorted(m_our)
+    for key in m_ref:
+        assert m_our[key] == pytest.approx(m_ref[key], rel=1e-5, abs=1e-6), key
+    return l_our
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_dpo_loss_types(tmp_path, loss_type):
+    cfg = {"label_smoothing": 0.1} if loss_type in ("exo_pair", "robust", "aot", "aot_unpaired") else {}
+    # β=0.5 makes the losses bite; discopop's gate σ(β·δ/τ) multiplies the fp32 summation-order difference of
+    # δ by β/τ (measured 2e-5 relative on the embedding gradient at β=0.5, τ=0.05), so it keeps TRL's β=0.1.
+    beta = 0.1 if loss_type == "discopop" else 0.5
+    _check(*_pair(tmp_path, loss_type=[loss_type], beta=beta, **cfg))
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5]},  # RPO-style mixture
+        {"f_divergence_type": "forward_kl"},
+        {"f_divergence_type": "js_divergence"},
+        {"f_divergence_type": "alpha_divergence", "f_alpha_divergence_coef": 0.3},
+        {"ld_alpha": 0.5},
+        {"use_weighting": True},
+        {"loss_type": ["discopop"], "discopop_tau": 0.2},
+    ],
+    ids=["mixture", "forward_kl", "js", "alpha", "ld_alpha", "wpo", "discopop_tau"],
+)
+def test_dpo_options(tmp_path, cfg):
+    _check(*_pair(tmp_path, **cfg))
+
+
+def test_dpo_precomputed_reference(tmp_path):
+    ref, ours = _pair(tmp_path, precompute_ref_log_probs=True)
+    assert "ref_chosen_logps" in ref.train_dataset.column_names
+    _check(ref, ours)
+
+
+def test_dpo_peft_reference_is_base_model(tmp_path):
+    """PEFT without a reference model: the reference is the model with its adapter disabled."""
+    peft = pytest.importorskip("peft")
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    ref, ours = _pair(tmp_path, with_ref=False, peft_config=cfg)
+    _check(ref, ours)
+
+
+def test_dpo_lora_on_lm_head(tmp_path):
+    """LoRA on lm_head (TRL refuses it) trains; checked against the PEFT model's materialised logits."""
+    peft = pytest.importorskip("peft")
+    import torch.nn.functional as F
+
+    cfg = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["lm_head"], init_lora_weights=False, lora_dropout=0.0
+    )
+    _, our_m = model_pair()
+    ours = ChunkedDPOTrainer(
+        our_m,
+        None,
+        ChunkedDPOConfig(**common_args(tmp_path, max_length=48), chunk_size=9, chunk_compile=False),
+        train_dataset=tiny_dataset("dpo", n=8),
+        processing_class=tokenizer(),
+        peft_config=cfg,
+    )
+    batch = ours._prepare_inputs(ours.data_collator([ours.train_dataset[i] for i in range(4)]))
+    ours.model.train()
+    loss = ours.compute_loss(ours.model, dict(batch))
+    loss.backward()
+    # Reference: sigmoid DPO from the same PEFT model's materialised logits, the reference with the adapter
+    # disabled.
+    model = ours.model
+    ours_grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)[:, 1:]
+
+    def seq_logps():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+        lp = torch.log_softmax(logits.float(), -1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        return (lp * (labels != -100)).sum(1)
+
+    with torch.no_grad(), model.disable_adapter():
+        ref_lp = seq_logps()
+    lp = seq_logps()
+    n = lp.shape[0] // 2
+    delta = (lp[:n] - ref_lp[:n]) - (lp[n:] - ref_lp[n:])
+    expected = -F.logsigmoid(0.1 * delta).mean()
+    expected.backward()
+    assert_close_loss(loss, expected)
+    assert sorted(ours_grads) == sorted(k for k, p in model.named_parameters() if p.grad is not None)
+    assert any("lm_head.lora_B" in k for k in ours_grads)
+    for k, p in model.named_parameters():
+        if p.grad is not None:
+            scale = float(p.grad.abs().max())
+            torch.testing.assert_close(ours_grads[k], p.grad, rtol=1e-5, atol=max(1e-7, 1e-5 * scale))
+
+
+def test_dpo_compiled(tmp_path):
+    _check(*_pair(tmp_path, compile_=True))
+
+
+def test_dpo_refuses_softcap(tmp_path):
+    m, ref_m = model_pair(family="gemma2", final_logit_softcapping=30.0)
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        ChunkedDPOTrainer(
+            m,
+            ref_m,
+            ChunkedDPOConfig(**common_args(tmp_path)),
+            train_dataset=tiny_dataset("dpo", 8),
+            processing_class=tokenizer(),
+        )
