@@ -94,6 +94,7 @@ def _layer_norm_bwd_kernel(
     n_rows,
     n_cols,
     rows_per_program,  # a multiple of BLOCK_M
+    HAS_DX: tl.constexpr,
     HAS_DW: tl.constexpr,
     HAS_DB: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -123,7 +124,8 @@ def _layer_norm_bwd_kernel(
         c1 = tl.sum(wdy * xhat, axis=1) / n_cols
         c2 = tl.sum(wdy, axis=1) / n_cols
         dx = rstd[:, None] * (wdy - xhat * c1[:, None] - c2[:, None])
-        tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        if HAS_DX:
+            tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         if HAS_DW:
             dw_acc += tl.sum(dy * xhat, axis=0)
         if HAS_DB:
@@ -155,10 +157,16 @@ def _layer_norm_fwd(x, weight, bias, opts: LayerNormOptions):
     return y, x, mean, rstd
 
 
-def _layer_norm_bwd(dy, x, weight, mean, rstd, opts: LayerNormOptions, needs_dw: bool, needs_db: bool):
+def _layer_norm_bwd(dy, x, weight, mean, rstd, opts: LayerNormOptions, needs_dx: bool, needs_dw: bool,
+                    needs_db: bool):
     n_rows, n_cols = x.shape
     dy = lastdim_contiguous(dy)
-    dx = dy if (opts.in_place and dy.dtype == x.dtype and dy.is_contiguous()) else torch.empty_like(x)
+    if not needs_dx:
+        dx = None
+    elif opts.in_place and dy.dtype == x.dtype and dy.is_contiguous():
+        dx = dy
+    else:
+        dx = torch.empty_like(x)
     block_n = row_block(n_cols)
     block_m = rows_per_tile(block_n)
     n_programs = max(1, min(num_sms(x.device) * BWD_PROGRAMS_PER_SM, triton.cdiv(n_rows, block_m)))
@@ -170,8 +178,9 @@ def _layer_norm_bwd(dy, x, weight, mean, rstd, opts: LayerNormOptions, needs_dw:
 
     dw_partial, db_partial = partial(needs_dw), partial(needs_db)
     _layer_norm_bwd_kernel[(n_programs,)](
-        dy, x, weight, mean, rstd, dx, dw_partial, db_partial, dy.stride(0), x.stride(0), dx.stride(0),
-        n_rows, n_cols, rows_per_program, HAS_DW=needs_dw, HAS_DB=needs_db,
+        dy, x, weight, mean, rstd, dx, dw_partial, db_partial, dy.stride(0), x.stride(0),
+        dx.stride(0) if needs_dx else 0, n_rows, n_cols, rows_per_program,
+        HAS_DX=needs_dx, HAS_DW=needs_dw, HAS_DB=needs_db,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=row_warps(block_m * block_n),
     )
     dw = dw_partial.sum(0).to(weight.dtype) if needs_dw else None
@@ -192,9 +201,8 @@ class LayerNormFunction(torch.autograd.Function):
         x, weight, mean, rstd = ctx.saved_tensors
         if not any(ctx.needs_input_grad[:3]):
             return None, None, None, None
-        dx, dw, db = _layer_norm_bwd(dy, x, weight, mean, rstd, ctx.opts, ctx.needs_input_grad[1],
-                                     ctx.needs_input_grad[2])
-        return (dx if ctx.needs_input_grad[0] else None), dw, db, None
+        dx, dw, db = _layer_norm_bwd(dy, x, weight, mean, rstd, ctx.opts, *ctx.needs_input_grad[:3])
+        return dx, dw, db, None
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, eps: float = 1e-5,

@@ -106,6 +106,7 @@ def _rms_norm_bwd_kernel(
     rows_per_program,  # a multiple of BLOCK_M
     offset,
     CAST_LLAMA: tl.constexpr,
+    HAS_DX: tl.constexpr,  # x requires grad
     HAS_DW: tl.constexpr,  # weight requires grad
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -131,7 +132,8 @@ def _rms_norm_bwd_kernel(
         dxhat = dy * wt[None, :]
         c = tl.sum(dxhat * xhat, axis=1) / n_cols
         dx = rstd[:, None] * (dxhat - xhat * c[:, None])
-        tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        if HAS_DX:
+            tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         if HAS_DW:
             if CAST_LLAMA:
                 xhat = xhat.to(X.dtype.element_ty).to(tl.float32)
@@ -162,11 +164,16 @@ def _rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, opts: RMSNormOptions):
     return y, x, rstd
 
 
-def _rms_norm_bwd(dy, x, weight, rstd, opts: RMSNormOptions, needs_dw: bool):
+def _rms_norm_bwd(dy, x, weight, rstd, opts: RMSNormOptions, needs_dx: bool, needs_dw: bool):
     n_rows, n_cols = x.shape
     dy = lastdim_contiguous(dy)
     # dx may overwrite dy only if the caller promised dy is not shared and the dtypes let the rows line up.
-    dx = dy if (opts.in_place and dy.dtype == x.dtype and dy.is_contiguous()) else torch.empty_like(x)
+    if not needs_dx:
+        dx = None
+    elif opts.in_place and dy.dtype == x.dtype and dy.is_contiguous():
+        dx = dy
+    else:
+        dx = torch.empty_like(x)
     block_n = row_block(n_cols)
     block_m = rows_per_tile(block_n)
     n_programs = max(1, min(num_sms(x.device) * BWD_PROGRAMS_PER_SM, triton.cdiv(n_rows, block_m)))
@@ -174,8 +181,9 @@ def _rms_norm_bwd(dy, x, weight, rstd, opts: RMSNormOptions, needs_dw: bool):
     n_programs = triton.cdiv(n_rows, rows_per_program)
     dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device) if needs_dw else None
     _rms_norm_bwd_kernel[(n_programs,)](
-        dy, x, weight, rstd, dx, dw_partial, dy.stride(0), x.stride(0), dx.stride(0), n_rows, n_cols,
-        rows_per_program, opts.offset, CAST_LLAMA=opts.casting == "llama", HAS_DW=needs_dw,
+        dy, x, weight, rstd, dx, dw_partial, dy.stride(0), x.stride(0), dx.stride(0) if needs_dx else 0,
+        n_rows, n_cols, rows_per_program, opts.offset, CAST_LLAMA=opts.casting == "llama",
+        HAS_DX=needs_dx, HAS_DW=needs_dw,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=row_warps(block_m * block_n),
     )
     dw = dw_partial.sum(0).to(weight.dtype) if needs_dw else None
@@ -195,8 +203,8 @@ class RMSNormFunction(torch.autograd.Function):
         x, weight, rstd = ctx.saved_tensors
         if not any(ctx.needs_input_grad[:2]):
             return None, None, None
-        dx, dw = _rms_norm_bwd(dy, x, weight, rstd, ctx.opts, ctx.needs_input_grad[1])
-        return (dx if ctx.needs_input_grad[0] else None), dw, None
+        dx, dw = _rms_norm_bwd(dy, x, weight, rstd, ctx.opts, *ctx.needs_input_grad[:2])
+        return dx, dw, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0,

@@ -188,6 +188,18 @@ def test_rope_gradient_of_one_output_only():
     assert dk is None or dk.abs().max() == 0
 
 
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_norm_weight_grad_only(norm):
+    """x frozen (dx skipped in the kernel), w trained: dw still right."""
+    x = torch.randn(9, 45)
+    w = (torch.randn(45) + 1).requires_grad_()
+    fn, ref = (rms_norm, rms_norm_ref) if norm == "rms" else (layer_norm, layer_norm_ref)
+    g = torch.randn(9, 45)
+    (dw,) = torch.autograd.grad(fn(x, w), (w,), g)
+    (dw_ref,) = torch.autograd.grad(ref(x, w), (w,), g)
+    torch.testing.assert_close(dw, dw_ref, atol=1e-5, rtol=1e-5)
+
+
 def test_no_grad_for_inputs_that_do_not_require_it():
     x = torch.randn(7, 33, requires_grad=True)
     w = torch.randn(33)
