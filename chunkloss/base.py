@@ -234,9 +234,10 @@ class FusedLinearBase(nn.Module):
         return type(self).sequence_loss is not FusedLinearBase.sequence_loss
 
     # ----------------------------------------------------------------------------------------------
-    def _step_fn(self, kind: str):
-        """The per-chunk step of ``kind``, compiled once per loss instance when asked."""
-        fn = self._compiled.get(kind)
+    def _step_fn(self, kind: str, device_type: str = "cuda"):
+        """The per-chunk step of ``kind``, compiled once per loss instance and device type when asked."""
+        key = (kind, device_type)
+        fn = self._compiled.get(key)
         if fn is None:
             opts = self.options
             if kind == "token":
@@ -254,11 +255,16 @@ class FusedLinearBase(nn.Module):
             else:  # pragma: no cover
                 raise KeyError(kind)
             if opts.compile:
-                # Rows are marked dynamic per call (_mark_rows_dynamic); the vocabulary stays static so
-                # inductor picks reduction configs for the real V (dynamic=True ran the logsumexp
-                # reduction at 0.4 TB/s on an H100).
-                fn = _RowDynamic(torch.compile(fn))
-            self._compiled[kind] = fn
+                if device_type == "cpu" and kind == "seq_onepass":
+                    # torch 2.13's CPU inductor fails to generate the scatter of a segment sum into a
+                    # static 1-element buffer (a chunk holding one sequence); fully dynamic shapes avoid it.
+                    fn = torch.compile(fn, dynamic=True)
+                else:
+                    # Rows are marked dynamic per call; the vocabulary stays static so inductor picks
+                    # reduction configs for the real V (dynamic=True ran the logsumexp reduction at
+                    # 0.4 TB/s on an H100).
+                    fn = _RowDynamic(torch.compile(fn))
+            self._compiled[key] = fn
         return fn
 
     def run(self, hidden: Tensor, weight: Tensor, bias: Tensor | None, batch: Batch) -> Tensor:
@@ -451,6 +457,7 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
         else {}
     )
     chunk = loss_mod.chunk_rows(weight, hidden, batch.extra)
+    dev = hidden.device.type
     plan, one_pass = _plan_chunks(loss_mod, batch, n_rows, chunk)
     # Rows in natural order with nothing dropped: chunks are slices, no gather/scatter copies.
     contiguous = batch.all_rows
@@ -487,7 +494,7 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
 
     with torch.no_grad():
         if not loss_mod.is_sequence_loss:
-            step = loss_mod._step_fn("token" if any_grad else "token_value")
+            step = loss_mod._step_fn("token" if any_grad else "token_value", dev)
             for a, b in plan.bounds:
                 x, logits, extra = project(a, b)
                 g, l_c, m = step(logits, extra, _slice_rows(batch.token, a, b), batch.scalars)
@@ -498,7 +505,7 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
                 if any_grad:
                     backprop(g, x, a, b)
         elif one_pass:
-            step = loss_mod._step_fn("seq_onepass")
+            step = loss_mod._step_fn("seq_onepass", dev)
             seq_id = batch.seq_id
             for (a, b), (s0, s1) in zip(plan.bounds, plan.seq_bounds):
                 x, logits, extra = project(a, b)
@@ -516,7 +523,7 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
                 if any_grad:
                     backprop(g, x, a, b)
         else:
-            stats_fn = loss_mod._step_fn("stats")
+            stats_fn = loss_mod._step_fn("stats", dev)
             parts = []
             for a, b in plan.bounds:
                 _, logits, extra = project(a, b)
@@ -532,7 +539,7 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
             loss += l_all.detach()
             add_metrics({k: v.detach() for k, v in m.items()})
             if any_grad and coef is not None:
-                step = loss_mod._step_fn("seq_pass2")
+                step = loss_mod._step_fn("seq_pass2", dev)
                 for a, b in plan.bounds:
                     x, logits, extra = project(a, b)
                     g = step(logits, extra, _slice_rows(batch.token, a, b), coef[a:b])
