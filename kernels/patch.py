@@ -89,15 +89,16 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     hidden = outputs.last_hidden_state
     keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
     hidden = hidden[:, keep, :]
-    if self._chunkloss_ce is None:
-        softcap = getattr(self.config, "final_logit_softcapping", None)
-        self._chunkloss_ce = FusedLinearCrossEntropyLoss(ignore_index=-100, softcap=softcap,
-                                                         **self._chunkloss_loss_options)
+    softcap = getattr(self.config, "final_logit_softcapping", None)
+    if self._chunkloss_ce is None or self._chunkloss_ce[0] != softcap:
+        # Kept across calls: the loss instance holds its compiled per-chunk step.
+        ce = FusedLinearCrossEntropyLoss(ignore_index=-100, softcap=softcap, **self._chunkloss_loss_options)
+        self._chunkloss_ce = (softcap, ce)
     if shift_labels is None:
         # As transformers' ForCausalLMLoss: position t predicts token t + 1, the last one predicts nothing.
         shift_labels = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
-    loss = self._chunkloss_ce(hidden, self.lm_head.weight, shift_labels.to(hidden.device),
-                              bias=self.lm_head.bias, num_items_in_batch=kwargs.get("num_items_in_batch"))
+    loss = self._chunkloss_ce[1](hidden, self.lm_head.weight, shift_labels.to(hidden.device),
+                                 bias=self.lm_head.bias, num_items_in_batch=kwargs.get("num_items_in_batch"))
     out = CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
                                  hidden_states=outputs.hidden_states, attentions=outputs.attentions)
     if return_dict is False or (return_dict is None and not getattr(self.config, "return_dict", True)):
