@@ -1,0 +1,94 @@
+"""``ChunkedORPOTrainer``: TRL's experimental ``ORPOTrainer`` with the loss of ``FusedLinearORPOLoss``.
+
+TRL's ORPO materialises the ``[2B, T, V]`` logits; here the chosen and rejected hidden states go to the
+chunked ORPO loss (odds-ratio term over the completions, NLL over the chosen prompt and completion), and the
+``logits/chosen`` / ``logits/rejected`` metrics (TRL: the mean logit over every position of the padded batch)
+come from one chunked forward without grad.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+from accelerate.utils import is_peft_model
+from torch import nn
+from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+from chunkloss.losses.orpo import FusedLinearORPOLoss
+
+from ._common import ChunkedArguments, chunk_options, refuse
+from ._head import add_chunked_head, allow_lm_head_adapter, check_head_supported
+from ._losses import FusedLinearMeanLogit
+from .dpo import refuse_head_transforms
+
+__all__ = ["ChunkedORPOConfig", "ChunkedORPOTrainer"]
+
+
+@dataclass
+class ChunkedORPOConfig(ORPOConfig, ChunkedArguments):
+    """``trl.experimental.orpo.ORPOConfig`` with the chunkloss fields of :class:`ChunkedArguments`."""
+
+
+class ChunkedORPOTrainer(ORPOTrainer):
+    """``ORPOTrainer`` whose loss never materialises the logits.
+
+    Refused at construction: encoder-decoder models, models with final logit softcapping or a logit scale, and
+    adapters on ``lm_head`` other than plain LoRA.
+    """
+
+    _tag_names = ["trl", "orpo", "chunkloss"]
+
+    def __init__(self, model=None, args: ORPOConfig | None = None, *pos, **kwargs):
+        if args is not None:
+            chunk_options(args)
+        ctx = allow_lm_head_adapter(model) if isinstance(model, nn.Module) else contextlib.nullcontext()
+        with ctx:
+            super().__init__(model, args, *pos, **kwargs)
+        name = type(self).__name__
+        if self.is_encoder_decoder:
+            refuse(name, "encoder-decoder models", "the chunked head covers causal LMs")
+        base = self.model.get_base_model() if is_peft_model(self.model) else self.model
+        check_head_supported(base)
+        refuse_head_transforms(name, base)
+        add_chunked_head(base)
+        opts = chunk_options(self.args)
+        self._orpo_loss = FusedLinearORPOLoss(beta=float(self.beta), **opts)
+        self._mean_logit = FusedLinearMeanLogit(**opts)
+
+    def concatenated_forward(self, model, batch):
+        cat = self.concatenated_inputs(
+            batch, is_encoder_decoder=False, padding_value=self.padding_value, device=self.accelerator.device
+        )
+        n = batch["chosen_labels"].shape[0]
+        input_ids, attention_mask = cat["concatenated_input_ids"], cat["concatenated_attention_mask"]
+        labels = cat["concatenated_labels"][:, 1:]
+        nll_labels = input_ids.masked_fill(attention_mask != 1, -100)[:n, 1:]
+
+        def head_fn(hidden, head):
+            x = head.features(hidden[:, :-1])
+            loss = self._orpo_loss(
+                x, head.weight, labels[:n], labels[n:], bias=head.bias, nll_labels=nll_labels
+            )
+            mean_c = self._mean_logit(x[:n], head.weight, head.bias)
+            mean_r = self._mean_logit(x[n:], head.weight, head.bias)
+            return loss, dict(self._orpo_loss.metrics), mean_c, mean_r
+
+        kwargs = {"output_router_logits": True} if self.aux_loss_enabled else {}
+        out = model(input_ids, attention_mask=attention_mask, use_cache=False, chunked_head=head_fn, **kwargs)
+        return out.result, out.aux_loss
+
+    def get_batch_loss_metrics(self, model, batch, train_eval="train"):
+        (loss, m, mean_c, mean_r), aux_loss = self.concatenated_forward(model, batch)
+        prefix = "eval_" if train_eval == "eval" else ""
+        gather = self.accelerator.gather_for_metrics
+        metrics = {f"{prefix}{k}": gather(m[k].reshape(1)).mean().item() for k in (
+            "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/rejected",
+            "logps/chosen")}  # fmt: skip
+        metrics[f"{prefix}logits/rejected"] = gather(mean_r.reshape(1)).mean().item()
+        metrics[f"{prefix}logits/chosen"] = gather(mean_c.reshape(1)).mean().item()
+        for k in ("nll_loss", "log_odds_ratio", "log_odds_chosen"):
+            metrics[f"{prefix}{k}"] = gather(m[k].reshape(1)).mean().item()
+        if self.aux_loss_enabled:
+            loss = loss + self.aux_loss_coef * aux_loss
+        return loss, metrics
