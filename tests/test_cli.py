@@ -1,0 +1,214 @@
+"""The ``chunkloss`` command on CPU: help, the tiny configs end to end (SFT and GRPO for their full run, every
+other trainer for two steps), the run summary and checkpoint, and ``chunkloss bench``'s dispatch and its
+refusal without CUDA."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from chunkloss import cli
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def _train(name: str, tmp_path: Path, *overrides: str) -> tuple[dict, Path]:
+    out = tmp_path / name
+    summary = cli.train(str(CONFIG_DIR / f"{name}.yaml"), ["--output_dir", str(out), *overrides])
+    return summary, out
+
+
+def _check_run(summary: dict, out: Path, steps: int) -> None:
+    """Finished all steps, finite numbers, a checkpoint that loads, the summary on disk equals the returned one."""
+    assert summary["steps"] == steps
+    assert summary["losses"] and all(math.isfinite(v) for v in summary["losses"])
+    assert math.isfinite(summary["final_loss"]) and summary["final_loss"] == summary["losses"][-1]
+    assert summary["tokens"] > 0 and summary["tokens_per_s"] > 0
+    assert summary["peak_memory_mib"] > 0
+    expected_kind = "GPU" if torch.cuda.is_available() else "CPU"
+    assert summary["peak_memory_kind"].startswith(expected_kind)
+    assert summary["checkpoint"] == str(out.resolve())
+    assert json.loads((out / "chunkloss_summary.json").read_text()) == summary
+    trained = load_file(out / "model.safetensors")
+    initial = load_file(out / "tiny-init" / "model.safetensors")
+    assert trained.keys() == initial.keys()
+    assert any(not torch.equal(trained[k], initial[k]) for k in trained), "the weights moved"
+    assert (out / "tokenizer.json").exists() and (out / "config.json").exists()
+
+
+def _falls(losses: list[float]) -> bool:
+    """The second half of the logged losses averages below the first half, and the last is below the first."""
+    half = len(losses) // 2
+    return sum(losses[half:]) / (len(losses) - half) < sum(losses[:half]) / half and losses[-1] < losses[0]
+
+
+def test_sft_tiny_full_run_loss_falls(tmp_path, capsys):
+    summary, out = _train("sft-tiny", tmp_path)
+    _check_run(summary, out, steps=30)
+    assert summary["trainer"] == "ChunkedSFTTrainer"
+    assert len(summary["losses"]) == 6  # logging_steps 5
+    assert _falls(summary["losses"]), summary["losses"]
+    assert summary["final_loss"] < 0.75 * summary["first_loss"], summary["losses"]
+    printed = capsys.readouterr().out
+    for line in ("final loss", "tokens/s", "peak memory", "checkpoint"):
+        assert line in printed
+    assert str(out.resolve()) in printed
+
+
+def test_grpo_tiny_full_run(tmp_path):
+    # GRPO's loss is a policy-gradient surrogate (zero-mean advantages), not a quantity that falls as the
+    # policy improves, so the run is checked for completion, finite loss and reward, and moved weights.
+    summary, out = _train("grpo-tiny", tmp_path)
+    _check_run(summary, out, steps=30)
+    assert summary["trainer"] == "ChunkedGRPOTrainer"
+    assert summary["rewards"] and all(math.isfinite(r) for r in summary["rewards"])
+
+
+SHORT = ["dpo-tiny", "orpo-tiny", "gkd-tiny", "distillation-tiny"]
+
+
+@pytest.mark.parametrize("name", SHORT)
+def test_tiny_config_two_steps(tmp_path, name):
+    summary, out = _train(name, tmp_path, "--max_steps", "2", "--logging_steps", "1")
+    _check_run(summary, out, steps=2)
+    assert summary["trainer"] == cli.TRAINERS[name.split("-")[0]].trainer
+
+
+def test_dpo_tiny_full_run_loss_falls(tmp_path):
+    summary, out = _train("dpo-tiny", tmp_path)
+    _check_run(summary, out, steps=30)
+    assert _falls(summary["losses"]), summary["losses"]
+    assert summary["first_loss"] == pytest.approx(math.log(2), abs=0.02), "policy == reference at step 1"
+
+
+def test_main_help_lists_commands(capsys):
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "chunkloss train" in out and "chunkloss bench" in out
+
+
+def test_no_arguments_is_a_usage_error(capsys):
+    assert cli.main([]) == 2
+    assert cli.main(["fly"]) == 2
+    assert "unknown command 'fly'" in capsys.readouterr().err
+
+
+def test_train_help_lists_trainers_and_options(capsys):
+    assert cli.main(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    for name, spec in cli.TRAINERS.items():
+        assert name in out and spec.trainer in out
+    assert "not available" not in out, "every trainer has landed"
+    for key in ("tiny_model", "dataset", "reward_funcs", "chunk_size", "chunk_accum_dtype", "chunk_compile",
+                "model_name_or_path"):
+        assert key in out
+
+
+@pytest.mark.parametrize("name", list(cli.TRAINERS))
+def test_train_help_of_one_trainer_lists_every_option(capsys, name):
+    assert cli.main(["train", "--trainer", name, "--help"]) == 0
+    out = capsys.readouterr().out
+    for flag in ("--learning_rate", "--chunk_size", "--chunk_compile", "--tiny_model", "--model_name_or_path"):
+        assert flag in out
+    own = {"grpo": "--num_generations", "dpo": "--beta", "orpo": "--beta", "gkd": "--lmbda",
+           "distillation": "--teacher_model_name_or_path", "sft": "--completion_only_loss"}[name]
+    assert own in out
+
+
+def test_train_help_from_a_config_file(capsys):
+    assert cli.main(["train", str(CONFIG_DIR / "grpo-tiny.yaml"), "--help"]) == 0
+    assert "--num_generations" in capsys.readouterr().out
+
+
+def test_console_script_runs():
+    # The installed entry point (pyproject: chunkloss = "chunkloss.cli:main") in a fresh interpreter.
+    code = "import sys; from chunkloss.cli import main; sys.exit(main(sys.argv[1:]))"
+    proc = subprocess.run([sys.executable, "-c", code, "train", "--help"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "grpo" in proc.stdout and "ChunkedGRPOTrainer" in proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------------------
+# bench
+
+
+def test_bench_refuses_without_cuda(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for argv in (["bench"], ["bench", "losses"], ["bench", "all", "--quick"]):
+        assert cli.main(argv) != 0
+        err = capsys.readouterr().err
+        assert "no CUDA device" in err
+
+
+def test_bench_help_without_cuda(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["bench", "--help"]) == 0
+    assert "losses" in capsys.readouterr().out
+
+
+def test_bench_unknown_name(capsys):
+    assert cli.main(["bench", "speed"]) == 2
+    assert "unknown benchmark 'speed'" in capsys.readouterr().err
+
+
+def _fake_benchmarks(tmp_path: Path, names: list[str]) -> Path:
+    root = tmp_path / "checkout" / "benchmarks"
+    root.mkdir(parents=True)
+    for name in names:
+        (root / f"bench_{name}.py").write_text(
+            "import json, os\n"
+            "def main(argv=None):\n"
+            f"    with open(os.path.join(os.path.dirname(__file__), 'calls.jsonl'), 'a') as f:\n"
+            f"        f.write(json.dumps([{name!r}, argv]) + '\\n')\n"
+            "    return 0\n"
+        )
+    return root
+
+
+def _calls(root: Path) -> list:
+    path = root / "calls.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["bench", "losses", "--quick", "--out", "r"], [["losses", ["--quick", "--out", "r"]]]),
+        (["bench", "e2e"], [["e2e", []]]),
+        (["bench"], [["losses", []], ["kernels", []]]),
+        (["bench", "all", "--quick"], [["losses", ["--quick"]], ["kernels", ["--quick"]], ["e2e", ["--quick"]]]),
+    ],
+)
+def test_bench_dispatches_to_the_checkout_scripts(tmp_path, monkeypatch, argv, expected):
+    root = _fake_benchmarks(tmp_path, ["losses", "kernels", "e2e"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cli, "_benchmarks_dir", lambda: root)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    for name in ("losses", "kernels", "e2e"):  # the fake modules must not outlive the test
+        monkeypatch.delitem(sys.modules, f"benchmarks.bench_{name}", raising=False)
+        monkeypatch.setitem(sys.modules, f"benchmarks.bench_{name}", None)
+    assert cli.main(argv) == 0
+    assert _calls(root) == expected
+
+
+def test_bench_missing_script_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    root = _fake_benchmarks(tmp_path, ["losses"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cli, "_benchmarks_dir", lambda: root)
+    assert cli.main(["bench", "kernels"]) == 2
+    assert "bench_kernels.py not found" in capsys.readouterr().err
+    assert _calls(root) == []
+
+
+def test_bench_finds_the_repository_benchmarks():
+    root = cli._benchmarks_dir()
+    assert root == Path(__file__).resolve().parent.parent / "benchmarks"
+    assert (root / "bench_losses.py").is_file()
