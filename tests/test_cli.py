@@ -26,7 +26,7 @@ def _train(name: str, tmp_path: Path, *overrides: str) -> tuple[dict, Path]:
 
 
 def _check_run(summary: dict, out: Path, steps: int) -> None:
-    """Finished all steps, finite numbers, a checkpoint that loads, the summary on disk equals the returned one."""
+    """All steps done, finite numbers, a checkpoint that loads, the summary on disk as returned."""
     assert summary["steps"] == steps
     assert summary["losses"] and all(math.isfinite(v) for v in summary["losses"])
     assert math.isfinite(summary["final_loss"]) and summary["final_loss"] == summary["losses"][-1]
@@ -115,7 +115,8 @@ def test_train_help_lists_trainers_and_options(capsys):
 def test_train_help_of_one_trainer_lists_every_option(capsys, name):
     assert cli.main(["train", "--trainer", name, "--help"]) == 0
     out = capsys.readouterr().out
-    for flag in ("--learning_rate", "--chunk_size", "--chunk_compile", "--tiny_model", "--model_name_or_path"):
+    for flag in ("--learning_rate", "--chunk_size", "--chunk_compile", "--tiny_model",
+                 "--model_name_or_path"):
         assert flag in out
     own = {"grpo": "--num_generations", "dpo": "--beta", "orpo": "--beta", "gkd": "--lmbda",
            "distillation": "--teacher_model_name_or_path", "sft": "--completion_only_loss"}[name]
@@ -184,7 +185,7 @@ def _calls(root: Path) -> list:
         (["bench", "losses", "--quick", "--out", "r"], [["losses", ["--quick", "--out", "r"]]]),
         (["bench", "e2e"], [["e2e", []]]),
         (["bench"], [["losses", []], ["kernels", []]]),
-        (["bench", "all", "--quick"], [["losses", ["--quick"]], ["kernels", ["--quick"]], ["e2e", ["--quick"]]]),
+        (["bench", "all", "-q"], [["losses", ["-q"]], ["kernels", ["-q"]], ["e2e", ["-q"]]]),
     ],
 )
 def test_bench_dispatches_to_the_checkout_scripts(tmp_path, monkeypatch, argv, expected):

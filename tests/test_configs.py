@@ -93,7 +93,8 @@ BAD = {
     "float_as_word": (TINY_SFT + "learning_rate: fast\n", "key 'learning_rate' must be a number"),
     "bool_as_word": (TINY_SFT + "use_cpu: sometimes\n", "key 'use_cpu' must be true/false"),
     "enum_value": (TINY_SFT + "save_strategy: sometimes\n", "key 'save_strategy' must be one of 'no'"),
-    "list_as_scalar": (TINY_SFT.replace("sft", "grpo") + "reward_funcs: count\n", "key 'reward_funcs' must be a list"),
+    "list_as_scalar": (TINY_SFT.replace("sft", "grpo") + "reward_funcs: count\n",
+                       "key 'reward_funcs' must be a list"),
     "chunk_size_type": (TINY_SFT + "chunk_size: auto\n", "key 'chunk_size' must be an integer or null"),
     "tiny_model_key": (TINY_SFT.replace("num_layers: 2", "layers: 2"), "unknown key tiny_model.layers"),
     "tiny_model_value": (TINY_SFT.replace("hidden_size: 64", "hidden_size: -8"), "tiny_model.hidden_size"),
@@ -105,8 +106,10 @@ BAD = {
                  "set either model_name_or_path"),
     "two_models": (TINY_SFT + "model_name_or_path: Qwen/Qwen3-0.6B\n", "only one of model_name_or_path"),
     "teacher_missing": (TINY_SFT.replace("trainer: sft", "trainer: gkd"), "gkd needs a teacher"),
-    "rejected_by_trl": (TINY_SFT.replace("sft", "grpo") + "per_device_train_batch_size: 8\nnum_generations: 3\n",
-                        "must be divisible by num_generations"),
+    "rejected_by_trl": (
+        TINY_SFT.replace("sft", "grpo") + "per_device_train_batch_size: 8\nnum_generations: 3\n",
+        "must be divisible by num_generations",
+    ),
     "not_a_mapping": ("- trainer\n- sft\n", "must be a YAML mapping"),
     "not_yaml": ("trainer: [sft\n", "not valid YAML"),
 }
