@@ -1,1 +1,20 @@
-"""TRL trainers that use the chunked losses."""
+"""TRL trainers that use the chunked losses: drop-in subclasses of TRL 1.16's trainers.
+
+    from chunkloss.trainers import ChunkedGRPOTrainer, ChunkedGRPOConfig
+"""
+
+from .dpo import ChunkedDPOConfig, ChunkedDPOTrainer
+from .grpo import ChunkedGRPOConfig, ChunkedGRPOTrainer
+from .orpo import ChunkedORPOConfig, ChunkedORPOTrainer
+from .sft import ChunkedSFTConfig, ChunkedSFTTrainer
+
+__all__ = [
+    "ChunkedDPOConfig",
+    "ChunkedDPOTrainer",
+    "ChunkedGRPOConfig",
+    "ChunkedGRPOTrainer",
+    "ChunkedORPOConfig",
+    "ChunkedORPOTrainer",
+    "ChunkedSFTConfig",
+    "ChunkedSFTTrainer",
+]
