@@ -21,6 +21,7 @@ import importlib.util
 import json
 import os
 import sys
+import textwrap
 import time
 import types
 import typing
@@ -59,7 +60,7 @@ TRAINERS: dict[str, TrainerSpec] = {
                        "generalised knowledge distillation (needs a teacher)"),
     "distillation": TrainerSpec("chunkloss.trainers.distillation", "ChunkedDistillationTrainer",
                                 "ChunkedDistillationConfig", "distillation",
-                                "on-policy distillation (TRL DistillationTrainer, needs a teacher)"),
+                                "on-policy distillation (needs a teacher)"),
 }
 
 TINY_MODEL_KEYS = ("family", "hidden_size", "num_layers")
@@ -164,7 +165,8 @@ def _describe(tp) -> str:
     if tp is type(None):
         return "null"
     if origin in (list, dict):
-        inner = f" of {', '.join(_describe(a) for a in args)}" if args else ""
+        plural = {str: "strings", int: "integers", float: "numbers", bool: "true/false values"}
+        inner = f" of {', '.join(plural.get(a, _describe(a)) for a in args)}" if args else ""
         return f"a {origin.__name__}{inner}"
     if _enum_values(tp):
         return "one of " + ", ".join(map(repr, _enum_values(tp)))
@@ -493,8 +495,9 @@ def _field_help(cls) -> list[str]:
     for f in dataclasses.fields(cls):
         default = f.default if f.default is not dataclasses.MISSING else (
             f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
-        out.append(f"  {f.name:<26} {_describe(hints[f.name])}, default {default!r}\n"
-                   f"  {'':<26} {f.metadata.get('help', '')}")
+        text = f"{f.metadata.get('help', '')} ({_describe(hints[f.name])}; default {default!r})"
+        out.append(textwrap.fill(text, width=108, initial_indent=f"  {f.name:<23} ",
+                                 subsequent_indent=" " * 26))
     return out
 
 
@@ -513,7 +516,7 @@ def _train_overview() -> str:
     ]
     for key, spec in TRAINERS.items():
         status = spec.trainer if _available(key) else f"{spec.trainer} (not available)"
-        lines.append(f"  {key:<13} {status:<34} {spec.about}")
+        lines.append(f"  {key:<13} {status:<27} {spec.about}")
     lines += ["", "run keys (chunkloss):", *_field_help(RunArguments)]
     try:
         from chunkloss.trainers._common import ChunkedArguments

@@ -94,7 +94,7 @@ BAD = {
     "bool_as_word": (TINY_SFT + "use_cpu: sometimes\n", "key 'use_cpu' must be true/false"),
     "enum_value": (TINY_SFT + "save_strategy: sometimes\n", "key 'save_strategy' must be one of 'no'"),
     "list_as_scalar": (TINY_SFT.replace("sft", "grpo") + "reward_funcs: count\n",
-                       "key 'reward_funcs' must be a list"),
+                       "key 'reward_funcs' must be a list of strings"),
     "chunk_size_type": (TINY_SFT + "chunk_size: auto\n", "key 'chunk_size' must be an integer or null"),
     "tiny_model_key": (TINY_SFT.replace("num_layers: 2", "layers: 2"), "unknown key tiny_model.layers"),
     "tiny_model_value": (TINY_SFT.replace("hidden_size: 64", "hidden_size: -8"), "tiny_model.hidden_size"),
