@@ -289,6 +289,11 @@ def _token_step(chunk_loss, opts, logits, extra_logits, token, scalars):
     (g, (loss, metrics)) = torch.func.grad_and_value(
         lambda z: _with_aux(chunk_loss(z, extra_logits, token, scalars, opts)), has_aux=True
     )(logits)
+    if opts.compile:
+        # The gradient overwrites the logits: inductor writes it straight into their buffer, so a
+        # chunk costs one [C, V] buffer instead of two.
+        logits.copy_(g)
+        return logits, loss, metrics
     return g.to(logits.dtype), loss, metrics
 
 
