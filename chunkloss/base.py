@@ -221,7 +221,12 @@ class FusedLinearBase(nn.Module):
 
     @staticmethod
     def token_stats(logits, extra_logits, token, opts):  # pragma: no cover - interface
-        """Sequence losses: differentiable per-row statistics ``(N_c, K)`` in fp32."""
+        """Sequence losses: differentiable per-row statistics ``(N_c, K)`` in fp32.
+
+        In the second of two passes the heads without grad are not projected again: ``extra_logits``
+        is empty and ``token["pass1_stats"]`` holds this chunk's statistics from the first pass, so
+        columns computed from the extra heads can be read back from there.
+        """
         raise NotImplementedError
 
     @staticmethod
@@ -473,10 +478,11 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
     def gather(h: Tensor, a: int, b: int) -> Tensor:
         return h[a:b] if contiguous else h.index_select(0, rows_of(a, b))
 
-    def project(a, b):
+    def project(a, b, with_extra=True):
         x = gather(hidden, a, b)
         logits = _project(x, weight, bias)
-        extra = [_project(gather(e.hidden, a, b), e.weight, e.bias) for e in batch.extra]
+        heads = batch.extra if with_extra else []
+        extra = [_project(gather(e.hidden, a, b), e.weight, e.bias) for e in heads]
         return x, logits, extra
 
     def backprop(g, x, a, b):
@@ -546,8 +552,11 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
             if any_grad and coef is not None:
                 step = loss_mod._step_fn("seq_pass2", dev)
                 for a, b in plan.bounds:
-                    x, logits, extra = project(a, b)
-                    g = step(logits, extra, _slice_rows(batch.token, a, b), coef[a:b])
+                    # Heads without grad are not projected again: their statistics from pass 1 come in
+                    # as token["pass1_stats"], and extra_logits is empty.
+                    x, logits, extra = project(a, b, with_extra=False)
+                    token = {**_slice_rows(batch.token, a, b), "pass1_stats": stats[a:b].detach()}
+                    g = step(logits, extra, token, coef[a:b])
                     backprop(g, x, a, b)
 
     if need_w and not w_started[0]:

@@ -114,8 +114,7 @@ def tiny_model(tokenizer, family: str = "qwen3", hidden_size: int = 64, num_laye
     """A randomly initialised causal LM of ``family`` sized for CPU runs (nothing downloaded)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model(
-        family,
+    kwargs = dict(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 2,
@@ -128,6 +127,6 @@ def tiny_model(tokenizer, family: str = "qwen3", hidden_size: int = 64, num_laye
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
         tie_word_embeddings=False,
-        **overrides,
     )
+    cfg = AutoConfig.for_model(family, **{**kwargs, **overrides})
     return AutoModelForCausalLM.from_config(cfg)

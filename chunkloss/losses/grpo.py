@@ -171,6 +171,8 @@ def _row_logprobs(logits, extra_logits, token, opts: GRPOOptions):
             if opts.temperature != 1.0:
                 zr = zr / opts.temperature
             ref, _ = label_logprobs(zr, token["ids"])
+        elif "pass1_stats" in token and "ref_logps" not in token:
+            ref = token["pass1_stats"][:, 2]  # second pass: the reference head's column of pass 1
         else:
             ref = token["ref_logps"]
     return logp, ent, ref
