@@ -82,10 +82,11 @@ def test_tiny_config_two_steps(tmp_path, name):
 
 
 def test_dpo_tiny_full_run_loss_falls(tmp_path):
-    summary, out = _train("dpo-tiny", tmp_path)
+    summary, out = _train("dpo-tiny", tmp_path, "--logging_steps", "1")
     _check_run(summary, out, steps=30)
     assert _falls(summary["losses"]), summary["losses"]
-    assert summary["first_loss"] == pytest.approx(math.log(2), abs=0.02), "policy == reference at step 1"
+    # At step 1 the policy is the reference (a reload of the same tiny-init weights): -logsigmoid(0) = log 2.
+    assert summary["losses"][0] == pytest.approx(math.log(2), abs=1e-4)
 
 
 def test_main_help_lists_commands(capsys):
