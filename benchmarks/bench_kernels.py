@@ -25,30 +25,20 @@ def _liger():
     """Liger's counterparts, or {} when liger_kernel is missing or its API differs."""
     try:
         from liger_kernel.ops.geglu import LigerGELUMulFunction
+        from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
         from liger_kernel.ops.swiglu import LigerSiLUMulFunction
-        from liger_kernel.transformers.layer_norm import LigerLayerNorm
-        from liger_kernel.transformers.rms_norm import LigerRMSNorm
         from liger_kernel.transformers.rope import liger_rotary_pos_emb
     except Exception as exc:  # noqa: BLE001 - any import failure means "not available"
         print(f"liger_kernel unavailable: {exc!r}", file=sys.stderr)
         return {}
 
-    modules = {}  # built once per weight so module construction stays out of the timed step
-
+    # Liger's autograd Functions on our leaves (its modules would wrap the weight in a new Parameter).
     def rms(x, w):
-        if id(w) not in modules:
-            mod = LigerRMSNorm(w.shape[0], eps=1e-6).to(w.device, w.dtype)
-            mod.weight = torch.nn.Parameter(w, requires_grad=w.requires_grad)
-            modules[id(w)] = mod
-        return modules[id(w)](x)
+        return LigerRMSNormFunction.apply(x, w, 1e-6, 0.0, "llama", True)
 
     def ln(x, w, b):
-        if id(w) not in modules:
-            mod = LigerLayerNorm(w.shape[0], eps=1e-5).to(w.device, w.dtype)
-            mod.weight = torch.nn.Parameter(w, requires_grad=w.requires_grad)
-            mod.bias = torch.nn.Parameter(b, requires_grad=b.requires_grad)
-            modules[id(w)] = mod
-        return modules[id(w)](x)
+        return LigerLayerNormFunction.apply(x, w, b, 1e-5)
 
     return {
         "rms_norm": rms,
