@@ -4,13 +4,16 @@ programs per SM) at several widths; prints forward+backward time per configurati
     python -m benchmarks.tune_norms
 """
 
+import importlib
 import itertools
 
-import chunkloss.kernels.layer_norm as ln_mod
-import chunkloss.kernels.rms_norm as rms_mod
 import torch
 import triton.testing
 from chunkloss.kernels import layer_norm, rms_norm
+
+# The package re-exports functions named like their modules, so take the modules from sys.modules.
+ln_mod = importlib.import_module("chunkloss.kernels.layer_norm")
+rms_mod = importlib.import_module("chunkloss.kernels.rms_norm")
 
 
 def main():
@@ -23,9 +26,7 @@ def main():
         dy = torch.randn_like(x)
         floor = 5 * rows * width * 2 / 3.0e12 * 1e3
         results = []
-        for max_elems, wscale, ppsm in itertools.product(
-            (4096, 8192), (0.5, 1, 2), (2, 4, 8, 16)
-        ):
+        for max_elems, wscale, ppsm in itertools.product((4096, 8192), (0.5, 1, 2), (2, 4, 8, 16)):
             for mod in (rms_mod, ln_mod):
                 mod.rows_per_tile = lambda bn, m=max_elems: max(1, min(64, m // bn))
                 mod.row_warps = lambda blk, s=wscale: max(1, min(32, int(base_warps(blk) * s)))
