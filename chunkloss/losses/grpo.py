@@ -32,11 +32,11 @@ weight of the GSPO paper (arXiv:2507.18071, eq. 13), equal in value to 'sequence
 gradients, as Liger names it.
 
 Metrics carry TRL's names and are this process's values, before TRL's cross-process reduction:
-``kl`` and ``entropy`` (masked token means), ``clip_ratio/{low_mean,high_mean,region_mean}``
-(masked token means, or means over the B sequences when the ratio is per sequence),
-``clip_ratio/low_min`` and ``clip_ratio/high_max`` (min/max over this process's sequences of the
-per-sequence mean, NaN-skipping), ``cispo_clip_ratio``, ``vespo/phi_seq_mean``, and ``policy_loss``
-when the entropy bonus is on. With
+``kl`` and ``entropy`` (masked token means), ``clip_ratio/{low_mean,high_mean,region_mean}`` and
+``cispo_clip_ratio`` (masked token means, or means over the B sequences when the ratio is per
+sequence), ``clip_ratio/low_min`` and ``clip_ratio/high_max`` (min/max over this process's sequences
+of the per-sequence mean, NaN-skipping), ``vespo/phi_seq_mean``, and ``policy_loss`` when the
+entropy bonus is on. With
 ``top_entropy_quantile < 1`` the entropy threshold is the quantile of this process's tokens (TRL
 gathers every process's tokens first).
 
@@ -341,6 +341,11 @@ def grpo_sequence_loss(stats, seq_id, num_seqs, token, sequence, scalars, opts: 
         zeros = scalars["seq_zeros"]
         out["_low_seq"] = zeros.index_add(0, sequence["index"], low)
         out["_high_seq"] = zeros.index_add(0, sequence["index"], high)
+    if seq_clip and opts.loss_type == "cispo":
+        # One ratio per sequence: TRL averages the (B, 1) flags over the B sequences (empty ones included).
+        c = torch.exp(lw_seq.detach())
+        flags = ((c > opts.eps_high) & (sequence["adv"] > 0)).float()
+        out["cispo_clip_ratio"] = flags.sum() / scalars["n_seqs"]
     return loss, out
 
 

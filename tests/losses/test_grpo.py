@@ -339,11 +339,22 @@ def test_reference_matches_trl(loss_type, level, extras):
             assert abs(float(mr[k]) - mt[k]) <= 1e-6, (k, float(mr[k]), mt[k])
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "cispo", "vespo"])
-def test_module_matches_trl(loss_type):
+@pytest.mark.parametrize(
+    "loss_type,level,seed,extra",
+    [
+        ("dapo", "token", 0, {}),
+        ("grpo", "token", 0, {}),
+        ("cispo", "token", 0, {}),
+        ("vespo", "token", 0, {}),
+        # Sequence ratios (1.15, 1.03, 1.0) with advantages (+, +, -): ε_max=1.1 clips sequence 0 alone,
+        # so TRL's cispo_clip_ratio (a mean over the B sequences) is 1/3, unlike the token mean.
+        ("cispo", "sequence", 3, {"epsilon_high": 1.1}),
+    ],
+)
+def test_module_matches_trl(loss_type, level, seed, extra):
     """End to end: chunked module vs TRL's _compute_loss on the fp32 log-probs of the same head."""
-    inp, kw = make_inputs()
-    opts = grid_opts(loss_type, "token", beta=0.04)
+    inp, kw = make_inputs(seed=seed)
+    opts = grid_opts(loss_type, level, beta=0.04, **extra)
     h, w, b = (x.detach().requires_grad_(True) for x in leaves(inp))
     z = h @ w.t() + b
     lp_all = torch.log_softmax(z, -1)
@@ -372,6 +383,8 @@ def test_module_matches_trl(loss_type):
     for k in mt:
         vo = float(mo[k])
         assert (math.isnan(vo) and math.isnan(mt[k])) or abs(vo - mt[k]) <= 1e-5, (k, vo, mt[k])
+    if level == "sequence" and loss_type == "cispo":
+        assert abs(float(mo["cispo_clip_ratio"]) - 1 / 3) <= 1e-6
 
 
 # --------------------------------------------------------------------------------------------------

@@ -102,11 +102,7 @@ def _run(pair, settings=None, use=(), args=None):
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_grpo_loss_types(pair, loss_type, level, request):
-    if loss_type == "cispo" and level == "sequence":
-        # FusedLinearGRPOLoss reports cispo_clip_ratio as a token mean at sequence level; TRL averages its
-        # (B, 1) flags over the B sequences. Loss and gradients match; the metric is the loss's bug.
-        request.applymarker(pytest.mark.xfail(strict=True, reason="cispo_clip_ratio at sequence level"))
+def test_grpo_loss_types(pair, loss_type, level):
     _run(pair, {"loss_type": loss_type, "importance_sampling_level": level}, use=("old_per_token_logps",))
 
 
