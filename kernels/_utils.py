@@ -27,6 +27,14 @@ def rows_per_tile(block_n: int, max_elems: int = 4096) -> int:
     return max(1, min(64, max_elems // block_n))
 
 
+# Backward programs per SM (the row loop of each is serial). Swept on an H100 at 16384 rows
+# (benchmarks/tune_norms.py): 8 was fastest up to width 4096, 2 from 8192 on, where each program's
+# row already keeps enough bytes in flight and fewer partial dW rows are summed.
+def bwd_programs_per_sm(block_n: int) -> int:
+    """Norm backward programs per SM for rows of ``block_n`` columns."""
+    return 8 if block_n <= 4096 else 2
+
+
 @functools.lru_cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count

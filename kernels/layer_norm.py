@@ -13,11 +13,12 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from ._utils import lastdim_contiguous, num_sms, row_block, row_warps, rows_per_tile
+from ._utils import bwd_programs_per_sm, lastdim_contiguous, num_sms, row_block, row_warps, rows_per_tile
 
 
-def layer_norm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                   eps: float = 1e-5) -> torch.Tensor:
+def layer_norm_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, eps: float = 1e-5
+) -> torch.Tensor:
     """Pure-PyTorch LayerNorm over the last dimension (``nn.LayerNorm``'s computation).
 
     Args:
@@ -136,10 +137,6 @@ def _layer_norm_bwd_kernel(
         tl.store(DB_PARTIAL + pid.to(tl.int64) * n_cols + cols, db_acc, mask=col_mask)
 
 
-# Backward programs per SM: more than one keeps several rows in flight per SM (the row loop is serial).
-BWD_PROGRAMS_PER_SM = 4
-
-
 def _layer_norm_fwd(x, weight, bias, opts: LayerNormOptions):
     assert x.ndim == 2 and weight.shape == (x.shape[1],), (x.shape, weight.shape)
     assert bias is None or bias.shape == weight.shape, bias.shape
@@ -151,14 +148,28 @@ def _layer_norm_fwd(x, weight, bias, opts: LayerNormOptions):
     block_n = row_block(n_cols)
     block_m = rows_per_tile(block_n)
     _layer_norm_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
-        x, y, weight, bias, mean, rstd, x.stride(0), y.stride(0), n_rows, n_cols, opts.eps,
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=row_warps(block_m * block_n),
+        x,
+        y,
+        weight,
+        bias,
+        mean,
+        rstd,
+        x.stride(0),
+        y.stride(0),
+        n_rows,
+        n_cols,
+        opts.eps,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=row_warps(block_m * block_n),
     )
     return y, x, mean, rstd
 
 
-def _layer_norm_bwd(dy, x, weight, mean, rstd, opts: LayerNormOptions, needs_dx: bool, needs_dw: bool,
-                    needs_db: bool):
+def _layer_norm_bwd(
+    dy, x, weight, mean, rstd, opts: LayerNormOptions, needs_dx: bool, needs_dw: bool, needs_db: bool
+):
     n_rows, n_cols = x.shape
     dy = lastdim_contiguous(dy)
     if not needs_dx:
@@ -169,7 +180,7 @@ def _layer_norm_bwd(dy, x, weight, mean, rstd, opts: LayerNormOptions, needs_dx:
         dx = torch.empty_like(x)
     block_n = row_block(n_cols)
     block_m = rows_per_tile(block_n)
-    n_programs = max(1, min(num_sms(x.device) * BWD_PROGRAMS_PER_SM, triton.cdiv(n_rows, block_m)))
+    n_programs = max(1, min(num_sms(x.device) * bwd_programs_per_sm(block_n), triton.cdiv(n_rows, block_m)))
     rows_per_program = triton.cdiv(triton.cdiv(n_rows, n_programs), block_m) * block_m
     n_programs = triton.cdiv(n_rows, rows_per_program)
 
@@ -178,10 +189,26 @@ def _layer_norm_bwd(dy, x, weight, mean, rstd, opts: LayerNormOptions, needs_dx:
 
     dw_partial, db_partial = partial(needs_dw), partial(needs_db)
     _layer_norm_bwd_kernel[(n_programs,)](
-        dy, x, weight, mean, rstd, dx, dw_partial, db_partial, dy.stride(0), x.stride(0),
-        dx.stride(0) if needs_dx else 0, n_rows, n_cols, rows_per_program,
-        HAS_DX=needs_dx, HAS_DW=needs_dw, HAS_DB=needs_db,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=row_warps(block_m * block_n),
+        dy,
+        x,
+        weight,
+        mean,
+        rstd,
+        dx,
+        dw_partial,
+        db_partial,
+        dy.stride(0),
+        x.stride(0),
+        dx.stride(0) if needs_dx else 0,
+        n_rows,
+        n_cols,
+        rows_per_program,
+        HAS_DX=needs_dx,
+        HAS_DW=needs_dw,
+        HAS_DB=needs_db,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=row_warps(block_m * block_n),
     )
     dw = dw_partial.sum(0).to(weight.dtype) if needs_dw else None
     db = db_partial.sum(0).to(weight.dtype) if needs_db else None
@@ -205,8 +232,13 @@ class LayerNormFunction(torch.autograd.Function):
         return dx, dw, db, None
 
 
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, eps: float = 1e-5,
-               in_place: bool = False) -> torch.Tensor:
+def layer_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    in_place: bool = False,
+) -> torch.Tensor:
     """Triton LayerNorm over the last dimension; equals ``F.layer_norm(x, (D,), weight, bias, eps)``.
 
     Args:
@@ -235,8 +267,15 @@ class LayerNorm(nn.Module):
         in_place: see :func:`layer_norm`.
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-5, bias: bool = True, in_place: bool = False,
-                 device=None, dtype=None):
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-5,
+        bias: bool = True,
+        in_place: bool = False,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(hidden_size, device=device, dtype=dtype)) if bias else None

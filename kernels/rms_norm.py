@@ -13,13 +13,14 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from ._utils import lastdim_contiguous, num_sms, row_block, row_warps, rows_per_tile
+from ._utils import bwd_programs_per_sm, lastdim_contiguous, num_sms, row_block, row_warps, rows_per_tile
 
 CASTING_MODES = ("llama", "gemma")
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0,
-                 casting: str = "llama") -> torch.Tensor:
+def rms_norm_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0, casting: str = "llama"
+) -> torch.Tensor:
     """Pure-PyTorch RMSNorm, op for op as ``LlamaRMSNorm`` / ``GemmaRMSNorm`` compute it.
 
     Args:
@@ -142,10 +143,6 @@ def _rms_norm_bwd_kernel(
         tl.store(DW_PARTIAL + pid.to(tl.int64) * n_cols + cols, dw_acc, mask=col_mask)
 
 
-# Backward programs per SM: more than one keeps several rows in flight per SM (the row loop is serial).
-BWD_PROGRAMS_PER_SM = 4
-
-
 def _rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, opts: RMSNormOptions):
     assert x.ndim == 2 and weight.ndim == 1 and x.shape[1] == weight.shape[0], (x.shape, weight.shape)
     assert opts.casting in CASTING_MODES, opts.casting
@@ -158,8 +155,20 @@ def _rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, opts: RMSNormOptions):
     block_n = row_block(n_cols)
     block_m = rows_per_tile(block_n)
     _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
-        x, y, weight, rstd, x.stride(0), y.stride(0), n_rows, n_cols, opts.eps, opts.offset,
-        CAST_LLAMA=cast_llama, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=row_warps(block_m * block_n),
+        x,
+        y,
+        weight,
+        rstd,
+        x.stride(0),
+        y.stride(0),
+        n_rows,
+        n_cols,
+        opts.eps,
+        opts.offset,
+        CAST_LLAMA=cast_llama,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=row_warps(block_m * block_n),
     )
     return y, x, rstd
 
@@ -176,15 +185,30 @@ def _rms_norm_bwd(dy, x, weight, rstd, opts: RMSNormOptions, needs_dx: bool, nee
         dx = torch.empty_like(x)
     block_n = row_block(n_cols)
     block_m = rows_per_tile(block_n)
-    n_programs = max(1, min(num_sms(x.device) * BWD_PROGRAMS_PER_SM, triton.cdiv(n_rows, block_m)))
+    n_programs = max(1, min(num_sms(x.device) * bwd_programs_per_sm(block_n), triton.cdiv(n_rows, block_m)))
     rows_per_program = triton.cdiv(triton.cdiv(n_rows, n_programs), block_m) * block_m
     n_programs = triton.cdiv(n_rows, rows_per_program)
     dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device) if needs_dw else None
     _rms_norm_bwd_kernel[(n_programs,)](
-        dy, x, weight, rstd, dx, dw_partial, dy.stride(0), x.stride(0), dx.stride(0) if needs_dx else 0,
-        n_rows, n_cols, rows_per_program, opts.offset, CAST_LLAMA=opts.casting == "llama",
-        HAS_DX=needs_dx, HAS_DW=needs_dw,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=row_warps(block_m * block_n),
+        dy,
+        x,
+        weight,
+        rstd,
+        dx,
+        dw_partial,
+        dy.stride(0),
+        x.stride(0),
+        dx.stride(0) if needs_dx else 0,
+        n_rows,
+        n_cols,
+        rows_per_program,
+        opts.offset,
+        CAST_LLAMA=opts.casting == "llama",
+        HAS_DX=needs_dx,
+        HAS_DW=needs_dw,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=row_warps(block_m * block_n),
     )
     dw = dw_partial.sum(0).to(weight.dtype) if needs_dw else None
     return dx, dw
@@ -207,8 +231,14 @@ class RMSNormFunction(torch.autograd.Function):
         return dx, dw, None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0,
-             casting: str = "llama", in_place: bool = False) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    offset: float = 0.0,
+    casting: str = "llama",
+    in_place: bool = False,
+) -> torch.Tensor:
     """Triton RMSNorm; equals :func:`rms_norm_ref` (``LlamaRMSNorm`` / ``GemmaRMSNorm``).
 
     Args:
@@ -241,8 +271,16 @@ class RMSNorm(nn.Module):
         in_place: see :func:`rms_norm`.
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0, casting: str = "llama",
-                 in_place: bool = False, device=None, dtype=None):
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        offset: float = 0.0,
+        casting: str = "llama",
+        in_place: bool = False,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         init = torch.zeros if offset == 1.0 else torch.ones
         self.weight = nn.Parameter(init(hidden_size, device=device, dtype=dtype))
