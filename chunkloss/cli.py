@@ -88,8 +88,8 @@ class RunArguments:
     )
     dataset: str = field(
         default="tiny",
-        metadata={"help": "'tiny' (the built-in counting task), a hub dataset id, or a local path "
-                  "(load_from_disk folder or anything datasets.load_dataset reads)."},
+        metadata={"help": "'tiny' (the built-in counting task), a hub dataset id, or a local path: a "
+                  "save_to_disk folder, a .json/.jsonl/.csv/.parquet file, or anything load_dataset reads."},
     )
     dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
     dataset_split: str = field(default="train", metadata={"help": "Dataset split to train on."})
@@ -344,6 +344,9 @@ def _load_dataset(run_args, kind: str, seed: int):
     if os.path.isdir(path) and (Path(path) / "dataset_info.json").exists():
         ds = datasets.load_from_disk(path)
         return ds[run_args.dataset_split] if isinstance(ds, datasets.DatasetDict) else ds
+    builder = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}.get(Path(path).suffix)
+    if builder is not None and os.path.isfile(path):
+        return datasets.load_dataset(builder, data_files=path, split="train")
     return datasets.load_dataset(path, name=run_args.dataset_config, split=run_args.dataset_split)
 
 

@@ -224,3 +224,31 @@ def test_bench_finds_the_repository_benchmarks():
     root = cli._benchmarks_dir()
     assert root == Path(__file__).resolve().parent.parent / "benchmarks"
     assert (root / "bench_losses.py").is_file()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# datasets and rewards other than the built-in ones
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", "-saved"])
+def test_train_on_a_local_dataset(tmp_path, suffix):
+    from chunkloss.data import tiny_dataset
+
+    rows = tiny_dataset("sft", 64, seed=1)
+    path = tmp_path / f"data{suffix}"
+    if suffix == ".jsonl":
+        rows.to_json(str(path))
+    else:
+        rows.save_to_disk(str(path))
+    summary, out = _train("sft-tiny", tmp_path, "--dataset", str(path), "--max_steps", "2",
+                          "--logging_steps", "1")
+    _check_run(summary, out, steps=2)
+
+
+def test_reward_funcs_by_name():
+    from chunkloss.data import count_reward
+
+    funcs = cli._reward_funcs(["count", "chunkloss.data:count_reward", "org/reward-model"])
+    assert funcs == [count_reward, count_reward, "org/reward-model"]
+    with pytest.raises(cli.ConfigError, match="reward_funcs: cannot import 'chunkloss.data:nope'"):
+        cli._reward_funcs(["chunkloss.data:nope"])
