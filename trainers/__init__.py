@@ -4,6 +4,7 @@
 """
 
 from .dpo import ChunkedDPOConfig, ChunkedDPOTrainer
+from .gkd import ChunkedGKDConfig, ChunkedGKDTrainer
 from .grpo import ChunkedGRPOConfig, ChunkedGRPOTrainer
 from .orpo import ChunkedORPOConfig, ChunkedORPOTrainer
 from .sft import ChunkedSFTConfig, ChunkedSFTTrainer
@@ -11,6 +12,8 @@ from .sft import ChunkedSFTConfig, ChunkedSFTTrainer
 __all__ = [
     "ChunkedDPOConfig",
     "ChunkedDPOTrainer",
+    "ChunkedGKDConfig",
+    "ChunkedGKDTrainer",
     "ChunkedGRPOConfig",
     "ChunkedGRPOTrainer",
     "ChunkedORPOConfig",

@@ -1,0 +1,211 @@
+"""ChunkedGKDTrainer against TRL's experimental GKDTrainer: one training step from one state, equal loss and
+gradients; off-policy (lmbda=0), on-policy generation (lmbda=1) and seq_kd under a fixed seed."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+from chunkloss.trainers.gkd import ChunkedGKDConfig, ChunkedGKDTrainer
+from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+from chunkloss.data import tiny_dataset, tiny_model
+from tests.trainers.helpers import assert_close_loss, assert_same_grads, common_args, model_pair, tokenizer
+
+
+def _teacher(family="qwen3", hidden_size=48, seed=1, **overrides):
+    """A tiny random teacher, wider than the student (only the vocabulary must match)."""
+    torch.manual_seed(seed)
+    return tiny_model(tokenizer(), family, hidden_size=hidden_size, num_layers=1, **overrides)
+
+
+def _pair(tmp_path, models=None, teacher=None, compile=False, chunk_size=7, **cfg):
+    ref_model, our_model = models or model_pair()
+    teacher = teacher if teacher is not None else _teacher()
+    ds = tiny_dataset("gkd", n=8)
+    base = common_args(tmp_path, **{"max_length": 64, "lmbda": 0.0, "max_new_tokens": 6, **cfg})
+    ref = GKDTrainer(
+        ref_model, copy.deepcopy(teacher), GKDConfig(**base), train_dataset=ds, processing_class=tokenizer()
+    )
+    ours = ChunkedGKDTrainer(
+        our_model,
+        copy.deepcopy(teacher),
+        ChunkedGKDConfig(**base, chunk_size=chunk_size, chunk_compile=compile),
+        train_dataset=ds,
+        processing_class=tokenizer(),
+    )
+    return ref, ours
+
+
+def _batch(trainer, lo=0, hi=4):
+    examples = [trainer.train_dataset[i] for i in range(lo, hi)]
+    return trainer._prepare_inputs(trainer.data_collator(examples))
+
+
+def _train_step(trainer, batch, num_items_in_batch=None, seed=0):
+    # Same Python and torch RNG state for both trainers: the lmbda draw and the sampled completions agree.
+    random.seed(seed)
+    torch.manual_seed(seed)
+    trainer.current_gradient_accumulation_steps = 1  # set by the training loop, which these tests skip
+    return trainer.training_step(trainer.model, {k: v.clone() for k, v in batch.items()}, num_items_in_batch)
+
+
+def _check(ref, ours, num_items_in_batch=None):
+    batch = _batch(ref)
+    l_ref = _train_step(ref, batch, num_items_in_batch)
+    l_our = _train_step(ours, batch, num_items_in_batch)
+    assert_close_loss(l_our, l_ref)
+    assert_same_grads(ref.model, ours.model)
+    # GKDTrainer.compute_loss logs no metrics of its own; neither do we.
+    assert {k: dict(v) for k, v in ours._metrics.items()} == {k: dict(v) for k, v in ref._metrics.items()}
+    return l_our
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])  # forward KL, JSD, reverse KL: three branches
+def test_gkd_parity_off_policy(tmp_path, beta):
+    ref, ours = _pair(tmp_path, beta=beta)
+    assert _check(ref, ours).item() > 0
+
+
+def test_gkd_parity_on_policy_generation(tmp_path):
+    """lmbda=1: the student samples completions (fixed seed); the loss is taken on them."""
+    ref, ours = _pair(tmp_path, lmbda=1.0, temperature=0.9)
+    _check(ref, ours)
+
+
+def test_gkd_parity_seq_kd(tmp_path):
+    """seq_kd: the teacher samples the completions (fixed seed)."""
+    ref, ours = _pair(tmp_path, seq_kd=True)
+    _check(ref, ours)
+
+
+def test_gkd_on_policy_loss_on_generated_batch(tmp_path):
+    """The loss call alone on a batch the student generated (labels masked after EOS and over the prompt)."""
+    ref, ours = _pair(tmp_path, lmbda=1.0)
+    batch = _batch(ref)
+    torch.manual_seed(0)
+    ids, mask, labels = GKDTrainer.generate_on_policy_outputs(ref.model, batch, ref.generation_config)
+    gen = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    assert (labels != -100).any()
+    losses = []
+    for t in (ref, ours):
+        t.model.train()
+        losses.append(t.compute_loss(t.model, dict(gen)))
+        losses[-1].backward()
+    assert_close_loss(losses[1], losses[0])
+    assert_same_grads(ref.model, ours.model)
+
+
+def test_gkd_num_items_in_batch(tmp_path):
+    ref, ours = _pair(tmp_path)
+    _check(ref, ours, num_items_in_batch=torch.tensor(37))
+
+
+def test_gkd_temperature_does_not_reach_loss(tmp_path):
+    """GKD's args.temperature only samples: TRL's loss call passes none, so at 0.5 the losses still agree."""
+    ref, ours = _pair(tmp_path, temperature=0.5)
+    _check(ref, ours)
+
+
+@pytest.mark.parametrize(
+    "family,overrides",
+    [("gemma2", {"final_logit_softcapping": 3.0}), ("cohere", {"logit_scale": 0.5})],
+)
+def test_gkd_head_transforms(tmp_path, family, overrides):
+    """Softcapping and logit scale on both heads, as each model's forward applies them."""
+    models = model_pair(family=family, **overrides)
+    teacher = _teacher(family, **{k: 2 * v for k, v in overrides.items()})
+    ref, ours = _pair(tmp_path, models=models, teacher=teacher)
+    _check(ref, ours)
+
+
+def test_gkd_lm_head_bias(tmp_path):
+    ref_model, our_model = model_pair()
+    teacher = _teacher()
+    torch.manual_seed(2)
+    head = torch.nn.Linear(32, ref_model.config.vocab_size, bias=True)
+    ref_model.lm_head, our_model.lm_head = head, copy.deepcopy(head)
+    teacher.lm_head = torch.nn.Linear(48, teacher.config.vocab_size, bias=True)
+    ref, ours = _pair(tmp_path, models=(ref_model, our_model), teacher=teacher)
+    _check(ref, ours)
+    assert ours.model.lm_head.bias.grad is not None
+
+
+def test_gkd_compiled(tmp_path):
+    ref, ours = _pair(tmp_path, compile=True, chunk_size=None)
+    _check(ref, ours)
+
+
+def test_gkd_refuses_compute_metrics(tmp_path):
+    model, _ = model_pair()
+    with pytest.raises(ValueError, match="compute_metrics"):
+        ChunkedGKDTrainer(
+            model,
+            _teacher(),
+            ChunkedGKDConfig(**common_args(tmp_path)),
+            train_dataset=tiny_dataset("gkd", 8),
+            processing_class=tokenizer(),
+            compute_metrics=lambda p: {},
+        )
+
+
+def test_gkd_bad_chunk_options(tmp_path):
+    model, _ = model_pair()
+    with pytest.raises(ValueError, match="chunk_size"):
+        ChunkedGKDTrainer(
+            model,
+            _teacher(),
+            ChunkedGKDConfig(**common_args(tmp_path), chunk_size=0),
+            train_dataset=tiny_dataset("gkd", 8),
+            processing_class=tokenizer(),
+        )
+
+
+def test_gkd_lora_on_lm_head_trains(tmp_path):
+    """TRL refuses a LoRA adapter on lm_head; ours trains it. Reference: TRL's generalized_jsd_loss on the PEFT
+    model's and the teacher's logits."""
+    peft = pytest.importorskip("peft")
+    cfg = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], lora_dropout=0.0, init_lora_weights=False
+    )
+    ref_model, our_model = model_pair()
+    teacher = _teacher()
+    args = common_args(tmp_path, max_length=64, lmbda=0.0)
+    with pytest.raises(ValueError, match="lm_head"):
+        GKDTrainer(
+            copy.deepcopy(ref_model),
+            copy.deepcopy(teacher),
+            GKDConfig(**args),
+            train_dataset=tiny_dataset("gkd", n=8),
+            processing_class=tokenizer(),
+            peft_config=copy.deepcopy(cfg),
+        )
+    ref_peft = peft.get_peft_model(ref_model, copy.deepcopy(cfg))
+    ours = ChunkedGKDTrainer(
+        our_model,
+        copy.deepcopy(teacher),
+        ChunkedGKDConfig(**args, chunk_size=5, chunk_compile=False),
+        train_dataset=tiny_dataset("gkd", n=8),
+        processing_class=tokenizer(),
+        peft_config=cfg,
+    )
+    ref_peft.load_state_dict(ours.model.state_dict())
+    batch = _batch(ours)
+    l_our = _train_step(ours, batch)
+    ref_peft.train()
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    with torch.no_grad():
+        t_logits = teacher(input_ids=ids, attention_mask=mask).logits
+    l_ref = GKDTrainer.generalized_jsd_loss(
+        ref_peft(input_ids=ids, attention_mask=mask).logits[:, :-1],
+        t_logits[:, :-1],
+        labels=batch["labels"][:, 1:],
+        beta=0.5,
+    )
+    l_ref.backward()
+    assert_close_loss(l_our, l_ref)
+    assert_same_grads(ref_peft, ours.model)
+    lora_b = [n for n in dict(ours.model.named_parameters()) if "lm_head.lora_B" in n]
+    assert lora_b and ours.model.get_parameter(lora_b[0]).grad.abs().sum() > 0

@@ -1,0 +1,143 @@
+"""``ChunkedGKDTrainer``: TRL's experimental ``GKDTrainer`` with the generalized JSD computed by chunkloss's
+``FusedLinearJSDLoss``, so neither the student's nor the teacher's ``[tokens, vocab]`` logits exist.
+
+Same constructor, same config (``ChunkedGKDConfig`` adds the chunkloss fields), same on-policy generation
+(``lmbda``), sequence-level KD (``seq_kd``) and training step: only ``compute_loss`` changes. The loss
+equals ``GKDTrainer.compute_loss``:
+``generalized_jsd_loss(student[:, :-1], teacher[:, :-1], labels[:, 1:], beta)`` with the function's default
+temperature 1 (``args.temperature`` is GKD's *sampling* temperature and never reaches the loss),
+``reduction="batchmean"`` over labelled tokens, or ``/ num_items_in_batch`` under gradient accumulation.
+Each head's ``logit_scale`` and final softcapping are applied as the models' own forwards apply them.
+
+The student's backbone runs inside the student's forward (FSDP / ZeRO-3 hooks fire, the head is gathered), the
+teacher's backbone runs without grad inside the teacher's forward, and the loss runs inside both, with the
+student's and the teacher's heads gathered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from accelerate.utils import is_peft_model
+from torch import nn
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+from chunkloss.losses.jsd import FusedLinearJSDLoss
+
+from ._common import ChunkedArguments, chunk_options, refuse
+from ._head import add_chunked_head, allow_lm_head_adapter, check_head_supported
+
+__all__ = ["ChunkedGKDConfig", "ChunkedGKDTrainer"]
+
+
+@dataclass
+class ChunkedGKDConfig(GKDConfig, ChunkedArguments):
+    """``trl.experimental.gkd.GKDConfig`` with the chunkloss fields of :class:`ChunkedArguments`."""
+
+
+def _base(model: nn.Module) -> nn.Module:
+    return model.get_base_model() if is_peft_model(model) else model
+
+
+class ChunkedGKDTrainer(GKDTrainer):
+    """``trl.experimental.gkd.GKDTrainer`` whose loss never materialises the student's or teacher's logits.
+
+    Refused at construction (no silent fallback): ``compute_metrics`` and ``preprocess_logits_for_metrics``
+    (both take the full logits, which this trainer never builds), and adapters on either ``lm_head`` other
+    than plain LoRA. A LoRA adapter on the student's ``lm_head`` is trained (TRL refuses it).
+    """
+
+    _tag_names = ["trl", "gkd", "chunkloss"]
+
+    def __init__(
+        self,
+        model=None,
+        teacher_model=None,
+        args: GKDConfig | None = None,
+        *pos,
+        compute_metrics=None,
+        preprocess_logits_for_metrics=None,
+        **kwargs,
+    ):
+        name = type(self).__name__
+        if compute_metrics is not None:
+            refuse(name, "compute_metrics", "it needs the full logits, which the chunked loss never builds")
+        if preprocess_logits_for_metrics is not None:
+            refuse(
+                name,
+                "preprocess_logits_for_metrics",
+                "it needs the full logits, which the chunked loss never builds",
+            )
+        if args is not None:
+            chunk_options(args)  # validate early
+        ctx = allow_lm_head_adapter(model) if isinstance(model, nn.Module) else contextlib.nullcontext()
+        with ctx:
+            super().__init__(model, teacher_model, args, *pos, **kwargs)
+        base = _base(self.model)
+        check_head_supported(base)
+        add_chunked_head(base)
+        teacher = _base(self.accelerator.unwrap_model(self.teacher_model))
+        try:
+            check_head_supported(teacher)
+        except ValueError as e:
+            raise ValueError(f"teacher_model: {e}") from None
+        add_chunked_head(teacher)
+        # GKD's loss call passes no temperature: generalized_jsd_loss's default 1.0 (args.temperature only
+        # samples).
+        self._chunk_loss_kwargs = dict(
+            beta=self.beta, temperature=1.0, reduction="batchmean", **chunk_options(self.args)
+        )
+        self._chunk_losses: dict = {}
+
+    def _loss_module(self, student_head, teacher_head) -> FusedLinearJSDLoss:
+        key = (student_head.softcap, student_head.logit_scale, teacher_head.softcap, teacher_head.logit_scale)
+        mod = self._chunk_losses.get(key)
+        if mod is None:
+            mod = FusedLinearJSDLoss(
+                student_logit_scale=student_head.logit_scale,
+                teacher_logit_scale=teacher_head.logit_scale,
+                student_softcap=student_head.softcap,
+                teacher_softcap=teacher_head.softcap,
+                **self._chunk_loss_kwargs,
+            )
+            self._chunk_losses[key] = mod
+        return mod
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
+        labels = inputs["labels"][:, 1:]  # logits at position i predict token i + 1
+        self.teacher_model.eval()
+        teacher_model = self.teacher_model
+
+        def student_fn(hidden_s, head_s):
+            grad_enabled = torch.is_grad_enabled()
+
+            def teacher_fn(hidden_t, head_t):
+                # The teacher's backbone ran without grad; the loss needs the student's graph.
+                with torch.set_grad_enabled(grad_enabled):
+                    loss_mod = self._loss_module(head_s, head_t)
+                    target = labels.to(hidden_s.device)
+                    return loss_mod(
+                        head_s.features(hidden_s[:, :-1]),
+                        head_s.weight,
+                        head_t.features(hidden_t[:, :-1].to(hidden_s.device)),
+                        head_t.weight.to(hidden_s.device),
+                        target,
+                        student_bias=head_s.bias,
+                        teacher_bias=None if head_t.bias is None else head_t.bias.to(hidden_s.device),
+                        num_items_in_batch=num_items_in_batch,
+                    )
+
+            with torch.no_grad():
+                out = teacher_model(
+                    input_ids=input_ids, attention_mask=attention_mask, chunked_head=teacher_fn
+                )
+            return out.result
+
+        loss = model(input_ids=input_ids, attention_mask=attention_mask, chunked_head=student_fn).result
+        # GKDTrainer returns the student's outputs; here they hold the loss and no logits (compute_metrics is
+        # refused, so evaluation only reads the loss).
+        return (loss, CausalLMOutputWithPast(loss=loss)) if return_outputs else loss
