@@ -133,11 +133,15 @@ def jsd_ref(
 # --------------------------------------------------------------------------------------------------
 # GRPO: a transcription of TRL 1.16 GRPOTrainer._compute_loss (trl/trainer/grpo_trainer.py), loss part,
 # on (B, T) per-token tensors; tests/losses/test_grpo.py checks it against TRL's own method.
-def grpo_logps_ref(hidden, weight, bias, completion_ids, temperature=1.0):
-    """fp32 per-token ``(logp, entropy)`` (B, T) of ``(hidden @ weight.T + bias) / temperature``."""
+def grpo_logps_ref(hidden, weight, bias, completion_ids, temperature=1.0, logit_scale=1.0, softcap=None):
+    """fp32 per-token ``(logp, entropy)`` (B, T) of ``hidden @ weight.T + bias`` times ``logit_scale``,
+    softcapped ``softcap·tanh(z/softcap)``, then divided by ``temperature``."""
     z = hidden.float() @ weight.float().t()
     if bias is not None:
         z = z + bias.float()
+    z = z * logit_scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
     z = z / temperature
     logp_all = torch.log_softmax(z, dim=-1)
     logp = logp_all.gather(-1, completion_ids.long().unsqueeze(-1)).squeeze(-1)
@@ -301,12 +305,14 @@ def grpo_loss_from_logps_ref(
 
 
 def grpo_ref(hidden, weight, completion_ids, completion_mask, advantages, bias=None, *, ref_hidden=None,
-             ref_weight=None, ref_bias=None, ref_logps=None, temperature=1.0, **kw):
+             ref_weight=None, ref_bias=None, ref_logps=None, temperature=1.0, logit_scale=1.0, softcap=None,
+             **kw):  # fmt: skip
     """fp32 GRPO loss of the materialised logits (and reference head): (loss, metrics)."""
-    logp, ent = grpo_logps_ref(hidden, weight, bias, completion_ids, temperature)
+    tf = dict(temperature=temperature, logit_scale=logit_scale, softcap=softcap)
+    logp, ent = grpo_logps_ref(hidden, weight, bias, completion_ids, **tf)
     if ref_hidden is not None:
         with torch.no_grad():
-            ref_logps, _ = grpo_logps_ref(ref_hidden, ref_weight, ref_bias, completion_ids, temperature)
+            ref_logps, _ = grpo_logps_ref(ref_hidden, ref_weight, ref_bias, completion_ids, **tf)
     return grpo_loss_from_logps_ref(logp, ent, completion_mask, advantages, ref_logps=ref_logps, **kw)
 
 

@@ -1,7 +1,9 @@
 """Chunked linear + GRPO loss, with every loss option of TRL 1.16's ``GRPOTrainer``.
 
 Equals the loss part of ``trl.trainer.grpo_trainer.GRPOTrainer._compute_loss`` (TRL 1.16.0) on the
-per-token log-probs ``logp = log_softmax((hidden @ weight.T + bias) / temperature)[completion_ids]``::
+per-token log-probs ``logp = log_softmax(scale(hidden @ weight.T + bias))[completion_ids]``, ``scale``
+being the model's logit transforms and TRL's temperature: ``z·logit_scale``, then ``softcap·tanh(z/softcap)``,
+then ``/ temperature`` (as TRL's fused head applies them)::
 
     w        = exp(logp - old)                     importance_sampling_level='token'
              = exp(mean_t (logp - old))            'sequence' (GSPO, masked mean over the completion)
@@ -55,7 +57,14 @@ import torch
 from torch import Tensor
 
 from chunkloss.base import FusedLinearBase, FusedOptions, Head, segment_sum, sequence_batch
-from chunkloss.losses.common import check_head, check_labels, entropy_from_logits, label_logprobs, to_scalar
+from chunkloss.losses.common import (
+    check_head,
+    check_labels,
+    entropy_from_logits,
+    label_logprobs,
+    scale_logits,
+    to_scalar,
+)
 
 __all__ = ["FusedLinearGRPOLoss", "GRPOOptions"]
 
@@ -78,6 +87,9 @@ class GRPOOptions(FusedOptions):
     vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO Gamma weight parameters.
     use_bias_correction_kl: multiply the KL term by the importance ratio (DeepSeek-V3.2).
     temperature: the logits (policy and reference) are divided by it.
+    logit_scale: the logits are first multiplied by it (Cohere's ``logit_scale``), policy and reference.
+    softcap: final logit softcapping ``c·tanh(z/c)`` after the scale, before the temperature
+        (Gemma-2's ``final_logit_softcapping``); ``None`` for off.
     off_policy_mask_threshold: drop negative-advantage sequences whose mean KL(sampler ‖ policy)
         exceeds it (DeepSeek-V3.2 off-policy sequence masking); ``None`` for off.
     top_entropy_quantile: keep only the top ρ of tokens by entropy in the policy loss (1.0: all).
@@ -101,6 +113,8 @@ class GRPOOptions(FusedOptions):
     vespo_lambda_neg: float = 2.0
     use_bias_correction_kl: bool = True
     temperature: float = 1.0
+    logit_scale: float = 1.0
+    softcap: float | None = None
     off_policy_mask_threshold: float | None = None
     top_entropy_quantile: float = 1.0
     entropy_coef: float = 0.0
@@ -130,6 +144,10 @@ class GRPOOptions(FusedOptions):
             )
         if self.temperature <= 0:
             raise ValueError(f"temperature must be positive, got {self.temperature}")
+        if not self.logit_scale > 0:
+            raise ValueError(f"logit_scale must be positive, got {self.logit_scale}")
+        if self.softcap is not None and not self.softcap > 0:
+            raise ValueError(f"softcap must be positive or None, got {self.softcap}")
         if not 0.0 <= self.top_entropy_quantile <= 1.0:
             raise ValueError(f"top_entropy_quantile must be in [0, 1], got {self.top_entropy_quantile}")
         if self.sapo_temperature_pos <= 0 or self.sapo_temperature_neg <= 0:
@@ -154,9 +172,7 @@ class GRPOOptions(FusedOptions):
 # Per-row math shared by both paths. Every row is a completion token with mask 1.
 def _row_logprobs(logits, extra_logits, token, opts: GRPOOptions):
     """(logp, entropy, ref_logp or None) of the chunk's rows from its logits."""
-    z = logits.float()
-    if opts.temperature != 1.0:
-        z = z / opts.temperature
+    z = scale_logits(logits.float(), opts.logit_scale, opts.softcap, opts.temperature)
     logp, lse = label_logprobs(z, token["ids"])
     # The entropy only needs a gradient for the entropy bonus.
     ent = (
@@ -167,9 +183,7 @@ def _row_logprobs(logits, extra_logits, token, opts: GRPOOptions):
     ref = None
     if opts.beta != 0.0:
         if extra_logits:
-            zr = extra_logits[0].float()
-            if opts.temperature != 1.0:
-                zr = zr / opts.temperature
+            zr = scale_logits(extra_logits[0].float(), opts.logit_scale, opts.softcap, opts.temperature)
             ref, _ = label_logprobs(zr, token["ids"])
         elif "pass1_stats" in token and "ref_logps" not in token:
             ref = token["pass1_stats"][:, 2]  # second pass: the reference head's column of pass 1

@@ -11,6 +11,7 @@ import pytest
 import torch
 from trl.trainer.grpo_trainer import GRPOTrainer
 
+from chunkloss.losses.common import scale_logits
 from chunkloss.losses.grpo import LOSS_TYPES, FusedLinearGRPOLoss
 from chunkloss.reference import grpo_loss_from_logps_ref, grpo_ref
 
@@ -84,19 +85,20 @@ def run_ref(inp, kw, opts, dtype=torch.float32):
             h, w, inp["completion_ids"], inp["completion_mask"], inp["advantages"], b, **kw2, **f
         )
     else:
-        temp = f.get("temperature", 1.0)
-        z = (h @ w.t() + (b if b is not None else 0)).float() / temp
+        tf = {k: f.pop(k) for k in ("temperature", "logit_scale", "softcap") if k in f}
+        tf = dict(logit_scale=tf.get("logit_scale", 1.0), softcap=tf.get("softcap"),
+                  temperature=tf.get("temperature", 1.0))  # fmt: skip
+        z = scale_logits((h @ w.t() + (b if b is not None else 0)).float(), **tf)
         lp_all = torch.log_softmax(z, -1)
         logp = lp_all.gather(-1, inp["completion_ids"][..., None])[..., 0]
         ent = -(lp_all.exp() * lp_all).sum(-1)
         if kw2.get("ref_hidden") is not None:
             with torch.no_grad():
-                zr = (kw2["ref_hidden"] @ kw2["ref_weight"].t()).float() / temp
+                zr = scale_logits((kw2["ref_hidden"] @ kw2["ref_weight"].t()).float(), **tf)
                 kw2["ref_logps"] = torch.log_softmax(zr, -1).gather(-1, inp["completion_ids"][..., None])[
                     ..., 0
                 ]
         kw2 = {k: v for k, v in kw2.items() if not k.startswith("ref_") or k == "ref_logps"}
-        f.pop("temperature", None)
         loss, m = grpo_loss_from_logps_ref(logp, ent, inp["completion_mask"], inp["advantages"], **kw2, **f)
     loss.backward()
     return loss.detach().float(), [x.grad.float() for x in xs], m
@@ -131,10 +133,12 @@ def grid_opts(loss_type, level, **extra):
 @pytest.mark.parametrize("level", ["token", "sequence", "sequence_token"])
 @pytest.mark.parametrize("kl", ["none", "precomputed", "head"])
 def test_grid_fp32(loss_type, level, kl):
-    """Every loss type × IS level × KL source; chunk sizes 1 and larger than B·T (odd sizes in
-    test_options_fp32); old logps and on-policy; (B,) and (B,T) advantages. The sequence path runs one
-    pass (chunk ≥ a completion) and two passes (chunk 1 < completion length)."""
+    """Every loss type × IS level × KL source; old logps and on-policy; (B,) and (B,T) advantages. One
+    chunk size per grid point, alternating between 1 and larger than B·T so that every loss type and
+    level sees both (the sequence path: two passes at 1 < completion length, one pass above); odd sizes
+    in test_options_fp32, agreement across chunk sizes in test_chunk_sizes_agree."""
     beta = 0.0 if kl == "none" else 0.04
+    cs = (1, 1000)[(LOSS_TYPES.index(loss_type) + ["none", "precomputed", "head"].index(kl)) % 2]
     for adv_2d, on_policy in ((False, False), (True, True)):
         inp, kw = make_inputs(adv_2d=adv_2d, ref_head=kl == "head")
         if kl == "none":
@@ -143,16 +147,47 @@ def test_grid_fp32(loss_type, level, kl):
         if on_policy:
             kw.pop("old_logps")
         opts = grid_opts(loss_type, level, beta=beta)
-        ref = run_ref(inp, kw, opts)
-        results = []
-        for cs in (1, 1000):
-            ours = run_ours(inp, kw, chunk_size=cs, **opts)
-            assert_close_fp32(ours, ref)
-            results.append(ours)
-        for other in results[1:]:  # results agree across chunk sizes
-            assert abs(other[0] - results[0][0]) <= 1e-5
-            for a, b in zip(other[1], results[0][1]):
-                torch.testing.assert_close(a, b, atol=5e-6, rtol=1e-5)
+        assert_close_fp32(run_ours(inp, kw, chunk_size=cs, **opts), run_ref(inp, kw, opts))
+
+
+@pytest.mark.parametrize(
+    "loss_type,level,kl",
+    [("dapo", "token", "head"), ("grpo", "sequence", "head"), ("cispo", "sequence_token", "precomputed"),
+     ("vespo", "token", "none")],
+)  # fmt: skip
+def test_chunk_sizes_agree(loss_type, level, kl):
+    """Loss, gradients and metrics agree across chunk sizes 1, odd, and larger than B·T (token path,
+    one-pass and two-pass sequence path)."""
+    inp, kw = make_inputs(ref_head=kl == "head")
+    if kl == "none":
+        kw = {k: v for k, v in kw.items() if not k.startswith("ref_")}
+    opts = grid_opts(loss_type, level, beta=0.0 if kl == "none" else 0.04)
+    results = [run_ours(inp, kw, chunk_size=cs, **opts) for cs in (1, 5, 1000)]
+    for other in results[1:]:
+        assert abs(other[0] - results[0][0]) <= 1e-5
+        for a, b in zip(other[1], results[0][1]):
+            torch.testing.assert_close(a, b, atol=5e-6, rtol=1e-5)
+        for k, v in results[0][2].items():
+            assert (math.isnan(float(v)) and math.isnan(float(other[2][k]))) or abs(
+                float(v) - float(other[2][k])
+            ) <= 1e-5, k
+
+
+@pytest.mark.parametrize(
+    "loss_type,level,chunk",
+    [("dapo", "token", 4), ("grpo", "sequence", 1), ("cispo", "sequence", 1000),
+     ("sapo", "sequence_token", 3)],
+)  # fmt: skip
+def test_logit_transforms(loss_type, level, chunk):
+    """logit_scale, softcap and temperature (in that order) on the policy and reference heads: token path,
+    two-pass (reference column read back from pass 1) and one-pass sequence path."""
+    inp, kw = make_inputs(ref_head=True)
+    opts = grid_opts(loss_type, level, beta=0.04, logit_scale=1.7, softcap=2.5, temperature=0.8)
+    ref = run_ref(inp, kw, opts)
+    assert_close_fp32(run_ours(inp, kw, chunk_size=chunk, **opts), ref)
+    # The transforms change the result (softcap 2.5 is well inside the logits' range at scale 1.7).
+    plain = run_ref(inp, kw, grid_opts(loss_type, level, beta=0.04))
+    assert abs(plain[0] - ref[0]) > 1e-3
 
 
 @pytest.mark.parametrize(
@@ -169,6 +204,7 @@ def test_grid_fp32(loss_type, level, kl):
         dict(loss_type="dapo", delta=1.1, temperature=0.7, beta=0.04, use_bias_correction_kl=False),
         dict(loss_type="sapo", sapo_temperature_pos=0.5, sapo_temperature_neg=2.0, temperature=1.3),
         dict(loss_type="vespo", vespo_k_pos=1.5, vespo_lambda_neg=1.0),
+        dict(loss_type="dapo", softcap=2.0, logit_scale=0.6, beta=0.04, importance_sampling_level="sequence"),
     ],
 )
 @pytest.mark.parametrize("adv_2d", [False, True])
@@ -436,6 +472,7 @@ def test_compiled(case):
         dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.04),
         dict(loss_type="dapo", top_entropy_quantile=0.5, entropy_coef=0.1),
         dict(loss_type="cispo", epsilon_high=1.2),
+        dict(loss_type="dapo", beta=0.04, softcap=3.0, logit_scale=1.5, temperature=0.9),
     ],
 )
 def test_bf16(opts):
@@ -507,6 +544,10 @@ def test_bad_inputs():
         FusedLinearGRPOLoss(loss_type="ppo")
     with pytest.raises(ValueError, match="importance_sampling_level"):
         FusedLinearGRPOLoss(importance_sampling_level="tok")
+    with pytest.raises(ValueError, match="softcap"):
+        FusedLinearGRPOLoss(softcap=0.0)
+    with pytest.raises(ValueError, match="logit_scale"):
+        FusedLinearGRPOLoss(logit_scale=-1.0)
     with pytest.raises(TypeError, match="unknown option"):
         FusedLinearGRPOLoss(epsilon=0.2)
     with pytest.raises(ValueError, match="token-level importance_sampling_ratio"):
