@@ -49,13 +49,24 @@ def _falls(losses: list[float]) -> bool:
     return sum(losses[half:]) / (len(losses) - half) < sum(losses[:half]) / half and losses[-1] < losses[0]
 
 
-def test_sft_tiny_full_run_loss_falls(tmp_path, capsys):
-    summary, out = _train("sft-tiny", tmp_path)
+# Full 30-step runs of every tiny config, the loss logged at every step. GRPO is apart: its loss is a
+# policy-gradient surrogate (zero-mean advantages), not a quantity that falls as the policy improves.
+FALLING = ["sft-tiny", "dpo-tiny", "orpo-tiny", "gkd-tiny", "distillation-tiny"]
+
+
+@pytest.mark.parametrize("name", FALLING)
+def test_tiny_config_full_run_loss_falls(tmp_path, capsys, name):
+    summary, out = _train(name, tmp_path, "--logging_steps", "1")
     _check_run(summary, out, steps=30)
-    assert summary["trainer"] == "ChunkedSFTTrainer"
-    assert len(summary["losses"]) == 6  # logging_steps 5
+    assert summary["trainer"] == cli.TRAINERS[name.split("-")[0]].trainer
+    assert len(summary["losses"]) == 30
     assert _falls(summary["losses"]), summary["losses"]
-    assert summary["final_loss"] < 0.75 * summary["first_loss"], summary["losses"]
+    if name == "sft-tiny":
+        # The counting task is learnable: cross-entropy falls well below its start (about log V at init).
+        assert summary["final_loss"] < 0.6 * summary["first_loss"], summary["losses"]
+    if name == "dpo-tiny":
+        # At step 1 the policy is the reference (a reload of the same tiny-init weights): -logsigmoid(0).
+        assert summary["losses"][0] == pytest.approx(math.log(2), abs=1e-4)
     printed = capsys.readouterr().out
     for line in ("final loss", "tokens/s", "peak memory", "checkpoint"):
         assert line in printed
@@ -63,38 +74,10 @@ def test_sft_tiny_full_run_loss_falls(tmp_path, capsys):
 
 
 def test_grpo_tiny_full_run(tmp_path):
-    # GRPO's loss is a policy-gradient surrogate (zero-mean advantages), not a quantity that falls as the
-    # policy improves, so the run is checked for completion, finite loss and reward, and moved weights.
     summary, out = _train("grpo-tiny", tmp_path)
     _check_run(summary, out, steps=30)
     assert summary["trainer"] == "ChunkedGRPOTrainer"
-    assert summary["rewards"] and all(math.isfinite(r) for r in summary["rewards"])
-
-
-def test_orpo_tiny_full_run_loss_falls(tmp_path):
-    summary, out = _train("orpo-tiny", tmp_path)
-    _check_run(summary, out, steps=30)
-    assert _falls(summary["losses"]), summary["losses"]
-    assert summary["final_loss"] < 0.75 * summary["first_loss"], summary["losses"]
-
-
-# Two steps only, for CPU time (their full 30-step runs fall too: measured by hand, about 40 s each).
-SHORT = ["gkd-tiny", "distillation-tiny"]
-
-
-@pytest.mark.parametrize("name", SHORT)
-def test_tiny_config_two_steps(tmp_path, name):
-    summary, out = _train(name, tmp_path, "--max_steps", "2", "--logging_steps", "1")
-    _check_run(summary, out, steps=2)
-    assert summary["trainer"] == cli.TRAINERS[name.split("-")[0]].trainer
-
-
-def test_dpo_tiny_full_run_loss_falls(tmp_path):
-    summary, out = _train("dpo-tiny", tmp_path, "--logging_steps", "1")
-    _check_run(summary, out, steps=30)
-    assert _falls(summary["losses"]), summary["losses"]
-    # At step 1 the policy is the reference (a reload of the same tiny-init weights): -logsigmoid(0) = log 2.
-    assert summary["losses"][0] == pytest.approx(math.log(2), abs=1e-4)
+    assert len(summary["rewards"]) == 6 and all(math.isfinite(r) for r in summary["rewards"])
 
 
 def test_main_help_lists_commands(capsys):
