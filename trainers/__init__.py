@@ -3,6 +3,7 @@
     from chunkloss.trainers import ChunkedGRPOTrainer, ChunkedGRPOConfig
 """
 
+from .distillation import ChunkedDistillationConfig, ChunkedDistillationTrainer
 from .dpo import ChunkedDPOConfig, ChunkedDPOTrainer
 from .gkd import ChunkedGKDConfig, ChunkedGKDTrainer
 from .grpo import ChunkedGRPOConfig, ChunkedGRPOTrainer
@@ -10,6 +11,8 @@ from .orpo import ChunkedORPOConfig, ChunkedORPOTrainer
 from .sft import ChunkedSFTConfig, ChunkedSFTTrainer
 
 __all__ = [
+    "ChunkedDistillationConfig",
+    "ChunkedDistillationTrainer",
     "ChunkedDPOConfig",
     "ChunkedDPOTrainer",
     "ChunkedGKDConfig",

@@ -164,8 +164,8 @@ def test_gkd_bad_chunk_options(tmp_path):
 
 
 def test_gkd_lora_on_lm_head_trains(tmp_path):
-    """TRL refuses a LoRA adapter on lm_head; ours trains it. Reference: TRL's generalized_jsd_loss on the PEFT
-    model's and the teacher's logits."""
+    """TRL refuses a LoRA adapter on lm_head; ours trains it. Reference: TRL's generalized_jsd_loss on the
+    PEFT model's and the teacher's logits."""
     peft = pytest.importorskip("peft")
     cfg = peft.LoraConfig(
         r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], lora_dropout=0.0, init_lora_weights=False

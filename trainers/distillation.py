@@ -1,0 +1,146 @@
+"""``ChunkedDistillationTrainer``: TRL's ``DistillationTrainer`` with the divergence computed by chunkloss's
+``FusedLinearJSDLoss`` instead of TRL's ``ChunkedDivergenceFunction``.
+
+Same constructor, same config (``ChunkedDistillationConfig`` adds the chunkloss fields), same generation of
+the student's completions (transformers or vLLM), same tool-calling loop and the same logged metrics: only
+``_compute_loss`` changes. The loss equals TRL's ``_chunked_divergence_loss``: the generalized JSD with
+``args.beta`` between the student's and the teacher's next-token distributions at ``args.temperature``
+(the DistillationTrainer passes its temperature to the divergence, unlike GKD), each head's ``logit_scale``
+and final softcapping applied first, summed over the completion tokens of ``completion_mask · tool_mask``
+and divided by their number, or by ``num_items_in_batch`` (counted over the generated completions) in
+training. The logged ``entropy`` is the student's mean per-token entropy at that temperature over the
+same tokens.
+
+Like TRL's path, the student's backbone and the loss run inside the student wrapper's forward
+(``_forward_redirection``), and the teacher's backbone inside the teacher's; both heads are gathered under
+ZeRO-3 around the loss. The chunked loss projects only labelled rows, chunk by chunk, on every device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from trl import DistillationConfig, DistillationTrainer
+
+from chunkloss.losses.jsd import FusedLinearJSDLoss
+
+from ._common import ChunkedArguments, chunk_options, refuse
+from ._head import _gather_ctx, _head_of, check_head_supported
+
+__all__ = ["ChunkedDistillationConfig", "ChunkedDistillationTrainer"]
+
+
+@dataclass
+class ChunkedDistillationConfig(DistillationConfig, ChunkedArguments):
+    """``trl.DistillationConfig`` with the chunkloss fields of :class:`ChunkedArguments`."""
+
+
+class ChunkedDistillationTrainer(DistillationTrainer):
+    """``trl.DistillationTrainer`` whose divergence runs on chunkloss's engine.
+
+    Refused at construction (no silent fallback): ``teacher_model=None`` (a teacher served remotely, as in
+    ``ServerDistillationTrainer``, returns no hidden states to project) and LM heads that are not an
+    ``nn.Linear``. ``use_vllm`` (student generation) is passed through untouched: it changes no loss math.
+    Adapters on the student's ``lm_head`` are refused by TRL itself.
+    """
+
+    _tag_names = ["trl", "distillation", "chunkloss"]
+
+    def __init__(self, model, teacher_model=None, args: DistillationConfig | None = None, *pos, **kwargs):
+        name = type(self).__name__
+        if teacher_model is None:
+            refuse(
+                name,
+                "teacher_model=None",
+                "the chunked divergence projects a local teacher's hidden states through its lm_head; "
+                "pass the teacher model (or its path)",
+            )
+        if args is not None:
+            chunk_options(args)  # validate early
+        super().__init__(model, teacher_model, args, *pos, **kwargs)
+        check_head_supported(self.accelerator.unwrap_model(self.model))
+        try:
+            check_head_supported(self.accelerator.unwrap_model(self.teacher_model))
+        except ValueError as e:
+            raise ValueError(f"teacher_model: {e}") from None
+        self._chunk_loss_kwargs = dict(
+            beta=self.beta, temperature=self.temperature, reduction="batchmean", **chunk_options(self.args)
+        )
+        self._chunk_losses: dict = {}
+
+    def _loss_module(self, student_head, teacher_head) -> FusedLinearJSDLoss:
+        key = (student_head.softcap, student_head.logit_scale, teacher_head.softcap, teacher_head.logit_scale)
+        mod = self._chunk_losses.get(key)
+        if mod is None:
+            mod = FusedLinearJSDLoss(
+                student_logit_scale=student_head.logit_scale,
+                teacher_logit_scale=teacher_head.logit_scale,
+                student_softcap=student_head.softcap,
+                teacher_softcap=teacher_head.softcap,
+                **self._chunk_loss_kwargs,
+            )
+            self._chunk_losses[key] = mod
+        return mod
+
+    def _compute_loss(self, unwrapped_student, inputs, num_items_in_batch):
+        # As TRL's `_compute_loss` up to the hidden states (runs inside the student wrapper's forward).
+        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        completion_mask = inputs["completion_mask"]
+        loss_mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+        logits_to_keep = inputs["completion_ids"].size(1)
+        multimodal_keys = (
+            "pixel_values",
+            "image_grid_thw",
+            "pixel_attention_mask",
+            "spatial_shapes",
+            "image_sizes",
+            "token_type_ids",
+            "mm_token_type_ids",
+            "image_position_ids",
+        )
+        multimodal_inputs = {k: inputs[k] for k in multimodal_keys if k in inputs}
+        student_hidden = self._get_last_hidden_state(
+            unwrapped_student, input_ids, attention_mask, logits_to_keep, **multimodal_inputs
+        )
+        self.teacher_model.eval()
+        unwrapped_teacher = self.accelerator.unwrap_model(self.teacher_model)
+        with torch.no_grad():
+            teacher_hidden = self._forward_redirection(
+                self.teacher_model,
+                unwrapped_teacher,
+                self._get_last_hidden_state,
+                unwrapped_teacher,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                **multimodal_inputs,
+            )
+
+        head_s, raw_s = _head_of(unwrapped_student)
+        head_t, raw_t = _head_of(unwrapped_teacher)
+        device = head_s.weight.device
+        if head_t.weight.device != device:
+            raise ValueError(
+                f"The student `lm_head` is on {device} but the teacher `lm_head` is on "
+                f"{head_t.weight.device}. Place both on the same device in their `device_map`."
+            )
+        # The completion tokens the hidden states predict; rows outside the loss mask take no part.
+        labels = inputs["completion_ids"].to(device).masked_fill(loss_mask.to(device) == 0, -100)
+        loss_mod = self._loss_module(head_s, head_t)
+        with _gather_ctx(raw_s), _gather_ctx(raw_t):
+            loss = loss_mod(
+                head_s.features(student_hidden.to(device)),
+                head_s.weight,
+                head_t.features(teacher_hidden.to(device)),
+                head_t.weight,
+                labels,
+                student_bias=head_s.bias,
+                teacher_bias=head_t.bias,
+                num_items_in_batch=num_items_in_batch,
+            )
+        n_valid = (labels != -100).sum()
+        # TRL returns the raw entropy sum for compute_loss to gather over ranks and log.
+        entropy_sum = (loss_mod.metrics["entropy"] * n_valid).detach()
+        return loss, entropy_sum, n_valid
