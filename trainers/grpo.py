@@ -43,10 +43,11 @@ class ChunkedGRPOConfig(GRPOConfig, ChunkedArguments):
 class ChunkedGRPOTrainer(GRPOTrainer):
     """``trl.GRPOTrainer`` whose policy loss never materialises the logits.
 
-    Refused at construction: ``use_adaptive_entropy`` (the adaptive entropy controller), models with final
-    logit softcapping or a logit scale (the GRPO loss has no such option yet), ``top_entropy_quantile < 1``
-    on several processes (TRL takes the quantile over all processes' tokens), and adapters on ``lm_head``
-    other than plain LoRA. Multimodal inputs are refused when they arrive.
+    The model's final logit softcapping (Gemma-2) and logit scale (Cohere) are applied by the loss, as TRL's
+    fused head applies them. Refused at construction: ``use_adaptive_entropy`` (the adaptive entropy
+    controller), ``top_entropy_quantile < 1`` on several processes (TRL takes the quantile over every
+    process's tokens), and adapters on ``lm_head`` other than plain LoRA. Multimodal inputs are refused when
+    they arrive.
     """
 
     _tag_names = ["trl", "grpo", "chunkloss"]
@@ -67,12 +68,7 @@ class ChunkedGRPOTrainer(GRPOTrainer):
         base = self.model.get_base_model() if is_peft_model(self.model) else self.model
         check_head_supported(base)
         softcap, logit_scale = head_transforms(base.config)
-        if softcap is not None or logit_scale != 1.0:
-            refuse(
-                name,
-                f"final_logit_softcapping={softcap}, logit_scale={logit_scale}",
-                "FusedLinearGRPOLoss has no logit transform options yet",
-            )
+        self._head_transforms = {"softcap": softcap, "logit_scale": logit_scale}
         if self.top_entropy_quantile < 1.0 and self.accelerator.num_processes > 1:
             refuse(
                 name,
@@ -105,6 +101,7 @@ class ChunkedGRPOTrainer(GRPOTrainer):
             top_entropy_quantile=float(self.top_entropy_quantile),
             entropy_coef=float(self.entropy_coef) if self._entropy_bonus_enabled else 0.0,
             max_completion_length=self.max_completion_length,
+            **self._head_transforms,
         )
         key = tuple(sorted(opts.items()))
         mod = self._chunk_losses.get(key)

@@ -38,8 +38,12 @@ def _build(tmp_path, models=None, compile_=False, **cfg):
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
+    return _make_pair(tmp_path_factory.mktemp("grpo"))
+
+
+def _make_pair(tmp_path, models=None, **cfg):
     torch.manual_seed(0)
-    ref, ours = _build(tmp_path_factory.mktemp("grpo"))
+    ref, ours = _build(tmp_path, models=models, **cfg)
     inputs = ref._prepare_inputs(next(iter(ref.get_train_dataloader())))
     g = torch.Generator().manual_seed(0)
     b = inputs["completion_ids"].size(0)
@@ -199,10 +203,19 @@ def test_grpo_refuses_adaptive_entropy(tmp_path):
         )
 
 
-def test_grpo_refuses_softcap(tmp_path):
-    m, _ = model_pair(family="gemma2", final_logit_softcapping=30.0)
-    args = ChunkedGRPOConfig(**common_args(tmp_path, num_generations=2, max_completion_length=K))
-    with pytest.raises(ValueError, match="final_logit_softcapping"):
-        ChunkedGRPOTrainer(
-            m, count_reward, args, train_dataset=tiny_dataset("grpo", 8), processing_class=tokenizer()
-        )
+@pytest.mark.parametrize(
+    "family,overrides", [("gemma2", {"final_logit_softcapping": 3.0}), ("cohere", {"logit_scale": 0.5})]
+)
+def test_grpo_head_transforms(tmp_path, family, overrides):
+    """Gemma-2's final logit softcapping and Cohere's logit scale, with the KL term (reference log-probs) and
+    a sampling temperature (a config field: TRL binds it into its fused head at construction): TRL applies
+    them in its fused head, ours in the chunked loss."""
+    models = model_pair(family=family, **overrides)
+    p = _make_pair(tmp_path, models=models, temperature=0.7)
+    assert p[1]._grpo_loss().options.softcap == overrides.get("final_logit_softcapping")
+    assert p[1]._grpo_loss().options.logit_scale == overrides.get("logit_scale", 1.0)
+    _run(
+        p,
+        {"beta": 0.04, "importance_sampling_level": "sequence"},
+        use=("old_per_token_logps", "ref_per_token_logps"),
+    )
