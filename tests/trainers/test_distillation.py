@@ -189,3 +189,19 @@ def test_distillation_bad_chunk_options(tmp_path):
             train_dataset=tiny_dataset("distillation", 8),
             processing_class=tokenizer(),
         )
+
+
+def test_distillation_evaluate(tmp_path):
+    """Evaluation generates under one seed and logs the same eval_loss and every eval metric."""
+    ref, ours = _pair(tmp_path)
+    out = []
+    for t in (ref, ours):
+        t.eval_dataset = tiny_dataset("distillation", n=4)
+        torch.manual_seed(0)
+        out.append(t.evaluate())
+    keys = sorted(k for k in out[0] if not k.endswith(("_runtime", "_per_second")))
+    assert "eval_entropy" in keys and keys == sorted(
+        k for k in out[1] if not k.endswith(("_runtime", "_per_second"))
+    )
+    for k in keys:
+        assert out[1][k] == pytest.approx(out[0][k], rel=1e-5, abs=1e-6), k

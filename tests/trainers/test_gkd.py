@@ -209,3 +209,13 @@ def test_gkd_lora_on_lm_head_trains(tmp_path):
     assert_same_grads(ref_peft, ours.model)
     lora_b = [n for n in dict(ours.model.named_parameters()) if "lm_head.lora_B" in n]
     assert lora_b and ours.model.get_parameter(lora_b[0]).grad.abs().sum() > 0
+
+
+def test_gkd_evaluate(tmp_path):
+    """Evaluation goes through compute_loss(return_outputs=True): same eval_loss, no logits needed."""
+    ref, ours = _pair(tmp_path)
+    out = []
+    for t in (ref, ours):
+        t.eval_dataset = tiny_dataset("gkd", n=4)
+        out.append(t.evaluate()["eval_loss"])
+    assert out[1] == pytest.approx(out[0], rel=1e-5)
