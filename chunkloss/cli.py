@@ -366,8 +366,10 @@ def _build(name: str, run_args, model_args, training_args):
         # Saved and passed by path, like a hub model: TRL builds reference models (DPO, GRPO with beta > 0)
         # by reloading the policy from its path.
         model = os.path.join(os.path.abspath(training_args.output_dir), "tiny-init")
-        tiny_model(tokenizer, **run_args.tiny_model).save_pretrained(model)
-        tokenizer.save_pretrained(model)
+        with training_args.main_process_first(desc="tiny model"):
+            if training_args.process_index == 0:
+                tiny_model(tokenizer, **run_args.tiny_model).save_pretrained(model)
+                tokenizer.save_pretrained(model)
     else:
         tokenizer = transformers.AutoTokenizer.from_pretrained(
             run_args.tokenizer_name_or_path or model_args.model_name_or_path,

@@ -235,3 +235,31 @@ def test_reward_funcs_by_name():
     assert funcs == [count_reward, count_reward, "org/reward-model"]
     with pytest.raises(cli.ConfigError, match="reward_funcs: cannot import 'chunkloss.data:nope'"):
         cli._reward_funcs(["chunkloss.data:nope"])
+
+
+@pytest.mark.parametrize("kind", list(cli.TRAINERS))
+def test_model_from_a_local_path(tmp_path, kind):
+    # The GPU configs' route (model_name_or_path, teacher_model_name_or_path, dtype), on saved tiny models.
+    import yaml
+
+    from chunkloss.data import tiny_model, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    for name, hidden in (("student", 64), ("teacher", 128)):
+        tiny_model(tokenizer, hidden_size=hidden).save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+    raw = yaml.safe_load((CONFIG_DIR / f"{kind}-tiny.yaml").read_text())
+    del raw["tiny_model"]
+    raw.pop("teacher_tiny_model", None)
+    raw.update(model_name_or_path=str(tmp_path / "student"), dtype="float32",
+               output_dir=str(tmp_path / "out"), max_steps=2, logging_steps=1)
+    if kind in ("gkd", "distillation"):
+        raw.update(teacher_model_name_or_path=str(tmp_path / "teacher"),
+                   teacher_model_init_kwargs={"dtype": "float32"})
+    config = tmp_path / "local.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    summary = cli.train(str(config))
+    assert summary["steps"] == 2 and all(math.isfinite(v) for v in summary["losses"])
+    trained = load_file(tmp_path / "out" / "model.safetensors")
+    initial = load_file(tmp_path / "student" / "model.safetensors")
+    assert any(not torch.equal(trained[k], initial[k]) for k in trained), "the weights moved"
