@@ -317,18 +317,22 @@ def grpo_ref(hidden, weight, completion_ids, completion_mask, advantages, bias=N
 
 
 # --- preference losses (DPO, ORPO, CPO, SimPO) ----------------------------------------------------
-def _pref_token_logps(hidden, weight, bias, labels, ignore_index):
-    """fp32 per-token label log-probs (0 where ignored), mean logits and log Σ p² of (S, T) labels."""
-    z = logits_ref(hidden, weight, bias)
+def _pref_token_logps(hidden, weight, bias, labels, ignore_index, logit_scale=1.0, softcap=None):
+    """fp32 logits (times ``logit_scale``, then softcapped), per-token label log-probs (0 where
+    ignored) and the label mask of (S, T) labels."""
+    z = logits_ref(hidden, weight, bias) * logit_scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
     mask = labels != ignore_index
     logp = torch.log_softmax(z, -1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1) * mask
     return z, logp, mask
 
 
-def _pref_logps(hidden, weight, bias, chosen, rejected, ignore_index, average, ld_alpha=None):
+def _pref_logps(hidden, weight, bias, chosen, rejected, ignore_index, average, ld_alpha=None, logit_scale=1.0,
+                softcap=None):  # fmt: skip
     """Per-sequence log-probs (2B,) as TRL sums them (``ld_alpha``: DPOTrainer's shared/tail split)."""
     labels = torch.cat([chosen, rejected])
-    z, logp, mask = _pref_token_logps(hidden, weight, bias, labels, ignore_index)
+    z, logp, mask = _pref_token_logps(hidden, weight, bias, labels, ignore_index, logit_scale, softcap)
     if ld_alpha is None:
         seq = logp.sum(-1)
     else:
@@ -343,13 +347,24 @@ def _pref_logps(hidden, weight, bias, chosen, rejected, ignore_index, average, l
     return seq, z, logp, mask
 
 
-def _pref_metrics(seq, reward, z, mask, beta):
-    """TRL's preference metrics (means over pairs; logits/* over completion tokens)."""
+def _pref_metrics(seq, reward, z, mask, beta, labels=None, logit_rows=None):
+    """TRL's preference metrics (means over pairs; logits/* over completion tokens or ``logit_rows``);
+    with ``labels`` (2B, T) also DPOTrainer's entropy (completion tokens) and mean_token_accuracy
+    (top-1 over the chosen completion tokens)."""
     c_lp, r_lp = seq.detach().chunk(2)
     rc, rr = reward.detach().chunk(2)
-    zm = z.detach().mean(-1) * mask
-    mc, mr = mask.chunk(2)
-    return {
+    lmask = mask if logit_rows is None else logit_rows.bool()
+    zm = z.detach().mean(-1) * lmask
+    mc, mr = lmask.chunk(2)
+    extra = {}
+    if labels is not None:
+        zd = z.detach()
+        lp_all = torch.log_softmax(zd, -1)
+        ent = -(lp_all.exp() * lp_all).sum(-1)
+        extra["entropy"] = (ent * mask).sum() / mask.sum().clamp(min=1)
+        top1 = (zd.argmax(-1) == labels) & mask
+        extra["mean_token_accuracy"] = top1.chunk(2)[0].sum() / mask.chunk(2)[0].sum().clamp(min=1)
+    return extra | {
         "rewards/chosen": rc.mean(),
         "rewards/rejected": rr.mean(),
         "rewards/accuracies": (rc > rr).float().mean(),
@@ -384,18 +399,23 @@ def dpo_ref(
     discopop_tau=0.05,
     average_log_prob=False,
     ignore_index=-100,
+    logit_scale=1.0,
+    softcap=None,
+    return_token_metrics=False,
+    logit_rows=None,
 ):
     """The loss of ``trl.DPOTrainer._compute_loss`` (TRL 1.16) on fp32 logits, written out per loss
-    type; reference-free when no reference is given."""
+    type; reference-free when no reference is given. ``logit_scale``/``softcap`` transform the policy
+    and reference logits alike."""
     types = [loss_type] if isinstance(loss_type, str) else list(loss_type)
     weights = loss_weights or [1.0] * len(types)
     seq, z, logp, mask = _pref_logps(
-        hidden, weight, bias, chosen, rejected, ignore_index, average_log_prob, ld_alpha
+        hidden, weight, bias, chosen, rejected, ignore_index, average_log_prob, ld_alpha, logit_scale, softcap
     )
     if ref_hidden is not None:
         with torch.no_grad():
             ref = _pref_logps(ref_hidden, ref_weight, ref_bias, chosen, rejected, ignore_index,
-                              average_log_prob, ld_alpha)[0]  # fmt: skip
+                              average_log_prob, ld_alpha, logit_scale, softcap)[0]  # fmt: skip
     elif ref_chosen_logps is not None:
         ref = torch.cat([ref_chosen_logps, ref_rejected_logps]).float()
     else:
@@ -464,7 +484,8 @@ def dpo_ref(
                 wts = torch.exp(aligned.sum(1) / mask.sum(1).clamp(min=1))
             per = per * wts.chunk(2)[0] * wts.chunk(2)[1]
         loss = loss + per.mean() * wt
-    return loss, _pref_metrics(seq, beta * (seq - ref), z, mask, beta)
+    labels = torch.cat([chosen, rejected]) if return_token_metrics else None
+    return loss, _pref_metrics(seq, beta * (seq - ref), z, mask, beta, labels, logit_rows)
 
 
 def _nll_chosen(z, nll_labels, ignore_index):
@@ -475,10 +496,12 @@ def _nll_chosen(z, nll_labels, ignore_index):
     return nll / valid.sum().clamp(min=1)
 
 
-def orpo_ref(hidden, weight, chosen, rejected, bias=None, *, nll_labels=None, beta=0.1, ignore_index=-100):
+def orpo_ref(hidden, weight, chosen, rejected, bias=None, *, nll_labels=None, beta=0.1, ignore_index=-100,
+             logit_scale=1.0, softcap=None, return_token_metrics=False, logit_rows=None):  # fmt: skip
     """``ORPOTrainer.get_batch_loss_metrics`` (TRL 1.16) on fp32 logits; ``logits/*`` averaged over
     completion tokens; a pair with an empty completion adds 0 to the odds-ratio term."""
-    seq, z, logp, mask = _pref_logps(hidden, weight, bias, chosen, rejected, ignore_index, True)
+    seq, z, logp, mask = _pref_logps(hidden, weight, bias, chosen, rejected, ignore_index, True,
+                                     logit_scale=logit_scale, softcap=softcap)  # fmt: skip
     c, r = seq.chunk(2)
     valid = (mask.chunk(2)[0].any(1)) & (mask.chunk(2)[1].any(1))
     cs, rs = torch.where(valid, c, -1.0), torch.where(valid, r, -1.0)
@@ -490,7 +513,8 @@ def orpo_ref(hidden, weight, chosen, rejected, bias=None, *, nll_labels=None, be
     ratio = torch.where(valid, F.logsigmoid(log_odds), 0.0)
     nll = _nll_chosen(z, chosen if nll_labels is None else nll_labels, ignore_index)
     loss = nll - (beta * ratio).mean()
-    metrics = _pref_metrics(seq, beta * seq, z, mask, beta)
+    labels = torch.cat([chosen, rejected]) if return_token_metrics else None
+    metrics = _pref_metrics(seq, beta * seq, z, mask, beta, labels, logit_rows)
     metrics.update(
         nll_loss=nll.detach(), log_odds_ratio=ratio.detach().mean(), log_odds_chosen=log_odds.detach().mean()
     )
@@ -499,11 +523,13 @@ def orpo_ref(hidden, weight, chosen, rejected, bias=None, *, nll_labels=None, be
 
 def cpo_ref(
     hidden, weight, chosen, rejected, bias=None, *, nll_labels=None, beta=0.1, loss_type="sigmoid",
-    label_smoothing=0.0, cpo_alpha=1.0, simpo_gamma=0.5, alpha=0.0, ignore_index=-100,
+    label_smoothing=0.0, cpo_alpha=1.0, simpo_gamma=0.5, alpha=0.0, ignore_index=-100, logit_scale=1.0,
+    softcap=None, return_token_metrics=False, logit_rows=None,
 ):  # fmt: skip
     """``CPOTrainer.cpo_loss`` + NLL (TRL 1.16) on fp32 logits; SimPO is ``loss_type="simpo"``."""
     seq, z, logp, mask = _pref_logps(hidden, weight, bias, chosen, rejected, ignore_index,
-                                     loss_type in ("ipo", "simpo"))  # fmt: skip
+                                     loss_type in ("ipo", "simpo"), logit_scale=logit_scale,
+                                     softcap=softcap)  # fmt: skip
     c, r = seq.chunk(2)
     if alpha != 0.0:
         c, r = (1 - torch.exp(c).pow(-alpha)) / alpha, (1 - torch.exp(r).pow(-alpha)) / alpha
@@ -518,7 +544,8 @@ def cpo_ref(
     else:
         per = (u - 1 / (2 * beta)) ** 2
     loss = per.mean()
-    metrics = _pref_metrics(seq, beta * torch.cat([c, r]), z, mask, beta)
+    labels = torch.cat([chosen, rejected]) if return_token_metrics else None
+    metrics = _pref_metrics(seq, beta * torch.cat([c, r]), z, mask, beta, labels, logit_rows)
     if cpo_alpha != 0:  # no NLL term: its rows are not even projected
         nll = _nll_chosen(z, chosen if nll_labels is None else nll_labels, ignore_index)
         loss = loss + cpo_alpha * nll

@@ -19,7 +19,8 @@ The reference is the reference model's head, projected chunk by chunk without gr
 (``ref_hidden``/``ref_weight``), precomputed sequence log-probs (``ref_chosen_logps``/...), or none
 (reference-free: ℓ_ref = 0). ``aot`` and ``aot_unpaired`` sort the pairs of the whole batch, so they
 always take the engine's two passes. Metrics (TRL's names): rewards/chosen, rewards/rejected,
-rewards/accuracies, rewards/margins, logps/chosen, logps/rejected, logits/chosen, logits/rejected.
+rewards/accuracies, rewards/margins, logps/chosen, logps/rejected, logits/chosen, logits/rejected,
+and with ``return_token_metrics`` entropy and mean_token_accuracy (as DPOTrainer logs them).
 """
 
 from __future__ import annotations

@@ -9,9 +9,10 @@ with ℓ the mean per-token log-prob over the completion labels (``chosen``/``re
 ``NLL_chosen`` the mean cross-entropy of the chosen rows over ``nll_labels`` (TRL takes the prompt
 and completion tokens of the chosen rows: pass them as ``nll_labels``; default: ``chosen``).
 Metrics (TRL's names): rewards/* (β·ℓ), logps/*, logits/* (mean logit over completion tokens; TRL
-averages over every position, padding included), nll_loss, log_odds_ratio (mean logσ(log_odds)),
-log_odds_chosen (mean log_odds). A pair with an empty completion (TRL: NaN) adds 0 to the odds-ratio
-term and to the two log-odds metrics, and still counts in the mean over pairs.
+averages over every position, padding included: pass ``logit_rows`` all True for that), nll_loss,
+log_odds_ratio (mean logσ(log_odds)), log_odds_chosen (mean log_odds). A pair with an empty
+completion (TRL: NaN) adds 0 to the odds-ratio term and to the two log-odds metrics, and still
+counts in the mean over pairs.
 """
 
 from __future__ import annotations

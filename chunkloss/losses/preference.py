@@ -11,8 +11,14 @@ few statistics (fp32)::
     logp_raw   m_t · log p(y_t)            m_t = 1 on completion tokens
     nll        n_t · log p(y'_t)           NLL targets y' of the chosen rows (ORPO, CPO), n_t their mask
     ref_logp   w_t · log p_ref(y_t)        reference head, no grad
-    mean_logit m_t · mean_v z_tv           no grad (the ``logits/*`` metrics)
+    mean_logit l_t · mean_v z_tv           no grad (the ``logits/*`` metrics; l_t = m_t, or the rows
+                                           given as ``logit_rows``)
     wpo        m_t · (log p(y_t) - log Σ_v p_v²)   no grad (WPO weights, DPO only)
+    entropy    m_t · H(p_t)                no grad (``return_token_metrics``)
+    top1       m_t · [argmax_v z_tv = y_t]  no grad (``return_token_metrics``)
+
+The logits are the model's: ``z = scale(hidden @ weight.T + bias)`` with ``logit_scale`` (Cohere)
+then ``softcap·tanh(z/softcap)`` (Gemma-2), for the policy and the reference head alike.
 
 Per sequence these are summed (``segment_sum``); a subclass turns the pair sums into a per-pair loss
 with ``pair_loss``. The loss is ``Σ_pairs pair_loss / B + nll_coef · NLL``, NLL being the mean over
@@ -32,12 +38,12 @@ import torch
 from torch import Tensor
 
 from chunkloss.base import FusedLinearBase, FusedOptions, Head, segment_sum, sequence_batch
-from chunkloss.losses.common import check_head, check_labels
+from chunkloss.losses.common import check_head, check_labels, entropy_from_logits, scale_logits
 
 __all__ = ["FusedLinearPreferenceLoss", "PreferenceOptions"]
 
 # Columns of the per-row statistics.
-LOGP, LOGP_RAW, NLL, REF_LOGP, MEAN_LOGIT, WPO = range(6)
+LOGP, LOGP_RAW, NLL, REF_LOGP, MEAN_LOGIT, WPO, ENTROPY, TOP1 = range(8)
 
 
 @dataclass(frozen=True)
@@ -45,15 +51,28 @@ class PreferenceOptions(FusedOptions):
     """Args:
     ignore_index: label value of prompt and padding tokens (their rows cost no GEMM).
     beta: the loss's β.
+    logit_scale: the logits are multiplied by it (Cohere's ``logit_scale``).
+    softcap: final logit softcapping ``c·tanh(z/c)`` after the scale (Gemma-2's
+        ``final_logit_softcapping``); ``None`` for off.
+    return_token_metrics: also report TRL DPOTrainer's ``entropy`` (mean over the chosen and
+        rejected completion tokens) and ``mean_token_accuracy`` (top-1 over the chosen completion
+        tokens); one more reduction over V per row.
     """
 
     ignore_index: int = -100
     beta: float = 0.1
+    logit_scale: float = 1.0
+    softcap: float | None = None
+    return_token_metrics: bool = False
 
     def __post_init__(self):
         super().__post_init__()
         if not self.beta > 0:
             raise ValueError(f"beta must be positive, got {self.beta}")
+        if not self.logit_scale > 0:
+            raise ValueError(f"logit_scale must be positive, got {self.logit_scale}")
+        if self.softcap is not None and not self.softcap > 0:
+            raise ValueError(f"softcap must be positive or None, got {self.softcap}")
 
     @property
     def avg_logps(self) -> bool:
@@ -72,8 +91,8 @@ class PreferenceOptions(FusedOptions):
 
 
 def preference_token_stats(logits, extra_logits, token, opts: PreferenceOptions) -> Tensor:
-    """Per-row statistics (C, 6) of one chunk; columns as in the module docstring."""
-    z = logits.float()
+    """Per-row statistics (C, 8) of one chunk; columns as in the module docstring."""
+    z = scale_logits(logits.float(), opts.logit_scale, opts.softcap)
     lse = torch.logsumexp(z, dim=-1)
     lp = z.gather(-1, token["labels"].unsqueeze(-1)).squeeze(-1) - lse
     m, w = token["pref_mask"], token["pref_weight"]
@@ -83,18 +102,25 @@ def preference_token_stats(logits, extra_logits, token, opts: PreferenceOptions)
     else:
         nll = zero
     if extra_logits:
-        zr = extra_logits[0].float()
+        zr = scale_logits(extra_logits[0].float(), opts.logit_scale, opts.softcap)
         ref_lp = zr.gather(-1, token["labels"].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(zr, dim=-1)
         ref = (ref_lp * w).detach()
     else:
         ref = zero
-    mean_logit = (z.mean(-1) * m).detach()
+    mean_logit = (z.mean(-1) * token["logit_mask"]).detach()
     if opts.wpo:
         # log Σ_v p_v² = logsumexp(2z) - 2·lse
         wpo = ((lp - (torch.logsumexp(2 * z, dim=-1) - 2 * lse)) * m).detach()
     else:
         wpo = zero
-    return torch.stack([lp * w, lp * m, nll, ref, mean_logit, wpo], dim=1)
+    if opts.return_token_metrics:
+        zd = z.detach()
+        ent = entropy_from_logits(zd, lse.detach()) * m
+        # argmax takes the first maximum: TRL's is_top1 (the label is the first maximal logit).
+        top1 = (zd.argmax(-1) == token["labels"]).float() * m
+    else:
+        ent = top1 = zero
+    return torch.stack([lp * w, lp * m, nll, ref, mean_logit, wpo, ent, top1], dim=1)
 
 
 def preference_sequence_loss(pair_loss, stats, seq_id, num_seqs, token, sequence, scalars, opts):
@@ -137,9 +163,12 @@ def preference_sequence_loss(pair_loss, stats, seq_id, num_seqs, token, sequence
         "rewards/margins": (reward_c - reward_r).sum() / n_pairs,
         "logps/chosen": pair["chosen"].detach().sum() / n_pairs,
         "logps/rejected": pair["rejected"].detach().sum() / n_pairs,
-        "logits/chosen": s[:, 0, MEAN_LOGIT].sum() / scalars["n_chosen_tokens"],
-        "logits/rejected": s[:, 1, MEAN_LOGIT].sum() / scalars["n_rejected_tokens"],
+        "logits/chosen": s[:, 0, MEAN_LOGIT].sum() / scalars["n_chosen_logit_rows"],
+        "logits/rejected": s[:, 1, MEAN_LOGIT].sum() / scalars["n_rejected_logit_rows"],
     }
+    if opts.return_token_metrics:
+        metrics["entropy"] = s[:, :, ENTROPY].sum() / scalars["n_tokens"]
+        metrics["mean_token_accuracy"] = s[:, 0, TOP1].sum() / scalars["n_chosen_tokens"]
     if "nll_labels" in token:
         nll = -s[:, 0, NLL].sum() / scalars["n_nll_tokens"]
         metrics["nll_loss"] = nll.detach()
@@ -196,6 +225,7 @@ class FusedLinearPreferenceLoss(FusedLinearBase):
         ref_bias: Tensor | None = None,  # (V,)
         ref_chosen_logps: Tensor | None = None,  # (B,) precomputed reference sequence log-probs
         ref_rejected_logps: Tensor | None = None,  # (B,)
+        logit_rows: Tensor | None = None,  # (2B, T) bool: rows averaged into logits/*; default completions
     ) -> Tensor:
         opts = self.options
         name = type(self).__name__
@@ -273,10 +303,25 @@ class FusedLinearPreferenceLoss(FusedLinearBase):
             token["nll_labels"] = nll.masked_fill(~nll_mask, 0)
             token["nll_mask"] = nll_mask.float()
             scalars["n_nll_tokens"] = nll_mask.sum().clamp(min=1).float()
+        if logit_rows is None:
+            logit_mask = pref_mask
+        else:
+            if not isinstance(logit_rows, Tensor) or logit_rows.shape != (2 * n_pairs, t):
+                raise ValueError(
+                    f"logit_rows must be a (2B, T)=({2 * n_pairs}, {t}) tensor, "
+                    f"got {getattr(logit_rows, 'shape', type(logit_rows))}"
+                )
+            logit_mask = logit_rows.to(dev).bool()
+            keep = keep | logit_mask
+        token["logit_mask"] = logit_mask.float()
         n_tok = pref_mask.sum(1).float()
         sequence["n_tokens"] = n_tok
         scalars["n_chosen_tokens"] = n_tok[:n_pairs].sum().clamp(min=1)
         scalars["n_rejected_tokens"] = n_tok[n_pairs:].sum().clamp(min=1)
+        scalars["n_tokens"] = n_tok.sum().clamp(min=1)
+        n_logit = logit_mask.sum(1).float()
+        scalars["n_chosen_logit_rows"] = n_logit[:n_pairs].sum().clamp(min=1)
+        scalars["n_rejected_logit_rows"] = n_logit[n_pairs:].sum().clamp(min=1)
         group = torch.arange(2 * n_pairs, device=dev) % max(n_pairs, 1)
         batch, _ = sequence_batch(keep, group, token=token, sequence=sequence, scalars=scalars, extra=extra)
         return self.run(hidden.reshape(-1, hidden.shape[-1]), weight, bias, batch)

@@ -406,3 +406,79 @@ def test_bad_options(opts, match):
 def test_cpo_bad_options():
     with pytest.raises(ValueError, match="loss_type"):
         FusedLinearCPOLoss(loss_type="sppo_hard")
+
+
+# --------------------------------------------------------------------------------------------------
+# Model-side logit transforms and the token metrics (TRL DPOTrainer's entropy / mean_token_accuracy).
+@pytest.mark.parametrize(
+    "cls,ref_fn,opts",
+    [
+        (FusedLinearDPOLoss, dpo_ref, dict(loss_type="sigmoid", beta=0.3)),
+        (FusedLinearDPOLoss, dpo_ref, dict(loss_type=("sigmoid", "sft"), use_weighting=True, beta=0.3)),
+        (FusedLinearORPOLoss, orpo_ref, dict(beta=0.2)),
+        (FusedLinearCPOLoss, cpo_ref, dict(loss_type="ipo", beta=0.3)),
+        (FusedLinearSimPOLoss, cpo_ref, dict(beta=2.0, loss_type="simpo", cpo_alpha=0.0)),
+    ],
+)
+@pytest.mark.parametrize("chunk", [1, ONE_PASS])
+def test_logit_transforms_and_token_metrics(cls, ref_fn, opts, chunk):
+    """logit_scale then softcap on the policy (and DPO's reference head), with the entropy and top-1
+    accuracy metrics; one and two passes."""
+    d = _inputs(empty_pair=True)
+    tf = dict(logit_scale=1.7, softcap=1.5, return_token_metrics=True)
+    call_kw = _ref_kwargs(d, "model") if cls is FusedLinearDPOLoss else {}
+    ours = _run(cls, d, call_kw, chunk_size=chunk, compile=False, **opts, **tf)
+    ref_opts = {k: v for k, v in opts.items() if not (cls is FusedLinearSimPOLoss and k == "cpo_alpha")}
+    if cls is FusedLinearSimPOLoss:
+        ref_opts["cpo_alpha"] = 0.0
+    ref = ref_fn(d["x"], d["w"], d["chosen"], d["rejected"], d["b"], **call_kw, **ref_opts, **tf)
+    _check(ours, ref, d)
+    assert {"entropy", "mean_token_accuracy"} <= set(ours[2])
+    # softcap 1.5 binds (|z|·1.7 reaches well past it): the transforms change the loss.
+    plain = ref_fn(d["x"], d["w"], d["chosen"], d["rejected"], d["b"], **call_kw, **ref_opts)[0]
+    assert abs(float(plain.detach()) - float(ref[0].detach())) > 1e-3
+
+
+@pytest.mark.parametrize("chunk", [1, ONE_PASS])
+def test_orpo_logit_rows(chunk):
+    """ORPO's logits/* over every position (TRL: the mean of the padded [B, T-1, V] logits): the extra
+    rows are projected for the metric only; loss and gradients are unchanged."""
+    d = _inputs()
+    rows = torch.ones(2 * B, T, dtype=torch.bool)
+    rows[0, -2:] = False  # any row set works, not just all
+    kw = dict(nll_labels=d["nll"])
+    ours = _run(FusedLinearORPOLoss, d, dict(kw, logit_rows=rows), chunk_size=chunk, compile=False)
+    ref = orpo_ref(d["x"], d["w"], d["chosen"], d["rejected"], d["b"], logit_rows=rows, **kw)
+    _check(ours, ref, d)
+    z = d["x"].detach() @ d["w"].detach().t() + d["b"].detach()
+    zm = z.mean(-1)
+    torch.testing.assert_close(ours[2]["logits/rejected"], zm[B:].mean(), **FP32)
+    torch.testing.assert_close(ours[2]["logits/chosen"], zm[:B][rows[:B]].mean(), **FP32)
+
+
+def test_token_metrics_hand_computed():
+    """Two chosen/rejected tokens, V=2: entropy of σ(z) per token, accuracy 1 where the label is the
+    argmax (a tie goes to the first index, as TRL's is_top1)."""
+    x = torch.tensor([[[1.0]], [[0.0]]])  # (2B=2, T=1, H=1)
+    w = torch.tensor([[1.0], [0.0]])  # z = (x, 0)
+    chosen, rejected = torch.tensor([[0]]), torch.tensor([[1]])
+    mod = FusedLinearDPOLoss(compile=False, return_token_metrics=True)
+    mod(x, w, chosen, rejected)
+    p = 1 / (1 + math.exp(-1.0))
+    ent1 = -(p * math.log(p) + (1 - p) * math.log(1 - p))
+    assert abs(mod.metrics["entropy"].item() - (ent1 + math.log(2)) / 2) < 1e-6
+    assert mod.metrics["mean_token_accuracy"].item() == 1.0  # chosen label 0 is the argmax
+    mod(x, w, torch.tensor([[1]]), rejected)
+    assert mod.metrics["mean_token_accuracy"].item() == 0.0
+
+
+def test_transform_bad_inputs():
+    d = _inputs()
+    with pytest.raises(ValueError, match="softcap"):
+        FusedLinearDPOLoss(softcap=0.0)
+    with pytest.raises(ValueError, match="logit_scale"):
+        FusedLinearORPOLoss(logit_scale=0.0)
+    with pytest.raises(ValueError, match="logit_rows"):
+        FusedLinearORPOLoss(compile=False)(
+            d["x"], d["w"], d["chosen"], d["rejected"], d["b"], logit_rows=torch.ones(B, T, dtype=torch.bool)
+        )
