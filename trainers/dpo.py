@@ -4,8 +4,8 @@ The policy's hidden states of the chosen and rejected rows go to the chunked DPO
 weight; the reference's sequence log-probs come from TRL itself (precomputed in the dataset, or
 ``DPOTrainer.compute_ref_log_probs`` on the reference model / the adapter-less PEFT model, through TRL's fused
 head without grad). Every loss type, loss weights, f-divergence, ``ld_alpha``, WPO weighting and label
-smoothing of TRL 1.16 is covered. TRL's ``entropy`` and ``mean_token_accuracy`` metrics take one extra
-chunked forward pass without grad (the preference loss does not report them yet).
+smoothing of TRL 1.16 is covered, with the model's final logit softcapping (Gemma-2) and logit scale
+(Cohere). TRL's ``entropy`` and ``mean_token_accuracy`` metrics come from the same chunked pass as the loss.
 """
 
 from __future__ import annotations
@@ -18,13 +18,12 @@ from accelerate.utils import is_peft_model
 from torch import nn
 from trl import DPOConfig, DPOTrainer
 
-from chunkloss.losses.cross_entropy import FusedLinearCrossEntropyLoss
 from chunkloss.losses.dpo import FusedLinearDPOLoss
 
 from ._common import ChunkedArguments, chunk_options, refuse
 from ._head import add_chunked_head, allow_lm_head_adapter, check_head_supported, head_transforms
 
-__all__ = ["ChunkedDPOConfig", "ChunkedDPOTrainer", "refuse_head_transforms", "token_metrics"]
+__all__ = ["ChunkedDPOConfig", "ChunkedDPOTrainer"]
 
 
 @dataclass
@@ -32,41 +31,10 @@ class ChunkedDPOConfig(DPOConfig, ChunkedArguments):
     """``trl.DPOConfig`` with the chunkloss fields of :class:`ChunkedArguments`."""
 
 
-def refuse_head_transforms(name: str, model: nn.Module) -> None:
-    softcap, logit_scale = head_transforms(model.config)
-    if softcap is not None or logit_scale != 1.0:
-        refuse(
-            name,
-            f"final_logit_softcapping={softcap}, logit_scale={logit_scale}",
-            "the chunked preference losses have no logit transform options yet",
-        )
-
-
-def token_metrics(metric_loss, x, head, chosen, rejected):
-    """Entropy over all completion tokens and top-1 accuracy over the chosen ones, without grad: one chunked
-    forward over the completion rows. Returns local sums ``(entropy_sum, n_tokens, n_correct, n_chosen)``."""
-    with torch.no_grad():
-        n = chosen.shape[0]
-        out = []
-        for rows, labels in ((slice(0, n), chosen), (slice(n, 2 * n), rejected)):
-            metric_loss(x[rows], head.weight, labels, bias=head.bias)
-            count = (labels != -100).sum()
-            out.append(
-                (
-                    metric_loss.metrics["entropy"] * count,
-                    count,
-                    metric_loss.metrics["mean_token_accuracy"] * count,
-                )
-            )
-    (e_c, n_c, a_c), (e_r, n_r, _) = out
-    return e_c + e_r, n_c + n_r, a_c, n_c
-
-
 class ChunkedDPOTrainer(DPOTrainer):
     """``trl.DPOTrainer`` whose loss never materialises the logits.
 
-    Refused at construction: models with final logit softcapping or a logit scale (the preference losses have
-    no such option yet) and adapters on ``lm_head`` other than plain LoRA. Multimodal inputs are refused when
+    Refused at construction: adapters on ``lm_head`` other than plain LoRA. Multimodal inputs are refused when
     they arrive.
     """
 
@@ -80,7 +48,7 @@ class ChunkedDPOTrainer(DPOTrainer):
             super().__init__(model, ref_model, args, *pos, **kwargs)
         base = self.model.get_base_model() if is_peft_model(self.model) else self.model
         check_head_supported(base)
-        refuse_head_transforms(type(self).__name__, base)
+        softcap, logit_scale = head_transforms(base.config)
         add_chunked_head(base)
         opts = chunk_options(self.args)
         args = self.args
@@ -94,10 +62,10 @@ class ChunkedDPOTrainer(DPOTrainer):
             ld_alpha=self.ld_alpha,
             use_weighting=bool(self.use_weighting),
             discopop_tau=float(args.discopop_tau),
+            softcap=softcap,
+            logit_scale=logit_scale,
+            return_token_metrics=True,
             **opts,
-        )
-        self._metric_loss = FusedLinearCrossEntropyLoss(
-            return_entropy=True, return_token_accuracy=True, **opts
         )
 
     def _compute_loss(self, model, inputs, return_outputs):
@@ -131,14 +99,12 @@ class ChunkedDPOTrainer(DPOTrainer):
                 ref_chosen_logps=ref_c.detach().float(),
                 ref_rejected_logps=ref_r.detach().float(),
             )
-            return (
-                loss,
-                dict(self._dpo_loss.metrics),
-                token_metrics(self._metric_loss, x.detach(), head, chosen, rejected),
-            )
+            return loss, dict(self._dpo_loss.metrics)
 
         out = model(**model_kwargs, chunked_head=head_fn)
-        loss, metrics, (entropy_sum, n_tok, n_correct, n_chosen) = out.result
+        loss, metrics = out.result
+        n_chosen, n_rej = (chosen != -100).sum(), (rejected != -100).sum()
+        n_tok = n_chosen + n_rej
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * out.aux_loss
             self._metrics[mode]["aux_loss"].append(
@@ -146,23 +112,21 @@ class ChunkedDPOTrainer(DPOTrainer):
             )
 
         gather = self.accelerator.gather_for_metrics
+        # TRL's token-weighted means across processes: local means times local counts, summed.
         total = gather(n_tok).sum()
-        self._metrics[mode]["entropy"].append(
-            (gather(entropy_sum).sum() / total).item() if total > 0 else 0.0
-        )
+        entropy_sum = gather(metrics["entropy"] * n_tok).sum()
+        self._metrics[mode]["entropy"].append((entropy_sum / total).item() if total > 0 else 0.0)
         if mode == "train":
             num_tokens_in_batch = gather(inputs["attention_mask"].sum()).sum().item()
             self._total_train_tokens += num_tokens_in_batch // self._tp_size
         self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
-        n_rej = (rejected != -100).sum()
         for name, count in (("logits/chosen", n_chosen), ("logits/rejected", n_rej)):
             tot = gather(count).sum().item()
             s = gather(metrics[name] * count.clamp(min=1)).sum().item()
             self._metrics[mode][name].append(s / tot if tot > 0 else 0.0)
         tot_c = gather(n_chosen).sum()
-        self._metrics[mode]["mean_token_accuracy"].append(
-            (gather(n_correct).sum() / tot_c).item() if tot_c > 0 else 0.0
-        )
+        n_correct = gather(metrics["mean_token_accuracy"] * n_chosen).sum()
+        self._metrics[mode]["mean_token_accuracy"].append((n_correct / tot_c).item() if tot_c > 0 else 0.0)
         for name in (
             "rewards/chosen",
             "rewards/rejected",

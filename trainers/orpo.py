@@ -1,9 +1,10 @@
 """``ChunkedORPOTrainer``: TRL's experimental ``ORPOTrainer`` with the loss of ``FusedLinearORPOLoss``.
 
 TRL's ORPO materialises the ``[2B, T, V]`` logits; here the chosen and rejected hidden states go to the
-chunked ORPO loss (odds-ratio term over the completions, NLL over the chosen prompt and completion), and the
+chunked ORPO loss (odds-ratio term over the completions, NLL over the chosen prompt and completion). The
 ``logits/chosen`` / ``logits/rejected`` metrics (TRL: the mean logit over every position of the padded batch)
-come from one chunked forward without grad.
+come from the same chunked pass (``logit_rows``: every position is projected). The model's final logit
+softcapping (Gemma-2) and logit scale (Cohere) are applied by the loss.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+import torch
 from accelerate.utils import is_peft_model
 from torch import nn
 from trl.experimental.orpo import ORPOConfig, ORPOTrainer
@@ -18,9 +20,7 @@ from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 from chunkloss.losses.orpo import FusedLinearORPOLoss
 
 from ._common import ChunkedArguments, chunk_options, refuse
-from ._head import add_chunked_head, allow_lm_head_adapter, check_head_supported
-from ._losses import FusedLinearMeanLogit
-from .dpo import refuse_head_transforms
+from ._head import add_chunked_head, allow_lm_head_adapter, check_head_supported, head_transforms
 
 __all__ = ["ChunkedORPOConfig", "ChunkedORPOTrainer"]
 
@@ -33,8 +33,7 @@ class ChunkedORPOConfig(ORPOConfig, ChunkedArguments):
 class ChunkedORPOTrainer(ORPOTrainer):
     """``ORPOTrainer`` whose loss never materialises the logits.
 
-    Refused at construction: encoder-decoder models, models with final logit softcapping or a logit scale, and
-    adapters on ``lm_head`` other than plain LoRA.
+    Refused at construction: encoder-decoder models and adapters on ``lm_head`` other than plain LoRA.
     """
 
     _tag_names = ["trl", "orpo", "chunkloss"]
@@ -50,11 +49,12 @@ class ChunkedORPOTrainer(ORPOTrainer):
             refuse(name, "encoder-decoder models", "the chunked head covers causal LMs")
         base = self.model.get_base_model() if is_peft_model(self.model) else self.model
         check_head_supported(base)
-        refuse_head_transforms(name, base)
+        softcap, logit_scale = head_transforms(base.config)
         add_chunked_head(base)
         opts = chunk_options(self.args)
-        self._orpo_loss = FusedLinearORPOLoss(beta=float(self.beta), **opts)
-        self._mean_logit = FusedLinearMeanLogit(**opts)
+        self._orpo_loss = FusedLinearORPOLoss(
+            beta=float(self.beta), softcap=softcap, logit_scale=logit_scale, **opts
+        )
 
     def concatenated_forward(self, model, batch):
         cat = self.concatenated_inputs(
@@ -68,25 +68,27 @@ class ChunkedORPOTrainer(ORPOTrainer):
         def head_fn(hidden, head):
             x = head.features(hidden[:, :-1])
             loss = self._orpo_loss(
-                x, head.weight, labels[:n], labels[n:], bias=head.bias, nll_labels=nll_labels
+                x,
+                head.weight,
+                labels[:n],
+                labels[n:],
+                bias=head.bias,
+                nll_labels=nll_labels,
+                logit_rows=torch.ones(labels.shape, dtype=torch.bool, device=labels.device),
             )
-            mean_c = self._mean_logit(x[:n], head.weight, head.bias)
-            mean_r = self._mean_logit(x[n:], head.weight, head.bias)
-            return loss, dict(self._orpo_loss.metrics), mean_c, mean_r
+            return loss, dict(self._orpo_loss.metrics)
 
         kwargs = {"output_router_logits": True} if self.aux_loss_enabled else {}
         out = model(input_ids, attention_mask=attention_mask, use_cache=False, chunked_head=head_fn, **kwargs)
         return out.result, out.aux_loss
 
     def get_batch_loss_metrics(self, model, batch, train_eval="train"):
-        (loss, m, mean_c, mean_r), aux_loss = self.concatenated_forward(model, batch)
+        (loss, m), aux_loss = self.concatenated_forward(model, batch)
         prefix = "eval_" if train_eval == "eval" else ""
         gather = self.accelerator.gather_for_metrics
         metrics = {f"{prefix}{k}": gather(m[k].reshape(1)).mean().item() for k in (
             "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/rejected",
-            "logps/chosen")}  # fmt: skip
-        metrics[f"{prefix}logits/rejected"] = gather(mean_r.reshape(1)).mean().item()
-        metrics[f"{prefix}logits/chosen"] = gather(mean_c.reshape(1)).mean().item()
+            "logps/chosen", "logits/rejected", "logits/chosen")}  # fmt: skip
         for k in ("nll_loss", "log_odds_ratio", "log_odds_chosen"):
             metrics[f"{prefix}{k}"] = gather(m[k].reshape(1)).mean().item()
         if self.aux_loss_enabled:

@@ -17,10 +17,10 @@ LOSS_TYPES = ["sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_
               "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm"]  # fmt: skip
 
 
-def _pair(tmp_path, compile_=False, with_ref=True, models=None, peft_config=None, **cfg):
+def _pair(tmp_path, compile_=False, with_ref=True, models=None, peft_config=None, ref_models=None, **cfg):
     ref_m, our_m = models or model_pair()
     torch.manual_seed(1)
-    refs = model_pair(seed=1) if with_ref else (None, None)
+    refs = (ref_models or model_pair(seed=1)) if with_ref else (None, None)
     ds = tiny_dataset("dpo", n=8)
     base = common_args(tmp_path, max_length=48, **cfg)
     ref = DPOTrainer(
@@ -154,13 +154,17 @@ def test_dpo_compiled(tmp_path):
     _check(*_pair(tmp_path, compile_=True))
 
 
-def test_dpo_refuses_softcap(tmp_path):
-    m, ref_m = model_pair(family="gemma2", final_logit_softcapping=30.0)
-    with pytest.raises(ValueError, match="final_logit_softcapping"):
-        ChunkedDPOTrainer(
-            m,
-            ref_m,
-            ChunkedDPOConfig(**common_args(tmp_path)),
-            train_dataset=tiny_dataset("dpo", 8),
-            processing_class=tokenizer(),
-        )
+@pytest.mark.parametrize(
+    "family,overrides", [("gemma2", {"final_logit_softcapping": 3.0}), ("cohere", {"logit_scale": 0.5})]
+)
+def test_dpo_head_transforms(tmp_path, family, overrides):
+    """Gemma-2's final logit softcapping and Cohere's logit scale: TRL applies them in its fused head (policy
+    and reference), ours in the chunked loss (the reference's log-probs come from TRL)."""
+    ref, ours = _pair(
+        tmp_path,
+        models=model_pair(family=family, **overrides),
+        ref_models=model_pair(family=family, seed=1, **overrides),
+    )
+    assert ours._dpo_loss.options.softcap == overrides.get("final_logit_softcapping")
+    assert ours._dpo_loss.options.logit_scale == overrides.get("logit_scale", 1.0)
+    _check(ref, ours)

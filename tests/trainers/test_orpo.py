@@ -51,5 +51,17 @@ def test_orpo_tied_embeddings(tmp_path):
     _check(*_pair(tmp_path, model_kw={"tie_word_embeddings": True}))
 
 
+@pytest.mark.parametrize(
+    "family,overrides", [("gemma2", {"final_logit_softcapping": 3.0}), ("cohere", {"logit_scale": 0.5})]
+)
+def test_orpo_head_transforms(tmp_path, family, overrides):
+    """Gemma-2's final logit softcapping and Cohere's logit scale: TRL's ORPO applies them in the model's
+    forward logits, ours in the chunked loss (also in the logits/* metrics)."""
+    ref, ours = _pair(tmp_path, model_kw=dict(family=family, **overrides))
+    assert ours._orpo_loss.options.softcap == overrides.get("final_logit_softcapping")
+    assert ours._orpo_loss.options.logit_scale == overrides.get("logit_scale", 1.0)
+    _check(ref, ours)
+
+
 def test_orpo_compiled(tmp_path):
     _check(*_pair(tmp_path, compile_=True))
