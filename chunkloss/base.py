@@ -110,14 +110,17 @@ class Batch:
     num_seqs: int = 0
 
 
-def default_chunk_size(vocab: int, itemsize: int, budget_mb: int, extra_vocab: int = 0) -> int:
-    """Rows per chunk so that one chunk's logits, their gradient and the logits of heads without grad
-    (``extra_vocab``: summed vocabularies of a reference/teacher head) fit in ``budget_mb``.
+def default_chunk_size(
+    vocab: int, itemsize: int, budget_mb: int, extra_vocab: int = 0, grad_in_place: bool = False
+) -> int:
+    """Rows per chunk so that one chunk's logits, their gradient (in place when compiled) and the logits
+    of heads without grad (``extra_vocab``: summed vocabularies of a reference/teacher head) fit in
+    ``budget_mb``.
 
     Rounded down to a multiple of 128 (whole tensor-core tiles) and kept in [128, 16384]: fewer than
     128 rows leave the GEMM's M dimension too thin to keep an H100 busy.
     """
-    rows = budget_mb * 2**20 // ((2 * vocab + extra_vocab) * max(itemsize, 2))
+    rows = budget_mb * 2**20 // (((1 if grad_in_place else 2) * vocab + extra_vocab) * max(itemsize, 2))
     return int(min(16384, max(128, rows // 128 * 128)))
 
 
@@ -285,7 +288,9 @@ class FusedLinearBase(nn.Module):
         if opts.chunk_size is not None:
             return opts.chunk_size
         extra_vocab = sum(e.weight.shape[0] for e in extra)
-        return default_chunk_size(weight.shape[0], hidden.element_size(), opts.logits_budget_mb, extra_vocab)
+        budget = opts.logits_budget_mb
+        v, itemsize = weight.shape[0], hidden.element_size()
+        return default_chunk_size(v, itemsize, budget, extra_vocab, grad_in_place=opts.compile)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -294,12 +299,7 @@ def _token_step(chunk_loss, opts, logits, extra_logits, token, scalars):
     (g, (loss, metrics)) = torch.func.grad_and_value(
         lambda z: _with_aux(chunk_loss(z, extra_logits, token, scalars, opts)), has_aux=True
     )(logits)
-    if opts.compile:
-        # The gradient overwrites the logits: inductor writes it straight into their buffer, so a
-        # chunk costs one [C, V] buffer instead of two.
-        logits.copy_(g)
-        return logits, loss, metrics
-    return g.to(logits.dtype), loss, metrics
+    return _grad_out(g, logits, opts), loss, metrics
 
 
 def _token_value(chunk_loss, opts, logits, extra_logits, token, scalars):
@@ -320,11 +320,20 @@ def _sequence_onepass_step(
         return loss, (loss.detach(), metrics)
 
     g, (loss, metrics) = torch.func.grad(f, has_aux=True)(logits)
-    return g.to(logits.dtype), loss, metrics
+    return _grad_out(g, logits, opts), loss, metrics
 
 
 def _sequence_pass2_step(token_stats, opts, logits, extra_logits, token, coef):
     g = torch.func.grad(lambda z: (token_stats(z, extra_logits, token, opts) * coef).sum())(logits)
+    return _grad_out(g, logits, opts)
+
+
+def _grad_out(g, logits, opts):
+    """The logits gradient in the logits' dtype; compiled, it overwrites the logits in place so inductor
+    writes it straight into their buffer and a chunk costs one [C, V] buffer instead of two."""
+    if opts.compile:
+        logits.copy_(g)
+        return logits
     return g.to(logits.dtype)
 
 

@@ -18,10 +18,23 @@ def scale_logits(z: Tensor, logit_scale: float = 1.0, softcap: float | None = No
     return z
 
 
+def pick(z: Tensor, labels: Tensor) -> Tensor:
+    """``z[i, labels[i]]`` per row of ``z`` (N, V).
+
+    Under ``torch.compile`` this is a masked sum over the vocabulary: it fuses into the row's other
+    reductions and its gradient is pointwise, where the gradient of ``gather`` is a dense [N, V]
+    scatter that inductor materialises in fp32. Eagerly it is a plain gather (no [N, V] mask).
+    """
+    if torch.compiler.is_compiling():
+        vocab = torch.arange(z.shape[-1], device=z.device)
+        return torch.where(vocab == labels.unsqueeze(-1), z, 0.0).sum(-1)
+    return z.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+
+
 def label_logprobs(z: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
     """``(log p(label), logsumexp)`` per row of fp32 logits ``z`` (N, V)."""
     lse = torch.logsumexp(z, dim=-1)
-    return z.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse, lse
+    return pick(z, labels) - lse, lse
 
 
 def entropy_from_logits(z: Tensor, lse: Tensor | None = None) -> Tensor:

@@ -19,7 +19,14 @@ import torch
 from torch import Tensor
 
 from chunkloss.base import Batch, FusedLinearBase, FusedOptions
-from chunkloss.losses.common import check_head, check_labels, entropy_from_logits, scale_logits, to_scalar
+from chunkloss.losses.common import (
+    check_head,
+    check_labels,
+    entropy_from_logits,
+    pick,
+    scale_logits,
+    to_scalar,
+)
 
 __all__ = ["CrossEntropyOptions", "FusedLinearCrossEntropyLoss"]
 
@@ -67,7 +74,7 @@ def cross_entropy_chunk(logits, extra_logits, token, scalars, opts: CrossEntropy
     z = scale_logits(logits.float(), opts.logit_scale, opts.softcap, opts.temperature)
     labels = token["labels"]
     lse = torch.logsumexp(z, dim=-1)
-    per_row = lse - z.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    per_row = lse - pick(z, labels)
     if opts.label_smoothing > 0:
         per_row = (1 - opts.label_smoothing) * per_row + opts.label_smoothing * (lse - z.mean(-1))
     metrics = {}

@@ -36,11 +36,10 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from chunkloss.base import Batch, FusedLinearBase, FusedOptions, Head
-from chunkloss.losses.common import check_head, check_labels, scale_logits, to_scalar
+from chunkloss.losses.common import check_head, check_labels, pick, scale_logits, to_scalar
 
 __all__ = ["FusedLinearJSDLoss", "JSDOptions", "jsd_chunk"]
 
@@ -112,7 +111,8 @@ def jsd_chunk(logits, extra_logits, token, scalars, opts: JSDOptions):
     loss = opts.weight_soft_loss * soft
     metrics = {"soft_loss": soft}
     if opts.weight_hard_loss != 0.0:
-        hard = F.cross_entropy(z_s, token["labels"], reduction="sum") / normaliser
+        # lse - z_y rather than F.cross_entropy: its gradient stays pointwise under compile (see pick).
+        hard = (torch.logsumexp(z_s, dim=-1) - pick(z_s, token["labels"])).sum() / normaliser
         loss = loss + opts.weight_hard_loss * hard
         metrics["hard_loss"] = hard
     metrics["entropy"] = -(log_s.exp() * log_s).sum() / scalars["n_valid"]
