@@ -380,10 +380,10 @@ class _Plan:
 def _plan_chunks(loss: FusedLinearBase, batch: Batch, n_rows: int, chunk: int) -> tuple[_Plan, bool]:
     """Chunk boundaries, and whether a sequence loss runs in one pass."""
     if not loss.is_sequence_loss:
-        return _Plan([(s, min(s + chunk, n_rows)) for s in range(0, n_rows, chunk)]), True
+        return _Plan(_even_bounds(n_rows, chunk)), True
     counts = batch.tokens_per_group
     if loss.needs_global_stats or counts is None or max(counts, default=0) > chunk:
-        return _Plan([(s, min(s + chunk, n_rows)) for s in range(0, n_rows, chunk)]), False
+        return _Plan(_even_bounds(n_rows, chunk)), False
     # Pack whole groups greedily; each chunk ends on a group boundary.
     seqs_per_group = torch.bincount(batch.group_of_seq, minlength=len(counts)).tolist()
     bounds, seq_bounds = [], []
@@ -398,6 +398,18 @@ def _plan_chunks(loss: FusedLinearBase, batch: Batch, n_rows: int, chunk: int) -
     bounds.append((r0, r))
     seq_bounds.append((s0, s))
     return _Plan(bounds, seq_bounds), True
+
+
+def _even_bounds(n_rows: int, chunk: int) -> list[tuple[int, int]]:
+    """At most ``chunk`` rows per chunk, in as few chunks as possible, of nearly equal size (multiples of
+    128 where the chunk allows it) rather than full chunks and a small tail that runs the GEMMs badly."""
+    if n_rows == 0:
+        return []
+    n_chunks = -(-n_rows // chunk)
+    size = -(-n_rows // n_chunks)
+    if chunk >= 128:
+        size = min(chunk, -(-size // 128) * 128)
+    return [(s, min(s + size, n_rows)) for s in range(0, n_rows, size)]
 
 
 def _slice_rows(d: dict[str, Tensor], a: int, b: int) -> dict[str, Tensor]:
