@@ -226,9 +226,8 @@ class FusedLinearBase(nn.Module):
     def token_stats(logits, extra_logits, token, opts):  # pragma: no cover - interface
         """Sequence losses: differentiable per-row statistics ``(N_c, K)`` in fp32.
 
-        In the second of two passes the heads without grad are not projected again: ``extra_logits``
-        is empty and ``token["pass1_stats"]`` holds this chunk's statistics from the first pass, so
-        columns computed from the extra heads can be read back from there.
+        Heads without grad reach it through ``token["extra_stats"]`` (see ``extra_token_stats``),
+        computed once in the first pass and reused in the second.
         """
         raise NotImplementedError
 
@@ -236,6 +235,12 @@ class FusedLinearBase(nn.Module):
     def sequence_loss(stats, seq_id, num_seqs, token, sequence, scalars, opts):  # pragma: no cover
         """Sequence losses: ``(loss, metrics)`` from the rows' statistics of whole sequences."""
         raise NotImplementedError
+
+    #: Optional ``extra_token_stats(extra_logits, token, opts) -> (N_c, K)``: reduce the no-grad heads'
+    #: logits to a few numbers per row (e.g. the reference log-prob) right after they are projected, so
+    #: they are freed before the policy's logits exist; the loss then reads ``token["extra_stats"]``
+    #: and gets ``extra_logits == []``. Losses that need whole extra distributions (JSD) leave it None.
+    extra_token_stats = None
 
     @property
     def is_sequence_loss(self) -> bool:
@@ -252,6 +257,8 @@ class FusedLinearBase(nn.Module):
                 fn = functools.partial(_token_step, type(self).chunk_loss, opts)
             elif kind == "token_value":
                 fn = functools.partial(_token_value, type(self).chunk_loss, opts)
+            elif kind == "extra_stats":
+                fn = functools.partial(_extra_stats_value, type(self).extra_token_stats, opts)
             elif kind == "stats":
                 fn = functools.partial(_stats_value, type(self).token_stats, opts)
             elif kind == "seq_onepass":
@@ -287,7 +294,11 @@ class FusedLinearBase(nn.Module):
         opts = self.options
         if opts.chunk_size is not None:
             return opts.chunk_size
-        extra_vocab = sum(e.weight.shape[0] for e in extra)
+        if self.extra_token_stats is not None:
+            # Each extra head's logits are reduced and freed before the next projection.
+            extra_vocab = max([e.weight.shape[0] - weight.shape[0] for e in extra] + [0])
+        else:
+            extra_vocab = sum(e.weight.shape[0] for e in extra)
         budget = opts.logits_budget_mb
         v, itemsize = weight.shape[0], hidden.element_size()
         return default_chunk_size(v, itemsize, budget, extra_vocab, grad_in_place=opts.compile)
@@ -305,6 +316,10 @@ def _token_step(chunk_loss, opts, logits, extra_logits, token, scalars):
 def _token_value(chunk_loss, opts, logits, extra_logits, token, scalars):
     loss, metrics = chunk_loss(logits, extra_logits, token, scalars, opts)
     return None, loss, metrics
+
+
+def _extra_stats_value(extra_token_stats, opts, extra_logits, token):
+    return extra_token_stats(extra_logits, token, opts)
 
 
 def _stats_value(token_stats, opts, logits, extra_logits, token):
@@ -499,12 +514,25 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
     def gather(h: Tensor, a: int, b: int) -> Tensor:
         return h[a:b] if contiguous else h.index_select(0, rows_of(a, b))
 
-    def project(a, b, with_extra=True):
+    reduce_extra = loss_mod.extra_token_stats is not None and bool(batch.extra)
+    extra_stats_parts: list[Tensor] = []
+
+    def project(a, b, token, first_pass=True):
+        """(x, logits, extra_logits, token) of rows [a, b); extra heads reduced first when the loss can."""
+        if reduce_extra:
+            if first_pass:
+                fn = loss_mod._step_fn("extra_stats", dev)
+                extra_stats_parts.append(
+                    fn([_project(gather(e.hidden, a, b), e.weight, e.bias) for e in batch.extra], token)
+                )
+                token = {**token, "extra_stats": extra_stats_parts[-1]}
+            else:
+                token = {**token, "extra_stats": extra_stats[a:b]}
+            extra = []
+        else:
+            extra = [_project(gather(e.hidden, a, b), e.weight, e.bias) for e in batch.extra]
         x = gather(hidden, a, b)
-        logits = _project(x, weight, bias)
-        heads = batch.extra if with_extra else []
-        extra = [_project(gather(e.hidden, a, b), e.weight, e.bias) for e in heads]
-        return x, logits, extra
+        return x, _project(x, weight, bias), extra, token
 
     def backprop(g, x, a, b):
         if need_h:
@@ -528,8 +556,8 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
         if not loss_mod.is_sequence_loss:
             step = loss_mod._step_fn("token" if any_grad else "token_value", dev)
             for a, b in plan.bounds:
-                x, logits, extra = project(a, b)
-                g, l_c, m = step(logits, extra, _slice_rows(batch.token, a, b), batch.scalars)
+                x, logits, extra, token = project(a, b, _slice_rows(batch.token, a, b))
+                g, l_c, m = step(logits, extra, token, batch.scalars)
                 loss += l_c
                 add_metrics(m)
                 for k in token_out:
@@ -540,11 +568,11 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
             step = loss_mod._step_fn("seq_onepass", dev)
             seq_id = batch.seq_id
             for (a, b), (s0, s1) in zip(plan.bounds, plan.seq_bounds):
-                x, logits, extra = project(a, b)
+                x, logits, extra, token = project(a, b, _slice_rows(batch.token, a, b))
                 g, l_c, m = step(
                     logits,
                     extra,
-                    _slice_rows(batch.token, a, b),
+                    token,
                     seq_id[a:b] - s0,
                     s1 - s0,
                     _slice_rows(batch.sequence, s0, s1),
@@ -558,9 +586,10 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
             stats_fn = loss_mod._step_fn("stats", dev)
             parts = []
             for a, b in plan.bounds:
-                _, logits, extra = project(a, b)
-                parts.append(stats_fn(logits, extra, _slice_rows(batch.token, a, b)))
+                _, logits, extra, token = project(a, b, _slice_rows(batch.token, a, b))
+                parts.append(stats_fn(logits, extra, token))
             stats = torch.cat(parts) if parts else _empty_stats(loss_mod, hidden, weight, batch)
+            extra_stats = torch.cat(extra_stats_parts) if extra_stats_parts else None
             num_seqs = batch.num_seqs
             with torch.enable_grad():
                 stats = stats.detach().requires_grad_(True)
@@ -573,10 +602,9 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
             if any_grad and coef is not None:
                 step = loss_mod._step_fn("seq_pass2", dev)
                 for a, b in plan.bounds:
-                    # Heads without grad are not projected again: their statistics from pass 1 come in
-                    # as token["pass1_stats"], and extra_logits is empty.
-                    x, logits, extra = project(a, b, with_extra=False)
-                    token = {**_slice_rows(batch.token, a, b), "pass1_stats": stats[a:b].detach()}
+                    # Heads without grad are not projected again: their reduced statistics from pass 1
+                    # come in as token["extra_stats"].
+                    x, logits, extra, token = project(a, b, _slice_rows(batch.token, a, b), first_pass=False)
                     g = step(logits, extra, token, coef[a:b])
                     backprop(g, x, a, b)
 
@@ -598,6 +626,9 @@ def _empty_stats(loss_mod, hidden, weight, batch) -> Tensor:
         torch.zeros(1, e.weight.shape[0], dtype=torch.float32, device=hidden.device) for e in batch.extra
     ]
     token = {k: v.new_zeros((1, *v.shape[1:])) for k, v in batch.token.items()}
+    if loss_mod.extra_token_stats is not None and extra:
+        token["extra_stats"] = type(loss_mod).extra_token_stats(extra, token, loss_mod.options)
+        extra = []
     width = type(loss_mod).token_stats(dummy, extra, token, loss_mod.options).shape[1]
     return torch.zeros(0, width, dtype=torch.float32, device=hidden.device)
 

@@ -182,14 +182,16 @@ def _row_logprobs(logits, extra_logits, token, opts: GRPOOptions):
     )
     ref = None
     if opts.beta != 0.0:
-        if extra_logits:
-            zr = scale_logits(extra_logits[0].float(), opts.logit_scale, opts.softcap, opts.temperature)
-            ref, _ = label_logprobs(zr, token["ids"])
-        elif "pass1_stats" in token and "ref_logps" not in token:
-            ref = token["pass1_stats"][:, 2]  # second pass: the reference head's column of pass 1
-        else:
-            ref = token["ref_logps"]
+        # A reference head arrives reduced (grpo_ref_stats); otherwise precomputed log-probs.
+        ref = token["extra_stats"][:, 0] if "extra_stats" in token else token["ref_logps"]
     return logp, ent, ref
+
+
+def grpo_ref_stats(extra_logits, token, opts: GRPOOptions):
+    """The reference head's label log-prob per row (C, 1), reduced as soon as it is projected."""
+    zr = scale_logits(extra_logits[0].float(), opts.logit_scale, opts.softcap, opts.temperature)
+    ref, _ = label_logprobs(zr, token["ids"])
+    return ref.unsqueeze(1)
 
 
 def _gamma_weight(adv, log_w_seq, opts: GRPOOptions):
@@ -369,6 +371,7 @@ class _GRPOSequenceEngine(FusedLinearBase):
     options_cls = GRPOOptions
     token_stats = staticmethod(grpo_token_stats)
     sequence_loss = staticmethod(grpo_sequence_loss)
+    extra_token_stats = staticmethod(grpo_ref_stats)
 
     def __init__(self, **options):
         super().__init__(**options)
@@ -389,6 +392,7 @@ class FusedLinearGRPOLoss(FusedLinearBase):
     options_cls = GRPOOptions
     options: GRPOOptions
     chunk_loss = staticmethod(grpo_chunk)
+    extra_token_stats = staticmethod(grpo_ref_stats)
 
     def __init__(self, **options):
         super().__init__(**options)

@@ -38,7 +38,14 @@ import torch
 from torch import Tensor
 
 from chunkloss.base import FusedLinearBase, FusedOptions, Head, segment_sum, sequence_batch
-from chunkloss.losses.common import check_head, check_labels, entropy_from_logits, scale_logits
+from chunkloss.losses.common import (
+    check_head,
+    check_labels,
+    entropy_from_logits,
+    label_logprobs,
+    pick,
+    scale_logits,
+)
 
 __all__ = ["FusedLinearPreferenceLoss", "PreferenceOptions"]
 
@@ -90,23 +97,25 @@ class PreferenceOptions(FusedOptions):
         return False
 
 
+def preference_ref_stats(extra_logits, token, opts: PreferenceOptions) -> Tensor:
+    """The reference head's weighted label log-prob per row (C, 1), reduced as soon as it is projected."""
+    zr = scale_logits(extra_logits[0].float(), opts.logit_scale, opts.softcap)
+    ref_lp, _ = label_logprobs(zr, token["labels"])
+    return (ref_lp * token["pref_weight"]).unsqueeze(1)
+
+
 def preference_token_stats(logits, extra_logits, token, opts: PreferenceOptions) -> Tensor:
     """Per-row statistics (C, 8) of one chunk; columns as in the module docstring."""
     z = scale_logits(logits.float(), opts.logit_scale, opts.softcap)
     lse = torch.logsumexp(z, dim=-1)
-    lp = z.gather(-1, token["labels"].unsqueeze(-1)).squeeze(-1) - lse
+    lp = pick(z, token["labels"]) - lse
     m, w = token["pref_mask"], token["pref_weight"]
     zero = torch.zeros_like(lp)
     if "nll_labels" in token:
-        nll = (z.gather(-1, token["nll_labels"].unsqueeze(-1)).squeeze(-1) - lse) * token["nll_mask"]
+        nll = (pick(z, token["nll_labels"]) - lse) * token["nll_mask"]
     else:
         nll = zero
-    if extra_logits:
-        zr = scale_logits(extra_logits[0].float(), opts.logit_scale, opts.softcap)
-        ref_lp = zr.gather(-1, token["labels"].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(zr, dim=-1)
-        ref = (ref_lp * w).detach()
-    else:
-        ref = zero
+    ref = token["extra_stats"][:, 0] if "extra_stats" in token else zero
     mean_logit = (z.mean(-1) * token["logit_mask"]).detach()
     if opts.wpo:
         # log Σ_v p_v² = logsumexp(2z) - 2·lse
@@ -193,6 +202,7 @@ class FusedLinearPreferenceLoss(FusedLinearBase):
     options_cls = PreferenceOptions
     options: PreferenceOptions
     token_stats = staticmethod(preference_token_stats)
+    extra_token_stats = staticmethod(preference_ref_stats)
     #: the loss takes a reference (model head or precomputed log-probs).
     uses_reference: bool = False
     #: the loss has an NLL term over the chosen rows that may take its own targets.
