@@ -94,6 +94,12 @@ class RunArguments:
     dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
     dataset_split: str = field(default="train", metadata={"help": "Dataset split to train on."})
     dataset_size: int = field(default=256, metadata={"help": "Rows of the tiny dataset."})
+    cpu_threads: int | None = field(
+        default=None,
+        metadata={"help": "torch.set_num_threads for the run (restored after). The tiny configs use 1: a "
+                  "64-wide model's ops are too small to split, and threads that wait on a busy machine cost "
+                  "far more than they save."},
+    )
     reward_funcs: list[str] = field(
         default_factory=lambda: ["count"],
         metadata={"help": "grpo: reward functions: 'count' (the tiny task's reward), 'module:function', or a "
@@ -433,8 +439,20 @@ def _peak_memory() -> tuple[float, str]:
 
 def train(path: str, overrides: list[str] | None = None) -> dict:
     """Train from a config file; print and return the summary (also written to ``chunkloss_summary.json``)."""
+    import torch
+
     t0 = time.perf_counter()
     run_args, model_args, training_args = load_config(path, overrides)
+    threads = torch.get_num_threads()
+    if run_args.cpu_threads is not None:
+        torch.set_num_threads(run_args.cpu_threads)
+    try:
+        return _train(path, run_args, model_args, training_args, t0)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(path, run_args, model_args, training_args, t0) -> dict:
     name = run_args.trainer
     trainer = _build(name, run_args, model_args, training_args)
     counter = _TokenCounter(trainer)

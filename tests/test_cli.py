@@ -21,7 +21,9 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 def _train(name: str, tmp_path: Path, *overrides: str) -> tuple[dict, Path]:
     out = tmp_path / name
+    threads = torch.get_num_threads()
     summary = cli.train(str(CONFIG_DIR / f"{name}.yaml"), ["--output_dir", str(out), *overrides])
+    assert torch.get_num_threads() == threads, "cpu_threads is restored after the run"
     return summary, out
 
 

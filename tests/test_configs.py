@@ -64,6 +64,7 @@ def test_tiny_configs_are_cpu_sized(path):
     assert raw["tiny_model"]["hidden_size"] <= 64 and raw["tiny_model"]["num_layers"] <= 2
     assert raw["dataset"] == "tiny"
     assert raw["chunk_compile"] is False, "torch.compile on CPU costs more than the whole run"
+    assert raw["cpu_threads"] == 1
     assert "model_name_or_path" not in raw
 
 
