@@ -532,7 +532,7 @@ def _train_overview() -> str:
         "Train with a YAML config. Its keys are the trainer's TRL config fields (plus chunkloss's",
         "chunk_* fields), TRL's ModelConfig fields (model_name_or_path, dtype, use_peft, lora_r, ...)",
         "and the run keys below. `--key value` on the command line overrides the file. Examples:",
-        "  chunkloss train configs/sft-tiny.yaml                 (tiny random model on CPU, ~1 minute)",
+        "  chunkloss train configs/grpo-tiny.yaml                (tiny random model on CPU, under a minute)",
         "  chunkloss train configs/grpo-qwen3-0.6b.yaml --max_steps 50",
         "",
         "trainers (key `trainer:`):",
