@@ -566,6 +566,20 @@ def _benchmarks_dir() -> Path:
     return Path(chunkloss.__file__).resolve().parent.parent / "benchmarks"
 
 
+def _call_main(fn, prog: str, argv: list[str]):
+    """``fn(argv)``, or ``fn()`` with ``sys.argv`` set for scripts whose ``main`` reads it."""
+    import inspect
+
+    if inspect.signature(fn).parameters:
+        return fn(argv)
+    saved = sys.argv
+    sys.argv = [prog, *argv]
+    try:
+        return fn()
+    finally:
+        sys.argv = saved
+
+
 def bench(argv: list[str]) -> int:
     """``chunkloss bench [losses|kernels|e2e|all] [args...]``: dispatch to ``benchmarks/bench_<name>.py``."""
     if argv and argv[0] in ("-h", "--help"):
@@ -605,7 +619,7 @@ def bench(argv: list[str]) -> int:
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)
-        rc = module.main(list(rest))
+        rc = _call_main(module.main, f"chunkloss bench {t}", list(rest))
         if rc:
             return int(rc)
     return 0

@@ -160,10 +160,12 @@ def _fake_benchmarks(tmp_path: Path, names: list[str]) -> Path:
     root = tmp_path / "checkout" / "benchmarks"
     root.mkdir(parents=True)
     for name in names:
+        # bench_kernels.main() reads sys.argv; the others take argv.
+        head = "def main():\n    argv = sys.argv[1:]\n" if name == "kernels" else "def main(argv=None):\n"
         (root / f"bench_{name}.py").write_text(
-            "import json, os\n"
-            "def main(argv=None):\n"
-            f"    with open(os.path.join(os.path.dirname(__file__), 'calls.jsonl'), 'a') as f:\n"
+            "import json, os, sys\n"
+            + head
+            + f"    with open(os.path.join(os.path.dirname(__file__), 'calls.jsonl'), 'a') as f:\n"
             f"        f.write(json.dumps([{name!r}, argv]) + '\\n')\n"
             "    return 0\n"
         )
@@ -180,6 +182,7 @@ def _calls(root: Path) -> list:
     [
         (["bench", "losses", "--quick", "--out", "r"], [["losses", ["--quick", "--out", "r"]]]),
         (["bench", "e2e"], [["e2e", []]]),
+        (["bench", "kernels", "--quick"], [["kernels", ["--quick"]]]),
         (["bench"], [["losses", []], ["kernels", []]]),
         (["bench", "all", "-q"], [["losses", ["-q"]], ["kernels", ["-q"]], ["e2e", ["-q"]]]),
     ],
