@@ -25,7 +25,7 @@ from trl import DistillationConfig, DistillationTrainer
 
 from chunkloss.losses.jsd import FusedLinearJSDLoss
 
-from ._common import ChunkedArguments, chunk_options, refuse
+from ._common import ChunkedArguments, chunk_options, jsd_loss_for, refuse
 from ._head import _gather_ctx, _head_of, check_head_supported
 
 __all__ = ["ChunkedDistillationConfig", "ChunkedDistillationTrainer"]
@@ -70,18 +70,7 @@ class ChunkedDistillationTrainer(DistillationTrainer):
         self._chunk_losses: dict = {}
 
     def _loss_module(self, student_head, teacher_head) -> FusedLinearJSDLoss:
-        key = (student_head.softcap, student_head.logit_scale, teacher_head.softcap, teacher_head.logit_scale)
-        mod = self._chunk_losses.get(key)
-        if mod is None:
-            mod = FusedLinearJSDLoss(
-                student_logit_scale=student_head.logit_scale,
-                teacher_logit_scale=teacher_head.logit_scale,
-                student_softcap=student_head.softcap,
-                teacher_softcap=teacher_head.softcap,
-                **self._chunk_loss_kwargs,
-            )
-            self._chunk_losses[key] = mod
-        return mod
+        return jsd_loss_for(self._chunk_losses, student_head, teacher_head, **self._chunk_loss_kwargs)
 
     def _compute_loss(self, unwrapped_student, inputs, num_items_in_batch):
         # As TRL's `_compute_loss` up to the hidden states (runs inside the student wrapper's forward).

@@ -20,14 +20,13 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
-from accelerate.utils import is_peft_model
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from trl.experimental.gkd import GKDConfig, GKDTrainer
 
 from chunkloss.losses.jsd import FusedLinearJSDLoss
 
-from ._common import ChunkedArguments, chunk_options, refuse
+from ._common import ChunkedArguments, chunk_options, jsd_loss_for, peft_base, refuse
 from ._head import add_chunked_head, allow_lm_head_adapter, check_head_supported
 
 __all__ = ["ChunkedGKDConfig", "ChunkedGKDTrainer"]
@@ -36,10 +35,6 @@ __all__ = ["ChunkedGKDConfig", "ChunkedGKDTrainer"]
 @dataclass
 class ChunkedGKDConfig(GKDConfig, ChunkedArguments):
     """``trl.experimental.gkd.GKDConfig`` with the chunkloss fields of :class:`ChunkedArguments`."""
-
-
-def _base(model: nn.Module) -> nn.Module:
-    return model.get_base_model() if is_peft_model(model) else model
 
 
 class ChunkedGKDTrainer(GKDTrainer):
@@ -76,10 +71,10 @@ class ChunkedGKDTrainer(GKDTrainer):
         ctx = allow_lm_head_adapter(model) if isinstance(model, nn.Module) else contextlib.nullcontext()
         with ctx:
             super().__init__(model, teacher_model, args, *pos, **kwargs)
-        base = _base(self.model)
+        base = peft_base(self.model)
         check_head_supported(base)
         add_chunked_head(base)
-        teacher = _base(self.accelerator.unwrap_model(self.teacher_model))
+        teacher = peft_base(self.accelerator.unwrap_model(self.teacher_model))
         try:
             check_head_supported(teacher)
         except ValueError as e:
@@ -93,18 +88,7 @@ class ChunkedGKDTrainer(GKDTrainer):
         self._chunk_losses: dict = {}
 
     def _loss_module(self, student_head, teacher_head) -> FusedLinearJSDLoss:
-        key = (student_head.softcap, student_head.logit_scale, teacher_head.softcap, teacher_head.logit_scale)
-        mod = self._chunk_losses.get(key)
-        if mod is None:
-            mod = FusedLinearJSDLoss(
-                student_logit_scale=student_head.logit_scale,
-                teacher_logit_scale=teacher_head.logit_scale,
-                student_softcap=student_head.softcap,
-                teacher_softcap=teacher_head.softcap,
-                **self._chunk_loss_kwargs,
-            )
-            self._chunk_losses[key] = mod
-        return mod
+        return jsd_loss_for(self._chunk_losses, student_head, teacher_head, **self._chunk_loss_kwargs)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]

@@ -13,13 +13,12 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-from accelerate.utils import is_peft_model
 from torch import nn
 from trl import SFTConfig, SFTTrainer
 
 from chunkloss.losses.cross_entropy import FusedLinearCrossEntropyLoss
 
-from ._common import ChunkedArguments, chunk_options, refuse
+from ._common import ChunkedArguments, chunk_options, peft_base, refuse
 from ._head import add_chunked_head, allow_lm_head_adapter, check_head_supported
 from ._losses import FusedLinearDFTLoss
 
@@ -29,10 +28,6 @@ __all__ = ["ChunkedSFTConfig", "ChunkedSFTTrainer"]
 @dataclass
 class ChunkedSFTConfig(SFTConfig, ChunkedArguments):
     """``trl.SFTConfig`` with the chunkloss fields of :class:`ChunkedArguments`."""
-
-
-def _base(model: nn.Module) -> nn.Module:
-    return model.get_base_model() if is_peft_model(model) else model
 
 
 class ChunkedSFTTrainer(SFTTrainer):
@@ -67,7 +62,7 @@ class ChunkedSFTTrainer(SFTTrainer):
             refuse(
                 name, "DeepSpeed sequence parallelism", "TRL reduces the model's own loss across ranks there"
             )
-        base = _base(self.model)
+        base = peft_base(self.model)
         check_head_supported(base)
         add_chunked_head(base)
         opts = chunk_options(self.args)
