@@ -58,8 +58,12 @@ def main():
         g, _, _ = step(logits, [], {"labels": y}, sc)
         torch.cuda.synchronize()
         extra = torch.cuda.max_memory_allocated() - before
-    print(f"loss step C={c}: logits {logits.numel() * 2 / 2**20:.0f} MiB, extra peak {extra / 2**20:.0f} MiB, "
-          f"in place: {g.data_ptr() == logits.data_ptr()}", flush=True)
+    print(
+        f"loss step C={c}: logits {logits.numel() * 2 / 2**20:.0f} MiB, "
+        f"extra peak {extra / 2**20:.0f} MiB, "
+        f"in place: {g.data_ptr() == logits.data_ptr()}",
+        flush=True,
+    )
     for n in (8192,):
         hid = (torch.randn(n, H, device=dev) * 0.5).bfloat16().requires_grad_()
         wl = w.clone().requires_grad_()
@@ -74,7 +78,8 @@ def main():
 
                 ms = bench(fb)
                 print(
-                    f"N={n} chunk={cs} accum={acc}: {ms:.2f} ms ({ms / (6 * n * H * V / 800e12 * 1e3):.2f}x floor)"
+                    f"N={n} chunk={cs} accum={acc}: {ms:.2f} ms "
+                    f"({ms / (6 * n * H * V / 800e12 * 1e3):.2f}x floor)"
                 )
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         lf = FusedLinearCrossEntropyLoss(chunk_size=2048)

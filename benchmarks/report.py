@@ -25,7 +25,8 @@ def loss_table() -> list[str]:
     main, pref = _load("losses.json"), _load("losses_preference.json")
     rows = [r for r in main["rows"] if r["group"] not in ("dpo", "orpo")] + pref["rows"]
     cases = list(dict.fromkeys(r["case"] for r in rows))
-    impls = ["chunkloss", "torch", "torch.compile", "trl 1.16 head", "trl 1.16 chunked divergence", "liger", "cce"]
+    impls = ["chunkloss", "torch", "torch.compile", "trl 1.16 head", "trl 1.16 chunked divergence"]
+    impls += ["liger", "cce"]
     out = [
         f"Losses, forward + backward, bf16, H=4096, V=128256, on one {main['meta']['device']} "
         f"(torch {main['meta']['torch']}). Each cell: ms / peak extra GiB beyond the returned gradients; "
@@ -57,7 +58,8 @@ def kernel_table() -> list[str]:
     table = [ln for ln in lines if ln.startswith("|")]
     return [
         f"Row kernels, forward + backward, bf16, on one {k['meta'].get('device', 'GPU')}. From "
-        "`benchmarks/results/kernels.md`; a quick run earlier the same day (`results/dev/kernels_h100_quick_run6.md`) "
+        "`benchmarks/results/kernels.md`; a quick run earlier the same day "
+        "(`results/dev/kernels_h100_quick_run6.md`) "
         "measured every implementation 1.5–3× faster at width 4096, so treat these as one noisy sample.",
         "",
         *table,

@@ -118,6 +118,8 @@ def test_rms_norm_int64_row_offsets():
     x.requires_grad_(True)
     y = rms_norm(x, w)
     tail = slice(rows - 64, rows)
+    # bf16 outputs: one ulp at |y|~2-4 is 1.6e-2; this test is about where rows land (wrong rows
+    # would be off by O(1)), not about rounding, which the three-way tests cover.
     torch.testing.assert_close(y[tail], rms_norm_ref(x[tail].detach(), w), atol=2e-2, rtol=2e-2)
     g = torch.zeros_like(y)
     g[tail] = 1.0

@@ -322,6 +322,8 @@ def test_bf16(cls, chunk):
     assert _err(ours[0], ref_loss) <= BF16_K * _err(t_loss, ref_loss) + BF16_ATOL
     for g, rg, tg in zip(ours[1], ref_g, t_grads):
         assert _err(g, rg) <= BF16_K * _err(tg, rg) + BF16_ATOL
+    # Metrics are sums of bf16-rounded log-probs (relative rounding 3.9e-3 per term, ~5e-3 measured on
+    # the rewards); 2e-2 stays far below the O(1) change a wrong metric makes.
     for k in ref_m:
         torch.testing.assert_close(ours[2][k], ref_m[k].float(), rtol=2e-2, atol=2e-2, msg=k)
 
