@@ -11,7 +11,16 @@ from chunkloss.trainers.grpo import ChunkedGRPOConfig, ChunkedGRPOTrainer
 from trl import GRPOConfig, GRPOTrainer
 
 from chunkloss.data import count_reward, tiny_dataset
-from tests.trainers.helpers import assert_close_loss, assert_same_grads, common_args, model_pair, tokenizer
+from tests.trainers.helpers import (
+    ATOL,
+    RTOL,
+    assert_close_loss,
+    assert_same_grads,
+    common_args,
+    grads,
+    model_pair,
+    tokenizer,
+)
 
 K = 6  # max_completion_length
 
@@ -219,3 +228,116 @@ def test_grpo_head_transforms(tmp_path, family, overrides):
         {"beta": 0.04, "importance_sampling_level": "sequence"},
         use=("old_per_token_logps", "ref_per_token_logps"),
     )
+
+
+# Gradient accumulation. TRL 1.16 (GRPOTrainer, loss_is_scaled_for_ga=True, so Trainer.training_step does not
+# rescale): num_items_in_batch is the masked-token count of the whole generation batch (gradient_accumulation_steps
+# micro-batches, steps_per_generation=gradient_accumulation_steps by default); "dapo" divides each micro-batch's
+# token sum by num_items_in_batch · GA / steps_per_generation, "grpo" divides its mean of per-sequence means by GA.
+# Both make two equal-sized micro-batches sum to exactly the loss of the one large batch (GA=1).
+
+
+def _concat(micro):
+    """The one large batch made of the micro-batches (split from one padded generation batch: same widths)."""
+    out = {}
+    for k, v in micro[0].items():
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            out[k] = torch.cat([m[k] for m in micro])
+        else:
+            assert all(m[k] is v or torch.equal(torch.as_tensor(m[k]), torch.as_tensor(v)) for m in micro), k
+            out[k] = v
+    return out
+
+
+@pytest.fixture(scope="module")
+def accum(tmp_path_factory):
+    """Both trainers at gradient_accumulation_steps=2 and the two micro-batches TRL's own _prepare_inputs
+    buffers from one generation batch, made uneven (one empty completion) with random advantages."""
+    torch.manual_seed(0)
+    ref, ours = _build(tmp_path_factory.mktemp("grpo_accum"), gradient_accumulation_steps=2)
+    assert ref.args.steps_per_generation == ours.args.steps_per_generation == 2
+    first = ref._prepare_inputs(next(iter(ref.get_train_dataloader())))
+    micro = [dict(first), dict(ref._buffered_inputs[1])]
+    # TRL counts num_items_in_batch over the whole generation batch, not the micro-batch.
+    assert int(first["num_items_in_batch"]) == sum(int(m["completion_mask"].sum()) for m in micro)
+    g = torch.Generator().manual_seed(1)
+    for i, m in enumerate(micro):
+        mask = m["completion_mask"].clone()
+        mask[0, 1 + 2 * i :] = 0
+        if i == 1:
+            mask[-1] = 0  # an empty completion
+        m["completion_mask"] = mask
+        m["advantages"] = torch.randn(mask.size(0), generator=g)
+    n = sum(m["completion_mask"].sum() for m in micro).float()
+    for m in micro:
+        m["num_items_in_batch"] = n  # as TRL counts it, for the masks just changed
+    ref._prepare_inputs = ours._prepare_inputs = lambda inputs: inputs  # training_step gets the batch as given
+    return ref, ours, micro
+
+
+def _accumulate(tr, batches, loss_type, ga, old=None):
+    """Trainer.training_step on each batch (the real GA scaling path) at GA=``ga``; the summed loss, the
+    accumulated gradients and the metrics logged."""
+    saved = (tr.loss_type, tr.current_gradient_accumulation_steps, tr.args.steps_per_generation)
+    tr.loss_type, tr.current_gradient_accumulation_steps, tr.args.steps_per_generation = loss_type, ga, ga
+    tr.model.zero_grad()
+    tr._metrics["train"].clear()
+    try:
+        total = 0.0
+        for i, b in enumerate(batches):
+            b = dict(b)
+            if old is not None:
+                b["old_per_token_logps"] = old[i]
+            total = total + tr.training_step(tr.model, b, b["num_items_in_batch"])
+        metrics = {k: list(v) for k, v in tr._metrics["train"].items() if k != "step_time"}
+        return total, grads(tr.model), metrics
+    finally:
+        tr.loss_type, tr.current_gradient_accumulation_steps, tr.args.steps_per_generation = saved
+
+
+def _assert_grads(g_our, g_ref):
+    assert sorted(g_our) == sorted(g_ref)
+    for n in g_ref:
+        scale = float(g_ref[n].abs().max())
+        torch.testing.assert_close(
+            g_our[n], g_ref[n], rtol=RTOL, atol=max(ATOL, RTOL * scale), msg=lambda m, n=n: f"grad {n}: {m}"
+        )
+
+
+@pytest.mark.parametrize("off_policy", [False, True], ids=["on_policy", "off_policy"])
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_grpo_gradient_accumulation(accum, loss_type, off_policy):
+    """Ours under GA=2 equals TRL under GA=2 (loss per micro-batch, gradients, metrics), and both equal the
+    one large batch at GA=1 (TRL's normalisation makes the split exact for these loss types)."""
+    ref, ours, micro = accum
+    old = None
+    if off_policy:  # old log-probs off the current ones: ratios ≠ 1, some tokens clipped
+        g = torch.Generator().manual_seed(2)
+        old = []
+        for m in micro:
+            ids = torch.cat([m["prompt_ids"], m["completion_ids"]], 1)
+            att = torch.cat([m["prompt_mask"], m["completion_mask"]], 1)
+            with torch.no_grad():
+                lp = ref._get_per_token_logps_and_entropies(ref.model, ids, att, K)[0]
+            old.append(lp + 0.3 * torch.randn(lp.shape, generator=g))
+    l_ref, g_ref, m_ref = _accumulate(ref, micro, loss_type, 2, old)
+    l_our, g_our, m_our = _accumulate(ours, micro, loss_type, 2, old)
+    assert_close_loss(l_our, l_ref)
+    _assert_grads(g_our, g_ref)
+    assert sorted(m_our) == sorted(m_ref)
+    for key in m_ref:
+        assert len(m_our[key]) == len(m_ref[key]) == 2, key
+        for a, b in zip(m_our[key], m_ref[key]):
+            assert (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-5, abs=1e-6), key
+
+    big = [_concat(micro)]
+    old_big = None if old is None else [torch.cat(old)]
+    l_big, g_big, _ = _accumulate(ref, big, loss_type, 1, old_big)
+    assert l_big.item() != 0
+    assert_close_loss(l_ref, l_big)  # TRL's own guarantee
+    _assert_grads(g_ref, g_big)
+    l_big_our, g_big_our, _ = _accumulate(ours, big, loss_type, 1, old_big)
+    assert_close_loss(l_our, l_big)
+    _assert_grads(g_our, g_big)
+    _assert_grads(g_big_our, g_big)
+    assert_close_loss(l_big_our, l_big)
