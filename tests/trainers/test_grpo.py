@@ -230,11 +230,12 @@ def test_grpo_head_transforms(tmp_path, family, overrides):
     )
 
 
-# Gradient accumulation. TRL 1.16 (GRPOTrainer, loss_is_scaled_for_ga=True, so Trainer.training_step does not
-# rescale): num_items_in_batch is the masked-token count of the whole generation batch (gradient_accumulation_steps
-# micro-batches, steps_per_generation=gradient_accumulation_steps by default); "dapo" divides each micro-batch's
-# token sum by num_items_in_batch · GA / steps_per_generation, "grpo" divides its mean of per-sequence means by GA.
-# Both make two equal-sized micro-batches sum to exactly the loss of the one large batch (GA=1).
+# Gradient accumulation. TRL 1.16 (GRPOTrainer, loss_is_scaled_for_ga=True, so Trainer.training_step does
+# not rescale): num_items_in_batch is the masked-token count of the whole generation batch
+# (steps_per_generation = gradient_accumulation_steps micro-batches by default); "dapo" divides each
+# micro-batch's token sum by num_items_in_batch · GA / steps_per_generation, "grpo" divides its mean of
+# per-sequence means by GA. Both make two equal-sized micro-batches sum to exactly the loss of the one large
+# batch at GA=1 (not so "bnpo": a per-micro-batch token mean; measured 2e-2 off on the gradient).
 
 
 def _concat(micro):
@@ -271,7 +272,8 @@ def accum(tmp_path_factory):
     n = sum(m["completion_mask"].sum() for m in micro).float()
     for m in micro:
         m["num_items_in_batch"] = n  # as TRL counts it, for the masks just changed
-    ref._prepare_inputs = ours._prepare_inputs = lambda inputs: inputs  # training_step gets the batch as given
+    # Trainer.training_step gets the batch as given (not TRL's buffer).
+    ref._prepare_inputs = ours._prepare_inputs = lambda inputs: inputs
     return ref, ours, micro
 
 
