@@ -11,7 +11,16 @@ from chunkloss.trainers.dpo import ChunkedDPOConfig, ChunkedDPOTrainer
 from trl import DPOConfig, DPOTrainer
 
 from chunkloss.data import tiny_dataset
-from tests.trainers.helpers import assert_close_loss, assert_same_grads, common_args, model_pair, tokenizer
+from tests.trainers.helpers import (
+    ATOL,
+    RTOL,
+    assert_close_loss,
+    assert_same_grads,
+    common_args,
+    grads,
+    model_pair,
+    tokenizer,
+)
 
 LOSS_TYPES = ["sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
               "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm"]  # fmt: skip
@@ -168,3 +177,67 @@ def test_dpo_head_transforms(tmp_path, family, overrides):
     assert ours._dpo_loss.options.softcap == overrides.get("final_logit_softcapping")
     assert ours._dpo_loss.options.logit_scale == overrides.get("logit_scale", 1.0)
     _check(ref, ours)
+
+
+# Gradient accumulation. TRL 1.16's DPOTrainer ignores num_items_in_batch and sets
+# loss_is_scaled_for_ga=False, so Trainer.training_step divides each micro-batch's loss (a mean over its
+# pairs) by GA: equal-sized micro-batches sum to exactly the loss of the one large batch for per-pair losses
+# such as "sigmoid" (not so for the "sft" term, a token mean per micro-batch, so the mixture is compared
+# against TRL only).
+
+
+def _accumulate(tr, batches, ga, num_items_in_batch=None):
+    """Trainer.training_step on each batch at GA=``ga``: summed loss, accumulated gradients, metrics."""
+    tr.current_gradient_accumulation_steps = ga  # set by the training loop, which this test skips
+    tr.model.zero_grad()
+    tr._metrics["train"].clear()
+    total = sum(tr.training_step(tr.model, dict(b), num_items_in_batch) for b in batches)
+    return total, grads(tr.model), {k: list(v) for k, v in tr._metrics["train"].items()}
+
+
+def _assert_grads(g_our, g_ref):
+    assert sorted(g_our) == sorted(g_ref)
+    for n in g_ref:
+        scale = float(g_ref[n].abs().max())
+        torch.testing.assert_close(
+            g_our[n], g_ref[n], rtol=RTOL, atol=max(ATOL, RTOL * scale), msg=lambda m, n=n: f"grad {n}: {m}"
+        )
+
+
+@pytest.mark.parametrize(
+    "cfg,exact",
+    [
+        ({"loss_type": ["sigmoid"]}, True),
+        ({"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5]}, False),
+    ],
+    ids=["sigmoid", "mixture"],
+)
+def test_dpo_gradient_accumulation(tmp_path, cfg, exact):
+    """Two micro-batches at GA=2 through Trainer.training_step: ours equals TRL (loss, gradients, metrics per
+    micro-batch) and, where TRL's normalisation makes it exact, the one large batch at GA=1."""
+    ref, ours = _pair(tmp_path, beta=0.5, gradient_accumulation_steps=2, **cfg)
+
+    def batch(lo, hi):
+        return ref._prepare_inputs(ref.data_collator([ref.train_dataset[i] for i in range(lo, hi)]))
+
+    micro, big = [batch(0, 2), batch(2, 4)], batch(0, 4)
+    n = sum(int(b["completion_mask"].sum()) for b in micro)
+    assert n == int(big["completion_mask"].sum())
+    l_ref, g_ref, m_ref = _accumulate(ref, micro, 2, torch.tensor(n))
+    l_our, g_our, m_our = _accumulate(ours, micro, 2, torch.tensor(n))
+    assert_close_loss(l_our, l_ref)
+    _assert_grads(g_our, g_ref)
+    assert sorted(m_our) == sorted(m_ref)
+    for key in m_ref:
+        assert m_our[key] == pytest.approx(m_ref[key], rel=1e-5, abs=1e-6), key
+    assert len(m_ref["rewards/margins"]) == 2
+
+    l_big, g_big, _ = _accumulate(ref, [big], 1)
+    l_big_our, g_big_our, _ = _accumulate(ours, [big], 1)
+    assert_close_loss(l_big_our, l_big)
+    _assert_grads(g_big_our, g_big)
+    if exact:
+        assert_close_loss(l_ref, l_big)  # TRL's own guarantee
+        _assert_grads(g_ref, g_big)
+        assert_close_loss(l_our, l_big)
+        _assert_grads(g_our, g_big)
