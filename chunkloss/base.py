@@ -494,7 +494,9 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
     need_h, need_w, need_b = need
     any_grad = need_h or need_w or need_b
     accum = opts.accum_dtype or weight.dtype
-    grad_h = torch.zeros_like(hidden) if need_h else None
+    # Every row is written when all rows take part; otherwise dropped rows keep a zero gradient.
+    new_grad_h = torch.empty if batch.all_rows else torch.zeros
+    grad_h = new_grad_h(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
     grad_w = torch.empty(weight.shape, dtype=accum, device=weight.device) if need_w else None
     w_started = [False]
     grad_b = torch.zeros(bias.shape, dtype=accum, device=bias.device) if need_b else None
