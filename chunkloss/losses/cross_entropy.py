@@ -1,6 +1,6 @@
 """Chunked linear + cross-entropy.
 
-Equals ``torch.nn.functional.cross_entropy(scale(hidden @ weight.T + bias), labels, ...)`` with
+Equals ``torch.nn.functional.cross_entropy(scale(hidden @ weight.T + bias), labels, ...)`` (torch 2.x) with
 ``ignore_index``, ``reduction`` and ``label_smoothing`` as torch defines them::
 
     ℓ_i = (1 - ε)·(lse_i - z_{i,y_i}) + ε·(lse_i - mean_j z_ij) + λ·lse_i²

@@ -1,6 +1,6 @@
 """Chunked generalized Jensen-Shannon divergence between a student head and a teacher head.
 
-Distillation loss of GKD (Agarwal et al., arXiv:2306.13649, Eq. 1) as TRL writes it in
+Distillation loss of GKD (Agarwal et al., arXiv:2306.13649, Eq. 1) as TRL 1.16 writes it in
 ``GKDTrainer.generalized_jsd_loss`` (trl/experimental/gkd) and in the ``DistillationTrainer``'s
 ``_chunked_divergence_loss`` (trl/trainer/distillation_trainer.py, kernels/chunked_divergence.py)::
 
