@@ -105,9 +105,14 @@ def check_head_supported(model: nn.Module) -> None:
 
 
 def _gathered_weight(t: Tensor | None) -> Tensor | None:
-    # FSDP2 exposes sharded parameters as DTensors; the backbone output is a plain tensor.
+    # FSDP2 exposes sharded parameters as DTensors; the backbone output is a plain tensor. A head that no FSDP
+    # unit unshards reaches here sharded, and FSDP never reduces its gradient: declare the full tensor's
+    # gradient a partial average over ranks, so that backward reduce-scatters it as FSDP would (mean over
+    # data-parallel ranks). A plain full_tensor() would keep each rank's local gradient.
     if t is not None and type(t).__name__ == "DTensor":
-        return t.full_tensor()
+        from torch.distributed.tensor import Partial
+
+        return t.full_tensor(grad_placements=[Partial("avg")] * t.device_mesh.ndim)
     return t
 
 
