@@ -17,9 +17,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from chunkloss.trainers._head import add_chunked_head
 
 from chunkloss.losses.cross_entropy import FusedLinearCrossEntropyLoss
-from trainers._head import add_chunked_head
 
 WORLD = 2
 # accelerate: the head weight is unsharded by the [norm, lm_head] unit; head_alone: the full_tensor() path.
