@@ -11,8 +11,9 @@ the same global batch (per-device batch x world size), and ``--compare`` writes 
     python -m benchmarks.multigpu_parity --trainer sft --single --world 2 --out DIR/single
     python -m benchmarks.multigpu_parity --trainer sft --compare DIR/fsdp2 DIR/single --out DIR/sft_fsdp2.json
 
-GRPO samples completions, so the two runs see the same prompts but not the same completions unless
-generation is made identical; its comparison is reported, with ``same_completions`` saying whether it held.
+GRPO samples completions, so the two runs see the same prompts but not the same completions: until
+generation is made identical across the two runs (not done yet), its gradient comparison is not a
+parity check.
 """
 
 from __future__ import annotations
