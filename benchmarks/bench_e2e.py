@@ -4,16 +4,26 @@
 * DPO:  ``ChunkedDPOTrainer`` vs ``DPOTrainer`` on a Llama-3.2-1B-shaped model (vocab 128256, hidden 2048).
 * ORPO: ``ChunkedORPOTrainer`` vs ``trl.experimental.orpo.ORPOTrainer`` on the same Llama shape.
 
-For each pair, per-device batch sizes grow until a run goes out of memory; each run records the mean step
-time (after ``--warmup`` steps), tokens/s and peak CUDA memory. Then both trainers of each pair train
-``--curve-steps`` steps from the same initial weights at ``--curve-batch`` and their loss curves are
-recorded. Writes ``e2e.json``, ``e2e.md`` and ``e2e.png`` (with matplotlib) to ``--out``.
+Per task, first a batch-size sweep: per-device batch sizes grow, TRL and ours run in turn at each size, until
+both have gone out of memory or the task's share of the time budget is spent; each run records the mean step
+time (after ``--warmup`` steps), tokens/s and peak CUDA memory. Then both trainers train ``--curve-steps``
+steps from the same initial weights at ``--curve-batch`` and their loss curves are recorded (fewer steps, at
+least ``--min-curve-steps``, when the sweep's step times say the full curves would overrun the task's share).
+``--time-budget-s`` is split evenly over the tasks still to run, so time one task leaves over goes to the
+next. ``e2e.json`` and ``e2e.md`` in ``--out`` are rewritten after every run, so a run that is cut off still
+leaves its results; ``e2e.png`` (with matplotlib) after every task.
+
+Every run starts from the same weights: each task's model is initialised once, directly on the device in
+its dtype, and each run builds its model on the device and loads that saved copy (kept in host memory, so it
+does not count in the peak). DPO's reference model is the same initial weights. The chunked trainers of a
+task share one loss module, so its per-chunk step is compiled once per task rather than once per run (a
+long training run compiles once too); compilation falls in the warm-up steps either way.
 
 Nothing is downloaded: the tokenizer is trained locally (``chunkloss.data``); ids it does not know decode to
 nothing, so the large random vocabulary is harmless. Layers are trimmed with ``--layers`` to fit the time
 budget (the LM head, where the two implementations differ, keeps its full size).
 
-    python -m benchmarks.bench_e2e --out benchmarks/results/e2e                 # H100, ~8 min
+    python -m benchmarks.bench_e2e --out benchmarks/results/e2e                 # H100, ~7 min
     python -m benchmarks.bench_e2e --out /tmp/e2e --tiny                        # CPU smoke run
 """
 
@@ -41,9 +51,13 @@ SHAPES = {
     ),
     "tiny": dict(family="qwen3", vocab=4096, hidden=64, inter=128, layers=1, heads=4, kv=2, head_dim=16),
 }
+IMPLS = ("trl", "chunkloss")
+# Where each chunked trainer keeps its loss module(s); shared by a task's runs so it compiles once.
+LOSS_ATTR = {"grpo": "_chunk_losses", "dpo": "_dpo_loss", "orpo": "_orpo_loss"}
 
 
-def build_model(shape: str, layers: int | None, tokenizer, device, dtype):
+def build_model(shape: str, layers: int | None, tokenizer, device, dtype, state: dict | None = None):
+    """The model, initialised on ``device`` in ``dtype`` (seed 0), then loaded from ``state`` when given."""
     s = SHAPES[shape]
     cfg = AutoConfig.for_model(
         s["family"],
@@ -61,7 +75,26 @@ def build_model(shape: str, layers: int | None, tokenizer, device, dtype):
         bos_token_id=tokenizer.bos_token_id,
     )
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg, dtype=dtype).to(device)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    if state is not None:
+        model.load_state_dict(state)
+    return model
+
+
+def initial_state(shape: str, a, tokenizer, dtype) -> dict:
+    """A host copy of the task's initial weights (pinned on CUDA for a fast load)."""
+    model = build_model(shape, a.layers, tokenizer, a.device, dtype)
+    state, copies = {}, {}
+    for k, v in model.state_dict().items():
+        key = (v.data_ptr(), v.dtype, tuple(v.shape))  # tied weights: one host copy
+        if key not in copies:
+            host = v.detach().to("cpu", copy=True)
+            copies[key] = host.pin_memory() if a.device == "cuda" else host
+        state[k] = copies[key]
+    del model
+    _cleanup()
+    return state
 
 
 def counting_dataset(kind: str, n: int, length: int) -> Dataset:
@@ -96,7 +129,7 @@ class StepTimer(TrainerCallback):
         self.times.append(time.perf_counter() - self._t0)
 
 
-def make_trainer(task: str, impl: str, model, tokenizer, ds, out_dir: str, batch: int, steps: int, a):
+def make_trainer(task: str, impl: str, model, ref, tokenizer, ds, out_dir: str, batch: int, steps: int, a):
     common = dict(
         output_dir=out_dir,
         report_to="none",
@@ -132,8 +165,6 @@ def make_trainer(task: str, impl: str, model, tokenizer, ds, out_dir: str, batch
         from trl import DPOConfig, DPOTrainer
 
         cfg = dict(common, max_length=a.seq_len, precompute_ref_log_probs=False)
-        ref = build_model(a.dpo_shape, a.layers, tokenizer, a.device, model.dtype)
-        ref.requires_grad_(False)
         if impl == "trl":
             return DPOTrainer(model, ref, DPOConfig(**cfg), train_dataset=ds, processing_class=tokenizer)
         return ChunkedDPOTrainer(model, ref, ChunkedDPOConfig(**cfg, **chunk), train_dataset=ds,
@@ -154,25 +185,49 @@ def _is_oom(e: BaseException) -> bool:
 
 
 def _cleanup():
+    # Objects alive at the last cleanup are frozen (gc.freeze), so this scans only what the run made.
     gc.collect()
+    gc.freeze()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
 
-def run_one(task, impl, shape, batch, steps, a, tokenizer, ds):
-    """Train ``steps`` steps; returns a result dict (``oom`` set when it ran out of memory)."""
+def _share_loss(trainer, task: str, shared: dict) -> None:
+    """Give a chunked trainer the task's first loss module, so its compiled per-chunk step is reused."""
+    attr = LOSS_ATTR[task]
+    if not hasattr(trainer, attr):
+        return
+    if task in shared:
+        setattr(trainer, attr, shared[task])
+    else:
+        shared[task] = getattr(trainer, attr)
+
+
+def run_one(task, impl, shape, batch, steps, a, tokenizer, ds, state, shared):
+    """Train ``steps`` steps from ``state``; returns a result dict (``oom`` set when it ran out of memory)."""
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
     res = {"task": task, "impl": impl, "batch": batch, "steps": steps}
-    trainer = model = None
+    trainer = model = ref = None
+    t0 = time.perf_counter()
     try:
-        model = build_model(shape, a.layers, tokenizer, a.device, dtype)
+        model = build_model(shape, a.layers, tokenizer, a.device, dtype, state)
+        if task == "dpo":  # the reference is the initial policy
+            ref = build_model(shape, a.layers, tokenizer, a.device, dtype, state)
+            ref.requires_grad_(False)
+        t1 = time.perf_counter()
         run_dir = os.path.join(a.out, "runs", f"{task}-{impl}")
-        trainer = make_trainer(task, impl, model, tokenizer, ds, run_dir, batch, steps, a)
+        trainer = make_trainer(task, impl, model, ref, tokenizer, ds, run_dir, batch, steps, a)
+        if impl == "chunkloss":
+            _share_loss(trainer, task, shared)
         timer = StepTimer()
         trainer.add_callback(timer)
+        t2 = time.perf_counter()
+        res["build_s"], res["setup_s"] = t1 - t0, t2 - t1
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         trainer.train()
+        res["train_s"] = time.perf_counter() - t2
+        res["steps_s"] = sum(timer.times)
         times = timer.times[a.warmup :] or timer.times
         res["step_time_s"] = sum(times) / len(times)
         res["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
@@ -188,9 +243,89 @@ def run_one(task, impl, shape, batch, steps, a, tokenizer, ds):
             raise
         res["oom"] = True
     finally:
-        del trainer, model
+        del trainer, model, ref
         _cleanup()
+    res["wall_s"] = time.perf_counter() - t0
     return res
+
+
+def _overhead_s(r: dict) -> float:
+    """A run's time outside its training steps (model build, trainer setup, cleanup); compilation, in the
+    warm-up steps, is left out, since later runs of the task reuse the compiled loss."""
+    return max(r["wall_s"] - r["steps_s"], 0.0)
+
+
+def _predict_s(r: dict | None, batch: int, steps: int) -> float:
+    """Wall time of a run at ``batch`` from the same impl's previous run ``r`` (step time taken linear in the
+    batch, which overestimates while the GPU is not yet saturated)."""
+    if r is None or r["oom"]:
+        return 0.0
+    return _overhead_s(r) + r["step_time_s"] * batch / r["batch"] * steps
+
+
+def _fmt(r: dict) -> str:
+    if r["oom"]:
+        return "OOM"
+    mem = "n/a" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.2f}"
+    tps = r.get("tokens_per_s", math.nan)
+    parts = f"build {r['build_s']:.1f} s, setup {r['setup_s']:.1f} s, train {r['train_s']:.1f} s"
+    return f"{r['step_time_s']:.3f} s/step, {tps:.0f} tok/s, peak {mem} GiB ({parts})"
+
+
+def run_task(task, shape, a, tokenizer, results, deadline, t_start):
+    """Sweep, then curves, for one task; stops starting runs that would end after ``deadline``."""
+    t_task = time.perf_counter()
+    sweep_deadline = t_task + a.sweep_share * (deadline - t_task)
+    sizes = [int(b) for b in a.batch_sizes.split(",")]
+    n = max(64, max(sizes) * a.sweep_steps, a.curve_batch * a.curve_steps)
+    ds = counting_dataset(task, n, a.words)
+    dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
+    state = initial_state(shape, a, tokenizer, dtype)
+    shared: dict = {}
+
+    def record(kind: str, r: dict) -> None:
+        results[kind].append(r)
+        results["wall_s"] = time.perf_counter() - t_start
+        write_outputs(results, a.out, plot=False)
+
+    last: dict = {impl: None for impl in IMPLS}
+    alive = dict.fromkeys(IMPLS, True)
+    for bs in sizes:
+        todo = [impl for impl in IMPLS if alive[impl]]
+        if not todo:
+            break
+        need = sum(_predict_s(last[impl], bs, a.sweep_steps) for impl in todo)
+        if time.perf_counter() + need > sweep_deadline:
+            print(f"[sweep] {task}: bs={bs} would need ~{need:.0f} s, past the sweep's share; stopping")
+            results["skipped"].append({"task": task, "batch": bs, "impls": todo, "reason": "time budget"})
+            break
+        for impl in todo:
+            r = run_one(task, impl, shape, bs, a.sweep_steps, a, tokenizer, ds, state, shared)
+            last[impl] = r
+            alive[impl] = not r["oom"]
+            record("sweep", r)
+            print(f"[sweep] {task} {impl} bs={bs}: {_fmt(r)}", flush=True)
+
+    # Curves: the full --curve-steps unless the sweep's step times at the curve batch say they would overrun.
+    steps = a.curve_steps
+    ref = [r for r in results["sweep"] if r["task"] == task and not r["oom"]]
+    if ref:
+        near = min(ref, key=lambda r: (abs(math.log(r["batch"] / a.curve_batch)), -r["batch"]))
+        at_near = max(r["step_time_s"] for r in ref if r["batch"] == near["batch"])
+        per_step = at_near * a.curve_batch / near["batch"]
+        overhead = max(_overhead_s(r) for r in ref)
+        fit = int((deadline - time.perf_counter() - 2 * overhead) / (2 * per_step))
+        if fit < steps:
+            steps = max(fit, min(a.min_curve_steps, a.curve_steps))
+            print(f"[curve] {task}: {steps} steps fit the task's share (~{per_step:.2f} s/step)")
+    for impl in IMPLS:
+        r = run_one(task, impl, shape, a.curve_batch, steps, a, tokenizer, ds, state, shared)
+        record("curves", r)
+        print(f"[curve] {task} {impl} bs={a.curve_batch} steps={steps}: {_fmt(r)}; "
+              f"losses {[round(x, 4) for x in r.get('losses', [])[:5]]}...", flush=True)  # fmt: skip
+    del state, shared
+    gc.unfreeze()
+    _cleanup()
 
 
 def main(argv=None):
@@ -202,55 +337,42 @@ def main(argv=None):
     p.add_argument("--sweep-steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the timing (compilation)")
     p.add_argument("--curve-steps", type=int, default=30)
+    p.add_argument("--min-curve-steps", type=int, default=10, help="curves never get fewer steps than this")
     p.add_argument("--curve-batch", type=int, default=8)
     p.add_argument("--completion-len", type=int, default=128, help="GRPO max_completion_length")
     p.add_argument("--seq-len", type=int, default=512, help="DPO/ORPO max_length")
     p.add_argument("--words", type=int, default=200, help="words per DPO/ORPO completion")
-    p.add_argument("--time-budget-s", type=float, default=450.0, help="stop sweeping once this much has run")
+    p.add_argument("--time-budget-s", type=float, default=360.0,
+                   help="for all tasks together, split evenly over the tasks still to run")  # fmt: skip
+    p.add_argument("--sweep-share", type=float, default=0.6, help="part of a task's time for its sweep")
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny shapes, few steps")
     a = p.parse_args(argv)
     a.device = "cuda" if torch.cuda.is_available() else "cpu"
-    grpo_shape, a.dpo_shape = "qwen3-0.6b", "llama-3.2-1b"
+    grpo_shape, dpo_shape = "qwen3-0.6b", "llama-3.2-1b"
     if a.tiny:
-        grpo_shape = a.dpo_shape = "tiny"
+        grpo_shape = dpo_shape = "tiny"
         a.layers, a.batch_sizes, a.sweep_steps, a.warmup = 1, "2,4", 2, 1
-        a.curve_steps, a.curve_batch, a.completion_len, a.seq_len, a.words = 3, 2, 4, 48, 6
+        a.curve_steps, a.min_curve_steps, a.curve_batch = 3, 3, 2
+        a.completion_len, a.seq_len, a.words = 4, 48, 6
         a.no_compile = True
     os.makedirs(a.out, exist_ok=True)
-    tokenizer = tiny_tokenizer()
     t_start = time.perf_counter()
+    tokenizer = tiny_tokenizer()
     results = {"device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "args": vars(a),
-               "sweep": [], "curves": []}  # fmt: skip
+               "sweep": [], "curves": [], "skipped": []}  # fmt: skip
     tasks = [t for t in a.tasks.split(",") if t]
-    sizes = [int(b) for b in a.batch_sizes.split(",")]
-    for task in tasks:
-        shape = grpo_shape if task == "grpo" else a.dpo_shape
-        ds = counting_dataset(task, 512, a.words)
-        # Loss curves first: they are the fidelity half of the benchmark.
-        for impl in ("trl", "chunkloss"):
-            r = run_one(task, impl, shape, a.curve_batch, a.curve_steps, a, tokenizer, ds)
-            results["curves"].append(r)
-            print(
-                f"[curve] {task} {impl} bs={a.curve_batch} oom={r['oom']} losses={r.get('losses', [])[:5]}..."
-            )
-        for impl in ("trl", "chunkloss"):
-            for bs in sizes:
-                if time.perf_counter() - t_start > a.time_budget_s:
-                    print(f"[sweep] time budget reached, skipping {task} {impl} bs>={bs}")
-                    break
-                r = run_one(task, impl, shape, bs, a.sweep_steps, a, tokenizer, ds)
-                results["sweep"].append(r)
-                print(f"[sweep] {task} {impl} bs={bs}: " + ("OOM" if r["oom"] else
-                      f"{r['step_time_s']:.3f} s/step, {r.get('tokens_per_s', float('nan')):.0f} tok/s, "
-                      f"peak {r['peak_mem_gib']} GiB"))  # fmt: skip
-                if r["oom"]:
-                    break
-    results["wall_s"] = time.perf_counter() - t_start
-    write_outputs(results, a.out)
+    _cleanup()
+    for i, task in enumerate(tasks):
+        share = (a.time_budget_s - (time.perf_counter() - t_start)) / (len(tasks) - i)
+        shape = grpo_shape if task == "grpo" else dpo_shape
+        run_task(task, shape, a, tokenizer, results, time.perf_counter() + max(share, 0.0), t_start)
+        results["wall_s"] = time.perf_counter() - t_start
+        write_outputs(results, a.out)
+    print(f"wall {results['wall_s']:.0f} s; results in {a.out}")
 
 
-def write_outputs(results: dict, out: str) -> None:
+def write_outputs(results: dict, out: str, plot: bool = True) -> None:
     with open(os.path.join(out, "e2e.json"), "w") as f:
         json.dump(results, f, indent=1)
     lines = [f"# End-to-end: chunkloss trainers vs TRL ({results['device']})", "",
@@ -264,14 +386,19 @@ def write_outputs(results: dict, out: str) -> None:
         tps = r.get("tokens_per_s")
         lines.append(f"| {r['task']} | {r['impl']} | {r['batch']} | {r['step_time_s']:.3f} | "
                      f"{'' if tps is None else f'{tps:.0f}'} | {mem} |")  # fmt: skip
-    lines += ["", "## Loss curves (first and last logged loss)", "", "| task | impl | batch | first | last |",
-              "|---|---|---|---|---|"]  # fmt: skip
+    for s in results.get("skipped", []):
+        lines.append(f"\n{s['task']}: sweep stopped before batch {s['batch']} ({s['reason']}).")
+    lines += ["", "## Loss curves (first and last logged loss)", "",
+              "| task | impl | batch | steps | first | last |", "|---|---|---|---|---|---|"]  # fmt: skip
     for r in results["curves"]:
         ls = r.get("losses") or [math.nan]
-        lines.append(f"| {r['task']} | {r['impl']} | {r['batch']} | {ls[0]:.4f} | {ls[-1]:.4f} |")
-    lines.append(f"\nWall time: {results['wall_s']:.0f} s")
+        row = f"| {r['task']} | {r['impl']} | {r['batch']} | {r['steps']}"
+        lines.append(f"{row} | {ls[0]:.4f} | {ls[-1]:.4f} |")
+    lines.append(f"\nWall time: {results.get('wall_s', math.nan):.0f} s")
     with open(os.path.join(out, "e2e.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
+    if not plot:
+        return
     try:
         import matplotlib
 
@@ -280,14 +407,15 @@ def write_outputs(results: dict, out: str) -> None:
     except ImportError:
         return
     tasks = sorted({r["task"] for r in results["curves"] + results["sweep"]})
+    if not tasks:
+        return
     fig, axes = plt.subplots(2, len(tasks), figsize=(5 * len(tasks), 8), squeeze=False)
     for j, task in enumerate(tasks):
         for r in results["curves"]:
             if r["task"] == task and r.get("losses"):
                 axes[0][j].plot(r["losses"], label=r["impl"])
         axes[0][j].set_title(f"{task}: loss")
-        axes[0][j].legend()
-        for impl in ("trl", "chunkloss"):
+        for impl in IMPLS:
             pts = [
                 (r["batch"], r["peak_mem_gib"])
                 for r in results["sweep"]
@@ -298,9 +426,12 @@ def write_outputs(results: dict, out: str) -> None:
         axes[1][j].set_xscale("log", base=2)
         axes[1][j].set_xlabel("per-device batch")
         axes[1][j].set_title(f"{task}: peak memory (GiB)")
-        axes[1][j].legend()
+        for ax in (axes[0][j], axes[1][j]):
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend()
     fig.tight_layout()
     fig.savefig(os.path.join(out, "e2e.png"), dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
