@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import torch
-
-from chunkloss.base import Batch, FusedLinearBase
 from chunkloss.losses.common import entropy_from_logits, label_logprobs, scale_logits
 from chunkloss.losses.cross_entropy import CrossEntropyOptions, FusedLinearCrossEntropyLoss
 
-__all__ = ["FusedLinearDFTLoss", "FusedLinearMeanLogit"]
+__all__ = ["FusedLinearDFTLoss"]
 
 
 def dft_chunk(logits, extra_logits, token, scalars, opts: CrossEntropyOptions):
@@ -41,27 +38,3 @@ class FusedLinearDFTLoss(FusedLinearCrossEntropyLoss):
             raise ValueError(
                 "FusedLinearDFTLoss takes no label_smoothing, lse_square_scale or reduction='none'"
             )
-
-
-def mean_logit_chunk(logits, extra_logits, token, scalars, opts):
-    """No loss; the metric ``mean_logit``: Σ_rows mean_v z / normaliser (TRL ORPO's ``logits/*`` value)."""
-    z = logits.float()
-    return z.new_zeros(()), {"mean_logit": z.mean(-1).sum() / scalars["normaliser"]}
-
-
-class FusedLinearMeanLogit(FusedLinearBase):
-    """Mean of the logits over every row and the vocabulary, chunk by chunk, without grad (a metric)."""
-
-    chunk_loss = staticmethod(mean_logit_chunk)
-
-    def forward(self, hidden, weight, bias=None):  # hidden (..., H)
-        x = hidden.reshape(-1, hidden.shape[-1])
-        batch = Batch(
-            rows=torch.arange(x.shape[0], device=x.device),
-            scalars={"normaliser": torch.tensor(float(max(x.shape[0], 1)), device=x.device)},
-            num_rows=x.shape[0],
-            all_rows=True,
-        )
-        with torch.no_grad():
-            self.run(x.detach(), weight.detach(), None if bias is None else bias.detach(), batch)
-        return self.metrics["mean_logit"]
