@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -639,8 +638,3 @@ def _empty_stats(loss_mod, hidden, weight, batch) -> Tensor:
         extra = []
     width = type(loss_mod).token_stats(dummy, extra, token, loss_mod.options).shape[1]
     return torch.zeros(0, width, dtype=torch.float32, device=hidden.device)
-
-
-def log1mexp(x: Tensor) -> Tensor:
-    """``log(1 - exp(x))`` for x ≤ 0, accurate at both ends (Mächler 2012)."""
-    return torch.where(x > -math.log(2), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))

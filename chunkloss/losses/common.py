@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -91,3 +93,8 @@ def to_scalar(x, device, dtype=torch.float32) -> Tensor:
     if isinstance(x, Tensor):
         return x.detach().to(device=device, dtype=dtype).reshape(())
     return torch.tensor(float(x), device=device, dtype=dtype)
+
+
+def log1mexp(x: Tensor) -> Tensor:
+    """``log(1 - exp(x))`` for x ≤ 0, accurate at both ends (Mächler 2012)."""
+    return torch.where(x > -math.log(2), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))

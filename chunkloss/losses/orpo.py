@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from chunkloss.base import log1mexp
+from chunkloss.losses.common import log1mexp
 from chunkloss.losses.preference import FusedLinearPreferenceLoss, PreferenceOptions
 
 __all__ = ["FusedLinearORPOLoss", "ORPOOptions"]
