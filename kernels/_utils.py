@@ -50,3 +50,23 @@ def num_sms(device: torch.device) -> int:
 def lastdim_contiguous(x: torch.Tensor) -> torch.Tensor:
     """Kernels index rows through a stride but assume unit stride inside a row."""
     return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def norm_bwd_grid(n_rows: int, n_cols: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_M, programs, rows per program) of the norms' persistent backward: each program
+    takes a contiguous block of rows (a multiple of BLOCK_M) and writes one row of partial dW sums."""
+    block_n = row_block(n_cols)
+    block_m = rows_per_tile(block_n)
+    n_programs = max(1, min(num_sms(device) * bwd_programs_per_sm(block_n), triton.cdiv(n_rows, block_m)))
+    rows_per_program = triton.cdiv(triton.cdiv(n_rows, n_programs), block_m) * block_m
+    return block_n, block_m, triton.cdiv(n_rows, rows_per_program), rows_per_program
+
+
+def norm_dx_buffer(dy: torch.Tensor, x: torch.Tensor, needs_dx: bool, in_place: bool) -> torch.Tensor | None:
+    """Where the norms' backward writes dx. It may overwrite dy only if the caller promised dy is not
+    shared (``in_place``) and the dtypes and layout let the rows line up."""
+    if not needs_dx:
+        return None
+    if in_place and dy.dtype == x.dtype and dy.is_contiguous():
+        return dy
+    return torch.empty_like(x)

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from ._utils import bwd_programs_per_sm, lastdim_contiguous, num_sms, row_block, row_warps, rows_per_tile
+from ._utils import lastdim_contiguous, norm_bwd_grid, norm_dx_buffer, row_block, row_warps, rows_per_tile
 
 
 def layer_norm_ref(
@@ -172,17 +172,8 @@ def _layer_norm_bwd(
 ):
     n_rows, n_cols = x.shape
     dy = lastdim_contiguous(dy)
-    if not needs_dx:
-        dx = None
-    elif opts.in_place and dy.dtype == x.dtype and dy.is_contiguous():
-        dx = dy
-    else:
-        dx = torch.empty_like(x)
-    block_n = row_block(n_cols)
-    block_m = rows_per_tile(block_n)
-    n_programs = max(1, min(num_sms(x.device) * bwd_programs_per_sm(block_n), triton.cdiv(n_rows, block_m)))
-    rows_per_program = triton.cdiv(triton.cdiv(n_rows, n_programs), block_m) * block_m
-    n_programs = triton.cdiv(n_rows, rows_per_program)
+    dx = norm_dx_buffer(dy, x, needs_dx, opts.in_place)
+    block_n, block_m, n_programs, rows_per_program = norm_bwd_grid(n_rows, n_cols, x.device)
 
     def partial(needed):
         return torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device) if needed else None

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from ._utils import bwd_programs_per_sm, lastdim_contiguous, num_sms, row_block, row_warps, rows_per_tile
+from ._utils import lastdim_contiguous, norm_bwd_grid, norm_dx_buffer, row_block, row_warps, rows_per_tile
 
 CASTING_MODES = ("llama", "gemma")
 
@@ -176,18 +176,8 @@ def _rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, opts: RMSNormOptions):
 def _rms_norm_bwd(dy, x, weight, rstd, opts: RMSNormOptions, needs_dx: bool, needs_dw: bool):
     n_rows, n_cols = x.shape
     dy = lastdim_contiguous(dy)
-    # dx may overwrite dy only if the caller promised dy is not shared and the dtypes let the rows line up.
-    if not needs_dx:
-        dx = None
-    elif opts.in_place and dy.dtype == x.dtype and dy.is_contiguous():
-        dx = dy
-    else:
-        dx = torch.empty_like(x)
-    block_n = row_block(n_cols)
-    block_m = rows_per_tile(block_n)
-    n_programs = max(1, min(num_sms(x.device) * bwd_programs_per_sm(block_n), triton.cdiv(n_rows, block_m)))
-    rows_per_program = triton.cdiv(triton.cdiv(n_rows, n_programs), block_m) * block_m
-    n_programs = triton.cdiv(n_rows, rows_per_program)
+    dx = norm_dx_buffer(dy, x, needs_dx, opts.in_place)
+    block_n, block_m, n_programs, rows_per_program = norm_bwd_grid(n_rows, n_cols, x.device)
     dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=x.device) if needs_dw else None
     _rms_norm_bwd_kernel[(n_programs,)](
         dy,
