@@ -7,12 +7,9 @@ import torch.nn.functional as F
 
 from chunkloss import FusedLinearCrossEntropyLoss
 from chunkloss.reference import cross_entropy_ref
+from tests.tolerances import rel_err
 
 pytestmark = pytest.mark.gpu
-
-
-def _rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -47,7 +44,7 @@ def test_cross_entropy_cuda(dtype, accum_dtype, compile):
         # PyTorch happens to get nearly exact). bf16-accumulated weight grads get 4x: rounding
         # every chunk's sum to bf16 costs up to log2(#chunks) extra half-ulps.
         k = 2.0 if (accum_dtype is not None or name == "hidden") else 4.0
-        assert _rel(g, gr) <= k * _rel(gp, gr) + 2e-3, (name, _rel(g, gr), _rel(gp, gr))
+        assert rel_err(g, gr) <= k * rel_err(gp, gr) + 2e-3, (name, rel_err(g, gr), rel_err(gp, gr))
 
 
 def test_cross_entropy_cuda_32k_rows_flat_memory():

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from chunkloss.losses.jsd import FusedLinearJSDLoss
 from chunkloss.reference import jsd_ref
+from tests.tolerances import rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -17,10 +18,6 @@ pytestmark = pytest.mark.gpu
 K = 2.0
 GRAD_FLOOR = 2e-3
 LOSS_RTOL = 1e-3
-
-
-def _rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
 
 
 def _torch_bf16(leaves, x_t, w_t, labels, beta, temperature):
@@ -67,12 +64,13 @@ def test_jsd_cuda(beta, compile):
     loss = mod(x_s, w_s, x_t, w_t, labels, student_bias=b_s)
     grads = torch.autograd.grad(loss, leaves)
     assert abs(loss.item() - ref.item()) / abs(ref.item()) < LOSS_RTOL
-    assert abs(mod.metrics["entropy"].item() - ref_metrics["entropy"].item()) / ref_metrics[
-        "entropy"
-    ].item() < LOSS_RTOL
+    assert (
+        abs(mod.metrics["entropy"].item() - ref_metrics["entropy"].item()) / ref_metrics["entropy"].item()
+        < LOSS_RTOL
+    )
     for name, g, gp, gr in zip(("hidden", "weight", "bias"), grads, pt_grads, ref_grads):
         assert g.dtype == dtype
-        assert _rel(g, gr) <= K * _rel(gp, gr) + GRAD_FLOOR, (name, _rel(g, gr), _rel(gp, gr))
+        assert rel_err(g, gr) <= K * rel_err(gp, gr) + GRAD_FLOOR, (name, rel_err(g, gr), rel_err(gp, gr))
 
 
 def test_jsd_cuda_flat_memory():

@@ -9,14 +9,11 @@ from chunkloss.losses.dpo import FusedLinearDPOLoss
 from chunkloss.losses.orpo import FusedLinearORPOLoss
 from chunkloss.losses.simpo import FusedLinearSimPOLoss
 from chunkloss.reference import cpo_ref, dpo_ref, orpo_ref
+from tests.tolerances import rel_err
 
 pytestmark = pytest.mark.gpu
 
 B, T, H, V = 4, 512, 1024, 32000
-
-
-def _rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
 
 
 def _inputs():
@@ -71,7 +68,7 @@ def test_preference_cuda(kind, chunk, compile):
     assert abs(loss.item() - ref.item()) <= 2 * abs(pt.item() - ref.item()) + 1e-3 * abs(ref.item()) + 1e-4
     for name, g, gp, gr in zip(("hidden", "weight"), grads, pt_grads, ref_grads):
         assert g.dtype == torch.bfloat16
-        assert _rel(g, gr) <= 2 * _rel(gp, gr) + 2e-3, (name, _rel(g, gr), _rel(gp, gr))
+        assert rel_err(g, gr) <= 2 * rel_err(gp, gr) + 2e-3, (name, rel_err(g, gr), rel_err(gp, gr))
     # bf16 metrics against fp32: means of bf16-rounded log-probs (bf16 eps 7.8e-3 relative per value).
     for k, v in ref_m.items():
         torch.testing.assert_close(mod.metrics[k].float(), v.float(), rtol=1e-2, atol=1e-2, msg=k)
