@@ -243,6 +243,8 @@ class FusedLinearBase(nn.Module):
 
     @property
     def is_sequence_loss(self) -> bool:
+        """Run ``token_stats`` + ``sequence_loss`` rather than ``chunk_loss``. By default: the class
+        defines ``sequence_loss``; a loss with both forms (GRPO) decides from its options."""
         return type(self).sequence_loss is not FusedLinearBase.sequence_loss
 
     # ----------------------------------------------------------------------------------------------

@@ -365,19 +365,6 @@ def grpo_sequence_loss(stats, seq_id, num_seqs, token, sequence, scalars, opts: 
     return loss, out
 
 
-class _GRPOSequenceEngine(FusedLinearBase):
-    """The sequence-loss form of GRPO (per-sequence ratios, masks or quantiles)."""
-
-    options_cls = GRPOOptions
-    token_stats = staticmethod(grpo_token_stats)
-    sequence_loss = staticmethod(grpo_sequence_loss)
-    extra_token_stats = staticmethod(grpo_ref_stats)
-
-    def __init__(self, **options):
-        super().__init__(**options)
-        self.needs_global_stats = self.options.top_entropy_quantile < 1.0
-
-
 class FusedLinearGRPOLoss(FusedLinearBase):
     """TRL 1.16 ``GRPOTrainer._compute_loss`` over ``hidden @ weight.T`` without materialising logits.
 
@@ -392,11 +379,20 @@ class FusedLinearGRPOLoss(FusedLinearBase):
     options_cls = GRPOOptions
     options: GRPOOptions
     chunk_loss = staticmethod(grpo_chunk)
+    token_stats = staticmethod(grpo_token_stats)
+    sequence_loss = staticmethod(grpo_sequence_loss)
     extra_token_stats = staticmethod(grpo_ref_stats)
 
     def __init__(self, **options):
         super().__init__(**options)
-        self._seq_engine = _GRPOSequenceEngine(**options) if self.options.needs_sequence_path else None
+        # Entropy masking needs every token's entropy before the quantile is known: two passes.
+        self.needs_global_stats = self.options.top_entropy_quantile < 1.0
+
+    @property
+    def is_sequence_loss(self) -> bool:
+        """Token-level weights run as a token loss (one pass, three GEMMs); per-sequence ratios, masks or
+        quantiles as a sequence loss."""
+        return self.options.needs_sequence_path
 
     def forward(
         self,
@@ -538,11 +534,10 @@ class FusedLinearGRPOLoss(FusedLinearBase):
         batch, _ = sequence_batch(
             mask, torch.arange(b, device=dev), token=token, sequence=sequence, scalars=scalars, extra=extra
         )
-        engine = self._seq_engine or self
         x = hidden.reshape(b * t, h)
-        loss = engine.run(x, weight, bias, batch)
+        loss = self.run(x, weight, bias, batch)
         seq_shaped = opts.importance_sampling_level == "sequence" and adv.dim() == 1
-        self.metrics = _finish_metrics({**_zero_metrics(opts, dev), **engine.metrics}, len_s, seq_shaped)
+        self.metrics = _finish_metrics({**_zero_metrics(opts, dev), **self.metrics}, len_s, seq_shaped)
         return loss
 
 
