@@ -458,6 +458,8 @@ class _FusedLinearFunction(torch.autograd.Function):
             return per_row_out
         loss, grads, _, metric_sums = _run_loop(loss_mod, hidden, weight, bias, batch, need)
         ctx.save_for_backward(*grads)
+        ctx.w_dtype = weight.dtype
+        ctx.b_dtype = None if bias is None else bias.dtype
         metrics_out.update(metric_sums)
         return loss
 
@@ -468,8 +470,15 @@ class _FusedLinearFunction(torch.autograd.Function):
             batch = dataclasses.replace(
                 ctx.batch, token={**ctx.batch.token, "grad_scale": grad_output.reshape(-1)[ctx.batch.rows]}
             )
-            _, grads, _, _ = _run_loop(ctx.loss_mod, hidden, weight, bias, batch, ctx.need)
-            return (*grads, None, None, None)
+            _, (grad_h, grad_w, grad_b), _, _ = _run_loop(ctx.loss_mod, hidden, weight, bias, batch, ctx.need)
+            return (
+                grad_h,
+                None if grad_w is None else grad_w.to(weight.dtype),
+                None if grad_b is None else grad_b.to(bias.dtype),
+                None,
+                None,
+                None,
+            )
         if getattr(ctx, "consumed", False):
             raise RuntimeError(
                 "chunkloss computes the gradients in forward and scales them in place in backward; "
@@ -477,15 +486,24 @@ class _FusedLinearFunction(torch.autograd.Function):
             )
         ctx.consumed = True
         grad_h, grad_w, grad_b = ctx.saved_tensors if ctx.saved_tensors else (None, None, None)
-        # In place: the stored gradients belong to this call alone; a copy would double their memory.
+        # In place where the dtype is already the parameter's: the stored gradients belong to this call
+        # alone, and a copy would double their memory. An fp32 accumulator is scaled and cast in one pass.
         return (
-            None if grad_h is None else grad_h.mul_(grad_output.to(grad_h.dtype)),
-            None if grad_w is None else grad_w.mul_(grad_output.to(grad_w.dtype)),
-            None if grad_b is None else grad_b.mul_(grad_output.to(grad_b.dtype)),
+            _scale_grad(grad_h, grad_output, None),
+            _scale_grad(grad_w, grad_output, ctx.w_dtype),
+            _scale_grad(grad_b, grad_output, ctx.b_dtype),
             None,
             None,
             None,
         )
+
+
+def _scale_grad(grad: Tensor | None, grad_output: Tensor, dtype: torch.dtype | None) -> Tensor | None:
+    if grad is None:
+        return None
+    if dtype is None or grad.dtype == dtype:
+        return grad.mul_(grad_output.to(grad.dtype))
+    return torch.mul(grad, grad_output.to(grad.dtype), out=torch.empty_like(grad, dtype=dtype))
 
 
 def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, need):
@@ -619,13 +637,9 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
 
     if need_w and not w_started[0]:
         grad_w.zero_()  # no rows took part
-    grads = (
-        grad_h,
-        None if grad_w is None else grad_w.to(weight.dtype),
-        None if grad_b is None else grad_b.to(bias.dtype),
-    )
+    # grad_w and grad_b stay in the accumulation dtype: backward casts them while scaling (one pass).
     out = next(iter(token_out.values())) if token_out else loss
-    return out, grads, token_out, metrics
+    return out, (grad_h, grad_w, grad_b), token_out, metrics
 
 
 def _empty_stats(loss_mod, hidden, weight, batch) -> Tensor:
