@@ -591,6 +591,7 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
                     token_out[k].index_copy_(0, rows_of(a, b), m[k].float())
                 if any_grad:
                     backprop(g, x, a, b)
+                del x, logits, extra, g  # free this chunk's [C, V] buffer before the next is projected
         elif one_pass:
             step = loss_mod._step_fn("seq_onepass", dev)
             seq_id = batch.seq_id
@@ -609,12 +610,14 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
                 add_metrics(m)
                 if any_grad:
                     backprop(g, x, a, b)
+                del x, logits, extra, g  # free this chunk's [C, V] buffer before the next is projected
         else:
             stats_fn = loss_mod._step_fn("stats", dev)
             parts = []
             for a, b in plan.bounds:
                 _, logits, extra, token = project(a, b, _slice_rows(batch.token, a, b))
                 parts.append(stats_fn(logits, extra, token))
+                del logits, extra
             stats = torch.cat(parts) if parts else _empty_stats(loss_mod, hidden, weight, batch)
             extra_stats = torch.cat(extra_stats_parts) if extra_stats_parts else None
             num_seqs = batch.num_seqs
@@ -634,6 +637,7 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
                     x, logits, extra, token = project(a, b, _slice_rows(batch.token, a, b), first_pass=False)
                     g = step(logits, extra, token, coef[a:b])
                     backprop(g, x, a, b)
+                    del x, logits, extra, g  # free this chunk's [C, V] buffer before the next is projected
 
     if need_w and not w_started[0]:
         grad_w.zero_()  # no rows took part

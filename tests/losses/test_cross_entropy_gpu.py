@@ -67,3 +67,25 @@ def test_cross_entropy_cuda_32k_rows_flat_memory():
         extra.append(peak - hidden.grad.numel() * 2 - weight.grad.numel() * 2)
         hidden.grad = weight.grad = None
     assert extra[1] <= extra[0] * 1.1 + 2**20, extra
+
+
+@pytest.mark.parametrize("accum_dtype", [torch.float32, None])
+def test_cross_entropy_cuda_one_logits_chunk_live(accum_dtype):
+    """Beyond the gradients (and the fp32 accumulator), the step holds one [C, V] logits chunk at a time:
+    the previous chunk is freed before the next is projected."""
+    n, h, v, chunk = 8192, 1024, 128256, 1024
+    hidden = torch.randn(n, h, device="cuda").bfloat16().requires_grad_()
+    weight = (torch.randn(v, h, device="cuda") * 0.02).bfloat16().requires_grad_()
+    labels = torch.randint(0, v, (n,), device="cuda")
+    loss_fn = FusedLinearCrossEntropyLoss(chunk_size=chunk, accum_dtype=accum_dtype)
+    loss_fn(hidden, weight, labels).backward()  # warm-up (compile)
+    hidden.grad = weight.grad = None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss_fn(hidden, weight, labels).backward()
+    torch.cuda.synchronize()
+    beyond = torch.cuda.max_memory_allocated() - before - hidden.grad.numel() * 2 - weight.grad.numel() * 2
+    accumulator = weight.numel() * 4 if accum_dtype == torch.float32 else 0
+    one_chunk = chunk * v * 2
+    assert beyond <= accumulator + one_chunk * 1.1 + 32 * 2**20, (beyond, accumulator, one_chunk)
