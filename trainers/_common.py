@@ -25,7 +25,7 @@ class ChunkedArguments:
     """chunkloss fields added to TRL's config classes (the defaults need no tuning).
 
     Args:
-        chunk_size: rows of logits per chunk; ``None`` sizes chunks to a 512 MiB logits budget.
+        chunk_size: rows of logits per chunk; ``None`` sizes chunks to a 448 MiB logits budget.
         chunk_accum_dtype: dtype of the LM-head gradient accumulator across chunks: ``"float32"`` (default),
             ``"bfloat16"``, ``"float16"`` or ``"weight"`` (the weight's own dtype).
         chunk_compile: run the per-chunk math under ``torch.compile``.
