@@ -1,14 +1,64 @@
-"""Launch heuristics shared by the row kernels."""
+"""Launch plans shared by the row kernels.
 
+Everything here runs on the host once per call, so it is plain integer arithmetic (``triton.cdiv`` and
+``triton.next_power_of_2`` are constexpr functions that cost ~4 us each on the host) and the norms' plans
+are cached per shape.
+"""
+
+import contextlib
+import dataclasses
 import functools
+from typing import NamedTuple
 
 import torch
-import triton
 
 
-def row_block(n_cols: int) -> int:
-    """Smallest power of two holding a whole row (rows are normalised in registers, in one pass)."""
-    return triton.next_power_of_2(n_cols)
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # eq=False: hashed by identity, a cheap lru_cache key
+class NormKnobs:
+    """Launch parameters of RMSNorm and LayerNorm (swept on an H100 by benchmarks/tune_norms.py).
+
+    Rows up to ``max_fused_cols`` wide are normalised from one register tile per program ("fused"); wider rows
+    loop over column blocks of ``loop_block_n`` in two passes ("looped"), so no thread holds a whole fp32 row
+    (one 16384-wide tile spilled: LayerNorm's backward took 5.9 ms against a 0.9 ms floor).
+    """
+
+    max_fused_cols: int = 8192
+    tile_elems: int = 4096  # fused: rows per program = tile_elems // BLOCK_N (1..64), for short rows
+    warp_scale: float = 1.0  # fused: multiplies row_warps()
+    # Fused backward programs per SM (each loops over its rows serially). Swept at 16384 rows: 8 was fastest
+    # up to width 4096, 2 from 8192 on, where one row already keeps enough bytes in flight.
+    bwd_programs_per_sm: int = 8  # BLOCK_N <= 4096
+    bwd_programs_per_sm_wide: int = 2  # BLOCK_N > 4096
+    # Looped path, not yet swept on the GPU. 2048 columns x 8 warps is 8 elements per thread per tensor: ptxas
+    # (sm_90) gives the backward kernels 58-64 registers, so 4 programs (32 warps) fit on an SM.
+    loop_block_n: int = 2048  # columns per step
+    loop_block_m: int = 1  # backward rows per step (each step adds into the dW partial row once)
+    loop_warps: int = 8
+    loop_bwd_programs_per_sm: int = 4
+
+
+KNOBS = NormKnobs()
+
+
+@contextlib.contextmanager
+def norm_knobs(**changes):
+    """Temporarily replace fields of :data:`KNOBS` (tests force the looped path at small widths with
+    ``norm_knobs(max_fused_cols=16, loop_block_n=16)``)."""
+    global KNOBS
+    previous = KNOBS
+    KNOBS = dataclasses.replace(previous, **changes)
+    try:
+        yield KNOBS
+    finally:
+        KNOBS = previous
 
 
 def row_warps(block: int) -> int:
@@ -22,44 +72,69 @@ def row_warps(block: int) -> int:
     return 2 if block >= 256 else 1
 
 
-def rows_per_tile(block_n: int, max_elems: int = 4096) -> int:
-    """Several short rows per program so a program still moves a few KB (e.g. Qwen3's per-head norms)."""
-    return max(1, min(64, max_elems // block_n))
+class FwdPlan(NamedTuple):
+    n_programs: int
+    block_m: int  # rows per program (fused); 1 when looped
+    block_n: int  # whole row (fused) or one column block (looped)
+    num_warps: int
+    looped: bool
 
 
-# Backward programs per SM (the row loop of each is serial). Swept on an H100 at 16384 rows
-# (benchmarks/tune_norms.py): 8 was fastest up to width 4096, 2 from 8192 on, where each program's
-# row already keeps enough bytes in flight and fewer partial dW rows are summed.
-def bwd_programs_per_sm(block_n: int) -> int:
-    """Norm backward programs per SM for rows of ``block_n`` columns."""
-    return 8 if block_n <= 4096 else 2
+class BwdPlan(NamedTuple):
+    n_programs: int  # persistent programs, one fp32 row of dW (and dB) partial sums each
+    rows_per_program: int  # contiguous rows per program, a multiple of block_m
+    block_m: int
+    block_n: int
+    num_warps: int
+    looped: bool
+
+
+def _fused_tile(n_cols: int, knobs: NormKnobs) -> tuple[int, int, int]:
+    block_n = next_power_of_2(n_cols)
+    block_m = max(1, min(64, knobs.tile_elems // block_n))
+    num_warps = max(1, min(32, int(row_warps(block_m * block_n) * knobs.warp_scale)))
+    return block_m, block_n, num_warps
+
+
+@functools.lru_cache(maxsize=512)
+def norm_fwd_plan(n_rows: int, n_cols: int, knobs: NormKnobs) -> FwdPlan:
+    """One program per ``block_m`` rows (fused) or per row (looped)."""
+    if n_cols > knobs.max_fused_cols:
+        block_n = min(knobs.loop_block_n, next_power_of_2(n_cols))
+        return FwdPlan(n_rows, 1, block_n, knobs.loop_warps, True)
+    block_m, block_n, num_warps = _fused_tile(n_cols, knobs)
+    return FwdPlan(cdiv(n_rows, block_m), block_m, block_n, num_warps, False)
+
+
+@functools.lru_cache(maxsize=512)
+def norm_bwd_plan(n_rows: int, n_cols: int, device: torch.device, knobs: NormKnobs) -> BwdPlan:
+    """Persistent backward: each program takes a contiguous block of rows and writes one row of partial dW
+    (and dB) sums, which the launcher adds up."""
+    if n_cols > knobs.max_fused_cols:
+        looped = True
+        block_m, block_n = knobs.loop_block_m, min(knobs.loop_block_n, next_power_of_2(n_cols))
+        num_warps, per_sm = knobs.loop_warps, knobs.loop_bwd_programs_per_sm
+    else:
+        looped = False
+        block_m, block_n, num_warps = _fused_tile(n_cols, knobs)
+        per_sm = knobs.bwd_programs_per_sm if block_n <= 4096 else knobs.bwd_programs_per_sm_wide
+    n_programs = max(1, min(num_sms(device) * per_sm, cdiv(n_rows, block_m)))
+    rows_per_program = cdiv(cdiv(n_rows, n_programs), block_m) * block_m
+    return BwdPlan(cdiv(n_rows, rows_per_program), rows_per_program, block_m, block_n, num_warps, looped)
 
 
 @functools.lru_cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors on `device` (a small stand-in on CPU / the Triton interpreter)."""
-    if device.type == "cuda":
-        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return 4
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def lastdim_contiguous(x: torch.Tensor) -> torch.Tensor:
     """Kernels index rows through a stride but assume unit stride inside a row."""
     return x if x.stride(-1) == 1 else x.contiguous()
-
-
-def norm_bwd_grid(n_rows: int, n_cols: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_M, programs, rows per program) of the norms' persistent backward: each program
-    takes a contiguous block of rows (a multiple of BLOCK_M) and writes one row of partial dW sums."""
-    block_n = row_block(n_cols)
-    block_m = rows_per_tile(block_n)
-    n_programs = max(1, min(num_sms(device) * bwd_programs_per_sm(block_n), triton.cdiv(n_rows, block_m)))
-    rows_per_program = triton.cdiv(triton.cdiv(n_rows, n_programs), block_m) * block_m
-    return block_n, block_m, triton.cdiv(n_rows, rows_per_program), rows_per_program
 
 
 def norm_dx_buffer(dy: torch.Tensor, x: torch.Tensor, needs_dx: bool, in_place: bool) -> torch.Tensor | None:

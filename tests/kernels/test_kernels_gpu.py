@@ -20,6 +20,7 @@ from chunkloss.kernels import (
     swiglu,
     swiglu_ref,
 )
+from chunkloss.kernels._utils import norm_knobs
 
 from tests.kernels.test_kernels import TOL, assert_close3, rope_tables
 
@@ -60,6 +61,32 @@ def test_norms_hidden_sizes(width, dtype):
     b = torch.randn(width, device="cuda") * 0.3
     three_way(rms_norm, rms_norm_ref, [x, w], dtype)
     three_way(layer_norm, layer_norm_ref, [x, w, b], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_n,block_m", [(1024, 1), (4096, 2)])
+@pytest.mark.parametrize("width", [5120 + 7, 16384])
+def test_norms_looped_configs(width, block_n, block_m, dtype):
+    """The looped path forced at several tiles; one backward program per SM gives each ~16 rows, so the dW/dB
+    partial rows are read back and added to across row steps."""
+    x = torch.randn(2048, width, device="cuda") + 0.5
+    w = torch.randn(width, device="cuda") * 0.3 + 1.0
+    b = torch.randn(width, device="cuda") * 0.3
+    with norm_knobs(max_fused_cols=0, loop_block_n=block_n, loop_block_m=block_m, loop_bwd_programs_per_sm=1):
+        three_way(lambda x, w: rms_norm(x, w, 1e-6, 0.0, "llama", in_place=True),
+                  lambda x, w: rms_norm_ref(x, w, 1e-6, 0.0, "llama"), [x, w], dtype, in_place=True)
+        three_way(lambda x, w: rms_norm(x, w, 1e-6, 1.0, "gemma"),
+                  lambda x, w: rms_norm_ref(x, w, 1e-6, 1.0, "gemma"), [x, w], dtype)
+        three_way(layer_norm, layer_norm_ref, [x, w, b], dtype)
+
+
+def test_layer_norm_looped_large_mean():
+    """Width 16384 takes the looped path by default; a mean 300 standard deviations from zero must not cost
+    precision (E[x^2] - mean^2 in fp32 would be off by ~5e-3 in a variance of 1)."""
+    x = torch.randn(256, 16384, device="cuda", dtype=torch.float64) + 300.0
+    w = torch.randn(16384, device="cuda", dtype=torch.float64) * 0.3 + 1.0
+    ref = torch.nn.functional.layer_norm(x, (16384,), w, None, 1e-5)
+    torch.testing.assert_close(layer_norm(x.float(), w.float()).double(), ref, atol=2e-4, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -107,9 +134,9 @@ def _free_gib():
     return free / 2**30
 
 
-def test_rms_norm_int64_row_offsets():
+@pytest.mark.parametrize("width", [4096, 16384])  # fused and looped path
+def test_rms_norm_int64_row_offsets(width):
     """Rows x width past 2^31 elements: the last rows must be normalised where they belong."""
-    width = 4096
     rows = 2**31 // width + 64
     if _free_gib() < 4 * rows * width * 2 / 2**30 + 2:
         pytest.fail("needs ~18 GiB of free GPU memory")
