@@ -101,7 +101,15 @@ def main() -> int:
         (out / "gpu_configs.json").write_text(json.dumps(
             {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
              "torch": torch.__version__, "runs": results}, indent=2))
-    lines = ["| config | rc | s | final loss | tokens/s | peak memory |", "|---|---|---|---|---|---|"]
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    lines = [f"# GPU-scale configs on one {device} (torch {torch.__version__})", "",
+             f"`python -m benchmarks.gpu_configs --steps {args.steps}`: each config unchanged except "
+             "the model paths (random Qwen3-0.6B / 1.7B-shaped checkpoints saved locally), `--max_steps`, "
+             "`--logging_steps 1` and shorter generation for GRPO/GKD/distillation (the json lists the "
+             "overrides). "
+             "Peak memory is `torch.cuda.max_memory_allocated` of the whole run; tokens/s counts the tiny "
+             "counting task's short examples.", "",
+             "| config | rc | s | final loss | tokens/s | peak memory |", "|---|---|---|---|---|---|"]
     for r in results:
         s = r.get("summary", {})
         loss = s.get("final_loss")
