@@ -14,6 +14,8 @@ import triton
 import triton.language as tl
 from torch import nn
 
+from ._utils import cdiv
+
 ACTIVATIONS = ("silu", "gelu_tanh")
 _ACT_ID = {"silu": 0, "gelu_tanh": 1}
 
@@ -106,7 +108,7 @@ def _glu_fwd(a, b, opts: GLUOptions):
     a, b = a.contiguous(), b.contiguous()
     c = torch.empty_like(a)
     n = a.numel()
-    _glu_fwd_kernel[(triton.cdiv(n, BLOCK_SIZE),)](
+    _glu_fwd_kernel[(cdiv(n, BLOCK_SIZE),)](
         a, b, c, n, ACT=_ACT_ID[opts.activation], K0=_SQRT_2_OVER_PI, BLOCK_SIZE=BLOCK_SIZE,
         num_warps=NUM_WARPS,
     )
@@ -117,7 +119,7 @@ def _glu_bwd(dc, a, b, opts: GLUOptions):
     dc = dc.contiguous()
     da, db = (a, b) if opts.in_place else (torch.empty_like(a), torch.empty_like(b))
     n = a.numel()
-    _glu_bwd_kernel[(triton.cdiv(n, BLOCK_SIZE),)](
+    _glu_bwd_kernel[(cdiv(n, BLOCK_SIZE),)](
         dc, a, b, da, db, n, ACT=_ACT_ID[opts.activation], K0=_SQRT_2_OVER_PI, BLOCK_SIZE=BLOCK_SIZE,
         num_warps=NUM_WARPS,
     )
