@@ -119,7 +119,7 @@ def norm_bwd_plan(n_rows: int, n_cols: int, device: torch.device, knobs: NormKno
         block_m, block_n, num_warps = _fused_tile(n_cols, knobs)
         per_sm = knobs.bwd_programs_per_sm if block_n <= 4096 else knobs.bwd_programs_per_sm_wide
     n_programs = max(1, min(num_sms(device) * per_sm, cdiv(n_rows, block_m)))
-    rows_per_program = cdiv(cdiv(n_rows, n_programs), block_m) * block_m
+    rows_per_program = max(1, cdiv(cdiv(n_rows, n_programs), block_m)) * block_m  # >= 1 step, even for 0 rows
     return BwdPlan(cdiv(n_rows, rows_per_program), rows_per_program, block_m, block_n, num_warps, looped)
 
 

@@ -151,3 +151,14 @@ def test_host_integer_helpers_match_triton():
         assert next_power_of_2(n) == triton.next_power_of_2(n)
         for d in (1, 7, 16, 4096):
             assert cdiv(n, d) == triton.cdiv(n, d)
+
+
+@pytest.mark.parametrize("max_fused_cols", [8192, 16], ids=["fused", "looped"])
+def test_norms_zero_rows(max_fused_cols):
+    """An empty batch gives empty outputs and zero weight/bias gradients (the plan used to divide by zero)."""
+    x, w, b = (torch.randn(*s, requires_grad=True) for s in ((0, 33), (33,), (33,)))
+    with norm_knobs(max_fused_cols=max_fused_cols, loop_block_n=16):
+        dx, dw = torch.autograd.grad(rms_norm(x, w), (x, w), torch.randn(0, 33))
+        assert dx.shape == (0, 33) and torch.equal(dw, torch.zeros(33))
+        dx, dw, db = torch.autograd.grad(layer_norm(x, w, b), (x, w, b), torch.randn(0, 33))
+        assert dx.shape == (0, 33) and torch.equal(dw, torch.zeros(33)) and torch.equal(db, torch.zeros(33))
