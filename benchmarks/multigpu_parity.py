@@ -1,19 +1,29 @@
-"""Multi-GPU parity of the chunked trainers (issue 9): FSDP2 or DeepSpeed ZeRO-3 against one process.
+"""Multi-GPU parity of the chunked trainers (issue 9): FSDP2 or DeepSpeed ZeRO-3 on 2 GPUs against 1 GPU.
 
-Under ``accelerate launch`` (FSDP2 or ZeRO-3 config, 2 processes) this trains a tiny random model from
-``chunkloss.data`` for one step (saving the full gradients on rank 0, taken before the optimizer step) and
-for 20 steps (saving the loss curve). Without a launcher (``--single``) it does the same in one process on
-the same global batch (per-device batch x world size), and ``--compare`` writes the errors as json::
+Under ``accelerate launch`` this trains a tiny random model from ``chunkloss.data`` for 20 steps, saving on
+rank 0 the full gradients of the first step (taken after the backward, before clipping and the optimizer
+step), the loss curve, the step times and every GPU's peak memory. With ``--single`` the run is the reference:
+one process on the global batch (per-device batch x ``--world``). The reference is launched with the same
+accelerate config on one GPU, so that both runs follow one precision recipe (FSDP2's bf16 parameters, ZeRO-3's
+bf16 module) and differ only in the sharding and in how the batch is split; without a launcher, ``--single``
+is a plain one-process Trainer run (bf16 autocast on CUDA, fp32 on CPU). ``--compare`` writes the errors of a
+2-process run against the reference as json, and ``--summary`` a markdown table of every comparison in a
+folder. ``benchmarks/multigpu_run.sh`` runs it all::
 
     export NCCL_NVLS_ENABLE=0
     accelerate launch --config_file configs/accelerate/fsdp2.yaml --num_processes 2 \\
-        -m benchmarks.multigpu_parity --trainer sft --out DIR/fsdp2
-    python -m benchmarks.multigpu_parity --trainer sft --single --world 2 --out DIR/single
-    python -m benchmarks.multigpu_parity --trainer sft --compare DIR/fsdp2 DIR/single --out DIR/sft_fsdp2.json
+        -m benchmarks.multigpu_parity --trainer sft --out DIR/sft_fsdp2
+    CUDA_VISIBLE_DEVICES=0 accelerate launch --config_file configs/accelerate/fsdp2.yaml --num_processes 1 \\
+        -m benchmarks.multigpu_parity --trainer sft --single --world 2 --out DIR/sft_fsdp2_ref
+    python -m benchmarks.multigpu_parity --trainer sft --compare DIR/sft_fsdp2 DIR/sft_fsdp2_ref \\
+        --out DIR/sft_fsdp2.json
 
-GRPO samples completions, so the two runs see the same prompts but not the same completions: until
-generation is made identical across the two runs (not done yet), its gradient comparison is not a
-parity check.
+GRPO samples completions, which would differ between the runs (other random streams, other rounding). Here
+the completions are a fixed function of the prompt's token ids and the completion's index in its group
+(``FixedCompletionsGRPOTrainer``), so both runs score, weight and train on the same tokens; everything after
+generation is TRL's and ours unchanged. ``num_iterations=2`` reuses each batch for a second step, so every
+other loss carries an importance ratio that depends on the weights (an on-policy GRPO loss value does not),
+and the curve is a check of the training, not of the data alone.
 """
 
 from __future__ import annotations
@@ -24,22 +34,36 @@ import os
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 import argparse  # noqa: E402
+import copy  # noqa: E402
 import json  # noqa: E402
+import random  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+import zlib  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
 STEPS = 20
 PER_DEVICE_BATCH = 4
+NUM_GENERATIONS = 2
+MAX_COMPLETION_LENGTH = 12
+TRAINERS = ("sft", "dpo", "grpo")
+BACKENDS = ("fsdp2", "zero3")
+WARMUP_STEPS = 3  # step times before this are compilation and allocator warm-up, left out of the median
 
 
-def _full_grad(param) -> torch.Tensor | None:
-    """The full gradient of a parameter under FSDP2 (a DTensor), ZeRO-3 (partitioned) or plain DDP."""
-    try:
+def _is_deepspeed(trainer) -> bool:
+    return str(trainer.accelerator.distributed_type).endswith("DEEPSPEED")
+
+
+def _full_grad(param, deepspeed: bool) -> torch.Tensor | None:
+    """The full gradient of a parameter under ZeRO-3 (partitioned), FSDP2 (a DTensor) or one process.
+
+    Collective under ZeRO-3 and FSDP2: every rank calls it for every parameter, in the same order."""
+    if deepspeed:
         from deepspeed.utils import safe_get_full_grad
-    except ImportError:
-        safe_get_full_grad = None
-    if safe_get_full_grad is not None and hasattr(param, "ds_id"):
+
         g = safe_get_full_grad(param)
     else:
         g = param.grad
@@ -48,9 +72,101 @@ def _full_grad(param) -> torch.Tensor | None:
     return None if g is None else g.detach().float().cpu()
 
 
-def _trainer(kind: str, out: Path, steps: int, batch: int, bf16: bool):
+class GradTap:
+    """The full gradients of the first step, after its backward and before clipping and the optimizer step.
+
+    The Trainer clips before its ``on_pre_optimizer_step`` callback, and under DeepSpeed the engine clips and
+    steps inside ``accelerator.backward``; so the gradients are read when ``training_step`` returns, and under
+    DeepSpeed at the entry of the engine's ``step`` (``safe_get_full_grad`` is valid between the two).
+    """
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.grads: dict[str, torch.Tensor] | None = None
+        self._inner = trainer.training_step
+        trainer.training_step = self._training_step
+
+    def _read(self) -> None:
+        ds = _is_deepspeed(self.trainer)
+        named = [(n, p) for n, p in self.trainer.model.named_parameters() if p.requires_grad]
+        self.grads = {n: g for n, p in named if (g := _full_grad(p, ds)) is not None}
+
+    def _training_step(self, *args, **kwargs):
+        if self.grads is None and _is_deepspeed(self.trainer):
+            engine = self.trainer.accelerator.deepspeed_engine_wrapped.engine
+            step = engine.step
+
+            def tapped_step(*a, **kw):
+                if self.grads is None:
+                    self._read()
+                return step(*a, **kw)
+
+            engine.step = tapped_step
+        loss = self._inner(*args, **kwargs)
+        if self.grads is None and not _is_deepspeed(self.trainer):
+            self._read()
+        return loss
+
+
+def _step_clock():
     from transformers import TrainerCallback
 
+    class StepClock(TrainerCallback):
+        """Wall time of each optimizer step (generation and scoring included for GRPO)."""
+
+        def __init__(self):
+            self.times: list[float] = []
+            self._t0 = 0.0
+
+        @staticmethod
+        def _sync():
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+
+        def on_step_begin(self, args, state, control, **kw):
+            self._sync()
+            self._t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            self._sync()
+            self.times.append(time.perf_counter() - self._t0)
+
+    return StepClock()
+
+
+def _fixed_completions_grpo():
+    from chunkloss.trainers.grpo import ChunkedGRPOTrainer
+
+    class FixedCompletionsGRPOTrainer(ChunkedGRPOTrainer):
+        """``ChunkedGRPOTrainer`` whose completions are a fixed function of the prompt's token ids and of the
+        completion's index in its group, so that a sharded run and one process train on the same tokens.
+
+        TRL lays a generation batch out group after group (``RepeatSampler``), each process holding a
+        contiguous slice of it; the index of a completion in its group is its global position modulo
+        ``num_generations``. A completion is 1 to ``max_completion_length - 1`` number tokens of the counting
+        task, closed by EOS half of the time (the other half is truncated, as TRL's generation can be).
+        """
+
+        def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, **kwargs):
+            if not hasattr(self, "_number_ids"):
+                vocab = self.processing_class.get_vocab()
+                self._number_ids = sorted(i for t, i in vocab.items() if t.isdigit())
+            first = self.accelerator.process_index * len(prompt_ids)
+            completions = []
+            for i, ids in enumerate(prompt_ids):
+                k = (first + i) % num_generations
+                rng = random.Random(zlib.crc32(json.dumps([list(ids), k]).encode()))
+                n = rng.randint(1, self.max_completion_length - 1)
+                c = [rng.choice(self._number_ids) for _ in range(n)]
+                if rng.random() < 0.5:
+                    c.append(self.processing_class.eos_token_id)
+                completions.append(c)
+            return completions, None  # no sampling log-probs, as TRL's transformers generation
+
+    return FixedCompletionsGRPOTrainer
+
+
+def _trainer(kind: str, out: Path, steps: int, batch: int, bf16: bool):
     from chunkloss.data import count_reward, tiny_dataset, tiny_model, tiny_tokenizer
 
     tok = tiny_tokenizer()
@@ -73,43 +189,62 @@ def _trainer(kind: str, out: Path, steps: int, batch: int, bf16: bool):
     if kind == "sft":
         from chunkloss.trainers.sft import ChunkedSFTConfig, ChunkedSFTTrainer
 
-        tr = ChunkedSFTTrainer(model, ChunkedSFTConfig(**common), train_dataset=ds, processing_class=tok)
-    elif kind == "dpo":
+        return ChunkedSFTTrainer(model, ChunkedSFTConfig(**common), train_dataset=ds, processing_class=tok)
+    if kind == "dpo":
         from chunkloss.trainers.dpo import ChunkedDPOConfig, ChunkedDPOTrainer
 
-        tr = ChunkedDPOTrainer(
-            model, args=ChunkedDPOConfig(**common, max_length=48), train_dataset=ds, processing_class=tok
+        # The reference is given: TRL would load it from the policy's path, and this random model has none.
+        return ChunkedDPOTrainer(
+            model,
+            copy.deepcopy(model),
+            args=ChunkedDPOConfig(**common, max_length=48),
+            train_dataset=ds,
+            processing_class=tok,
         )
-    elif kind == "grpo":
-        from chunkloss.trainers.grpo import ChunkedGRPOConfig, ChunkedGRPOTrainer
+    if kind == "grpo":
+        from chunkloss.trainers.grpo import ChunkedGRPOConfig
 
-        cfg = ChunkedGRPOConfig(**common, num_generations=2, max_completion_length=12)
-        tr = ChunkedGRPOTrainer(model, count_reward, cfg, train_dataset=ds, processing_class=tok)
-    else:
-        raise ValueError(f"--trainer must be sft, dpo or grpo, got {kind!r}")
+        cfg = ChunkedGRPOConfig(
+            **common,
+            num_generations=NUM_GENERATIONS,
+            max_completion_length=MAX_COMPLETION_LENGTH,
+            num_iterations=2,
+        )
+        return _fixed_completions_grpo()(model, count_reward, cfg, train_dataset=ds, processing_class=tok)
+    raise ValueError(f"--trainer must be one of {TRAINERS}, got {kind!r}")
 
-    class GradTap(TrainerCallback):
-        """The full gradients after the first backward, before clipping and the optimizer step."""
 
-        grads: dict | None = None
-
-        def on_pre_optimizer_step(self, args, state, control, **kw):
-            if state.global_step == 0 and self.grads is None:
-                self.grads = {n: _full_grad(p) for n, p in tr.model.named_parameters() if p.requires_grad}
-
-    tap = GradTap()
-    tr.add_callback(tap)
-    return tr, tap
+def _peak_memory_gib(trainer) -> list[dict] | None:
+    """Every process's peak allocated and reserved CUDA memory in GiB (collective: all ranks call it)."""
+    if not torch.cuda.is_available():
+        return None
+    acc = trainer.accelerator
+    mine = torch.tensor(
+        [torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()],
+        device=acc.device,
+        dtype=torch.float64,
+    )
+    rows = acc.gather(mine[None]).reshape(-1, 2).cpu().tolist()
+    return [dict(rank=r, allocated=a / 2**30, reserved=b / 2**30) for r, (a, b) in enumerate(rows)]
 
 
 def run(kind: str, out: Path, batch: int) -> None:
     bf16 = torch.cuda.is_available()
     out.mkdir(parents=True, exist_ok=True)
-    tr, tap = _trainer(kind, out, STEPS, batch, bf16)
+    # The launcher script kills these by id if the run outlives its time limit.
+    pids = out / "pids"
+    pids.mkdir(exist_ok=True)
+    (pids / f"rank{os.environ.get('RANK', '0')}.pid").write_text(str(os.getpid()))
+    tr = _trainer(kind, out, STEPS, batch, bf16)
+    tap = GradTap(tr)
+    clock = _step_clock()
+    tr.add_callback(clock)
     tr.train()
+    memory = _peak_memory_gib(tr)
     if tr.accelerator.is_main_process:
         curve = [h["loss"] for h in tr.state.log_history if "loss" in h]
-        torch.save({k: v for k, v in tap.grads.items() if v is not None}, out / "grads_step1.pt")
+        torch.save(tap.grads, out / "grads_step1.pt")
+        timed = clock.times[WARMUP_STEPS:] or clock.times
         meta = dict(
             trainer=kind,
             num_processes=tr.accelerator.num_processes,
@@ -117,7 +252,13 @@ def run(kind: str, out: Path, batch: int) -> None:
             per_device_batch=batch,
             bf16=bf16,
             loss_curve=curve,
+            grad_norms=[h["grad_norm"] for h in tr.state.log_history if "grad_norm" in h],
+            step_times_s=clock.times,
+            median_step_time_s=statistics.median(timed) if timed else None,
+            peak_memory_gib=memory,
+            device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"),
+            torch=torch.__version__,
         )
         (out / "run.json").write_text(json.dumps(meta, indent=1))
 
@@ -128,24 +269,42 @@ def compare(multi: Path, single: Path, out: Path) -> dict:
     per_param = {}
     for name, ref in g_s.items():
         got = g_m.get(name)
-        if got is None:
+        if got is None or got.shape != ref.shape:
             per_param[name] = None
             continue
+        err = (got - ref).abs().max()
         # Relative to the tensor's largest entry: single entries near zero are sums of cancelling terms.
-        per_param[name] = float((got - ref).abs().max() / ref.abs().max().clamp(min=1e-12))
+        per_param[name] = dict(abs=float(err), rel=float(err / ref.abs().max().clamp(min=1e-12)))
     errors = [e for e in per_param.values() if e is not None]
     c_m, c_s = r_m["loss_curve"], r_s["loss_curve"]
     n = min(len(c_m), len(c_s))
-    diffs = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(c_m[:n], c_s[:n])]
+    abs_diffs = [abs(a - b) for a, b in zip(c_m[:n], c_s[:n])]
+    # Relative to the curve's scale: a GRPO loss crosses zero, so pointwise relative differences mean nothing.
+    scale = max((abs(b) for b in c_s[:n]), default=0.0)
     result = dict(
         trainer=r_m["trainer"],
-        multi=dict(distributed_type=r_m["distributed_type"], num_processes=r_m["num_processes"]),
-        missing_grads=sorted(n for n, e in per_param.items() if e is None),
-        max_rel_grad_error=max(errors) if errors else None,
-        per_param_rel_grad_error=per_param,
+        multi=dict(
+            distributed_type=r_m["distributed_type"],
+            num_processes=r_m["num_processes"],
+            median_step_time_s=r_m.get("median_step_time_s"),
+            peak_memory_gib=r_m.get("peak_memory_gib"),
+        ),
+        single=dict(
+            distributed_type=r_s["distributed_type"],
+            num_processes=r_s["num_processes"],
+            median_step_time_s=r_s.get("median_step_time_s"),
+            peak_memory_gib=r_s.get("peak_memory_gib"),
+        ),
+        missing_grads=sorted(k for k, e in per_param.items() if e is None),
+        extra_grads=sorted(set(g_m) - set(g_s)),
+        zero_ref_grads=sorted(k for k, g in g_s.items() if not bool(g.any())),
+        max_abs_grad_error=max((e["abs"] for e in errors), default=None),
+        max_rel_grad_error=max((e["rel"] for e in errors), default=None),
+        per_param_grad_error=per_param,
         curve_multi=c_m,
         curve_single=c_s,
-        max_rel_curve_diff=max(diffs) if diffs else None,
+        max_abs_curve_diff=max(abs_diffs, default=None),
+        max_rel_curve_diff=max(abs_diffs, default=0.0) / scale if abs_diffs and scale > 0 else None,
         steps_compared=n,
     )
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -153,17 +312,97 @@ def compare(multi: Path, single: Path, out: Path) -> dict:
     return result
 
 
+def _fmt(x, spec=".2e") -> str:
+    return "–" if x is None else format(x, spec)
+
+
+def _memory(mem) -> str:
+    return "–" if not mem else " / ".join(f"{m['allocated']:.3f}" for m in mem)
+
+
+def _reason(error_text: str) -> str:
+    """The line of a run's error file that says why: its last error or time-out line, else its last line."""
+    lines = [ln.strip() for ln in error_text.strip().splitlines() if ln.strip()]
+    keys = ("Error", "error:", "timed out", "skipped", "Killed")
+    return next((ln for ln in reversed(lines) if any(k in ln for k in keys)), lines[-1] if lines else "?")
+
+
+def summary(folder: Path) -> str:
+    """A markdown report of every ``<trainer>_<backend>.json`` comparison in ``folder`` (and of the runs that
+    left none: their ``<trainer>_<backend>.error`` or the backend's ``<backend>.error``)."""
+    lines = [
+        "# Multi-GPU parity: chunked trainers on 2 GPUs vs 1 GPU, same accelerate config and global batch",
+        "",
+        "Gradients of the first step (before clipping and the optimizer step), fp32 copies of bf16",
+        "training; rel = max |difference| / max |1-GPU entry| per tensor, max over tensors. Curve: 20",
+        "logged losses, largest |difference| (and the same / largest |1-GPU loss|).",
+        f"Step time: median after {WARMUP_STEPS} warm-up steps. Memory: peak allocated GiB per GPU.",
+        "",
+        "| trainer | backend | max abs grad err | max rel grad err | max abs curve diff | max rel curve diff "
+        "| step s (2 GPU / 1 GPU) | peak GiB per GPU (2 GPU; 1 GPU) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    notes = []
+    for trainer in TRAINERS:
+        for backend in BACKENDS:
+            f = folder / f"{trainer}_{backend}.json"
+            if not f.exists():
+                err = next(
+                    (
+                        e
+                        for e in (folder / f"{trainer}_{backend}.error", folder / f"{backend}.error")
+                        if e.exists()
+                    ),
+                    None,
+                )
+                why = _reason(err.read_text()) if err else "no result"
+                lines.append(f"| {trainer} | {backend} | – | – | – | – | – | – |")
+                notes.append(f"- {trainer} / {backend}: {why}")
+                continue
+            r = json.loads(f.read_text())
+            m, s = r["multi"], r["single"]
+            lines.append(
+                f"| {trainer} | {backend} "
+                f"| {_fmt(r['max_abs_grad_error'])} | {_fmt(r['max_rel_grad_error'])} "
+                f"| {_fmt(r['max_abs_curve_diff'])} | {_fmt(r['max_rel_curve_diff'])} "
+                f"| {_fmt(m['median_step_time_s'], '.3f')} / {_fmt(s['median_step_time_s'], '.3f')} "
+                f"| {_memory(m['peak_memory_gib'])}; {_memory(s['peak_memory_gib'])} |"
+            )
+            if r["missing_grads"] or r["extra_grads"]:
+                notes.append(
+                    f"- {trainer} / {backend}: missing {r['missing_grads']}, extra {r['extra_grads']}"
+                )
+    if notes:
+        lines += ["", "Runs without a comparison or with unmatched gradients:", "", *notes]
+    text = "\n".join(lines) + "\n"
+    (folder / "summary.md").write_text(text)
+    return text
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--trainer", choices=["sft", "dpo", "grpo"], required=True)
-    p.add_argument("--out", type=Path, required=True, help="run folder, or the json file with --compare")
-    p.add_argument("--single", action="store_true", help="one process on the global batch")
+    p.add_argument("--trainer", choices=TRAINERS)
+    p.add_argument("--out", type=Path, help="run folder, or the json file with --compare")
+    p.add_argument("--single", action="store_true", help="the reference: one process on the global batch")
     p.add_argument("--world", type=int, default=2, help="with --single: the multi-process world size")
     p.add_argument("--compare", nargs=2, type=Path, metavar=("MULTI", "SINGLE"))
+    p.add_argument("--summary", type=Path, metavar="DIR", help="write DIR/summary.md from DIR's comparisons")
     a = p.parse_args(argv)
+    if a.summary:
+        print(summary(a.summary))
+        return
+    if a.trainer is None or a.out is None:
+        p.error("--trainer and --out are required (except with --summary)")
     if a.compare:
         r = compare(*a.compare, a.out)
-        print(json.dumps({k: r[k] for k in ("trainer", "max_rel_grad_error", "max_rel_curve_diff")}))
+        keys = (
+            "trainer",
+            "max_abs_grad_error",
+            "max_rel_grad_error",
+            "max_abs_curve_diff",
+            "max_rel_curve_diff",
+        )
+        print(json.dumps({k: r[k] for k in keys}))
         return
     batch = PER_DEVICE_BATCH * a.world if a.single else PER_DEVICE_BATCH
     run(a.trainer, a.out, batch)

@@ -4,9 +4,9 @@ chunked loss gets the last hidden states with the head's weight, bias and logit 
 ``add_chunked_head(model)`` patches ``model.forward`` the way TRL 1.16's ``add_fused_lm_head`` does, so
 that ``model(**inputs, chunked_head=fn)`` returns ``ChunkedHeadOutput(fn(hidden, head), aux_loss)``.
 Running the loss inside the forward keeps FSDP's and DeepSpeed ZeRO-3's hooks armed: under FSDP2 a
-``DTensor`` head weight is gathered with ``full_tensor()``, under ZeRO-3 the head is gathered around the call
-(``trl.trainer.utils.maybe_gather_lm_head_ctx``), and the chunked losses compute their gradients in the
-forward.
+``DTensor`` head weight is gathered with ``full_tensor()``, under ZeRO-3 the loss runs as the head's
+``nn.Linear`` forward so that ZeRO-3 gathers the weight for the forward and for the gradient's accumulation,
+and the chunked losses compute their gradients in the forward.
 
 A LoRA adapter on ``lm_head`` trains through the chunked loss: its logits
 ``x·Wᵀ + b + Σ_a s_a·(drop_a(x)·A_aᵀ)·B_aᵀ`` equal ``[x, drop_a(x)·A_aᵀ, …] · [W, s_a·B_a, …]ᵀ + b``, so the
@@ -159,6 +159,33 @@ def _gather_ctx(params: tuple[Tensor, ...]):
     return maybe_gather_lm_head_ctx(*params)
 
 
+def _in_module_forward(module: nn.Module, chunked_head, hidden: Tensor, head: Head, raw: tuple[Tensor, ...]):
+    """``chunked_head(hidden, head)`` run as ``module``'s forward (the head's ``nn.Linear``), for ZeRO-3.
+
+    ZeRO-3 gathers a module's parameters in its pre-forward hook, and again in the pre-backward hook it hangs
+    on the forward's outputs. The gradient of ``lm_head.weight`` reaches the parameter's ``AccumulateGrad`` in
+    the backward, after a gather around the fused call alone has ended and the parameter is an empty
+    partition again (its shape ``(0,)`` cannot take the ``(V, H)`` gradient). Run as the head's forward, the
+    weight is gathered at both points, as for any ``nn.Linear``, and ZeRO-3's own hook reduce-scatters the
+    gradient.
+    """
+    had_own = "forward" in module.__dict__
+    own = module.__dict__.get("forward")
+
+    def forward(x):
+        with _gather_ctx(raw):  # a no-op for the head's own parameters, gathered by the hook by now
+            return chunked_head(x, head)
+
+    module.forward = forward
+    try:
+        return module(hidden)
+    finally:
+        if had_own:
+            module.forward = own
+        else:
+            del module.forward
+
+
 def add_chunked_head(model: nn.Module) -> None:
     """Patch ``model.forward`` so that ``model(..., chunked_head=fn)`` runs the backbone and returns
     ``ChunkedHeadOutput(fn(last_hidden_state, head), aux_loss)``; without ``chunked_head`` the forward is the
@@ -183,8 +210,12 @@ def add_chunked_head(model: nn.Module) -> None:
         backbone_out = self.base_model(*args, **kwargs)
         head, raw = _head_of(self)
         hidden = backbone_out.last_hidden_state.to(head.weight.device)
-        with _gather_ctx(raw):
-            result = chunked_head(hidden, head)
+        if any(hasattr(p, "ds_id") for p in raw):  # DeepSpeed ZeRO-3
+            lm_head = _base_linear(self.get_output_embeddings())
+            result = _in_module_forward(lm_head, chunked_head, hidden, head, raw)
+        else:
+            with _gather_ctx(raw):
+                result = chunked_head(hidden, head)
         aux_loss = None
         if kwargs.get("output_router_logits"):
             from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func

@@ -1,6 +1,13 @@
-"""Issue 9 on two GPUs: the chunked trainers under ``accelerate launch`` with FSDP2 and DeepSpeed ZeRO-3
-give the one-process gradients of the same global batch after one step, and the same 20-step loss curve
-(``benchmarks/multigpu_parity.py`` does the runs; skipped without two CUDA devices)."""
+"""Issue 9 on two GPUs: the chunked trainers under ``accelerate launch`` with FSDP2 and DeepSpeed ZeRO-3 give
+the one-process gradients of the same global batch after one step, and the same 20-step loss curve.
+
+The reference is the same accelerate config on one GPU with the global batch, so the two runs share their
+precision recipe and differ in the sharding and the split of the batch. ``benchmarks/multigpu_parity.py``
+does the runs and writes one comparison per trainer and backend. With
+``CHUNKLOSS_MULTIGPU_RESULTS=DIR`` (as ``benchmarks/multigpu_run.sh`` sets it) the tests check the comparisons
+that script left in DIR instead of running everything a second time; without it they launch the runs
+themselves. Skipped without two CUDA devices, and ZeRO-3 without DeepSpeed.
+"""
 
 from __future__ import annotations
 
@@ -14,45 +21,166 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-# bf16 training, fp32 comparison: the sharded run reduces bf16 gradients in another order than one process.
-# Not yet measured on 2xH200: 2e-2 relative to each tensor's largest entry is a bf16 rounding budget of a few
-# ulps (bf16 eps 7.8e-3); to be replaced by the measured error once the recorded run exists.
+RESULTS = os.environ.get("CHUNKLOSS_MULTIGPU_RESULTS")
+# benchmarks.multigpu_parity.STEPS, not imported: collecting the test must not need the benchmark's imports.
+STEPS = 20
+
+# PLACEHOLDERS, not measured yet: they will be replaced by the errors measured on the first recorded 2xH200
+# run (benchmarks/multigpu_run.sh; the lead sets them from its summary.md, with a margin, and says so here).
+# bf16 training, fp32 comparison: the sharded run reduces bf16 gradients in another order than one process,
+# and ZeRO-3 computes with bf16 weights where one process autocasts fp32 weights. 2e-2 relative to each
+# tensor's largest entry is a few bf16 ulps (eps 7.8e-3); the curve tolerance is relative to the curve's
+# largest |loss|.
 GRAD_RTOL = 2e-2
 CURVE_RTOL = 5e-2
+DISTRIBUTED_TYPE = {"fsdp2": "FSDP", "zero3": "DEEPSPEED"}
 
 
 def _run(cmd, env):
-    subprocess.run(cmd, cwd=ROOT, env=env, check=True, timeout=1800)
+    subprocess.run(cmd, cwd=ROOT, env=env, check=True, timeout=900)
+
+
+def _launch(backend: str, trainer: str, folder: Path) -> dict:
+    """The 2-GPU run, its 1-GPU reference (same config, global batch) and their comparison, when no recorded
+    results are given."""
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0"}
+    config = ROOT / "configs" / "accelerate" / f"{backend}.yaml"
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
+    script = ["-m", "benchmarks.multigpu_parity", "--trainer", trainer]
+    multi, ref, out = folder / "multi", folder / "ref", folder / "cmp.json"
+    _run([*launch, "--num_processes", "2", *script, "--out", str(multi)], env)
+    one_gpu = {**env, "CUDA_VISIBLE_DEVICES": env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
+    _run([*launch, "--num_processes", "1", *script, "--single", "--world", "2", "--out", str(ref)], one_gpu)
+    _run([sys.executable, *script, "--compare", str(multi), str(ref), "--out", str(out)], env)
+    return json.loads(out.read_text())
+
+
+def _recorded(backend: str, trainer: str) -> dict:
+    folder = Path(RESULTS)
+    f = folder / f"{trainer}_{backend}.json"
+    if f.exists():
+        return json.loads(f.read_text())
+    unavailable = folder / f"{backend}.error"
+    if unavailable.exists():  # the backend itself could not start on this host (DeepSpeed not importable)
+        pytest.skip(unavailable.read_text().strip().splitlines()[-1])
+    err = folder / f"{trainer}_{backend}.error"
+    why = err.read_text() if err.exists() else "no comparison and no error file"
+    pytest.fail(f"{trainer} under {backend}: no comparison in {folder}: {why}")
 
 
 @pytest.mark.multigpu
 @pytest.mark.parametrize("backend", ["fsdp2", "zero3"])
 @pytest.mark.parametrize("trainer", ["sft", "dpo", "grpo"])
 def test_parity_with_single_process(backend, trainer, tmp_path):
-    if backend == "zero3" and importlib.util.find_spec("deepspeed") is None:
-        pytest.skip("deepspeed is not installed (ZeRO-3 needs it)")
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0"}
-    mod = ["-m", "benchmarks.multigpu_parity", "--trainer", trainer]
-    config = ROOT / "configs" / "accelerate" / f"{backend}.yaml"
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
-    _run([*launch, "--num_processes", "2", *mod, "--out", str(tmp_path / "multi")], env)
-    single = {**env, "CUDA_VISIBLE_DEVICES": env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
-    _run([sys.executable, *mod, "--single", "--world", "2", "--out", str(tmp_path / "single")], single)
-    out = tmp_path / "cmp.json"
-    _run(
-        [
-            sys.executable,
-            *mod,
-            "--compare",
-            str(tmp_path / "multi"),
-            str(tmp_path / "single"),
-            "--out",
-            str(out),
-        ],
-        env,
+    if RESULTS:
+        r = _recorded(backend, trainer)
+    else:
+        if backend == "zero3" and importlib.util.find_spec("deepspeed") is None:
+            pytest.skip("deepspeed is not installed (ZeRO-3 needs it)")
+        r = _launch(backend, trainer, tmp_path)
+    print(
+        f"\n[multigpu] {trainer}/{backend}: grad error max abs {r['max_abs_grad_error']:.3e}, "
+        f"max rel {r['max_rel_grad_error']:.3e} (tolerance {GRAD_RTOL}); curve diff max abs "
+        f"{r['max_abs_curve_diff']:.3e}, max rel {r['max_rel_curve_diff']:.3e} (tolerance {CURVE_RTOL}); "
+        f"worst tensors: "
+        + ", ".join(
+            f"{n} {e['rel']:.2e}"
+            for n, e in sorted(
+                ((n, e) for n, e in r["per_param_grad_error"].items() if e is not None),
+                key=lambda kv: -kv[1]["rel"],
+            )[:3]
+        )
     )
-    r = json.loads(out.read_text())
-    assert r["missing_grads"] == []
-    assert r["max_rel_grad_error"] <= GRAD_RTOL, r["per_param_rel_grad_error"]
-    assert r["steps_compared"] == 20
+    # The run was sharded over two processes by the backend it names (a launcher that falls back to
+    # independent single processes would otherwise compare one process with itself).
+    assert r["multi"]["num_processes"] == 2 and r["single"]["num_processes"] == 1
+    assert DISTRIBUTED_TYPE[backend] in r["multi"]["distributed_type"]
+    assert r["single"]["distributed_type"] == r["multi"]["distributed_type"]
+    assert r["missing_grads"] == [] and r["extra_grads"] == []
+    assert r["zero_ref_grads"] == []  # every parameter's reference gradient is nonzero: nothing compared to 0
+    assert r["max_rel_grad_error"] <= GRAD_RTOL, r["per_param_grad_error"]
+    assert r["steps_compared"] == STEPS
     assert r["max_rel_curve_diff"] <= CURVE_RTOL, (r["curve_multi"], r["curve_single"])
+
+
+def _zero3_worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE="2",
+        DS_ACCELERATOR="cpu",  # read when deepspeed is imported: gloo, no CUDA
+    )
+    import deepspeed
+    import torch
+    from chunkloss.trainers._head import add_chunked_head
+    from deepspeed.utils import safe_get_full_grad
+    from transformers.integrations import HfDeepSpeedConfig
+
+    from .test_fsdp_cpu import _batch, _loss, _model
+
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        # Threshold 0: every parameter is partitioned, however small (the default keeps small ones whole).
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+    }
+    model = _model()
+    add_chunked_head(model)
+    hf_config = HfDeepSpeedConfig(config)  # noqa: F841 - transformers reads ZeRO-3 from it while it lives
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    ids, labels = _batch(model.config.vocab_size)
+    num_items = (labels[:, 1:] != -100).sum()
+    local = slice(rank * 2, rank * 2 + 2)
+    loss = _loss(engine, ids[local], labels[local], num_items, scale=2)
+    engine.backward(loss)
+    # Collective: every rank gathers every gradient in the same order.
+    grads = {n: safe_get_full_grad(p).detach().clone() for n, p in engine.module.named_parameters()}
+    total = loss.detach() / 2
+    torch.distributed.all_reduce(total)
+    if rank == 0:
+        torch.save((model.lm_head.weight.numel(), float(total), grads), out)
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+def test_zero3_gloo_grads_equal_single_process(tmp_path):
+    """The chunked head under DeepSpeed ZeRO-3 on CPU (2 gloo processes, fp32, every parameter partitioned):
+    the loss inside the model's forward, the head run as its ``nn.Linear``'s forward so that ZeRO-3 gathers
+    the weight for the forward and for the gradient's accumulation; the gradients equal one process's on the
+    same global batch (fp32: measured ~5e-7 relative with deepspeed 0.19.8, as FSDP2's 1e-7 in
+    test_fsdp_cpu.py; 1e-5 leaves margin). The first run JIT-builds DeepSpeed's CPU shared-memory op."""
+    import socket
+
+    import torch
+    import torch.multiprocessing as mp
+    from chunkloss.trainers._head import add_chunked_head
+
+    from .test_fsdp_cpu import RTOL, _batch, _loss, _model
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "rank0.pt")
+    mp.start_processes(_zero3_worker, args=(port, out), nprocs=2, start_method="spawn")
+    head_numel, loss, grads = torch.load(out)
+    assert head_numel == 0  # partitioned outside the forward: the path under test
+
+    model = _model()
+    add_chunked_head(model)
+    ids, labels = _batch(model.config.vocab_size)
+    ref_loss = _loss(model, ids, labels, (labels[:, 1:] != -100).sum())
+    ref_loss.backward()
+    torch.testing.assert_close(loss, float(ref_loss.detach()), rtol=RTOL, atol=0)
+    assert sorted(grads) == sorted(n for n, _ in model.named_parameters())
+    for name, p in model.named_parameters():
+        scale = float(p.grad.abs().max())
+        assert scale > 0, name
+        torch.testing.assert_close(
+            grads[name], p.grad, rtol=RTOL, atol=RTOL * scale, msg=lambda m, n=name: f"grad {n}: {m}"
+        )
