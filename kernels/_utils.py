@@ -31,18 +31,22 @@ class NormKnobs:
     """
 
     max_fused_cols: int = 8192
+    # RMSNorm's one-tile path still wins at 16384 on an H100 (1.11 ms, though it spills 484 B/thread, against
+    # 1.36 ms for the best looped configuration); LayerNorm's spills 1 KB and loses (5.9 ms against 1.62).
+    rms_max_fused_cols: int = 16384
     tile_elems: int = 4096  # fused: rows per program = tile_elems // BLOCK_N (1..64), for short rows
     warp_scale: float = 1.0  # fused: multiplies row_warps()
     # Fused backward programs per SM (each loops over its rows serially). Swept at 16384 rows: 8 was fastest
     # up to width 4096, 2 from 8192 on, where one row already keeps enough bytes in flight.
     bwd_programs_per_sm: int = 8  # BLOCK_N <= 4096
     bwd_programs_per_sm_wide: int = 2  # BLOCK_N > 4096
-    # Looped path, not yet swept on the GPU. 2048 columns x 8 warps is 8 elements per thread per tensor: ptxas
-    # (sm_90) gives the backward kernels 58-64 registers, so 4 programs (32 warps) fit on an SM.
-    loop_block_n: int = 2048  # columns per step
-    loop_block_m: int = 1  # backward rows per step (each step adds into the dW partial row once)
-    loop_warps: int = 8
-    loop_bwd_programs_per_sm: int = 4
+    # Looped path, swept at 16384 x 16384 on an H100 (benchmarks/results/dev/tune_norms_h100_16384.json): of
+    # 144 configurations 4096 columns x 16 warps with 4 rows per step was best for both norms (LayerNorm
+    # 1.62 ms, RMSNorm 1.36 ms; the first guess, 2048 x 8 warps x 1 row, took 2.92 and 2.16 ms).
+    loop_block_n: int = 4096  # columns per step
+    loop_block_m: int = 4  # backward rows per step (each step adds into the dW partial row once)
+    loop_warps: int = 16
+    loop_bwd_programs_per_sm: int = 1
 
 
 KNOBS = NormKnobs()
@@ -53,12 +57,20 @@ def norm_knobs(**changes):
     """Temporarily replace fields of :data:`KNOBS` (tests force the looped path at small widths with
     ``norm_knobs(max_fused_cols=16, loop_block_n=16)``)."""
     global KNOBS
+    if "max_fused_cols" in changes:  # a forced threshold applies to both norms unless RMSNorm's is given
+        changes.setdefault("rms_max_fused_cols", changes["max_fused_cols"])
     previous = KNOBS
     KNOBS = dataclasses.replace(previous, **changes)
     try:
         yield KNOBS
     finally:
         KNOBS = previous
+
+
+@functools.lru_cache(maxsize=16)
+def rms_knobs(knobs: NormKnobs) -> NormKnobs:
+    """``knobs`` with RMSNorm's own fused-row threshold."""
+    return dataclasses.replace(knobs, max_fused_cols=knobs.rms_max_fused_cols)
 
 
 def row_warps(block: int) -> int:
