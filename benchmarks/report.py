@@ -2,8 +2,8 @@
 
     python -m benchmarks.report          # rewrites the block between <!-- PERF --> markers in README.md
 
-Loss rows come from ``losses.json``, except DPO/ORPO, which come from ``losses_preference.json`` (a
-later run, after the chunk-planning change for sequence losses); kernel rows from ``kernels.json``.
+Loss rows come from ``losses.json`` (CE, GRPO, JSD) and ``losses_preference.json`` (DPO, ORPO); kernel rows
+from ``kernels.json``; end-to-end rows from ``e2e/``; GPU-scale config runs from ``gpu_configs/``.
 """
 
 from __future__ import annotations
@@ -58,12 +58,48 @@ def kernel_table() -> list[str]:
     table = [ln for ln in lines if ln.startswith("|")]
     return [
         f"Row kernels, forward + backward, bf16, on one {k['meta'].get('device', 'GPU')}. From "
-        "`benchmarks/results/kernels.md`; a quick run earlier the same day "
-        "(`results/dev/kernels_h100_quick_run6.md`) "
-        "measured every implementation 1.5–3× faster at width 4096, so treat these as one noisy sample.",
+        "`benchmarks/results/kernels.md`: GPU = the step replayed from a CUDA graph (the kernels alone), "
+        "eager = launched from Python back to back (host-bound for the small cases).",
         "",
         *table,
     ]
+
+
+def e2e_table() -> list[str]:
+    """GRPO from run 1; DPO and ORPO from run 2 (after the two-pass change, which GRPO's dapo skips)."""
+    run1, run2 = _load("e2e/e2e_all_run1.json"), _load("e2e/e2e_dpo_orpo_run2.json")
+    rows = [r for r in run1["sweep"] if r["task"] == "grpo"] + run2["sweep"]
+    out = [
+        f"End to end (`benchmarks/bench_e2e.py`, one {run2['device']}, 4 decoder layers, full-size heads): "
+        "step time in s / peak GiB, chunkloss trainer vs TRL 1.16's. GRPO: Qwen3-0.6B shape; DPO, ORPO: "
+        "Llama-3.2-1B shape, 512 tokens. From `benchmarks/results/e2e/`.",
+        "",
+        "| task | batch | TRL | chunkloss | time ratio | memory ratio |",
+        "|---|---|---|---|---|---|",
+    ]
+    for task in ("grpo", "dpo", "orpo"):
+        for batch in sorted({r["batch"] for r in rows if r["task"] == task}):
+            by = {r["impl"]: r for r in rows if r["task"] == task and r["batch"] == batch}
+            cells = []
+            for impl in ("trl", "chunkloss"):
+                r = by.get(impl)
+                cells.append("–" if r is None else "OOM" if r.get("oom") else
+                             f"{r['step_time_s']:.3f} / {r['peak_mem_gib']:.2f}")
+            t, c = by.get("trl"), by.get("chunkloss")
+            if t and c and not t.get("oom") and not c.get("oom"):
+                ratios = [f"{c['step_time_s'] / t['step_time_s']:.2f}",
+                          f"{c['peak_mem_gib'] / t['peak_mem_gib']:.2f}"]
+            else:
+                ratios = ["–", "–"]
+            out.append(f"| {task} | {batch} | " + " | ".join(cells + ratios) + " |")
+    return out
+
+
+def configs_table() -> list[str]:
+    lines = (RESULTS / "gpu_configs" / "gpu_configs.md").read_text().splitlines()
+    return ["GPU-scale configs (`python -m benchmarks.gpu_configs`), from `benchmarks/results/gpu_configs/`:",
+            "",
+            *[ln for ln in lines if ln.startswith("|")]]
 
 
 def main():
@@ -71,7 +107,7 @@ def main():
     text = readme.read_text()
     head, _, rest = text.partition(MARK)
     _, _, tail = rest.partition(MARK)
-    body = "\n".join([*loss_table(), "", *kernel_table()])
+    body = "\n".join([*loss_table(), "", *kernel_table(), "", *e2e_table(), "", *configs_table()])
     readme.write_text(f"{head}{MARK}\n{body}\n{MARK}{tail}")
 
 
