@@ -37,6 +37,7 @@ import argparse  # noqa: E402
 import copy  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
+import re  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 import zlib  # noqa: E402
@@ -69,7 +70,8 @@ def _full_grad(param, deepspeed: bool) -> torch.Tensor | None:
         g = param.grad
         if g is not None and type(g).__name__ == "DTensor":
             g = g.full_tensor()
-    return None if g is None else g.detach().float().cpu()
+    # A copy: on CPU in fp32 .float().cpu() would alias the gradient, which clipping then scales in place.
+    return None if g is None else g.detach().to("cpu", torch.float32, copy=True)
 
 
 class GradTap:
@@ -321,10 +323,14 @@ def _memory(mem) -> str:
 
 
 def _reason(error_text: str) -> str:
-    """The line of a run's error file that says why: its last error or time-out line, else its last line."""
+    """Why a run failed, from its error file: a time-out or skip, else its first exception line, else its last
+    line."""
     lines = [ln.strip() for ln in error_text.strip().splitlines() if ln.strip()]
-    keys = ("Error", "error:", "timed out", "skipped", "Killed")
-    return next((ln for ln in reversed(lines) if any(k in ln for k in keys)), lines[-1] if lines else "?")
+    for pattern in (r"timed out|skipped", r"\w+(Error|Exception)\b"):
+        hit = next((ln for ln in lines if re.search(pattern, ln) and "Warning" not in ln), None)
+        if hit:
+            return hit[:300]
+    return lines[-1][:300] if lines else "?"
 
 
 def summary(folder: Path) -> str:
