@@ -25,7 +25,7 @@ def loss_table() -> list[str]:
     main, pref = _load("losses.json"), _load("losses_preference.json")
     rows = [r for r in main["rows"] if r["group"] not in ("dpo", "orpo")] + pref["rows"]
     cases = list(dict.fromkeys(r["case"] for r in rows))
-    impls = ["chunkloss", "torch", "torch.compile", "trl 1.16 head", "trl 1.16 chunked divergence"]
+    impls = ["chunkloss", "chunkloss (bf16 accum)", "torch", "torch.compile", "trl 1.16 head", "trl 1.16 chunked divergence"]
     impls += ["liger", "cce"]
     out = [
         f"Losses, forward + backward, bf16, H=4096, V=128256, on one {main['meta']['device']} "
