@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -190,6 +192,25 @@ def sequence_batch(
     return batch, order
 
 
+# Arguments of a loss's forward that are a head's tensors (cast under autocast): hidden, weight, bias and
+# their ref_/student_/teacher_ forms.
+_HEAD_ARG = re.compile(r"^(?:(?:ref|student|teacher)_)?(?:hidden|weight|bias)$")
+
+
+def _autocast_device(args, kwargs) -> str | None:
+    """The device type of the first tensor argument when autocast is on for it, else ``None``."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, Tensor):
+            device = value.device.type
+            return device if torch.is_autocast_enabled(device) else None
+    return None
+
+
+@functools.cache
+def _forward_signature(cls) -> inspect.Signature:
+    return inspect.signature(cls.forward)
+
+
 class FusedLinearBase(nn.Module):
     """Base module of every chunked loss. Subclasses set ``options_cls`` and define either
     ``chunk_loss`` (token losses) or ``token_stats`` + ``sequence_loss`` (sequence losses), and a
@@ -215,6 +236,26 @@ class FusedLinearBase(nn.Module):
         self.options = self.options_cls(**options)
         self.metrics: dict[str, Tensor] = {}
         self._compiled: dict[str, object] = {}
+
+    def __call__(self, *args, **kwargs):
+        """Under ``torch.autocast`` the heads run in the autocast dtype, as ``nn.Linear`` would.
+
+        The heads' fp32 tensors (``hidden``, ``weight``, ``bias`` and their ``ref_``/``student_``/``teacher_``
+        forms) are cast to the autocast dtype before the loss sees them, and the loss runs with autocast off:
+        inside the chunk loop every GEMM writes into buffers of the inputs' dtype. Autograd carries the
+        gradients back through the casts to the fp32 tensors. Other tensors (labels, advantages,
+        log-probs) are left as they are.
+        """
+        device = _autocast_device(args, kwargs)
+        if device is None:
+            return super().__call__(*args, **kwargs)
+        dtype = torch.get_autocast_dtype(device)
+        bound = _forward_signature(type(self)).bind(self, *args, **kwargs)
+        for name, value in bound.arguments.items():
+            if _HEAD_ARG.match(name) and isinstance(value, Tensor) and value.dtype == torch.float32:
+                bound.arguments[name] = value.to(dtype)
+        with torch.autocast(device, enabled=False):
+            return super().__call__(*bound.args[1:], **bound.kwargs)  # args[0] is self
 
     # ----------------------------------------------------------------------------------------------
     # The per-chunk math a subclass provides (pure functions of tensors and the options).

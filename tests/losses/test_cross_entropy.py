@@ -283,3 +283,27 @@ def test_matches_torch_cross_entropy_directly():
         (hidden @ weight.t() + b).reshape(-1, V), labels.reshape(-1), label_smoothing=0.1
     )
     torch.testing.assert_close(ours, theirs)
+
+
+@pytest.mark.parametrize("hidden_dtype", [torch.float32, torch.bfloat16])
+def test_autocast_runs_the_head_in_the_autocast_dtype(hidden_dtype):
+    """Under bf16 autocast (a Trainer with bf16=True on an fp32 model) the loss equals the same loss on
+    bf16 copies of the fp32 head tensors, and the fp32 leaves get fp32 gradients. Before the cast, the chunk
+    loop's fp32 buffers met autocast's bf16 GEMM outputs and raised."""
+    torch.manual_seed(0)
+    hidden = torch.randn(3, 5, 16).to(hidden_dtype).requires_grad_()
+    weight = (torch.randn(40, 16) * 0.1).requires_grad_()
+    bias = torch.randn(40).requires_grad_()
+    labels = torch.randint(0, 40, (3, 5))
+    labels[0, :2] = -100
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = FusedLinearCrossEntropyLoss(compile=False)(hidden, weight, labels, bias=bias)
+    loss.backward()
+    assert weight.grad.dtype == torch.float32 and hidden.grad.dtype == hidden_dtype
+    copies = [t.detach().bfloat16().requires_grad_() for t in (hidden, weight, bias)]
+    expect = FusedLinearCrossEntropyLoss(compile=False)(copies[0], copies[1], labels, bias=copies[2])
+    expect.backward()
+    # Same bf16 computation on both sides: equal up to the final fp32 casts.
+    assert torch.equal(loss, expect)
+    for got, ref in zip((hidden, weight, bias), copies):
+        torch.testing.assert_close(got.grad.float(), ref.grad.float(), rtol=0, atol=0)
