@@ -25,8 +25,8 @@ def loss_table() -> list[str]:
     main, pref = _load("losses.json"), _load("losses_preference.json")
     rows = [r for r in main["rows"] if r["group"] not in ("dpo", "orpo")] + pref["rows"]
     cases = list(dict.fromkeys(r["case"] for r in rows))
-    impls = ["chunkloss", "chunkloss (bf16 accum)", "torch", "torch.compile", "trl 1.16 head", "trl 1.16 chunked divergence"]
-    impls += ["liger", "cce"]
+    impls = ["chunkloss", "chunkloss (bf16 accum)", "torch", "torch.compile", "trl 1.16 head"]
+    impls += ["trl 1.16 chunked divergence", "liger", "cce"]
     out = [
         f"Losses, forward + backward, bf16, H=4096, V=128256, on one {main['meta']['device']} "
         f"(torch {main['meta']['torch']}). Each cell: ms / peak extra GiB beyond the returned gradients; "
