@@ -274,12 +274,14 @@ def _layer_norm_bwd_looped_kernel(
                 wdy = dy * tl.load(W + col, mask=col_mask, other=0.0).to(tl.float32)[None, :]
                 dx = rstd[:, None] * (wdy - xhat * c1[:, None] - c2[:, None])
                 tl.store(DX + rows[:, None] * stride_dx + col[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-            not_first = col_mask & (start > row_start)
+            # The first row step starts the partial sums: what the buffer held is read and dropped (a
+            # where, not a load mask: Triton 3.9's interpreter refuses a mask built from a scalar comparison).
+            not_first = start > row_start
             if HAS_DW:
-                dw = tl.load(dw_row + col, mask=not_first, other=0.0)
+                dw = tl.where(not_first, tl.load(dw_row + col, mask=col_mask, other=0.0), 0.0)
                 tl.store(dw_row + col, dw + tl.sum(dy * xhat, axis=0), mask=col_mask)
             if HAS_DB:
-                db = tl.load(db_row + col, mask=not_first, other=0.0)
+                db = tl.where(not_first, tl.load(db_row + col, mask=col_mask, other=0.0), 0.0)
                 tl.store(db_row + col, db + tl.sum(dy, axis=0), mask=col_mask)
             col0 += BLOCK_N
         if HAS_DW or HAS_DB:

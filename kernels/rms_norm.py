@@ -259,7 +259,8 @@ def _rms_norm_bwd_looped_kernel(
             if HAS_DW:
                 if CAST_LLAMA:
                     xhat = xhat.to(X.dtype.element_ty).to(tl.float32)
-                dw = tl.load(dw_row + col, mask=col_mask & (start > row_start), other=0.0)
+                # The first row step starts the partial sums (a where: see the LayerNorm kernel).
+                dw = tl.where(start > row_start, tl.load(dw_row + col, mask=col_mask, other=0.0), 0.0)
                 tl.store(dw_row + col, dw + tl.sum(dy * xhat, axis=0), mask=col_mask)
             col0 += BLOCK_N
         if HAS_DW:
