@@ -111,6 +111,17 @@ def counting_dataset(kind: str, n: int, length: int) -> Dataset:
     return Dataset.from_dict({"prompt": prompts, "chosen": good, "rejected": bad})
 
 
+def even_id_reward(completion_ids, **kwargs) -> list[float]:
+    """Fraction of a completion's token ids that are even. A random model's samples almost all decode to
+    nothing the tiny tokenizer knows, so the counting reward alone is the same for every completion of a
+    group, the advantages are zero and the loss curves say nothing; this reward varies between samples and
+    the policy can learn it."""
+    return [sum(i % 2 == 0 for i in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
+GRPO_REWARDS = [count_reward, even_id_reward]
+
+
 class StepTimer(TrainerCallback):
     def __init__(self):
         self.times: list[float] = []
@@ -151,11 +162,11 @@ def make_trainer(task: str, impl: str, model, ref, tokenizer, ds, out_dir: str, 
         cfg = dict(common, num_generations=2, max_completion_length=a.completion_len, temperature=1.0)
         if impl == "trl":
             return GRPOTrainer(
-                model, count_reward, GRPOConfig(**cfg), train_dataset=ds, processing_class=tokenizer
+                model, GRPO_REWARDS, GRPOConfig(**cfg), train_dataset=ds, processing_class=tokenizer
             )
         return ChunkedGRPOTrainer(
             model,
-            count_reward,
+            GRPO_REWARDS,
             ChunkedGRPOConfig(**cfg, **chunk),
             train_dataset=ds,
             processing_class=tokenizer,
@@ -233,6 +244,8 @@ def run_one(task, impl, shape, batch, steps, a, tokenizer, ds, state, shared):
         res["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
         logs = trainer.state.log_history
         res["losses"] = [h["loss"] for h in logs if "loss" in h]
+        # GRPO's on-policy loss is ~0 whatever the weights (zero-mean advantages); its reward curve tracks.
+        res["rewards"] = [h["reward"] for h in logs if "reward" in h]
         ntok = [h.get("num_tokens") for h in logs if h.get("num_tokens") is not None]
         if len(ntok) >= 2:
             per_step = (ntok[-1] - ntok[0]) / max(len(ntok) - 1, 1)
@@ -388,12 +401,14 @@ def write_outputs(results: dict, out: str, plot: bool = True) -> None:
                      f"{'' if tps is None else f'{tps:.0f}'} | {mem} |")  # fmt: skip
     for s in results.get("skipped", []):
         lines.append(f"\n{s['task']}: sweep stopped before batch {s['batch']} ({s['reason']}).")
-    lines += ["", "## Loss curves (first and last logged loss)", "",
-              "| task | impl | batch | steps | first | last |", "|---|---|---|---|---|---|"]  # fmt: skip
+    lines += ["", "## Curves (first and last logged loss, and reward where the trainer logs one)", "",
+              "| task | impl | batch | steps | first loss | last loss | first reward | last reward |",
+              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in results["curves"]:
         ls = r.get("losses") or [math.nan]
+        rw = r.get("rewards") or [math.nan]
         row = f"| {r['task']} | {r['impl']} | {r['batch']} | {r['steps']}"
-        lines.append(f"{row} | {ls[0]:.4f} | {ls[-1]:.4f} |")
+        lines.append(f"{row} | {ls[0]:.4f} | {ls[-1]:.4f} | {rw[0]:.4f} | {rw[-1]:.4f} |")
     lines.append(f"\nWall time: {results.get('wall_s', math.nan):.0f} s")
     with open(os.path.join(out, "e2e.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -411,10 +426,11 @@ def write_outputs(results: dict, out: str, plot: bool = True) -> None:
         return
     fig, axes = plt.subplots(2, len(tasks), figsize=(5 * len(tasks), 8), squeeze=False)
     for j, task in enumerate(tasks):
+        key = "rewards" if any(r.get("rewards") for r in results["curves"] if r["task"] == task) else "losses"
         for r in results["curves"]:
-            if r["task"] == task and r.get("losses"):
-                axes[0][j].plot(r["losses"], label=r["impl"])
-        axes[0][j].set_title(f"{task}: loss")
+            if r["task"] == task and r.get(key):
+                axes[0][j].plot(r[key], label=r["impl"])
+        axes[0][j].set_title(f"{task}: {key[:-1]}")
         for impl in IMPLS:
             pts = [
                 (r["batch"], r["peak_mem_gib"])
