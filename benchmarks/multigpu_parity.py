@@ -39,7 +39,6 @@ import json  # noqa: E402
 import random  # noqa: E402
 import re  # noqa: E402
 import statistics  # noqa: E402
-import time  # noqa: E402
 import zlib  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -108,32 +107,6 @@ class GradTap:
         if self.grads is None and not _is_deepspeed(self.trainer):
             self._read()
         return loss
-
-
-def _step_clock():
-    from transformers import TrainerCallback
-
-    class StepClock(TrainerCallback):
-        """Wall time of each optimizer step (generation and scoring included for GRPO)."""
-
-        def __init__(self):
-            self.times: list[float] = []
-            self._t0 = 0.0
-
-        @staticmethod
-        def _sync():
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-
-        def on_step_begin(self, args, state, control, **kw):
-            self._sync()
-            self._t0 = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kw):
-            self._sync()
-            self.times.append(time.perf_counter() - self._t0)
-
-    return StepClock()
 
 
 def _fixed_completions_grpo():
@@ -239,7 +212,9 @@ def run(kind: str, out: Path, batch: int) -> None:
     (pids / f"rank{os.environ.get('RANK', '0')}.pid").write_text(str(os.getpid()))
     tr = _trainer(kind, out, STEPS, batch, bf16)
     tap = GradTap(tr)
-    clock = _step_clock()
+    from benchmarks.bench_e2e import StepTimer
+
+    clock = StepTimer()
     tr.add_callback(clock)
     tr.train()
     memory = _peak_memory_gib(tr)
