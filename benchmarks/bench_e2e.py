@@ -46,6 +46,9 @@ SHAPES = {
     "qwen3-0.6b": dict(
         family="qwen3", vocab=151936, hidden=1024, inter=3072, layers=28, heads=16, kv=8, head_dim=128
     ),
+    "qwen3-1.7b": dict(
+        family="qwen3", vocab=151936, hidden=2048, inter=6144, layers=28, heads=16, kv=8, head_dim=128
+    ),
     "llama-3.2-1b": dict(
         family="llama", vocab=128256, hidden=2048, inter=8192, layers=16, heads=32, kv=8, head_dim=64
     ),

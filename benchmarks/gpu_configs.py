@@ -21,12 +21,6 @@ from pathlib import Path
 
 import torch
 
-SHAPES = {
-    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128),
-    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128),
-}
 # Per trainer: extra overrides that shorten generation so a few steps fit the host's command limit.
 SHORTEN = {
     "grpo": ["--max_completion_length", "64"],
@@ -36,23 +30,16 @@ SHORTEN = {
 
 
 def save_checkpoint(name: str, root: Path) -> Path:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
+    """A random checkpoint of ``bench_e2e.SHAPES[name]`` (bf16) with the local tokenizer, saved once."""
+    from benchmarks.bench_e2e import build_model
     from chunkloss.data import tiny_tokenizer
 
     path = root / name
     if (path / "config.json").exists():
         return path
     tok = tiny_tokenizer()
-    cfg = AutoConfig.for_model(
-        "qwen3", vocab_size=151936, max_position_embeddings=4096, tie_word_embeddings=True,
-        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
-        **SHAPES[name],
-    )
-    torch.manual_seed(0)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    model.save_pretrained(path)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    build_model(name, None, tok, device, torch.bfloat16).save_pretrained(path)
     tok.save_pretrained(path)
     return path
 
