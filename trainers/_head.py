@@ -235,13 +235,17 @@ def add_chunked_head(model: nn.Module) -> None:
 
 
 @contextlib.contextmanager
-def allow_lm_head_adapter(model: nn.Module):
+def allow_lm_head_adapter(model: nn.Module | str):
     """While TRL's constructor runs, show it the plain ``nn.Linear`` under a LoRA adapter on ``lm_head``.
 
     TRL refuses such an adapter because its fused head reads ``lm_head.weight`` and would never train it; the
     chunked head here trains it, so the refusal does not apply. Only ``get_output_embeddings`` is shadowed on
-    the instance, and only for the duration of the block.
+    the instance, and only for the duration of the block. A model given by name (TRL loads it) has no
+    adapter yet: nothing to do.
     """
+    if not isinstance(model, nn.Module):
+        yield
+        return
     target = model
     while hasattr(target, "get_base_model") and target is not target.get_base_model():
         target = target.get_base_model()

@@ -10,17 +10,14 @@ smoothing of TRL 1.16 is covered, with the model's final logit softcapping (Gemm
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
-from accelerate.utils import is_peft_model
-from torch import nn
 from trl import DPOConfig, DPOTrainer
 
 from chunkloss.losses.dpo import FusedLinearDPOLoss
 
-from ._common import ChunkedArguments, chunk_options, refuse
+from ._common import ChunkedArguments, chunk_options, peft_base, refuse
 from ._head import add_chunked_head, allow_lm_head_adapter, check_head_supported, head_transforms
 
 __all__ = ["ChunkedDPOConfig", "ChunkedDPOTrainer"]
@@ -43,10 +40,9 @@ class ChunkedDPOTrainer(DPOTrainer):
     def __init__(self, model, ref_model=None, args: DPOConfig | None = None, *pos, **kwargs):
         if args is not None:
             chunk_options(args)
-        ctx = allow_lm_head_adapter(model) if isinstance(model, nn.Module) else contextlib.nullcontext()
-        with ctx:
+        with allow_lm_head_adapter(model):
             super().__init__(model, ref_model, args, *pos, **kwargs)
-        base = self.model.get_base_model() if is_peft_model(self.model) else self.model
+        base = peft_base(self.model)
         check_head_supported(base)
         softcap, logit_scale = head_transforms(base.config)
         add_chunked_head(base)

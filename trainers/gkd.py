@@ -16,11 +16,9 @@ student's and the teacher's heads gathered.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from trl.experimental.gkd import GKDConfig, GKDTrainer
 
@@ -68,8 +66,7 @@ class ChunkedGKDTrainer(GKDTrainer):
             )
         if args is not None:
             chunk_options(args)  # validate early
-        ctx = allow_lm_head_adapter(model) if isinstance(model, nn.Module) else contextlib.nullcontext()
-        with ctx:
+        with allow_lm_head_adapter(model):
             super().__init__(model, teacher_model, args, *pos, **kwargs)
         base = peft_base(self.model)
         check_head_supported(base)

@@ -13,13 +13,11 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
-from accelerate.utils import is_peft_model
-from torch import nn
 from trl import GRPOConfig, GRPOTrainer
 
 from chunkloss.losses.grpo import FusedLinearGRPOLoss
 
-from ._common import ChunkedArguments, chunk_options, refuse
+from ._common import ChunkedArguments, chunk_options, peft_base, refuse
 from ._head import add_chunked_head, allow_lm_head_adapter, check_head_supported, head_transforms
 
 __all__ = ["ChunkedGRPOConfig", "ChunkedGRPOTrainer"]
@@ -62,10 +60,9 @@ class ChunkedGRPOTrainer(GRPOTrainer):
                     "use_adaptive_entropy=True",
                     "the adaptive entropy controller is not implemented; set a static entropy_coef",
                 )
-        ctx = allow_lm_head_adapter(model) if isinstance(model, nn.Module) else contextlib.nullcontext()
-        with ctx:
+        with allow_lm_head_adapter(model):
             super().__init__(model, reward_funcs, args, *pos, **kwargs)
-        base = self.model.get_base_model() if is_peft_model(self.model) else self.model
+        base = peft_base(self.model)
         check_head_supported(base)
         softcap, logit_scale = head_transforms(base.config)
         self._head_transforms = {"softcap": softcap, "logit_scale": logit_scale}

@@ -9,17 +9,14 @@ softcapping (Gemma-2) and logit scale (Cohere) are applied by the loss.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
-from accelerate.utils import is_peft_model
-from torch import nn
 from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
 from chunkloss.losses.orpo import FusedLinearORPOLoss
 
-from ._common import ChunkedArguments, chunk_options, refuse
+from ._common import ChunkedArguments, chunk_options, peft_base, refuse
 from ._head import add_chunked_head, allow_lm_head_adapter, check_head_supported, head_transforms
 
 __all__ = ["ChunkedORPOConfig", "ChunkedORPOTrainer"]
@@ -41,13 +38,12 @@ class ChunkedORPOTrainer(ORPOTrainer):
     def __init__(self, model=None, args: ORPOConfig | None = None, *pos, **kwargs):
         if args is not None:
             chunk_options(args)
-        ctx = allow_lm_head_adapter(model) if isinstance(model, nn.Module) else contextlib.nullcontext()
-        with ctx:
+        with allow_lm_head_adapter(model):
             super().__init__(model, args, *pos, **kwargs)
         name = type(self).__name__
         if self.is_encoder_decoder:
             refuse(name, "encoder-decoder models", "the chunked head covers causal LMs")
-        base = self.model.get_base_model() if is_peft_model(self.model) else self.model
+        base = peft_base(self.model)
         check_head_supported(base)
         softcap, logit_scale = head_transforms(base.config)
         add_chunked_head(base)

@@ -8,12 +8,10 @@ labels, padding-free batches, ``num_items_in_batch`` under gradient accumulation
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 from trl import SFTConfig, SFTTrainer
 
 from chunkloss.losses.cross_entropy import FusedLinearCrossEntropyLoss
@@ -50,8 +48,7 @@ class ChunkedSFTTrainer(SFTTrainer):
             )
         if args is not None:
             chunk_options(args)  # validate early
-        ctx = allow_lm_head_adapter(model) if isinstance(model, nn.Module) else contextlib.nullcontext()
-        with ctx:
+        with allow_lm_head_adapter(model):
             super().__init__(model, args, *pos, **kwargs)
         pc = self.accelerator.parallelism_config
         if (
