@@ -34,6 +34,12 @@ def model_pair(family: str = "qwen3", seed: int = 0, **overrides):
     return m, copy.deepcopy(m)
 
 
+def teacher_model(family: str = "qwen3", hidden_size: int = 48, seed: int = 1, **overrides):
+    """A tiny random teacher, wider than the student (only the vocabulary must match)."""
+    torch.manual_seed(seed)
+    return tiny_model(tokenizer(), family, hidden_size=hidden_size, num_layers=1, **overrides)
+
+
 def common_args(tmp_path, **kw):
     return dict(
         output_dir=str(tmp_path),

@@ -14,19 +14,20 @@ import torch
 from chunkloss.trainers.distillation import ChunkedDistillationConfig, ChunkedDistillationTrainer
 from trl import DistillationConfig, DistillationTrainer
 
-from chunkloss.data import tiny_dataset, tiny_model
-from tests.trainers.helpers import assert_close_loss, assert_same_grads, common_args, model_pair, tokenizer
-
-
-def _teacher(family="qwen3", hidden_size=48, seed=1, **overrides):
-    """A tiny random teacher, wider than the student (only the vocabulary must match)."""
-    torch.manual_seed(seed)
-    return tiny_model(tokenizer(), family, hidden_size=hidden_size, num_layers=1, **overrides)
+from chunkloss.data import tiny_dataset
+from tests.trainers.helpers import (
+    assert_close_loss,
+    assert_same_grads,
+    common_args,
+    model_pair,
+    teacher_model,
+    tokenizer,
+)
 
 
 def _pair(tmp_path, models=None, teacher=None, compile=False, chunk_size=7, **cfg):
     ref_model, our_model = models or model_pair()
-    teacher = teacher if teacher is not None else _teacher()
+    teacher = teacher if teacher is not None else teacher_model()
     ds = tiny_dataset("distillation", n=8)
     base = common_args(tmp_path, **{"max_completion_length": 6, "beta": 0.5, **cfg})
     ref = DistillationTrainer(
@@ -148,14 +149,14 @@ def test_distillation_training_step(tmp_path):
 def test_distillation_head_transforms(tmp_path, family, overrides):
     """Softcapping and logit scale on both heads, read from each config as TRL reads them."""
     models = model_pair(family=family, **overrides)
-    teacher = _teacher(family, **{k: 2 * v for k, v in overrides.items()})
+    teacher = teacher_model(family, **{k: 2 * v for k, v in overrides.items()})
     ref, ours = _pair(tmp_path, models=models, teacher=teacher)
     _check(ref, ours)
 
 
 def test_distillation_lm_head_bias(tmp_path):
     ref_model, our_model = model_pair()
-    teacher = _teacher()
+    teacher = teacher_model()
     torch.manual_seed(2)
     head = torch.nn.Linear(32, ref_model.config.vocab_size, bias=True)
     ref_model.lm_head, our_model.lm_head = head, copy.deepcopy(head)
@@ -165,7 +166,7 @@ def test_distillation_lm_head_bias(tmp_path):
     assert ours.model.lm_head.bias.grad is not None
 
 
-def test_distillation_refuses_missing_teacher(tmp_path):
+def test_distillation_refuses_missingteacher_model(tmp_path):
     model, _ = model_pair()
     with pytest.raises(ValueError, match="teacher_model=None"):
         ChunkedDistillationTrainer(
@@ -182,7 +183,7 @@ def test_distillation_bad_chunk_options(tmp_path):
     with pytest.raises(ValueError, match="chunk_accum_dtype"):
         ChunkedDistillationTrainer(
             model,
-            _teacher(),
+            teacher_model(),
             ChunkedDistillationConfig(**common_args(tmp_path), chunk_accum_dtype="int8"),
             train_dataset=tiny_dataset("distillation", 8),
             processing_class=tokenizer(),

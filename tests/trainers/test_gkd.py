@@ -11,19 +11,20 @@ import torch
 from chunkloss.trainers.gkd import ChunkedGKDConfig, ChunkedGKDTrainer
 from trl.experimental.gkd import GKDConfig, GKDTrainer
 
-from chunkloss.data import tiny_dataset, tiny_model
-from tests.trainers.helpers import assert_close_loss, assert_same_grads, common_args, model_pair, tokenizer
-
-
-def _teacher(family="qwen3", hidden_size=48, seed=1, **overrides):
-    """A tiny random teacher, wider than the student (only the vocabulary must match)."""
-    torch.manual_seed(seed)
-    return tiny_model(tokenizer(), family, hidden_size=hidden_size, num_layers=1, **overrides)
+from chunkloss.data import tiny_dataset
+from tests.trainers.helpers import (
+    assert_close_loss,
+    assert_same_grads,
+    common_args,
+    model_pair,
+    teacher_model,
+    tokenizer,
+)
 
 
 def _pair(tmp_path, models=None, teacher=None, compile=False, chunk_size=7, **cfg):
     ref_model, our_model = models or model_pair()
-    teacher = teacher if teacher is not None else _teacher()
+    teacher = teacher if teacher is not None else teacher_model()
     ds = tiny_dataset("gkd", n=8)
     base = common_args(tmp_path, **{"max_length": 64, "lmbda": 0.0, "max_new_tokens": 6, **cfg})
     ref = GKDTrainer(
@@ -116,14 +117,14 @@ def test_gkd_temperature_does_not_reach_loss(tmp_path):
 def test_gkd_head_transforms(tmp_path, family, overrides):
     """Softcapping and logit scale on both heads, as each model's forward applies them."""
     models = model_pair(family=family, **overrides)
-    teacher = _teacher(family, **{k: 2 * v for k, v in overrides.items()})
+    teacher = teacher_model(family, **{k: 2 * v for k, v in overrides.items()})
     ref, ours = _pair(tmp_path, models=models, teacher=teacher)
     _check(ref, ours)
 
 
 def test_gkd_lm_head_bias(tmp_path):
     ref_model, our_model = model_pair()
-    teacher = _teacher()
+    teacher = teacher_model()
     torch.manual_seed(2)
     head = torch.nn.Linear(32, ref_model.config.vocab_size, bias=True)
     ref_model.lm_head, our_model.lm_head = head, copy.deepcopy(head)
@@ -143,7 +144,7 @@ def test_gkd_refuses_compute_metrics(tmp_path):
     with pytest.raises(ValueError, match="compute_metrics"):
         ChunkedGKDTrainer(
             model,
-            _teacher(),
+            teacher_model(),
             ChunkedGKDConfig(**common_args(tmp_path)),
             train_dataset=tiny_dataset("gkd", 8),
             processing_class=tokenizer(),
@@ -156,7 +157,7 @@ def test_gkd_bad_chunk_options(tmp_path):
     with pytest.raises(ValueError, match="chunk_size"):
         ChunkedGKDTrainer(
             model,
-            _teacher(),
+            teacher_model(),
             ChunkedGKDConfig(**common_args(tmp_path), chunk_size=0),
             train_dataset=tiny_dataset("gkd", 8),
             processing_class=tokenizer(),
@@ -171,7 +172,7 @@ def test_gkd_lora_on_lm_head_trains(tmp_path):
         r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], lora_dropout=0.0, init_lora_weights=False
     )
     ref_model, our_model = model_pair()
-    teacher = _teacher()
+    teacher = teacher_model()
     args = common_args(tmp_path, max_length=64, lmbda=0.0)
     with pytest.raises(ValueError, match="lm_head"):
         GKDTrainer(
