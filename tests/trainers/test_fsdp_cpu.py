@@ -118,16 +118,22 @@ def sharded_results(tmp_path_factory):
     return torch.load(out)
 
 
+def single_process_reference():
+    """The model with the chunked head after one backward on the whole batch in this process, and its loss."""
+    model = _model()
+    add_chunked_head(model)
+    ids, labels = _batch(model.config.vocab_size)
+    loss = _loss(model, ids, labels, (labels[:, 1:] != -100).sum())
+    loss.backward()
+    return model, loss
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_fsdp2_gloo_grads_equal_single_process(layout, sharded_results):
     head_type, loss, grads = sharded_results[layout]
     assert head_type == "DTensor"  # sharded outside the forward in both layouts
 
-    model = _model()
-    add_chunked_head(model)
-    ids, labels = _batch(model.config.vocab_size)
-    ref_loss = _loss(model, ids, labels, (labels[:, 1:] != -100).sum())
-    ref_loss.backward()
+    model, ref_loss = single_process_reference()
     torch.testing.assert_close(loss, float(ref_loss.detach()), rtol=RTOL, atol=0)
     names = [n for n, _ in model.named_parameters()]
     assert sorted(grads) == sorted(names)

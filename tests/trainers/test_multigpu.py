@@ -158,9 +158,8 @@ def test_zero3_gloo_grads_equal_single_process(tmp_path):
 
     import torch
     import torch.multiprocessing as mp
-    from chunkloss.trainers._head import add_chunked_head
 
-    from .test_fsdp_cpu import RTOL, _batch, _loss, _model
+    from .test_fsdp_cpu import RTOL, single_process_reference
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -170,11 +169,7 @@ def test_zero3_gloo_grads_equal_single_process(tmp_path):
     head_numel, loss, grads = torch.load(out)
     assert head_numel == 0  # partitioned outside the forward: the path under test
 
-    model = _model()
-    add_chunked_head(model)
-    ids, labels = _batch(model.config.vocab_size)
-    ref_loss = _loss(model, ids, labels, (labels[:, 1:] != -100).sum())
-    ref_loss.backward()
+    model, ref_loss = single_process_reference()
     torch.testing.assert_close(loss, float(ref_loss.detach()), rtol=RTOL, atol=0)
     assert sorted(grads) == sorted(n for n, _ in model.named_parameters())
     for name, p in model.named_parameters():
