@@ -3,10 +3,14 @@
 Equals ``transformers``' ``apply_rotary_pos_emb``: ``q * cos + rotate_half(q) * sin`` with
 ``rotate_half(x) = cat(-x[..., R/2:R], x[..., :R/2])``, where ``cos``/``sin`` are what the model's rotary
 embedding returns, ``(B, T, R)`` or ``(T, R)``. With ``R < head_dim`` (partial rotary) only the first ``R``
-dims rotate and the rest pass through. One program handles one token: all q heads and all k heads
-(grouped-query attention has fewer k heads), reading that token's ``cos``/``sin`` row once.
+dims rotate and the rest pass through. One program handles ``RopeKnobs.tokens`` consecutive tokens, each
+with all its q heads and all its k heads (grouped-query attention has fewer k heads), reading that token's
+``cos``/``sin`` row once; every head row is read once, as its two rotary halves.
 """
 
+import contextlib
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +18,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from ._utils import next_power_of_2
+from ._utils import cdiv, next_power_of_2
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -59,30 +63,89 @@ class RoPEOptions:
     in_place: bool = False  # rotate q, k in place and their gradients in place
 
 
-# Forward, per head row x (first R dims; dims >= R pass through), with p(j) = j +- R/2 the partner of dim j
-# and sign(j) = -1 for j < R/2 else +1 (that is rotate_half(x)_j = sign(j) * x_p(j)):
-#   out_j = x_j * cos_j + sign(j) * x_p(j) * sin_j
-# Backward: dim j receives dout_j * cos_j from itself and dout_p(j) * sign(p(j)) * sin_p(j) from its
-# partner, and sign(p(j)) = -sign(j):
-#   dx_j = dout_j * cos_j - sign(j) * dout_p(j) * sin_p(j)
+@dataclass(frozen=True, eq=False)  # eq=False: hashed by identity, a cheap lru_cache key
+class RopeKnobs:
+    """Launch parameters of the RoPE kernel (swept on an H100 by benchmarks/tune_rope.py).
+
+    The defaults are not measured yet: they are Liger's launch (one token per program, 4 warps, all q heads
+    in one tile: 16 bf16 per thread and half-row at 32 heads x 128, one 16-byte load each for x1 and x2).
+    More tokens per program amortise the program's setup, but the static loop cannot issue a token's loads
+    before the previous token's stores (the compiler must assume they alias), and longer programs leave a
+    longer tail; which wins is for the sweep to say.
+    """
+
+    tokens: int = 1  # consecutive (b, t) rows per program, a static loop (the last program is masked)
+    num_warps: int = 4
+    block_h: int = 0  # heads per tile (a power of two); 0: all q heads in one tile and all k heads in one
+    evict_first: bool = False  # load q, k (or their gradients) with evict_first: each byte is read once
+
+
+KNOBS = RopeKnobs()
+
+
+@contextlib.contextmanager
+def rope_knobs(**changes):
+    """Temporarily replace fields of :data:`KNOBS` (tests force ``tokens=3, block_h=2`` at small shapes)."""
+    global KNOBS
+    previous = KNOBS
+    KNOBS = dataclasses.replace(previous, **changes)
+    try:
+        yield KNOBS
+    finally:
+        KNOBS = previous
+
+
+# Per head row, the rotary dims split into halves x1 = x[:R/2], x2 = x[R/2:R], and likewise the table rows
+# c1, c2 = cos[:R/2], cos[R/2:] and s1, s2 = sin[:R/2], sin[R/2:] (transformers duplicates the halves, so
+# c1 == c2 there, but nothing here relies on it). With rotate_half(x) = cat(-x2, x1), the forward
+# out = x * cos + rotate_half(x) * sin is
+#   out1 = x1 * c1 - x2 * s1
+#   out2 = x2 * c2 + x1 * s2
+# and dims [R, D) pass through. Backward, from the upstream gradient halves d1, d2 (out1 depends on x1
+# through c1 and on x2 through -s1; out2 on x2 through c2 and on x1 through s2):
+#   dx1 = d1 * c1 + d2 * s2
+#   dx2 = d2 * c2 - d1 * s1
+# and the pass-through dims' gradient is d itself.
 @triton.jit
 def _rope_heads(
-    X, OUT, sxb, sxh, sxt, sob, soh, sot, b, t, n_heads, cos, sin_j, sin_p, cols, partner, sign, n_cols, rot,
-    BACKWARD: tl.constexpr, BLOCK_H: tl.constexpr,
+    X, OUT,  # one tensor's input rows and output rows (OUT may be X)
+    x_row, o_row,  # offsets of this token's first head in X and OUT (int64)
+    sxh, soh,  # head strides of X and OUT
+    c1, c2, s1, s2,  # (BLOCK_R,) fp32 halves of this token's cos and sin rows
+    valid,  # this token exists (the last program's static loop runs past the end)
+    N_HEADS: tl.constexpr,  # 0 skips the tensor (a gradient that is not needed)
+    HALF: tl.constexpr,  # R / 2
+    N_PASS: tl.constexpr,  # pass-through dims D - R to copy: 0 for full rotary and in place
+    BACKWARD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_R: tl.constexpr,  # power of two >= HALF
+    BLOCK_P: tl.constexpr,  # power of two >= N_PASS
+    EVICT: tl.constexpr,  # eviction policy of the row loads ("" or "evict_first")
 ):
-    heads = tl.arange(0, BLOCK_H).to(tl.int64)
-    mask = (heads < n_heads)[:, None] & (cols < n_cols)[None, :]
-    row = X + b * sxb + t * sxt + heads[:, None] * sxh
-    x = tl.load(row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(row + partner[None, :], mask=mask & (cols < rot)[None, :], other=0.0).to(tl.float32)
-    if BACKWARD:
-        y = x * cos[None, :] - sign[None, :] * xp * sin_p[None, :]
-    else:
-        y = x * cos[None, :] + sign[None, :] * xp * sin_j[None, :]
-    y = tl.where((cols < rot)[None, :], y, x)
-    # In place, every head's row must be fully read before it is overwritten: the two loads above are done.
-    out = OUT + b * sob + t * sot + heads[:, None] * soh + cols[None, :]
-    tl.store(out, y.to(OUT.dtype.element_ty), mask=mask)
+    cols = tl.arange(0, BLOCK_R)
+    for h0 in tl.static_range(0, N_HEADS, BLOCK_H):
+        heads = h0 + tl.arange(0, BLOCK_H).to(tl.int64)
+        head_mask = (heads < N_HEADS) & valid
+        mask = head_mask[:, None] & (cols < HALF)[None, :]
+        x_ptr = X + x_row + heads[:, None] * sxh + cols[None, :]
+        x1 = tl.load(x_ptr, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+        x2 = tl.load(x_ptr + HALF, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+        if BACKWARD:
+            y1 = x1 * c1[None, :] + x2 * s2[None, :]
+            y2 = x2 * c2[None, :] - x1 * s1[None, :]
+        else:
+            y1 = x1 * c1[None, :] - x2 * s1[None, :]
+            y2 = x2 * c2[None, :] + x1 * s2[None, :]
+        # In place, each thread stores only the elements it loaded itself, after loading them (y needs x).
+        o_ptr = OUT + o_row + heads[:, None] * soh + cols[None, :]
+        tl.store(o_ptr, y1.to(OUT.dtype.element_ty), mask=mask)
+        tl.store(o_ptr + HALF, y2.to(OUT.dtype.element_ty), mask=mask)
+        if N_PASS > 0:
+            pass_cols = 2 * HALF + tl.arange(0, BLOCK_P)
+            pass_mask = head_mask[:, None] & (pass_cols < 2 * HALF + N_PASS)[None, :]
+            x = tl.load(X + x_row + heads[:, None] * sxh + pass_cols[None, :], mask=pass_mask,
+                        eviction_policy=EVICT)
+            tl.store(OUT + o_row + heads[:, None] * soh + pass_cols[None, :], x, mask=pass_mask)
 
 
 @triton.jit
@@ -93,32 +156,37 @@ def _rope_kernel(
     sqb, sqh, sqt, skb, skh, skt,  # batch / head / token strides of Q and K
     sqob, sqoh, sqot, skob, skoh, skot,  # same for QO and KO
     scb, sct,  # batch / token strides of COS and SIN
+    n_rows,  # B * T tokens
     seq_len,
-    n_q_heads,
-    n_k_heads,
-    head_dim,
-    rot,  # rotary dims R (even, <= head_dim)
+    N_Q: tl.constexpr,  # q heads (0: skip q)
+    N_K: tl.constexpr,  # k heads (0: skip k)
+    HALF: tl.constexpr,  # R / 2
+    N_PASS: tl.constexpr,  # pass-through dims to copy (out of place only)
     BACKWARD: tl.constexpr,
+    TOKENS: tl.constexpr,  # consecutive tokens per program
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    EVICT: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    b = pid // seq_len
-    t = pid % seq_len
-    cols = tl.arange(0, BLOCK_D)
-    half = rot // 2
-    partner = tl.where(cols < half, cols + half, cols - half)
-    sign = tl.where(cols < half, -1.0, 1.0)
-    rot_mask = cols < rot
-    table = b * scb + t * sct
-    cos = tl.load(COS + table + cols, mask=rot_mask, other=0.0).to(tl.float32)
-    sin_j = tl.load(SIN + table + cols, mask=rot_mask, other=0.0).to(tl.float32)
-    sin_p = tl.load(SIN + table + partner, mask=rot_mask, other=0.0).to(tl.float32)
-    _rope_heads(Q, QO, sqb, sqh, sqt, sqob, sqoh, sqot, b, t, n_q_heads, cos, sin_j, sin_p, cols, partner,
-                sign, head_dim, rot, BACKWARD, BLOCK_HQ)
-    _rope_heads(K, KO, skb, skh, skt, skob, skoh, skot, b, t, n_k_heads, cos, sin_j, sin_p, cols, partner,
-                sign, head_dim, rot, BACKWARD, BLOCK_HK)
+    first = tl.program_id(0).to(tl.int64) * TOKENS
+    cols = tl.arange(0, BLOCK_R)
+    for i in tl.static_range(TOKENS):
+        row = first + i
+        valid = row < n_rows
+        b = row // seq_len
+        t = row - b * seq_len
+        table = b * scb + t * sct + cols
+        table_mask = (cols < HALF) & valid
+        c1 = tl.load(COS + table, mask=table_mask, other=0.0).to(tl.float32)
+        c2 = tl.load(COS + table + HALF, mask=table_mask, other=0.0).to(tl.float32)
+        s1 = tl.load(SIN + table, mask=table_mask, other=0.0).to(tl.float32)
+        s2 = tl.load(SIN + table + HALF, mask=table_mask, other=0.0).to(tl.float32)
+        _rope_heads(Q, QO, b * sqb + t * sqt, b * sqob + t * sqot, sqh, sqoh, c1, c2, s1, s2, valid,
+                    N_Q, HALF, N_PASS, BACKWARD, BLOCK_HQ, BLOCK_R, BLOCK_P, EVICT)
+        _rope_heads(K, KO, b * skb + t * skt, b * skob + t * skot, skh, skoh, c1, c2, s1, s2, valid,
+                    N_K, HALF, N_PASS, BACKWARD, BLOCK_HK, BLOCK_R, BLOCK_P, EVICT)
 
 
 def _dense(x: torch.Tensor) -> bool:
@@ -131,31 +199,53 @@ def _dense(x: torch.Tensor) -> bool:
     return True
 
 
-def _bht_strides(x: torch.Tensor, head_axis: int):
-    token_axis = 3 - head_axis
-    return x.stride(0), x.stride(head_axis), x.stride(token_axis)
+def _bht_strides(x: torch.Tensor | None, head_axis: int):
+    if x is None:  # a skipped tensor (zero heads): never indexed
+        return 0, 0, 0
+    return x.stride(0), x.stride(head_axis), x.stride(3 - head_axis)
+
+
+@functools.lru_cache(maxsize=256)
+def _rope_plan(n_rows: int, n_q: int, n_k: int, head_dim: int, rot: int, copy_pass: bool, knobs: RopeKnobs):
+    """(grid, constexprs and num_warps) of one launch; cached, so a call costs a dict lookup."""
+    assert knobs.tokens >= 1 and knobs.block_h >= 0 and knobs.block_h & (knobs.block_h - 1) == 0, knobs
+    cap = knobs.block_h or 1 << 30
+    n_pass = head_dim - rot if copy_pass else 0
+    meta = dict(
+        N_Q=n_q, N_K=n_k, HALF=rot // 2, N_PASS=n_pass, TOKENS=knobs.tokens,
+        BLOCK_HQ=min(cap, next_power_of_2(n_q)), BLOCK_HK=min(cap, next_power_of_2(n_k)),
+        BLOCK_R=next_power_of_2(rot // 2), BLOCK_P=next_power_of_2(n_pass),
+        EVICT="evict_first" if knobs.evict_first else "", num_warps=knobs.num_warps,
+    )
+    return (cdiv(n_rows, knobs.tokens),), meta
 
 
 def _rope_launch(q, k, cos, sin, opts: RoPEOptions, backward: bool):
-    """Rotate (or un-rotate, for the backward) q and k; returns the outputs (q, k when in place)."""
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    k = k if k.stride(-1) == 1 else k.contiguous()
-    in_place = opts.in_place and _dense(q) and _dense(k)
-    qo, ko = (q, k) if in_place else (torch.empty_like(q), torch.empty_like(k))
-    batch, head_dim = q.shape[0], q.shape[-1]
-    seq_len = q.shape[3 - opts.head_axis]
-    n_q, n_k = q.shape[opts.head_axis], k.shape[opts.head_axis]
+    """Rotate (or un-rotate, for the backward) q and k; returns the outputs (q, k when in place).
+
+    Either of q and k may be None (a gradient that is not needed): it is skipped and its output is None.
+    """
+    q = q if q is None or q.stride(-1) == 1 else q.contiguous()
+    k = k if k is None or k.stride(-1) == 1 else k.contiguous()
+    present = [x for x in (q, k) if x is not None]
+    in_place = opts.in_place and all(_dense(x) for x in present)
+    qo, ko = (q, k) if in_place else [None if x is None else torch.empty_like(x) for x in (q, k)]
+    first = present[0]
+    batch, seq_len, head_dim = first.shape[0], first.shape[3 - opts.head_axis], first.shape[-1]
+    n_q = 0 if q is None else q.shape[opts.head_axis]
+    n_k = 0 if k is None else k.shape[opts.head_axis]
     rot = cos.shape[-1]
-    scb = 0 if cos.shape[0] == 1 else cos.stride(0)
-    block_hq, block_hk = next_power_of_2(n_q), next_power_of_2(n_k)  # host ints, not triton's (~4 us each)
-    block_d = next_power_of_2(head_dim)
-    _rope_kernel[(batch * seq_len,)](
-        q, k, qo, ko, cos, sin,
+    n_rows = batch * seq_len
+    if n_rows == 0:
+        return qo, ko, in_place
+    grid, meta = _rope_plan(n_rows, n_q, n_k, head_dim, rot, not in_place and rot < head_dim, KNOBS)
+    _rope_kernel[grid](
+        first if q is None else q, first if k is None else k,  # a skipped tensor's pointer is never read
+        first if qo is None else qo, first if ko is None else ko, cos, sin,
         *_bht_strides(q, opts.head_axis), *_bht_strides(k, opts.head_axis),
         *_bht_strides(qo, opts.head_axis), *_bht_strides(ko, opts.head_axis),
-        scb, cos.stride(1), seq_len, n_q, n_k, head_dim, rot,
-        BACKWARD=backward, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_D=block_d,
-        num_warps=4 if (block_hq + block_hk) * block_d <= 4096 else 8,
+        0 if cos.shape[0] == 1 else cos.stride(0), cos.stride(1), n_rows, seq_len,
+        BACKWARD=backward, **meta,
     )
     return qo, ko, in_place
 
@@ -177,14 +267,17 @@ class RoPEFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dq, dk):
         cos, sin = ctx.saved_tensors
-        if not any(ctx.needs_input_grad[:2]):
-            return None, None, None, None, None
-        # Either output may get no gradient (e.g. k unused); rotating zeros keeps one launch for both.
-        dq = torch.zeros(ctx.q_meta[0], dtype=ctx.q_meta[1], device=cos.device) if dq is None else dq
-        dk = torch.zeros(ctx.k_meta[0], dtype=ctx.k_meta[1], device=cos.device) if dk is None else dk
-        dq, dk, _ = _rope_launch(dq, dk, cos, sin, ctx.opts, backward=True)
+        # Only the gradients that are needed and that arrived (an unused output gets none) are un-rotated.
+        dq = dq if ctx.needs_input_grad[0] else None
+        dk = dk if ctx.needs_input_grad[1] else None
+        if dq is not None or dk is not None:
+            dq, dk, _ = _rope_launch(dq, dk, cos, sin, ctx.opts, backward=True)
+        # A needed gradient whose output got none (e.g. k unused) is zero.
+        if ctx.needs_input_grad[0] and dq is None:
+            dq = torch.zeros(ctx.q_meta[0], dtype=ctx.q_meta[1], device=cos.device)
+        if ctx.needs_input_grad[1] and dk is None:
+            dk = torch.zeros(ctx.k_meta[0], dtype=ctx.k_meta[1], device=cos.device)
         # cos/sin get no gradient: transformers builds them from a buffer (inv_freq), never a parameter.
-        dq, dk = (dq if ctx.needs_input_grad[0] else None), (dk if ctx.needs_input_grad[1] else None)
         return dq, dk, None, None, None
 
 
