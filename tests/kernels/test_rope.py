@@ -36,16 +36,16 @@ def heads(x, n, head_dim, unsqueeze_dim):
 def rope_grads(fn, dtype, head_dim, cos, sin, position_ids, unsqueeze_dim, **kwargs):
     """Outputs and projection gradients of `fn` on fixed inputs; the upstream gradient of q is a dense
     permutation (rotated in place when ``in_place``), that of k a non-dense slice (never overwritten)."""
-    gen = torch.Generator().manual_seed(0)
-    q_proj = torch.randn(BATCH, SEQ, N_Q * head_dim, generator=gen).to(dtype).requires_grad_()
-    k_proj = torch.randn(BATCH, SEQ, N_K * head_dim, generator=gen).to(dtype).requires_grad_()
+    torch.manual_seed(0)  # the same inputs for every `fn` and dtype
+    q_proj = torch.randn(BATCH, SEQ, N_Q * head_dim).to(dtype).requires_grad_()
+    k_proj = torch.randn(BATCH, SEQ, N_K * head_dim).to(dtype).requires_grad_()
     q, k = heads(q_proj * 1, N_Q, head_dim, unsqueeze_dim), heads(k_proj * 1, N_K, head_dim, unsqueeze_dim)
     q_ptr, k_ptr = q.data_ptr(), k.data_ptr()
     qe, ke = fn(q, k, cos.to(dtype), sin.to(dtype), position_ids, unsqueeze_dim, **kwargs)
     if kwargs.get("in_place"):
         assert qe.data_ptr() == q_ptr and ke.data_ptr() == k_ptr
-    gq = torch.randn(qe.shape[::-1], generator=gen).permute(3, 2, 1, 0).to(dtype)
-    gk = torch.randn(*ke.shape[:-1], 2 * head_dim, generator=gen)[..., :head_dim].to(dtype)
+    gq = torch.randn(qe.shape[::-1]).permute(3, 2, 1, 0).to(dtype)
+    gk = torch.randn(*ke.shape[:-1], 2 * head_dim)[..., :head_dim].to(dtype)
     dq, dk = torch.autograd.grad((qe, ke), (q_proj, k_proj), (gq, gk))
     return qe, ke, dq, dk
 
@@ -123,3 +123,29 @@ def test_rope_knobs_context_restores():
         assert rope_module.KNOBS is knobs and knobs.tokens == 5 and knobs.num_warps == before.num_warps
         raise RuntimeError  # restored on the way out of an error too
     assert rope_module.KNOBS is before
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("knobs", [{}, {"tokens": 4, "num_warps": 8, "block_h": 8, "evict_first": True},
+                                   {"tokens": 8, "num_warps": 2}], ids=["defaults", "t4_w8_h8_ev", "t8_w2"])
+def test_rope_knobs_llama_shape_gpu(knobs):
+    """Compiled kernels at 32 / 8 heads x 128 with 3 x 1001 tokens (4 and 8 per program do not divide it),
+    bf16, in place, q and k as (B, T, H, D) leaves handed over as (B, H, T, D) views like bench_kernels."""
+    batch, seq, n_q, n_k, head_dim = 3, 1001, 32, 8, 128
+    cos, sin, _ = rope_tables(batch, seq, head_dim, "batched")
+    q_master = torch.randn(batch, seq, n_q, head_dim, device="cuda")
+    k_master = torch.randn(batch, seq, n_k, head_dim, device="cuda")
+    gq, gk = torch.randn_like(q_master).transpose(1, 2), torch.randn_like(k_master).transpose(1, 2)
+    outs = []
+    for dt, fn in ((torch.float32, apply_rotary_pos_emb_ref), (torch.bfloat16, apply_rotary_pos_emb_ref),
+                   (torch.bfloat16, apply_rotary_pos_emb)):
+        q, k = q_master.to(dt).requires_grad_(), k_master.to(dt).requires_grad_()
+        kwargs = {"in_place": True} if fn is apply_rotary_pos_emb else {}
+        with rope_knobs(**knobs):
+            qe, ke = fn((q * 1).transpose(1, 2), (k * 1).transpose(1, 2), cos.cuda().to(dt),
+                        sin.cuda().to(dt), **kwargs)
+            dq, dk = torch.autograd.grad((qe, ke), (q, k), (gq.to(dt), gk.to(dt)))
+        outs.append((qe, ke, dq, dk))
+    ref, tch, ours = outs
+    for i, name in enumerate(["q_embed", "k_embed", "dq", "dk"]):
+        assert_close3(ours[i], tch[i], ref[i], torch.bfloat16, name)
