@@ -54,6 +54,8 @@ class FusedOptions:
             ``chunk_size`` is ``None``. 448 MiB keeps all the step's working memory (logits chunk, gathered
             rows, per-row tensors) under 0.5 GiB beyond the gradients with weight-dtype accumulation
             (measured on an H100 at V=128256: 0.46 GiB at N=8192; 512 MiB measured 0.52 GiB at N=32768).
+            Token losses without extra heads that accumulate the weight gradient in fp32 use at least the
+            weight gradient's own size (see ``FusedLinearBase.chunk_rows``).
         accum_dtype: dtype of the weight/bias gradient accumulator across chunks; ``None`` uses the
             weight's own dtype (saves 4·V·H bytes at bf16, loses some precision).
         compile: run the per-chunk math under ``torch.compile``.
@@ -334,7 +336,19 @@ class FusedLinearBase(nn.Module):
         self.metrics = metrics
         return loss
 
-    def chunk_rows(self, weight: Tensor, hidden: Tensor, extra: list[Head] = ()) -> int:
+    def chunk_rows(
+        self, weight: Tensor, hidden: Tensor, extra: list[Head] = (), fp32_grad_w: bool = False
+    ) -> int:
+        """Rows per chunk: ``chunk_size``, or as many as ``logits_budget_mb`` holds.
+
+        With an fp32 weight-gradient accumulator (``fp32_grad_w``) the backward holds the accumulator and its
+        cast to the weight's dtype at once, so a chunk whose logits take no more than that cast's V·H bytes
+        leaves the step's peak where it is; token losses without extra heads then take that larger budget
+        (larger chunks run the GEMMs faster: on an H200, CE at N=8192 ran 39.4 ms at 1792 rows and 38.3 at
+        4096, GRPO dapo 2x16384 165.4 and 158.5 ms at 1792 and 3072 rows, both at 1.96 GiB beyond the
+        gradients; ``benchmarks/chunk_sweep.py``). Losses with extra heads or a sequence step keep more than
+        one [C, V] tensor per chunk and stay on ``logits_budget_mb``.
+        """
         opts = self.options
         if opts.chunk_size is not None:
             return opts.chunk_size
@@ -345,6 +359,8 @@ class FusedLinearBase(nn.Module):
             extra_vocab = sum(e.weight.shape[0] for e in extra)
         budget = opts.logits_budget_mb
         v, itemsize = weight.shape[0], hidden.element_size()
+        if fp32_grad_w and opts.compile and not extra and not self.is_sequence_loss:
+            budget = max(budget, weight.numel() * weight.element_size() // 2**20)
         return default_chunk_size(v, itemsize, budget, extra_vocab, grad_in_place=opts.compile)
 
 
@@ -574,7 +590,7 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
         if loss_mod.token_outputs
         else {}
     )
-    chunk = loss_mod.chunk_rows(weight, hidden, batch.extra)
+    chunk = loss_mod.chunk_rows(weight, hidden, batch.extra, fp32_grad_w=need_w and accum == torch.float32)
     dev = hidden.device.type
     plan, one_pass = _plan_chunks(loss_mod, batch, n_rows, chunk)
     # Rows in natural order with nothing dropped: chunks are slices, no gather/scatter copies.

@@ -160,6 +160,25 @@ def test_chunk_sizes_agree():
             torch.testing.assert_close(g, g0)
 
 
+def test_automatic_chunk_rows():
+    """The logits budget sets the rows; with an fp32 weight-gradient accumulator a token loss without extra
+    heads may use the weight gradient's own size (the backward's cast holds that much anyway)."""
+    from chunkloss.base import Head
+    from chunkloss.losses.jsd import FusedLinearJSDLoss
+
+    v, h = 128256, 4096
+    weight = torch.empty(v, h, dtype=torch.bfloat16, device="meta")
+    hidden = torch.empty(8, h, dtype=torch.bfloat16, device="meta")
+    ce = FusedLinearCrossEntropyLoss()
+    assert ce.chunk_rows(weight, hidden) == 1792  # 448 MiB of bf16 logits, gradient in place
+    assert ce.chunk_rows(weight, hidden, fp32_grad_w=True) == 4096  # V*H*2 bytes = 4096 rows of logits
+    assert FusedLinearCrossEntropyLoss(compile=False).chunk_rows(weight, hidden, fp32_grad_w=True) == 896
+    assert FusedLinearCrossEntropyLoss(chunk_size=300).chunk_rows(weight, hidden, fp32_grad_w=True) == 300
+    teacher = [Head(hidden, weight, None)]
+    jsd = FusedLinearJSDLoss()
+    assert jsd.chunk_rows(weight, hidden, teacher, fp32_grad_w=True) == jsd.chunk_rows(weight, hidden, teacher)
+
+
 def test_compiled_matches_eager():
     hidden, weight, b, labels = make(torch.float32)
     eager = run_ours(hidden, weight, b, labels, chunk_size=32, compile=False, label_smoothing=0.1)

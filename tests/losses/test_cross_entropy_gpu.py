@@ -87,3 +87,15 @@ def test_cross_entropy_cuda_one_logits_chunk_live(accum_dtype):
     accumulator = weight.numel() * 4 if accum_dtype == torch.float32 else 0
     one_chunk = chunk * v * 2
     assert beyond <= accumulator + one_chunk * 1.1 + 32 * 2**20, (beyond, accumulator, one_chunk)
+
+
+def test_cross_entropy_cuda_automatic_chunks_within_issue_budget():
+    """Automatic chunks (4096 rows here with fp32 accumulation) stay within 0.5 GiB + 4·V·H bytes beyond the
+    gradients at Llama-3-8B's head, and within 0.5 GiB with weight-dtype accumulation."""
+    n, h, v = 8192, 4096, 128256
+    hidden = torch.randn(n, h, device="cuda").bfloat16().requires_grad_()
+    weight = (torch.randn(v, h, device="cuda") * 0.02).bfloat16().requires_grad_()
+    labels = torch.randint(0, v, (n,), device="cuda")
+    for accum_dtype, allowed in ((torch.float32, 4 * v * h + 2**29), (None, 2**29)):
+        beyond = _beyond_grads(FusedLinearCrossEntropyLoss(accum_dtype=accum_dtype), hidden, weight, labels)
+        assert beyond <= allowed, (accum_dtype, beyond / 2**30)
