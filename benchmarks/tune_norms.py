@@ -26,9 +26,10 @@ import tempfile
 import torch
 
 FUSED_GRID = {  # fused path, rows up to the tile
-    "tile_elems": (2048, 4096, 8192),
-    "warp_scale": (0.5, 1.0, 2.0),
-    "bwd_programs_per_sm": (1, 2, 4, 8, 16),
+    "tile_elems": (4096, 8192),
+    "warp_scale": (1.0, 2.0),
+    "bwd_programs_per_sm": (2, 4, 8, 16),
+    "bwd_stages": (0, 2, 3),
 }
 LOOPED_GRID = {  # looped path; more rows per step mean fewer read-add-writes of the fp32 dW partial row
     "loop_block_n": (512, 1024, 2048, 4096),
@@ -69,7 +70,11 @@ def sweep(width, paths, out):
              "ln": lambda: torch.autograd.grad(layer_norm(x, w, b, 1e-5), (x, w, b), dy)}
     results = []
     default_path = "looped" if width > KNOBS.max_fused_cols else "fused"
+    fwd = {"rms": lambda: rms_norm(x, w, 1e-6), "ln": lambda: layer_norm(x, w, b, 1e-5)}
     for op, step in steps.items():
+        with torch.no_grad():
+            fwd_ms = triton.testing.do_bench_cudagraph(fwd[op], rep=20, return_mode="median")
+        print(f"D={width} {op}: forward alone {fwd_ms:.3f} ms (floor {floor * 2 / 5:.3f})", flush=True)
         graph_ms = triton.testing.do_bench_cudagraph(step, rep=20, return_mode="median")
         plain_ms = triton.testing.do_bench(step, warmup=10, rep=50, return_mode="median")
         print(f"D={width} {op}: floor {floor:.3f} ms | defaults ({default_path}): {graph_ms:.3f} ms in a "

@@ -40,6 +40,8 @@ class NormKnobs:
     # up to width 4096, 2 from 8192 on, where one row already keeps enough bytes in flight.
     bwd_programs_per_sm: int = 8  # BLOCK_N <= 4096
     bwd_programs_per_sm_wide: int = 2  # BLOCK_N > 4096
+    # Fused backward: software-pipeline stages of the row loop on a GPU (0: none); the interpreter runs 0.
+    bwd_stages: int = 0
     # Looped path, swept at 16384 x 16384 on an H100 (benchmarks/results/dev/tune_norms_h100_16384.json): of
     # 144 configurations 4096 columns x 16 warps with 4 rows per step was best for both norms (LayerNorm
     # 1.62 ms, RMSNorm 1.36 ms; the first guess, 2048 x 8 warps x 1 row, took 2.92 and 2.16 ms).
@@ -99,6 +101,12 @@ class BwdPlan(NamedTuple):
     block_n: int
     num_warps: int
     looped: bool
+    stages: int = 0  # fused: pipeline stages of the row loop (0 on CPU / the interpreter)
+
+    @property
+    def extra(self) -> dict:
+        """Launch arguments that only the fused kernel takes."""
+        return {} if self.looped else {"STAGES": self.stages}
 
 
 def _fused_tile(n_cols: int, knobs: NormKnobs) -> tuple[int, int, int]:
@@ -132,7 +140,9 @@ def norm_bwd_plan(n_rows: int, n_cols: int, device: torch.device, knobs: NormKno
         per_sm = knobs.bwd_programs_per_sm if block_n <= 4096 else knobs.bwd_programs_per_sm_wide
     n_programs = max(1, min(num_sms(device) * per_sm, cdiv(n_rows, block_m)))
     rows_per_program = max(1, cdiv(cdiv(n_rows, n_programs), block_m)) * block_m  # >= 1 step, even for 0 rows
-    return BwdPlan(cdiv(n_rows, rows_per_program), rows_per_program, block_m, block_n, num_warps, looped)
+    stages = knobs.bwd_stages if device.type == "cuda" else 0
+    n_programs = cdiv(n_rows, rows_per_program)
+    return BwdPlan(n_programs, rows_per_program, block_m, block_n, num_warps, looped, stages)
 
 
 @functools.lru_cache

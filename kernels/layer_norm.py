@@ -147,6 +147,31 @@ def _partial_rows(PARTIALS, pid, n_cols, HAS_DW: tl.constexpr):
 #   dw = sum over rows of dy * xhat,  db = sum over rows of dy; each program sums its contiguous block of
 #   rows into one fp32 row of each partial buffer in PARTIALS, the launcher adds the partials.
 @triton.jit
+def _layer_norm_bwd_rows(DY, X, STATS, DX, w, rows, row_mask, cols, col_mask, stride_dy, stride_x, stride_dx,
+                         n_cols, HAS_DX: tl.constexpr, HAS_DW: tl.constexpr, HAS_DB: tl.constexpr):
+    """dx of BLOCK_M rows, and their column sums of dy * xhat and of dy (zeros when not needed)."""
+    mask = row_mask[:, None] & col_mask[None, :]
+    dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    mean = tl.load(STATS + 2 * rows, mask=row_mask, other=0.0)
+    rstd = tl.load(STATS + 2 * rows + 1, mask=row_mask, other=0.0)
+    xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+    if HAS_DX:
+        wdy = dy * w[None, :]
+        c1 = tl.sum(wdy * xhat, axis=1) / n_cols
+        c2 = tl.sum(wdy, axis=1) / n_cols
+        dx = rstd[:, None] * (wdy - xhat * c1[:, None] - c2[:, None])
+        tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+    dw = tl.zeros_like(w)
+    db = tl.zeros_like(w)
+    if HAS_DW:
+        dw = tl.sum(dy * xhat, axis=0)
+    if HAS_DB:
+        db = tl.sum(dy, axis=0)
+    return dw, db
+
+
+@triton.jit
 def _layer_norm_bwd_kernel(
     DY,  # (N, D) upstream gradient, rows stride_dy apart
     X,  # (N, D) forward input, rows stride_x apart
@@ -165,6 +190,7 @@ def _layer_norm_bwd_kernel(
     HAS_DB: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    STAGES: tl.constexpr,  # > 0: software-pipelined row loop (GPU); 0: a while loop (the interpreter)
 ):
     pid = tl.program_id(0)
     row_start = pid.to(tl.int64) * rows_per_program
@@ -176,28 +202,24 @@ def _layer_norm_bwd_kernel(
         dw_row, db_row = _partial_rows(PARTIALS, pid, n_cols, HAS_DW)
     dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    # A while loop rather than range(): the Triton interpreter cannot index range() by a tensor bound.
-    start = row_start
-    while start < row_end:
-        rows = start + tl.arange(0, BLOCK_M).to(tl.int64)
-        start += BLOCK_M
-        row_mask = rows < row_end
-        mask = row_mask[:, None] & col_mask[None, :]
-        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        mean = tl.load(STATS + 2 * rows, mask=row_mask, other=0.0)
-        rstd = tl.load(STATS + 2 * rows + 1, mask=row_mask, other=0.0)
-        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
-        wdy = dy * w[None, :]
-        c1 = tl.sum(wdy * xhat, axis=1) / n_cols
-        c2 = tl.sum(wdy, axis=1) / n_cols
-        dx = rstd[:, None] * (wdy - xhat * c1[:, None] - c2[:, None])
-        if HAS_DX:
-            tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-        if HAS_DW:
-            dw_acc += tl.sum(dy * xhat, axis=0)
-        if HAS_DB:
-            db_acc += tl.sum(dy, axis=0)
+    if STAGES > 0:
+        # tl.range prefetches the next steps' rows while this one computes; the interpreter cannot run it
+        # (its scalar arguments are not indices).
+        for step in tl.range(0, rows_per_program // BLOCK_M, num_stages=STAGES):
+            rows = row_start + step * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+            dw, db = _layer_norm_bwd_rows(DY, X, STATS, DX, w, rows, rows < row_end, cols, col_mask,
+                                          stride_dy, stride_x, stride_dx, n_cols, HAS_DX, HAS_DW, HAS_DB)
+            dw_acc += dw
+            db_acc += db
+    else:
+        start = row_start
+        while start < row_end:
+            rows = start + tl.arange(0, BLOCK_M).to(tl.int64)
+            start += BLOCK_M
+            dw, db = _layer_norm_bwd_rows(DY, X, STATS, DX, w, rows, rows < row_end, cols, col_mask,
+                                          stride_dy, stride_x, stride_dx, n_cols, HAS_DX, HAS_DW, HAS_DB)
+            dw_acc += dw
+            db_acc += db
     if HAS_DW:
         tl.store(dw_row + cols, dw_acc, mask=col_mask)
     if HAS_DB:
@@ -328,7 +350,7 @@ def _layer_norm_bwd(
         dy, x, weight, stats, dx, partials,
         dy.stride(0), x.stride(0), dx.stride(0) if needs_dx else 0, n_rows, n_cols, plan.rows_per_program,
         HAS_DX=needs_dx, HAS_DW=needs_dw, HAS_DB=needs_db,
-        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, num_warps=plan.num_warps, **plan.extra,
     )
     if not n_partials:
         return dx, None, None

@@ -138,6 +138,28 @@ def _rms_norm_fwd_looped_kernel(
 #   dw = sum over rows of dy * xhat (cast(xhat) for "llama"); each program sums its contiguous block of rows
 #   into one fp32 row of DW_PARTIAL, the launcher adds the (n_programs, D) partials.
 @triton.jit
+def _rms_norm_bwd_rows(DY, X, RSTD, DX, wt, rows, row_mask, cols, col_mask, stride_dy, stride_x, stride_dx,
+                       n_cols, CAST_LLAMA: tl.constexpr, HAS_DX: tl.constexpr, HAS_DW: tl.constexpr):
+    """dx of BLOCK_M rows, and their column sums of dy * xhat (zeros when not needed)."""
+    mask = row_mask[:, None] & col_mask[None, :]
+    dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+    xhat = x * rstd[:, None]
+    if HAS_DX:
+        dxhat = dy * wt[None, :]
+        c = tl.sum(dxhat * xhat, axis=1) / n_cols
+        dx = rstd[:, None] * (dxhat - xhat * c[:, None])
+        tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+    dw = tl.zeros_like(wt)
+    if HAS_DW:
+        if CAST_LLAMA:
+            xhat = xhat.to(X.dtype.element_ty).to(tl.float32)
+        dw = tl.sum(dy * xhat, axis=0)
+    return dw
+
+
+@triton.jit
 def _rms_norm_bwd_kernel(
     DY,  # (N, D) upstream gradient, rows stride_dy apart
     X,  # (N, D) forward input, rows stride_x apart
@@ -157,6 +179,7 @@ def _rms_norm_bwd_kernel(
     HAS_DW: tl.constexpr,  # weight requires grad
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    STAGES: tl.constexpr,  # > 0: software-pipelined row loop (GPU); 0: a while loop (the interpreter)
 ):
     pid = tl.program_id(0)
     row_start = pid.to(tl.int64) * rows_per_program
@@ -165,26 +188,20 @@ def _rms_norm_bwd_kernel(
     col_mask = cols < n_cols
     wt = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
     dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    # A while loop rather than range(): the Triton interpreter cannot index range() by a tensor bound.
-    start = row_start
-    while start < row_end:
-        rows = start + tl.arange(0, BLOCK_M).to(tl.int64)
-        start += BLOCK_M
-        row_mask = rows < row_end
-        mask = row_mask[:, None] & col_mask[None, :]
-        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
-        xhat = x * rstd[:, None]
-        dxhat = dy * wt[None, :]
-        c = tl.sum(dxhat * xhat, axis=1) / n_cols
-        dx = rstd[:, None] * (dxhat - xhat * c[:, None])
-        if HAS_DX:
-            tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-        if HAS_DW:
-            if CAST_LLAMA:
-                xhat = xhat.to(X.dtype.element_ty).to(tl.float32)
-            dw_acc += tl.sum(dy * xhat, axis=0)
+    if STAGES > 0:
+        # tl.range prefetches the next steps' rows while this one computes; the interpreter cannot run it
+        # (its scalar arguments are not indices).
+        for step in tl.range(0, rows_per_program // BLOCK_M, num_stages=STAGES):
+            rows = row_start + step * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+            dw_acc += _rms_norm_bwd_rows(DY, X, RSTD, DX, wt, rows, rows < row_end, cols, col_mask, stride_dy,
+                                         stride_x, stride_dx, n_cols, CAST_LLAMA, HAS_DX, HAS_DW)
+    else:
+        start = row_start
+        while start < row_end:
+            rows = start + tl.arange(0, BLOCK_M).to(tl.int64)
+            start += BLOCK_M
+            dw_acc += _rms_norm_bwd_rows(DY, X, RSTD, DX, wt, rows, rows < row_end, cols, col_mask, stride_dy,
+                                         stride_x, stride_dx, n_cols, CAST_LLAMA, HAS_DX, HAS_DW)
     if HAS_DW:
         tl.store(DW_PARTIAL + pid.to(tl.int64) * n_cols + cols, dw_acc, mask=col_mask)
 
@@ -306,7 +323,7 @@ def _rms_norm_bwd(dy, x, weight, rstd, opts: RMSNormOptions, needs_dx: bool, nee
         dy.stride(0), x.stride(0), dx.stride(0) if needs_dx else 0, n_rows, n_cols, plan.rows_per_program,
         opts.offset,
         CAST_LLAMA=opts.casting == "llama", HAS_DX=needs_dx, HAS_DW=needs_dw,
-        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, num_warps=plan.num_warps, **plan.extra,
     )
     # One reduction kernel, and one cast unless the weight is fp32.
     dw = dw_partial.sum(0).to(weight.dtype) if needs_dw else None
