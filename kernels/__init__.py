@@ -11,7 +11,7 @@ Example::
 
 from .glu import GeGLU, SwiGLU, geglu, geglu_ref, swiglu, swiglu_ref
 from .layer_norm import LayerNorm, layer_norm, layer_norm_ref
-from .patch import SUPPORTED_MODEL_TYPES, patch
+from .patch import SUPPORTED_MODEL_TYPES, patch, unpatch_rotary
 from .rms_norm import RMSNorm, rms_norm, rms_norm_ref
 from .rope import ApplyRotaryPosEmb, apply_rotary_pos_emb, apply_rotary_pos_emb_ref
 
@@ -32,5 +32,6 @@ __all__ = [
     "geglu",
     "geglu_ref",
     "patch",
+    "unpatch_rotary",
     "SUPPORTED_MODEL_TYPES",
 ]

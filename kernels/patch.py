@@ -11,7 +11,8 @@
 
 Norms, MLPs and the loss are patched on this model's modules only. Rotary embedding is a module-level
 function in transformers, so it is replaced in the family's modeling module and applies to every model of
-that family in the process (the result is the same up to rounding).
+that family in the process (the result is the same up to rounding); ``unpatch_rotary`` puts transformers'
+function back.
 """
 
 import functools
@@ -29,6 +30,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2"
 _GEMMA_TYPES = ("gemma", "gemma2")
 _RMSNORM_CLASSES = {f"{name}RMSNorm" for name in ("Llama", "Mistral", "Qwen2", "Qwen3", "Gemma", "Gemma2")}
 _MLP_CLASSES = {f"{name}MLP" for name in ("Llama", "Mistral", "Qwen2", "Qwen3", "Gemma", "Gemma2")}
+# Modeling module name -> the apply_rotary_pos_emb it had before patch() replaced it, for unpatch_rotary.
+_ORIGINAL_ROPE: dict[str, object] = {}
 
 
 def _rotary_fn(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
@@ -155,6 +158,8 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, mlp: bo
         modeling = sys.modules[type(model).__module__]
         if not hasattr(modeling, "apply_rotary_pos_emb"):
             raise ValueError(f"{modeling.__name__} has no apply_rotary_pos_emb to replace")
+        if modeling.apply_rotary_pos_emb is not _rotary_fn:  # patching twice must not lose the original
+            _ORIGINAL_ROPE[modeling.__name__] = modeling.apply_rotary_pos_emb
         modeling.apply_rotary_pos_emb = _rotary_fn
     if loss and hasattr(model, "lm_head") and hasattr(model, "model"):
         if not hasattr(model, "_chunkloss_forward"):
@@ -165,4 +170,32 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, mlp: bo
     return wrapper
 
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "patch"]
+def unpatch_rotary(model: nn.Module | None = None) -> list[str]:
+    """Put back the ``apply_rotary_pos_emb`` that :func:`patch` replaced, process-wide.
+
+    Norms and MLPs patched on a model's modules stay patched; only the family's module-level function, which
+    every model of the family in the process calls, returns to what it was before ``patch`` replaced it.
+
+    Args:
+        model: a model of the family to restore (PEFT-wrapped or not); ``None`` restores every family that
+            ``patch`` replaced in this process.
+
+    Returns:
+        The names of the modeling modules whose function was put back (empty when none was patched).
+    """
+    if model is None:
+        names = list(_ORIGINAL_ROPE)
+    else:
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
+        names = [type(base).__module__]
+    restored = []
+    for name in names:
+        modeling = sys.modules.get(name)
+        patched = modeling is not None and getattr(modeling, "apply_rotary_pos_emb", None) is _rotary_fn
+        if patched and name in _ORIGINAL_ROPE:
+            modeling.apply_rotary_pos_emb = _ORIGINAL_ROPE.pop(name)
+            restored.append(name)
+    return restored
+
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "patch", "unpatch_rotary"]

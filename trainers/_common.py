@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["ChunkedArguments", "chunk_options", "refuse"]
+__all__ = ["ChunkedArguments", "apply_chunk_kernels", "chunk_options", "refuse"]
 
 _ACCUM = {
     "float32": torch.float32,
@@ -29,6 +31,9 @@ class ChunkedArguments:
         chunk_accum_dtype: dtype of the LM-head gradient accumulator across chunks: ``"float32"`` (default),
             ``"bfloat16"``, ``"float16"`` or ``"weight"`` (the weight's own dtype).
         chunk_compile: run the per-chunk math under ``torch.compile``.
+        chunk_kernels: run the model's RMSNorms, rotary embedding and gated MLPs on chunkloss's Triton kernels
+            (``chunkloss.kernels.patch(model, loss=False)``), and a reference or teacher model's too; see
+            :func:`apply_chunk_kernels`.
     """
 
     chunk_size: int | None = field(
@@ -40,6 +45,17 @@ class ChunkedArguments:
     )
     chunk_compile: bool = field(
         default=True, metadata={"help": "Compile the per-chunk loss with torch.compile."}
+    )
+    chunk_kernels: bool = field(
+        default=False,
+        metadata={
+            "help": "Run the model's RMSNorm, rotary embedding and gated MLP on chunkloss's Triton kernels "
+            "(chunkloss.kernels.patch(model, loss=False); a reference/teacher model of a supported type "
+            "too): less activation memory, faster steps. Model types: llama, mistral, qwen2, qwen3, gemma, "
+            "gemma2 (chunkloss.kernels.patch.SUPPORTED_MODEL_TYPES); CUDA only. Off by default: results "
+            "then equal TRL's up to rounding. The rotary patch replaces the family's apply_rotary_pos_emb "
+            "for the whole process (chunkloss.kernels.unpatch_rotary undoes it)."
+        },
     )
 
 
@@ -61,6 +77,75 @@ def chunk_options(args) -> dict:
 def refuse(trainer: str, option: str, why: str) -> None:
     """Raise the error for an option the chunked trainer does not cover (no silent fallback)."""
     raise ValueError(f"{trainer} does not support {option}: {why}")
+
+
+def _off_device(model) -> set[str]:
+    """Device types of ``model``'s parameters that the Triton kernels cannot take (all but CUDA, unless
+    ``TRITON_INTERPRET=1`` runs them on the CPU). ``meta`` parameters are materialised elsewhere (offload)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return set()
+    return {p.device.type for p in model.parameters()} - {"cuda", "meta"}
+
+
+def apply_chunk_kernels(trainer) -> None:
+    """``chunk_kernels=True``: patch the trainer's models with ``chunkloss.kernels.patch(model, loss=False)``.
+
+    Called by every chunked trainer once TRL's constructor has built and placed its models. The trained model
+    is patched (a PEFT model's base model; LoRA layers stay as they are), or the trainer is refused with a
+    ``ValueError`` naming ``chunk_kernels`` when its type is not in ``SUPPORTED_MODEL_TYPES`` or its
+    parameters are not on CUDA (without ``TRITON_INTERPRET=1``). The causal-LM loss is left alone: the trainer
+    already computes it chunked. A reference model (DPO, GRPO) or teacher (GKD, distillation) is patched too
+    when its type is supported, since its no-grad forwards get faster as well; one of another type keeps
+    transformers' modules (warned). The kernels' in-place choices (rotary on fresh q/k projections, MLP and
+    norm backwards over buffers read by nothing else) hold under gradient checkpointing: a recomputed
+    forward builds the same fresh tensors.
+
+    The rotary patch is process-wide (``chunkloss.kernels.patch``): other models of the same family in the
+    process run the Triton rotary embedding from here on; ``chunkloss.kernels.unpatch_rotary()`` restores
+    transformers' function.
+    """
+    if not getattr(trainer.args, "chunk_kernels", False):
+        return
+    from chunkloss.kernels.patch import SUPPORTED_MODEL_TYPES, patch
+
+    name = type(trainer).__name__
+    supported = ", ".join(SUPPORTED_MODEL_TYPES)
+    unwrap = trainer.accelerator.unwrap_model
+    model = peft_base(unwrap(trainer.model))
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        refuse(name, f"chunk_kernels=True on model type {model_type!r}", f"the kernels cover {supported}")
+    off = _off_device(model)
+    if off:
+        refuse(name, f"chunk_kernels=True with parameters on {sorted(off)}",
+               "the Triton kernels run on CUDA tensors only (or under TRITON_INTERPRET=1)")  # fmt: skip
+    others = []
+    for attr in ("ref_model", "teacher_model"):
+        other = getattr(trainer, attr, None)
+        if isinstance(other, torch.nn.Module):
+            other = peft_base(unwrap(other))
+            if other is not model:
+                others.append((attr, other))
+    for attr, other in others:
+        # The rotary patch reaches this model whenever it shares the trained model's modeling module.
+        if type(other).__module__ == type(model).__module__ and _off_device(other):
+            refuse(name, f"chunk_kernels=True with {attr} on {sorted(_off_device(other))}",
+                   "it shares the trained model's rotary embedding, which runs on CUDA only")  # fmt: skip
+    try:
+        patch(model, loss=False)
+    except ValueError as e:  # e.g. a model class outside its family's modeling module
+        refuse(name, "chunk_kernels=True on this model", str(e))
+    for attr, other in others:
+        other_type = getattr(getattr(other, "config", None), "model_type", None)
+        if other_type not in SUPPORTED_MODEL_TYPES or _off_device(other):
+            off = sorted(_off_device(other))
+            where = f"type {other_type!r}" if other_type not in SUPPORTED_MODEL_TYPES else f"on {off}"
+            warnings.warn(f"chunk_kernels: {attr} ({where}) keeps transformers' modules", stacklevel=2)
+            continue
+        try:
+            patch(other, loss=False)
+        except ValueError as e:  # e.g. a wrapper class outside the family's modeling module (FSDP2)
+            warnings.warn(f"chunk_kernels: {attr} left partly unpatched: {e}", stacklevel=2)
 
 
 def peft_base(model):

@@ -25,7 +25,7 @@ from trl import DistillationConfig, DistillationTrainer
 
 from chunkloss.losses.jsd import FusedLinearJSDLoss
 
-from ._common import ChunkedArguments, chunk_options, jsd_loss_for, refuse
+from ._common import ChunkedArguments, apply_chunk_kernels, chunk_options, jsd_loss_for, refuse
 from ._head import _gather_ctx, _head_of, check_head_supported
 
 __all__ = ["ChunkedDistillationConfig", "ChunkedDistillationTrainer"]
@@ -59,6 +59,7 @@ class ChunkedDistillationTrainer(DistillationTrainer):
         if args is not None:
             chunk_options(args)  # validate early
         super().__init__(model, teacher_model, args, *pos, **kwargs)
+        apply_chunk_kernels(self)
         check_head_supported(self.accelerator.unwrap_model(self.model))
         try:
             check_head_supported(self.accelerator.unwrap_model(self.teacher_model))

@@ -24,7 +24,7 @@ from trl.experimental.gkd import GKDConfig, GKDTrainer
 
 from chunkloss.losses.jsd import FusedLinearJSDLoss
 
-from ._common import ChunkedArguments, chunk_options, jsd_loss_for, peft_base, refuse
+from ._common import ChunkedArguments, apply_chunk_kernels, chunk_options, jsd_loss_for, peft_base, refuse
 from ._head import add_chunked_head, allow_lm_head_adapter, check_head_supported
 
 __all__ = ["ChunkedGKDConfig", "ChunkedGKDTrainer"]
@@ -68,6 +68,7 @@ class ChunkedGKDTrainer(GKDTrainer):
             chunk_options(args)  # validate early
         with allow_lm_head_adapter(model):
             super().__init__(model, teacher_model, args, *pos, **kwargs)
+        apply_chunk_kernels(self)
         base = peft_base(self.model)
         check_head_supported(base)
         add_chunked_head(base)

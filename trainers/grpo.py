@@ -17,7 +17,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from chunkloss.losses.grpo import FusedLinearGRPOLoss
 
-from ._common import ChunkedArguments, chunk_options, peft_base, refuse
+from ._common import ChunkedArguments, apply_chunk_kernels, chunk_options, peft_base, refuse
 from ._head import add_chunked_head, allow_lm_head_adapter, check_head_supported, head_transforms
 
 __all__ = ["ChunkedGRPOConfig", "ChunkedGRPOTrainer"]
@@ -62,6 +62,7 @@ class ChunkedGRPOTrainer(GRPOTrainer):
                 )
         with allow_lm_head_adapter(model):
             super().__init__(model, reward_funcs, args, *pos, **kwargs)
+        apply_chunk_kernels(self)
         base = peft_base(self.model)
         check_head_supported(base)
         softcap, logit_scale = head_transforms(base.config)

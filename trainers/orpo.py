@@ -16,7 +16,7 @@ from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
 from chunkloss.losses.orpo import FusedLinearORPOLoss
 
-from ._common import ChunkedArguments, chunk_options, peft_base, refuse
+from ._common import ChunkedArguments, apply_chunk_kernels, chunk_options, peft_base, refuse
 from ._head import add_chunked_head, allow_lm_head_adapter, check_head_supported, head_transforms
 
 __all__ = ["ChunkedORPOConfig", "ChunkedORPOTrainer"]
@@ -40,6 +40,7 @@ class ChunkedORPOTrainer(ORPOTrainer):
             chunk_options(args)
         with allow_lm_head_adapter(model):
             super().__init__(model, args, *pos, **kwargs)
+        apply_chunk_kernels(self)
         name = type(self).__name__
         if self.is_encoder_decoder:
             refuse(name, "encoder-decoder models", "the chunked head covers causal LMs")

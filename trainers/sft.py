@@ -16,7 +16,7 @@ from trl import SFTConfig, SFTTrainer
 
 from chunkloss.losses.cross_entropy import FusedLinearCrossEntropyLoss
 
-from ._common import ChunkedArguments, chunk_options, peft_base, refuse
+from ._common import ChunkedArguments, apply_chunk_kernels, chunk_options, peft_base, refuse
 from ._head import add_chunked_head, allow_lm_head_adapter, check_head_supported
 from ._losses import FusedLinearDFTLoss
 
@@ -50,6 +50,7 @@ class ChunkedSFTTrainer(SFTTrainer):
             chunk_options(args)  # validate early
         with allow_lm_head_adapter(model):
             super().__init__(model, args, *pos, **kwargs)
+        apply_chunk_kernels(self)
         pc = self.accelerator.parallelism_config
         if (
             pc is not None
