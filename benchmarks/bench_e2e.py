@@ -4,9 +4,15 @@
 * DPO:  ``ChunkedDPOTrainer`` vs ``DPOTrainer`` on a Llama-3.2-1B-shaped model (vocab 128256, hidden 2048).
 * ORPO: ``ChunkedORPOTrainer`` vs ``trl.experimental.orpo.ORPOTrainer`` on the same Llama shape.
 
-Per task, first a batch-size sweep: per-device batch sizes grow, TRL and ours run in turn at each size, until
-both have gone out of memory or the task's share of the time budget is spent; each run records the mean step
-time (after ``--warmup`` steps), tokens/s and peak CUDA memory. Then both trainers train ``--curve-steps``
+Implementations (``--impls``, all three by default): ``trl`` (TRL's trainer), ``chunkloss`` (the chunked
+trainer) and ``chunkloss+kernels`` (the chunked trainer with ``chunk_kernels=True``: the model's RMSNorms,
+rotary embedding and gated MLPs, and DPO's reference model's, on chunkloss's Triton kernels). The rotary
+patch is process-wide, so it is undone after each ``chunkloss+kernels`` run (``unpatch_rotary``) and the
+other implementations run on transformers' own.
+
+Per task, first a batch-size sweep: per-device batch sizes grow, the implementations run in turn at each
+size, until all have gone out of memory or the task's share of the time budget is spent; each run records the
+mean step time (after ``--warmup`` steps), tokens/s and peak CUDA memory. Then each trains ``--curve-steps``
 steps from the same initial weights at ``--curve-batch`` and their loss curves are recorded (fewer steps, at
 least ``--min-curve-steps``, when the sweep's step times say the full curves would overrun the task's share).
 ``--time-budget-s`` is split evenly over the tasks still to run, so time one task leaves over goes to the
@@ -16,8 +22,9 @@ leaves its results; ``e2e.png`` (with matplotlib) after every task.
 Every run starts from the same weights: each task's model is initialised once, directly on the device in
 its dtype, and each run builds its model on the device and loads that saved copy (kept in host memory, so it
 does not count in the peak). DPO's reference model is the same initial weights. The chunked trainers of a
-task share one loss module, so its per-chunk step is compiled once per task rather than once per run (a
-long training run compiles once too); compilation falls in the warm-up steps either way.
+task (with and without the kernels) share one loss module, so its per-chunk step is compiled once per task
+rather than once per run (a long training run compiles once too); compilation falls in the warm-up steps
+either way.
 
 Nothing is downloaded: the tokenizer is trained locally (``chunkloss.data``); ids it does not know decode to
 nothing, so the large random vocabulary is harmless. Layers are trimmed with ``--layers`` to fit the time
@@ -25,6 +32,10 @@ budget (the LM head, where the two implementations differ, keeps its full size).
 
     python -m benchmarks.bench_e2e --out benchmarks/results/e2e                 # H100, ~7 min
     python -m benchmarks.bench_e2e --out /tmp/e2e --tiny                        # CPU smoke run
+    TRITON_INTERPRET=1 python -m benchmarks.bench_e2e --out /tmp/e2e --tiny     # ... with the kernels
+
+On a CPU without ``TRITON_INTERPRET=1`` the Triton kernels cannot run, and ``chunkloss+kernels`` is left out
+(with a note).
 """
 
 from __future__ import annotations
@@ -54,7 +65,7 @@ SHAPES = {
     ),
     "tiny": dict(family="qwen3", vocab=4096, hidden=64, inter=128, layers=1, heads=4, kv=2, head_dim=16),
 }
-IMPLS = ("trl", "chunkloss")
+IMPLS = ("trl", "chunkloss", "chunkloss+kernels")
 # Where each chunked trainer keeps its loss module(s); shared by a task's runs so it compiles once.
 LOSS_ATTR = {"grpo": "_chunk_losses", "dpo": "_dpo_loss", "orpo": "_orpo_loss"}
 
@@ -157,7 +168,7 @@ def make_trainer(task: str, impl: str, model, ref, tokenizer, ds, out_dir: str, 
         dataloader_num_workers=0,
         seed=0,
     )
-    chunk = dict(chunk_compile=not a.no_compile)
+    chunk = dict(chunk_compile=not a.no_compile, chunk_kernels=impl == "chunkloss+kernels")
     if task == "grpo":
         from chunkloss.trainers.grpo import ChunkedGRPOConfig, ChunkedGRPOTrainer
         from trl import GRPOConfig, GRPOTrainer
@@ -231,7 +242,7 @@ def run_one(task, impl, shape, batch, steps, a, tokenizer, ds, state, shared):
         t1 = time.perf_counter()
         run_dir = os.path.join(a.out, "runs", f"{task}-{impl}")
         trainer = make_trainer(task, impl, model, ref, tokenizer, ds, run_dir, batch, steps, a)
-        if impl == "chunkloss":
+        if impl != "trl":
             _share_loss(trainer, task, shared)
         timer = StepTimer()
         trainer.add_callback(timer)
@@ -259,6 +270,11 @@ def run_one(task, impl, shape, batch, steps, a, tokenizer, ds, state, shared):
             raise
         res["oom"] = True
     finally:
+        if impl == "chunkloss+kernels":
+            # The rotary patch is process-wide: the next trl / chunkloss run gets transformers' own again.
+            from chunkloss.kernels import unpatch_rotary
+
+            unpatch_rotary()
         del trainer, model, ref
         _cleanup()
     res["wall_s"] = time.perf_counter() - t0
@@ -304,10 +320,10 @@ def run_task(task, shape, a, tokenizer, results, deadline, t_start):
         results["wall_s"] = time.perf_counter() - t_start
         write_outputs(results, a.out, plot=False)
 
-    last: dict = {impl: None for impl in IMPLS}
-    alive = dict.fromkeys(IMPLS, True)
+    last: dict = {impl: None for impl in a.impls}
+    alive = dict.fromkeys(a.impls, True)
     for bs in sizes:
-        todo = [impl for impl in IMPLS if alive[impl]]
+        todo = [impl for impl in a.impls if alive[impl]]
         if not todo:
             break
         need = sum(_predict_s(last[impl], bs, a.sweep_steps) for impl in todo)
@@ -330,11 +346,12 @@ def run_task(task, shape, a, tokenizer, results, deadline, t_start):
         at_near = max(r["step_time_s"] for r in ref if r["batch"] == near["batch"])
         per_step = at_near * a.curve_batch / near["batch"]
         overhead = max(_overhead_s(r) for r in ref)
-        fit = int((deadline - time.perf_counter() - 2 * overhead) / (2 * per_step))
+        n = len(a.impls)
+        fit = int((deadline - time.perf_counter() - n * overhead) / (n * per_step))
         if fit < steps:
             steps = max(fit, min(a.min_curve_steps, a.curve_steps))
             print(f"[curve] {task}: {steps} steps fit the task's share (~{per_step:.2f} s/step)")
-    for impl in IMPLS:
+    for impl in a.impls:
         r = run_one(task, impl, shape, a.curve_batch, steps, a, tokenizer, ds, state, shared)
         record("curves", r)
         print(f"[curve] {task} {impl} bs={a.curve_batch} steps={steps}: {_fmt(r)}; "
@@ -348,6 +365,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--tasks", default="grpo,dpo,orpo")
+    p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated, from {', '.join(IMPLS)}")
     p.add_argument("--layers", type=int, default=4, help="decoder layers (the real models have 28 / 16)")
     p.add_argument("--batch-sizes", default="2,4,8,16,32,64,128")
     p.add_argument("--sweep-steps", type=int, default=4)
@@ -365,6 +383,15 @@ def main(argv=None):
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny shapes, few steps")
     a = p.parse_args(argv)
     a.device = "cuda" if torch.cuda.is_available() else "cpu"
+    a.impls = [i for i in a.impls.split(",") if i]
+    unknown = sorted(set(a.impls) - set(IMPLS))
+    if unknown or not a.impls:
+        p.error(f"--impls: unknown {unknown}; choose from {', '.join(IMPLS)}")
+    if "chunkloss+kernels" in a.impls and a.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        print("note: chunkloss+kernels left out: on a CPU its Triton kernels need TRITON_INTERPRET=1")
+        a.impls.remove("chunkloss+kernels")
+        if not a.impls:
+            p.error("--impls: nothing left to run")
     grpo_shape, dpo_shape = "qwen3-0.6b", "llama-3.2-1b"
     if a.tiny:
         grpo_shape = dpo_shape = "tiny"
@@ -392,16 +419,23 @@ def write_outputs(results: dict, out: str, plot: bool = True) -> None:
     with open(os.path.join(out, "e2e.json"), "w") as f:
         json.dump(results, f, indent=1)
     lines = [f"# End-to-end: chunkloss trainers vs TRL ({results['device']})", "",
-             "| task | impl | batch | step time (s) | tokens/s | peak memory (GiB) |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+             "Ratios: the implementation's over TRL's at the same task and batch (below 1: faster / less).",
+             "",
+             "| task | impl | batch | step time (s) | tokens/s | peak mem (GiB) | time / trl | mem / trl |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    trl = {(r["task"], r["batch"]): r for r in results["sweep"] if r["impl"] == "trl" and not r["oom"]}
     for r in results["sweep"]:
         if r["oom"]:
-            lines.append(f"| {r['task']} | {r['impl']} | {r['batch']} | OOM | | |")
+            lines.append(f"| {r['task']} | {r['impl']} | {r['batch']} | OOM | | | | |")
             continue
         mem = "" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.2f}"
         tps = r.get("tokens_per_s")
+        t = trl.get((r["task"], r["batch"])) if r["impl"] != "trl" else None
+        t_ratio = "–" if t is None else f"{r['step_time_s'] / t['step_time_s']:.2f}"
+        has_mem = t is not None and r["peak_mem_gib"] is not None and t["peak_mem_gib"] is not None
+        m_ratio = f"{r['peak_mem_gib'] / t['peak_mem_gib']:.2f}" if has_mem else "–"
         lines.append(f"| {r['task']} | {r['impl']} | {r['batch']} | {r['step_time_s']:.3f} | "
-                     f"{'' if tps is None else f'{tps:.0f}'} | {mem} |")  # fmt: skip
+                     f"{'' if tps is None else f'{tps:.0f}'} | {mem} | {t_ratio} | {m_ratio} |")  # fmt: skip
     for s in results.get("skipped", []):
         lines.append(f"\n{s['task']}: sweep stopped before batch {s['batch']} ({s['reason']}).")
     lines += ["", "## Curves (first and last logged loss, and reward where the trainer logs one)", "",
@@ -428,12 +462,13 @@ def write_outputs(results: dict, out: str, plot: bool = True) -> None:
     if not tasks:
         return
     fig, axes = plt.subplots(2, len(tasks), figsize=(5 * len(tasks), 8), squeeze=False)
+    style = {impl: ls for impl, ls in zip(IMPLS, ("-", "--", ":"), strict=True)}  # equal curves overlap
     for j, task in enumerate(tasks):
         key = "rewards" if any(r.get("rewards") for r in results["curves"] if r["task"] == task) else "losses"
         for r in results["curves"]:
             if r["task"] == task and r.get(key):
-                axes[0][j].plot(r[key], label=r["impl"])
-        axes[0][j].set_title(f"{task}: {key[:-1]}")
+                axes[0][j].plot(r[key], label=r["impl"], linestyle=style.get(r["impl"], "-"))
+        axes[0][j].set_title(f"{task}: {'reward' if key == 'rewards' else 'loss'}")
         for impl in IMPLS:
             pts = [
                 (r["batch"], r["peak_mem_gib"])
@@ -441,7 +476,7 @@ def write_outputs(results: dict, out: str, plot: bool = True) -> None:
                 if r["task"] == task and r["impl"] == impl and not r["oom"] and r["peak_mem_gib"] is not None
             ]
             if pts:
-                axes[1][j].plot(*zip(*pts), marker="o", label=impl)
+                axes[1][j].plot(*zip(*pts), marker="o", label=impl, linestyle=style[impl])
         axes[1][j].set_xscale("log", base=2)
         axes[1][j].set_xlabel("per-device batch")
         axes[1][j].set_title(f"{task}: peak memory (GiB)")

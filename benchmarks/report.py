@@ -65,33 +65,56 @@ def kernel_table() -> list[str]:
     ]
 
 
+E2E_IMPLS = ("trl", "chunkloss", "chunkloss+kernels")
+# A bench_e2e run with chunkloss+kernels (`--impls` default), copied here from the GPU run's e2e.json; its
+# tasks replace the earlier runs' rows, so each row's ratios come from one run.
+E2E_KERNELS_RUN = "e2e/e2e_kernels_run3.json"
+
+
 def e2e_table() -> list[str]:
-    """GRPO from run 1; DPO and ORPO from run 2 (after the two-pass change, which GRPO's dapo skips)."""
+    """GRPO from run 1; DPO and ORPO from run 2 (after the two-pass change, which GRPO's dapo skips); any task
+    in the kernels run (all three implementations) from that run instead."""
     run1, run2 = _load("e2e/e2e_all_run1.json"), _load("e2e/e2e_dpo_orpo_run2.json")
     rows = [r for r in run1["sweep"] if r["task"] == "grpo"] + run2["sweep"]
+    device = run2["device"]
+    if (RESULTS / E2E_KERNELS_RUN).exists():
+        run3 = _load(E2E_KERNELS_RUN)
+        tasks3 = {r["task"] for r in run3["sweep"]}
+        rows = [r for r in rows if r["task"] not in tasks3] + run3["sweep"]
+        device = run3["device"]
+    impls = [i for i in E2E_IMPLS if any(r["impl"] == i for r in rows)]
+    others = [i for i in impls if i != "trl"]
+    what = "chunkloss trainer" + (" (+kernels: `chunk_kernels=True`)" if "chunkloss+kernels" in impls else "")
+    ratio_cols = []
+    for impl in others:
+        tag = f" ({impl})" if len(others) > 1 else ""
+        ratio_cols += [f"time ratio{tag}", f"memory ratio{tag}"]
+    names = ["TRL" if i == "trl" else i for i in impls]
     out = [
-        f"End to end (`benchmarks/bench_e2e.py`, one {run2['device']}, 4 decoder layers, full-size heads): "
-        "step time in s / peak GiB, chunkloss trainer vs TRL 1.16's. GRPO: Qwen3-0.6B shape; DPO, ORPO: "
+        f"End to end (`benchmarks/bench_e2e.py`, one {device}, 4 decoder layers, full-size heads): "
+        f"step time in s / peak GiB, {what} vs TRL 1.16's. GRPO: Qwen3-0.6B shape; DPO, ORPO: "
         "Llama-3.2-1B shape, 512 tokens. From `benchmarks/results/e2e/`.",
         "",
-        "| task | batch | TRL | chunkloss | time ratio | memory ratio |",
-        "|---|---|---|---|---|---|",
+        "| task | batch | " + " | ".join(names + ratio_cols) + " |",
+        "|---|---|" + "---|" * (len(names) + len(ratio_cols)),
     ]
     for task in ("grpo", "dpo", "orpo"):
         for batch in sorted({r["batch"] for r in rows if r["task"] == task}):
             by = {r["impl"]: r for r in rows if r["task"] == task and r["batch"] == batch}
             cells = []
-            for impl in ("trl", "chunkloss"):
+            for impl in impls:
                 r = by.get(impl)
                 cells.append("–" if r is None else "OOM" if r.get("oom") else
                              f"{r['step_time_s']:.3f} / {r['peak_mem_gib']:.2f}")
-            t, c = by.get("trl"), by.get("chunkloss")
-            if t and c and not t.get("oom") and not c.get("oom"):
-                ratios = [f"{c['step_time_s'] / t['step_time_s']:.2f}",
-                          f"{c['peak_mem_gib'] / t['peak_mem_gib']:.2f}"]
-            else:
-                ratios = ["–", "–"]
-            out.append(f"| {task} | {batch} | " + " | ".join(cells + ratios) + " |")
+            t = by.get("trl")
+            for impl in others:
+                c = by.get(impl)
+                if t and c and not t.get("oom") and not c.get("oom"):
+                    cells += [f"{c['step_time_s'] / t['step_time_s']:.2f}",
+                              f"{c['peak_mem_gib'] / t['peak_mem_gib']:.2f}"]
+                else:
+                    cells += ["–", "–"]
+            out.append(f"| {task} | {batch} | " + " | ".join(cells) + " |")
     return out
 
 

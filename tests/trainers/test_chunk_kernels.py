@@ -300,7 +300,8 @@ def test_help_names_every_supported_type():
 def test_unpatch_rotary_restores_transformers_function(tmp_path):
     from chunkloss.kernels import patch
 
-    llama = tiny_model(tokenizer(), "llama", hidden_size=32, num_layers=1)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # Triton takes CPU tensors only when interpreted
+    llama = tiny_model(tokenizer(), "llama", hidden_size=32, num_layers=1).to(device)
     qwen3, _ = model_pair()
     llama_mod, qwen3_mod = sys.modules[type(llama).__module__], sys.modules[type(qwen3).__module__]
     original = llama_mod.apply_rotary_pos_emb
@@ -309,7 +310,7 @@ def test_unpatch_rotary_restores_transformers_function(tmp_path):
     patch(llama, loss=False)  # twice: the original must not be forgotten
     patch(qwen3, loss=False)
     assert llama_mod.apply_rotary_pos_emb is _rotary_fn and qwen3_mod.apply_rotary_pos_emb is _rotary_fn
-    ids = torch.randint(0, len(tokenizer()), (1, 5))
+    ids = torch.randint(0, len(tokenizer()), (1, 5), device=device)
     assert "RoPEFunctionBackward" in _graph_nodes(llama(input_ids=ids, labels=ids).loss)
     assert unpatch_rotary(llama) == [llama_mod.__name__]
     assert llama_mod.apply_rotary_pos_emb is original
