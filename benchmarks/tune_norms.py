@@ -47,6 +47,7 @@ def _configs(path: str, width: int):
         changes = dict(zip(grid, values))
         if path == "fused":
             changes["bwd_programs_per_sm_wide"] = changes["bwd_programs_per_sm"]
+            changes["bwd_stages_wide"] = changes["bwd_stages"]
             changes["max_fused_cols"] = 1 << 30
         else:
             if changes["loop_block_n"] > width:

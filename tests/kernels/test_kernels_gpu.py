@@ -91,7 +91,7 @@ def test_norms_pipelined_backward_equals_plain(width, stages):
     dy = torch.randn_like(x)
     for fn, params in ((lambda x, w, b: rms_norm(x, w, 1e-6), (x, w)), (layer_norm, (x, w, b))):
         grads = []
-        for knobs in (dict(bwd_stages=0), dict(bwd_stages=stages)):
+        for knobs in (dict(bwd_stages=0, bwd_stages_wide=0), dict(bwd_stages=stages, bwd_stages_wide=stages)):
             with norm_knobs(**knobs):
                 inputs = [p.clone().requires_grad_() for p in (x, w, b)]
                 out = fn(*inputs)
