@@ -191,7 +191,15 @@ def main():
     parser.add_argument("--paths", nargs="+", choices=("fused", "looped"), default=None,
                         help="default: fused up to 8192 columns, looped from 4096 on")
     parser.add_argument("--out", default=None, help="also write every timing to this json file")
+    parser.add_argument("--set", nargs="+", default=[], metavar="KNOB=V1,V2",
+                        help="replace a knob's values in the grid, e.g. bwd_programs_per_sm=1,2")
     args = parser.parse_args()
+    for item in args.set:
+        name, values = item.split("=")
+        grid = FUSED_GRID if name in FUSED_GRID else LOOPED_GRID
+        if name not in grid:
+            sys.exit(f"--set: {name} is not a knob of the grid ({sorted(FUSED_GRID) + sorted(LOOPED_GRID)})")
+        grid[name] = tuple(type(grid[name][0])(v) for v in values.split(","))
     if args.regs:
         regs()
         return
