@@ -38,13 +38,14 @@ class NormKnobs:
     warp_scale: float = 1.0  # fused: multiplies row_warps()
     # Fused backward programs per SM, each looping over its rows, and the software-pipeline stages of that
     # loop on a GPU (the interpreter runs a plain loop). Swept at 16384 rows on an H100
-    # (benchmarks/results/dev/s3/tune_norms_*.json): at widths 2048 and 4096, 2 programs with 3 stages were
-    # fastest for both norms (4096: RMSNorm 0.245 ms, LayerNorm 0.248, against 0.258 and 0.277 with 8
-    # programs unpipelined); from 8192 on 2 programs and no pipelining (not swept with stages there).
-    bwd_programs_per_sm: int = 2  # BLOCK_N <= 4096
-    bwd_programs_per_sm_wide: int = 2  # BLOCK_N > 4096
-    bwd_stages: int = 3  # BLOCK_N <= 4096
-    bwd_stages_wide: int = 0  # BLOCK_N > 4096
+    # (benchmarks/results/dev/s3/tune_norms_*.json): one program per SM with 4 stages up to width 4096
+    # (RMSNorm / LayerNorm at 4096: 0.241 / 0.245 ms, against 0.258 / 0.277 with the former 8 unpipelined
+    # programs), 3 stages at 8192 (0.472 / 0.473 against 0.514 / 0.523); one program per SM also keeps the
+    # fp32 dW partials at Liger's size. 16384-wide tiles (RMSNorm only) were not swept with stages.
+    bwd_programs_per_sm: int = 1  # BLOCK_N <= 4096
+    bwd_programs_per_sm_wide: int = 1  # BLOCK_N > 4096
+    bwd_stages: int = 4  # BLOCK_N <= 4096
+    bwd_stages_wide: int = 3  # BLOCK_N == 8192; none for 16384
     # Looped path, swept at 16384 x 16384 on an H100 (benchmarks/results/dev/tune_norms_h100_16384.json): of
     # 144 configurations 4096 columns x 16 warps with 4 rows per step was best for both norms (LayerNorm
     # 1.62 ms, RMSNorm 1.36 ms; the first guess, 2048 x 8 warps x 1 row, took 2.92 and 2.16 ms).
@@ -143,7 +144,8 @@ def norm_bwd_plan(n_rows: int, n_cols: int, device: torch.device, knobs: NormKno
         per_sm = knobs.bwd_programs_per_sm if block_n <= 4096 else knobs.bwd_programs_per_sm_wide
     n_programs = max(1, min(num_sms(device) * per_sm, cdiv(n_rows, block_m)))
     rows_per_program = max(1, cdiv(cdiv(n_rows, n_programs), block_m)) * block_m  # >= 1 step, even for 0 rows
-    stages = (knobs.bwd_stages if block_n <= 4096 else knobs.bwd_stages_wide) if device.type == "cuda" else 0
+    stages = knobs.bwd_stages if block_n <= 4096 else knobs.bwd_stages_wide if block_n <= 8192 else 0
+    stages = stages if device.type == "cuda" else 0
     n_programs = cdiv(n_rows, rows_per_program)
     return BwdPlan(n_programs, rows_per_program, block_m, block_n, num_warps, looped, stages)
 

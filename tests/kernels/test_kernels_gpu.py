@@ -80,7 +80,7 @@ def test_norms_looped_configs(width, block_n, block_m, dtype):
         three_way(layer_norm, layer_norm_ref, [x, w, b], dtype)
 
 
-@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("stages", [2, 3, 4])
 @pytest.mark.parametrize("width", [2048, 4096 + 3])
 def test_norms_pipelined_backward_equals_plain(width, stages):
     """The software-pipelined row loop of the fused backward (bwd_stages > 0, GPU only) does the same
