@@ -343,12 +343,13 @@ class FusedLinearBase(nn.Module):
 
         With an fp32 weight-gradient accumulator (``fp32_grad_w``) the backward holds the accumulator and its
         cast to the weight's dtype at once, so a chunk whose logits take no more than that cast's V·H bytes
-        leaves the step's peak where it is; token losses then take that larger budget, with the logits of
+        leaves the step's peak where it is; the loss then takes that larger budget, with the logits of
         extra heads (a teacher) counted twice for their fp32 copy in the step. Larger chunks run the GEMMs
         faster (``benchmarks/chunk_sweep.py``, H200, all at 1.96 GiB beyond the gradients unless noted): CE
         at N=8192 39.4 ms at 1792 rows, 38.3 at 4096; GRPO dapo 2x16384 165.4 ms at 1792, 158.5 at 3072;
         JSD at N=8192 70.7 ms at 896, 66.7 at 1280 (2.20 GiB), 63.2 at 2048 (2.94 GiB, hence the fp32
-        count). Sequence losses keep more than one [C, V] tensor per chunk and stay on ``logits_budget_mb``.
+        count). Sequence losses take it too: automatic chunks run them in two passes, each holding one
+        [C, V] tensor (a no-grad projection reduced to per-row statistics, then a pointwise in-place step).
         """
         opts = self.options
         if opts.chunk_size is not None:
@@ -360,7 +361,7 @@ class FusedLinearBase(nn.Module):
             extra_vocab = sum(e.weight.shape[0] for e in extra)
         budget = opts.logits_budget_mb
         v, itemsize = weight.shape[0], hidden.element_size()
-        if fp32_grad_w and opts.compile and not self.is_sequence_loss:
+        if fp32_grad_w and opts.compile:
             budget = max(budget, weight.numel() * weight.element_size() // 2**20)
             extra_vocab *= 2
         return default_chunk_size(v, itemsize, budget, extra_vocab, grad_in_place=opts.compile)

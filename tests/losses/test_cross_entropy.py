@@ -178,6 +178,11 @@ def test_automatic_chunk_rows():
     jsd = FusedLinearJSDLoss()
     assert jsd.chunk_rows(weight, hidden, teacher) == 896  # 448 MiB over student and teacher logits
     assert jsd.chunk_rows(weight, hidden, teacher, True) == 1280  # 1002 MiB, teacher counted in fp32
+    from chunkloss.losses.dpo import FusedLinearDPOLoss
+
+    dpo = FusedLinearDPOLoss()  # automatic chunks: two passes, one [C, V] tensor live, ref head reduced first
+    assert dpo.chunk_rows(weight, hidden, teacher, True) == 4096
+    assert dpo.chunk_rows(weight, hidden, teacher) == 1792
 
 
 def test_compiled_matches_eager():
