@@ -1,0 +1,76 @@
+"""Where an end-to-end training step's GPU time goes: the top CUDA kernels of a few steps of TRL's trainer and
+of the chunked one, same model, batch and data (bench_e2e's setup).
+
+    python -m benchmarks.profile_e2e [--task dpo] [--batch 64] [--impls trl,chunkloss]
+"""
+
+import argparse
+
+import torch
+
+from benchmarks import bench_e2e as e2e
+from chunkloss.data import tiny_tokenizer
+
+
+class _Profile(e2e.TrainerCallback):
+    """Profiles steps ``start`` .. ``start + n`` (after compilation and warm-up)."""
+
+    def __init__(self, start: int, n: int):
+        self.start, self.n, self.prof = start, n, None
+
+    def on_step_begin(self, args, state, control, **kw):
+        if state.global_step == self.start:
+            torch.cuda.synchronize() if torch.cuda.is_available() else None
+            acts = [
+                torch.profiler.ProfilerActivity.CUDA
+                if torch.cuda.is_available()
+                else torch.profiler.ProfilerActivity.CPU
+            ]
+            self.prof = torch.profiler.profile(activities=acts)
+            self.prof.__enter__()
+
+    def on_step_end(self, args, state, control, **kw):
+        if self.prof is not None and state.global_step == self.start + self.n:
+            torch.cuda.synchronize() if torch.cuda.is_available() else None
+            self.prof.__exit__(None, None, None)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--task", default="dpo")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--impls", default="trl,chunkloss")
+    p.add_argument("--rows", type=int, default=22)
+    p.add_argument(
+        "--shape", default=None, help="bench_e2e shape (default: the task's; 'tiny' for a CPU check)"
+    )
+    args = p.parse_args(argv)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    a = argparse.Namespace(device=dev, layers=4, no_compile=dev == "cpu", completion_len=128, seq_len=512,
+                           words=200, out="/tmp/profile_e2e")  # fmt: skip
+    tokenizer = tiny_tokenizer()
+    shape = args.shape or ("qwen3-0.6b" if args.task == "grpo" else "llama-3.2-1b")
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    ds = e2e.counting_dataset(args.task, 8 * args.batch, a.words if args.task != "grpo" else 8)
+    state = e2e.initial_state(shape, a, tokenizer, dtype)
+    for impl in args.impls.split(","):
+        model = e2e.build_model(shape, a.layers, tokenizer, dev, dtype, state)
+        ref = None
+        if args.task == "dpo":
+            ref = e2e.build_model(shape, a.layers, tokenizer, dev, dtype, state)
+            ref.requires_grad_(False)
+        trainer = e2e.make_trainer(args.task, impl, model, ref, tokenizer, ds, f"/tmp/profile_e2e/{impl}",
+                                   args.batch, 6, a)  # fmt: skip
+        prof = _Profile(start=3, n=2)
+        trainer.add_callback(prof)
+        trainer.train()
+        table = prof.prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows)
+        total = sum(e.self_device_time_total for e in prof.prof.key_averages()) / 1e3 / 2
+        print(f"\n=== {args.task} {impl} batch {args.batch}: {total:.1f} ms of kernels per step ===\n{table}",
+              flush=True)  # fmt: skip
+        del trainer, model, ref
+        e2e._cleanup()
+
+
+if __name__ == "__main__":
+    main()
