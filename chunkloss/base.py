@@ -285,10 +285,6 @@ class FusedLinearBase(nn.Module):
     #: they are freed before the policy's logits exist; the loss then reads ``token["extra_stats"]``
     #: and gets ``extra_logits == []``. Losses that need whole extra distributions (JSD) leave it None.
     extra_token_stats = None
-    #: Optional column of ``token_stats`` holding each row's logsumexp. The two-pass engine then hands
-    #: pass 1's values to pass 2 as ``token["lse"]``; ``token_stats`` may take it
-    #: (``losses.common.logsumexp``) so the gradient pass is pointwise instead of reducing over V again.
-    lse_stat: int | None = None
 
     @property
     def is_sequence_loss(self) -> bool:
@@ -699,13 +695,10 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
             add_metrics({k: v.detach() for k, v in m.items()})
             if any_grad and coef is not None:
                 step = loss_mod._step_fn("seq_pass2", dev)
-                lse = None if loss_mod.lse_stat is None else stats.detach()[:, loss_mod.lse_stat]
                 for a, b in plan.bounds:
                     # Heads without grad are not projected again: their reduced statistics from pass 1
                     # come in as token["extra_stats"].
                     x, logits, extra, token = project(a, b, _slice_rows(batch.token, a, b), first_pass=False)
-                    if lse is not None:
-                        token = {**token, "lse": lse[a:b]}
                     g = step(logits, extra, token, coef[a:b])
                     backprop(g, x, a, b)
                     del x, logits, extra, g  # free this chunk's [C, V] buffer before the next is projected

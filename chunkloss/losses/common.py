@@ -33,30 +33,6 @@ def pick(z: Tensor, labels: Tensor) -> Tensor:
     return z.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
 
 
-class _LogSumExpGiven(torch.autograd.Function):
-    """``logsumexp(z, -1)`` whose value ``lse`` an earlier pass over the same logits computed: the forward
-    returns it and the backward is the softmax ``exp(z - lse)``, pointwise, so a second pass over a chunk
-    reduces nothing over V."""
-
-    @staticmethod
-    def forward(z, lse):
-        return lse.clone()
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs)
-
-    @staticmethod
-    def backward(ctx, grad):
-        z, lse = ctx.saved_tensors
-        return grad.unsqueeze(-1) * torch.exp(z - lse.unsqueeze(-1)), None
-
-
-def logsumexp(z: Tensor, lse: Tensor | None = None) -> Tensor:
-    """``torch.logsumexp(z, -1)``, or its known value ``lse`` (same value, softmax gradient, no reduction)."""
-    return torch.logsumexp(z, dim=-1) if lse is None else _LogSumExpGiven.apply(z, lse)
-
-
 def label_logprobs(z: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
     """``(log p(label), logsumexp)`` per row of fp32 logits ``z`` (N, V)."""
     lse = torch.logsumexp(z, dim=-1)

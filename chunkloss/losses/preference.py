@@ -16,8 +16,6 @@ few statistics (fp32)::
     wpo        m_t · (log p(y_t) - log Σ_v p_v²)   no grad (WPO weights, DPO only)
     entropy    m_t · H(p_t)                no grad (``return_token_metrics``)
     top1       m_t · [argmax_v z_tv = y_t]  no grad (``return_token_metrics``)
-    lse        log Σ_v exp z_tv            no grad; the two-pass engine hands pass 1's value to pass 2
-                                           (``token["lse"]``), whose gradient then needs no reduction
 
 The logits are the model's: ``z = scale(hidden @ weight.T + bias)`` with ``logit_scale`` (Cohere)
 then ``softcap·tanh(z/softcap)`` (Gemma-2), for the policy and the reference head alike.
@@ -45,7 +43,6 @@ from chunkloss.losses.common import (
     check_labels,
     entropy_from_logits,
     label_logprobs,
-    logsumexp,
     pick,
     scale_logits,
 )
@@ -53,7 +50,7 @@ from chunkloss.losses.common import (
 __all__ = ["FusedLinearPreferenceLoss", "PreferenceOptions"]
 
 # Columns of the per-row statistics.
-LOGP, LOGP_RAW, NLL, REF_LOGP, MEAN_LOGIT, WPO, ENTROPY, TOP1, LSE = range(9)
+LOGP, LOGP_RAW, NLL, REF_LOGP, MEAN_LOGIT, WPO, ENTROPY, TOP1 = range(8)
 
 
 @dataclass(frozen=True)
@@ -110,7 +107,7 @@ def preference_ref_stats(extra_logits, token, opts: PreferenceOptions) -> Tensor
 def preference_token_stats(logits, extra_logits, token, opts: PreferenceOptions) -> Tensor:
     """Per-row statistics (C, 8) of one chunk; columns as in the module docstring."""
     z = scale_logits(logits.float(), opts.logit_scale, opts.softcap)
-    lse = logsumexp(z, token.get("lse"))
+    lse = torch.logsumexp(z, dim=-1)
     lp = pick(z, token["labels"]) - lse
     m, w = token["pref_mask"], token["pref_weight"]
     zero = torch.zeros_like(lp)
@@ -132,7 +129,7 @@ def preference_token_stats(logits, extra_logits, token, opts: PreferenceOptions)
         top1 = (zd.argmax(-1) == token["labels"]).float() * m
     else:
         ent = top1 = zero
-    return torch.stack([lp * w, lp * m, nll, ref, mean_logit, wpo, ent, top1, lse.detach()], dim=1)
+    return torch.stack([lp * w, lp * m, nll, ref, mean_logit, wpo, ent, top1], dim=1)
 
 
 def preference_sequence_loss(pair_loss, stats, seq_id, num_seqs, token, sequence, scalars, opts):
@@ -206,7 +203,6 @@ class FusedLinearPreferenceLoss(FusedLinearBase):
     options: PreferenceOptions
     token_stats = staticmethod(preference_token_stats)
     extra_token_stats = staticmethod(preference_ref_stats)
-    lse_stat = LSE
     #: the loss takes a reference (model head or precomputed log-probs).
     uses_reference: bool = False
     #: the loss has an NLL term over the chosen rows that may take its own targets.

@@ -484,38 +484,3 @@ def test_transform_bad_inputs():
         FusedLinearORPOLoss(compile=False)(
             d["x"], d["w"], d["chosen"], d["rejected"], d["b"], logit_rows=torch.ones(B, T, dtype=torch.bool)
         )
-
-
-def test_logsumexp_given_matches_torch():
-    """The known-value logsumexp has torch.logsumexp's value and gradient (the softmax)."""
-    from chunkloss.losses.common import logsumexp
-
-    z = torch.randn(5, 37, dtype=torch.float64, requires_grad=True)
-    g = torch.randn(5, dtype=torch.float64)
-    ref = torch.logsumexp(z, -1)
-    (ref_grad,) = torch.autograd.grad(ref, z, g)
-    given = logsumexp(z, ref.detach())
-    (grad,) = torch.autograd.grad(given, z, g)
-    torch.testing.assert_close(given, ref, rtol=0, atol=0)
-    torch.testing.assert_close(grad, ref_grad, rtol=1e-12, atol=1e-14)
-
-
-def test_two_pass_hands_pass1_logsumexp_to_pass2(monkeypatch):
-    """Pass 2 gets each row's logsumexp from pass 1 (so its gradient reduces nothing over V), and the result
-    equals the one-pass result."""
-    import chunkloss.losses.preference as pref
-
-    seen, original = [], pref.logsumexp
-
-    def spy(z, lse=None):
-        seen.append(lse is not None)
-        return original(z, lse)
-
-    monkeypatch.setattr(pref, "logsumexp", spy)
-    d = _inputs()
-    two = _run(FusedLinearDPOLoss, d, _ref_kwargs(d, "model"), chunk_size=TWO_PASS, compile=False)
-    assert any(seen) and not all(seen)  # pass 1 computes it, pass 2 is given it
-    one = _run(FusedLinearDPOLoss, d, _ref_kwargs(d, "model"), chunk_size=ONE_PASS, compile=False)
-    torch.testing.assert_close(two[0], one[0], **FP32)
-    for a, b in zip(two[1], one[1]):
-        torch.testing.assert_close(a, b, **FP32)
