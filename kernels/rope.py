@@ -112,7 +112,7 @@ def _rope_heads(
     x_row, o_row,  # offsets of this token's first head in X and OUT (int64)
     sxh, soh,  # head strides of X and OUT
     c1, c2, s1, s2,  # (BLOCK_R,) fp32 halves of this token's cos and sin rows
-    valid,  # this token exists (the last program's static loop runs past the end)
+    row, n_rows,  # this token's index and the token count (the last program's static loop runs past the end)
     N_HEADS: tl.constexpr,  # 0 skips the tensor (a gradient that is not needed)
     HALF: tl.constexpr,  # R / 2
     N_PASS: tl.constexpr,  # pass-through dims D - R to copy: 0 for full rotary and in place
@@ -125,7 +125,8 @@ def _rope_heads(
     cols = tl.arange(0, BLOCK_R)
     for h0 in tl.static_range(0, N_HEADS, BLOCK_H):
         heads = h0 + tl.arange(0, BLOCK_H).to(tl.int64)
-        head_mask = (heads < N_HEADS) & valid
+        # Both sides are vectors: Triton 3.9's interpreter refuses a mask built from a scalar comparison.
+        head_mask = (heads < N_HEADS) & (heads * 0 + row < n_rows)
         mask = head_mask[:, None] & (cols < HALF)[None, :]
         x_ptr = X + x_row + heads[:, None] * sxh + cols[None, :]
         x1 = tl.load(x_ptr, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
@@ -174,18 +175,17 @@ def _rope_kernel(
     cols = tl.arange(0, BLOCK_R)
     for i in tl.static_range(TOKENS):
         row = first + i
-        valid = row < n_rows
         b = row // seq_len
         t = row - b * seq_len
         table = b * scb + t * sct + cols
-        table_mask = (cols < HALF) & valid
+        table_mask = (cols < HALF) & (cols * 0 + row < n_rows)  # vectors (see _rope_heads)
         c1 = tl.load(COS + table, mask=table_mask, other=0.0).to(tl.float32)
         c2 = tl.load(COS + table + HALF, mask=table_mask, other=0.0).to(tl.float32)
         s1 = tl.load(SIN + table, mask=table_mask, other=0.0).to(tl.float32)
         s2 = tl.load(SIN + table + HALF, mask=table_mask, other=0.0).to(tl.float32)
-        _rope_heads(Q, QO, b * sqb + t * sqt, b * sqob + t * sqot, sqh, sqoh, c1, c2, s1, s2, valid,
+        _rope_heads(Q, QO, b * sqb + t * sqt, b * sqob + t * sqot, sqh, sqoh, c1, c2, s1, s2, row, n_rows,
                     N_Q, HALF, N_PASS, BACKWARD, BLOCK_HQ, BLOCK_R, BLOCK_P, EVICT)
-        _rope_heads(K, KO, b * skb + t * skt, b * skob + t * skot, skh, skoh, c1, c2, s1, s2, valid,
+        _rope_heads(K, KO, b * skb + t * skt, b * skob + t * skot, skh, skoh, c1, c2, s1, s2, row, n_rows,
                     N_K, HALF, N_PASS, BACKWARD, BLOCK_HK, BLOCK_R, BLOCK_P, EVICT)
 
 
