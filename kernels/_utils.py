@@ -8,6 +8,7 @@ are cached per shape.
 import contextlib
 import dataclasses
 import functools
+import sys
 from typing import NamedTuple
 
 import torch
@@ -59,18 +60,22 @@ KNOBS = NormKnobs()
 
 
 @contextlib.contextmanager
+def replaced_knobs(module, **changes):
+    """Temporarily replace fields of ``module.KNOBS`` (a frozen dataclass the launchers read per call)."""
+    previous = module.KNOBS
+    module.KNOBS = dataclasses.replace(previous, **changes)
+    try:
+        yield module.KNOBS
+    finally:
+        module.KNOBS = previous
+
+
 def norm_knobs(**changes):
     """Temporarily replace fields of :data:`KNOBS` (tests force the looped path at small widths with
     ``norm_knobs(max_fused_cols=16, loop_block_n=16)``)."""
-    global KNOBS
     if "max_fused_cols" in changes:  # a forced threshold applies to both norms unless RMSNorm's is given
         changes.setdefault("rms_max_fused_cols", changes["max_fused_cols"])
-    previous = KNOBS
-    KNOBS = dataclasses.replace(previous, **changes)
-    try:
-        yield KNOBS
-    finally:
-        KNOBS = previous
+    return replaced_knobs(sys.modules[__name__], **changes)
 
 
 @functools.lru_cache(maxsize=16)

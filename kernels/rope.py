@@ -8,9 +8,8 @@ with all its q heads and all its k heads (grouped-query attention has fewer k he
 ``cos``/``sin`` row once; every head row is read once, as its two rotary halves.
 """
 
-import contextlib
-import dataclasses
 import functools
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +17,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from ._utils import cdiv, next_power_of_2
+from ._utils import cdiv, next_power_of_2, replaced_knobs
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -67,11 +66,10 @@ class RoPEOptions:
 class RopeKnobs:
     """Launch parameters of the RoPE kernel (swept on an H100 by benchmarks/tune_rope.py).
 
-    The defaults are not measured yet: they are Liger's launch (one token per program, 4 warps, all q heads
-    in one tile: 16 bf16 per thread and half-row at 32 heads x 128, one 16-byte load each for x1 and x2).
-    More tokens per program amortise the program's setup, but the static loop cannot issue a token's loads
-    before the previous token's stores (the compiler must assume they alias), and longer programs leave a
-    longer tail; which wins is for the sweep to say.
+    The defaults (one token per program, 4 warps, all q heads in one tile) were the fastest or within 1% of
+    it at the three swept shapes on an H100 (benchmarks/results/dev/s3/tune_rope.json: 0.233 ms at B=4,
+    T=4096, 32/8 heads x 128 against Liger's 0.235). More tokens per program did not help: the static loop
+    cannot issue a token's loads before the previous token's stores (the compiler must assume they alias).
     """
 
     tokens: int = 1  # consecutive (b, t) rows per program, a static loop (the last program is masked)
@@ -83,16 +81,9 @@ class RopeKnobs:
 KNOBS = RopeKnobs()
 
 
-@contextlib.contextmanager
 def rope_knobs(**changes):
     """Temporarily replace fields of :data:`KNOBS` (tests force ``tokens=3, block_h=2`` at small shapes)."""
-    global KNOBS
-    previous = KNOBS
-    KNOBS = dataclasses.replace(previous, **changes)
-    try:
-        yield KNOBS
-    finally:
-        KNOBS = previous
+    return replaced_knobs(sys.modules[__name__], **changes)
 
 
 # Per head row, the rotary dims split into halves x1 = x[:R/2], x2 = x[R/2:R], and likewise the table rows
