@@ -9,6 +9,7 @@ HBM3). ``floor / time`` is the fraction of that bandwidth achieved. Writes ``ker
 """
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -48,6 +49,17 @@ def _liger():
     }
 
 
+def rope_inputs(batch, seq, n_q, n_k, head_dim, dtype=torch.bfloat16):
+    """q, k (B, T, H, D) leaves (passed to RoPE as (B, H, T, D) views, like a projection output) and
+    transformers-style (B, T, D) cos / sin tables."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device="cuda").float() / head_dim))
+    freqs = torch.arange(seq, device="cuda").float()[:, None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)[None].expand(batch, seq, head_dim)
+    q = torch.randn(batch, seq, n_q, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+    k = torch.randn(batch, seq, n_k, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+    return [q, k, emb.cos().to(dtype).contiguous(), emb.sin().to(dtype).contiguous()]
+
+
 def make_cases(quick: bool):
     """(name, op, input factory, minimal bytes) for every case; factories build fresh bf16 inputs."""
     dt, e = torch.bfloat16, 2
@@ -77,17 +89,9 @@ def make_cases(quick: bool):
         cases.append((f"{name} {rows}x{inter}", op, glu_inputs, 8 * rows * inter * e))
     batch, seq, n_q, n_k, head_dim = 4, 4096, 32, 8, 128
 
-    def rope_inputs():
-        inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device="cuda").float() / head_dim))
-        freqs = torch.arange(seq, device="cuda").float()[:, None] * inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)[None].expand(batch, seq, head_dim)
-        # Leaves in (B, T, H, D) memory, passed as (B, H, T, D) views like a projection output.
-        q = torch.randn(batch, seq, n_q, head_dim, device="cuda", dtype=dt, requires_grad=True)
-        k = torch.randn(batch, seq, n_k, head_dim, device="cuda", dtype=dt, requires_grad=True)
-        return [q, k, emb.cos().to(dt).contiguous(), emb.sin().to(dt).contiguous()]
-
     # fwd: read q, k, write q, k; bwd: the same on their gradients (cos/sin are O(B T D)).
-    cases.append((f"RoPE B={batch} T={seq} {n_q}/{n_k}x{head_dim}", "rope", rope_inputs,
+    cases.append((f"RoPE B={batch} T={seq} {n_q}/{n_k}x{head_dim}", "rope",
+                  functools.partial(rope_inputs, batch, seq, n_q, n_k, head_dim, dt),
                   4 * batch * seq * (n_q + n_k) * head_dim * e))
     return cases
 

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from benchmarks.bench_kernels import PEAK_BW, step_fn
+from benchmarks.bench_kernels import PEAK_BW, rope_inputs, step_fn
 
 # name -> (batch, seq, q heads, kv heads, head_dim)
 CASES = {
@@ -36,16 +36,6 @@ GRID = {  # stage 1
 }
 STAGE2_TOP = 4  # stage-1 configurations retimed with evict_first=True
 REP_MS = 20  # do_bench_cudagraph's replay length per measurement
-
-
-def rope_inputs(batch, seq, n_q, n_k, head_dim, dtype=torch.bfloat16):
-    """q, k (B, T, H, D) leaves and (B, T, D) cos / sin tables, as bench_kernels builds them."""
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device="cuda").float() / head_dim))
-    freqs = torch.arange(seq, device="cuda").float()[:, None] * inv_freq
-    emb = torch.cat((freqs, freqs), dim=-1)[None].expand(batch, seq, head_dim)
-    q = torch.randn(batch, seq, n_q, head_dim, device="cuda", dtype=dtype, requires_grad=True)
-    k = torch.randn(batch, seq, n_k, head_dim, device="cuda", dtype=dtype, requires_grad=True)
-    return [q, k, emb.cos().to(dtype).contiguous(), emb.sin().to(dtype).contiguous()]
 
 
 def _configs(n_q: int):
