@@ -18,6 +18,7 @@ from chunkloss.trainers.orpo import ChunkedORPOConfig, ChunkedORPOTrainer
 from chunkloss.trainers.sft import ChunkedSFTConfig, ChunkedSFTTrainer
 
 from chunkloss.data import tiny_dataset, tiny_model
+from tests.kernels.test_patch import grad_fn_counts
 from tests.trainers.helpers import assert_same_grads, common_args, model_pair, teacher_model, tokenizer
 
 # fp32: the kernels round in another order than transformers' modules. Measured on CPU under
@@ -46,28 +47,15 @@ def _args(tmp_path, **kw):
     return args
 
 
-def _graph_nodes(t: torch.Tensor) -> dict[str, int]:
-    """Autograd node types that produced ``t`` and how many of each: shows which kernels ran."""
-    counts, seen, stack = {}, set(), [t.grad_fn]
-    while stack:
-        fn = stack.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        counts[type(fn).__name__] = counts.get(type(fn).__name__, 0) + 1
-        stack.extend(nxt for nxt, _ in fn.next_functions)
-    return counts
-
-
 def _assert_kernels_ran(loss, n_norms: int, n_layers: int = 1):
-    nodes = _graph_nodes(loss)
+    nodes = grad_fn_counts(loss)
     assert nodes.get("RMSNormFunctionBackward") == n_norms, nodes
     assert nodes.get("RoPEFunctionBackward") == n_layers, nodes
     assert nodes.get("GLUFunctionBackward") == n_layers, nodes
 
 
 def _assert_no_kernels(loss):
-    nodes = _graph_nodes(loss)
+    nodes = grad_fn_counts(loss)
     assert not {"RMSNormFunctionBackward", "RoPEFunctionBackward", "GLUFunctionBackward"} & set(nodes), nodes
 
 
@@ -149,7 +137,7 @@ def test_sft_chunk_kernels_gradient_checkpointing(tmp_path, reentrant):
     else:
         m_kern.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     l_kern = _step(kern, batch)
-    nodes = _graph_nodes(l_kern)
+    nodes = grad_fn_counts(l_kern)
     if reentrant:  # the layer is one CheckpointFunction node; its kernels run inside that node's backward
         assert "CheckpointFunctionBackward" in nodes, nodes
     else:  # the recomputed graph is the same; the nodes are there, their saved tensors recomputed
@@ -311,11 +299,11 @@ def test_unpatch_rotary_restores_transformers_function(tmp_path):
     patch(qwen3, loss=False)
     assert llama_mod.apply_rotary_pos_emb is _rotary_fn and qwen3_mod.apply_rotary_pos_emb is _rotary_fn
     ids = torch.randint(0, len(tokenizer()), (1, 5), device=device)
-    assert "RoPEFunctionBackward" in _graph_nodes(llama(input_ids=ids, labels=ids).loss)
+    assert "RoPEFunctionBackward" in grad_fn_counts(llama(input_ids=ids, labels=ids).loss)
     assert unpatch_rotary(llama) == [llama_mod.__name__]
     assert llama_mod.apply_rotary_pos_emb is original
     assert qwen3_mod.apply_rotary_pos_emb is _rotary_fn  # only the given model's family
     assert unpatch_rotary() == [qwen3_mod.__name__]  # None: every family still patched
     assert qwen3_mod.apply_rotary_pos_emb is _ORIGINAL[qwen3_mod.__name__]
     # The restored function is transformers' own again: the model's forward builds no Triton rotary node.
-    assert "RoPEFunctionBackward" not in _graph_nodes(llama(input_ids=ids, labels=ids).loss)
+    assert "RoPEFunctionBackward" not in grad_fn_counts(llama(input_ids=ids, labels=ids).loss)
