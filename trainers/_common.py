@@ -125,21 +125,20 @@ def apply_chunk_kernels(trainer) -> None:
         if isinstance(other, torch.nn.Module):
             other = peft_base(unwrap(other))
             if other is not model:
-                others.append((attr, other))
-    for attr, other in others:
+                others.append((attr, other, sorted(_off_device(other))))
+    for attr, other, other_off in others:
         # The rotary patch reaches this model whenever it shares the trained model's modeling module.
-        if type(other).__module__ == type(model).__module__ and _off_device(other):
-            refuse(name, f"chunk_kernels=True with {attr} on {sorted(_off_device(other))}",
+        if type(other).__module__ == type(model).__module__ and other_off:
+            refuse(name, f"chunk_kernels=True with {attr} on {other_off}",
                    "it shares the trained model's rotary embedding, which runs on CUDA only")  # fmt: skip
     try:
         patch(model, loss=False)
     except ValueError as e:  # e.g. a model class outside its family's modeling module
         refuse(name, "chunk_kernels=True on this model", str(e))
-    for attr, other in others:
+    for attr, other, other_off in others:
         other_type = getattr(getattr(other, "config", None), "model_type", None)
-        if other_type not in SUPPORTED_MODEL_TYPES or _off_device(other):
-            off = sorted(_off_device(other))
-            where = f"type {other_type!r}" if other_type not in SUPPORTED_MODEL_TYPES else f"on {off}"
+        if other_type not in SUPPORTED_MODEL_TYPES or other_off:
+            where = f"type {other_type!r}" if other_type not in SUPPORTED_MODEL_TYPES else f"on {other_off}"
             warnings.warn(f"chunk_kernels: {attr} ({where}) keeps transformers' modules", stacklevel=2)
             continue
         try:
