@@ -1,10 +1,12 @@
 """Where an end-to-end training step's GPU time goes: the top CUDA kernels of a few steps of TRL's trainer and
-of the chunked one, same model, batch and data (bench_e2e's setup).
+of the chunked one, same model, batch and data (bench_e2e's setup), and each one's wall time per step (a wall
+time well above the kernel time means the GPU waits on the host).
 
     python -m benchmarks.profile_e2e [--task dpo] [--batch 64] [--impls trl,chunkloss]
 """
 
 import argparse
+import statistics
 
 import torch
 
@@ -60,13 +62,16 @@ def main(argv=None):
             ref = e2e.build_model(shape, a.layers, tokenizer, dev, dtype, state)
             ref.requires_grad_(False)
         trainer = e2e.make_trainer(args.task, impl, model, ref, tokenizer, ds, f"/tmp/profile_e2e/{impl}",
-                                   args.batch, 6, a)  # fmt: skip
-        prof = _Profile(start=3, n=2)
+                                   args.batch, 9, a)  # fmt: skip
+        prof, timer = _Profile(start=3, n=2), e2e.StepTimer()
         trainer.add_callback(prof)
+        trainer.add_callback(timer)
         trainer.train()
+        wall = statistics.median(timer.times[6:]) * 1e3  # unprofiled steps after the profiled ones
         table = prof.prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows)
         total = sum(e.self_device_time_total for e in prof.prof.key_averages()) / 1e3 / 2
-        print(f"\n=== {args.task} {impl} batch {args.batch}: {total:.1f} ms of kernels per step ===\n{table}",
+        print(f"\n=== {args.task} {impl} batch {args.batch}: {total:.1f} ms of kernels per step, "
+              f"{wall:.1f} ms wall (median of 3 unprofiled steps) ===\n{table}",
               flush=True)  # fmt: skip
         del trainer, model, ref
         e2e._cleanup()
