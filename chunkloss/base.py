@@ -19,12 +19,13 @@ Two kinds of loss run on the loop:
   chunk's rows, already divided by global normalisers passed in as tensors;
 * **sequence losses** (DPO, ORPO, SimPO, CPO, sequence-level GRPO) define ``token_stats`` (a few
   differentiable numbers per row, e.g. the label log-prob) and ``sequence_loss`` (the loss from those
-  numbers, grouped by sequence). When whole groups of sequences (a chosen/rejected pair) fit in a
-  chunk, chunks are aligned to groups and the loss is done in **one pass**. Otherwise (or when the
-  loss needs batch-wide statistics such as an entropy quantile) it takes **two passes**: pass 1
-  projects each chunk without grad and stores the per-row statistics; ``sequence_loss`` then runs on
-  those small tensors and autograd gives ``dL/dstats``; pass 2 re-projects each chunk and pulls that
-  coefficient back to ``dL/dlogits`` (one extra forward GEMM, 4 GEMMs instead of 3).
+  numbers, grouped by sequence). Either way the statistics are computed without grad, ``sequence_loss``
+  runs on those small tensors and autograd gives ``dL/dstats``, and a pointwise step pulls that
+  coefficient back to ``dL/dlogits`` in place. When whole groups of sequences (a chosen/rejected pair)
+  fit in a chunk, chunks are aligned to groups and all of this happens on the chunk's logits in **one
+  pass** (3 GEMMs). Otherwise (or when the loss needs batch-wide statistics such as an entropy
+  quantile) it takes **two passes**: pass 1 projects every chunk and stores its statistics, then the
+  loss runs over the whole batch, then pass 2 re-projects each chunk for the gradient (4 GEMMs).
 
 Heads without grad (a reference model, a teacher) ride along: their logits for the same rows are
 projected in the same chunk step and handed to the loss as ``extra_logits``.
@@ -313,24 +314,15 @@ class FusedLinearBase(nn.Module):
                 fn = functools.partial(_extra_stats_value, type(self).extra_token_stats, opts)
             elif kind == "stats":
                 fn = functools.partial(_stats_value, type(self).token_stats, opts)
-            elif kind == "seq_onepass":
-                fn = functools.partial(
-                    _sequence_onepass_step, type(self).token_stats, type(self).sequence_loss, opts
-                )
             elif kind == "seq_pass2":
                 fn = functools.partial(_sequence_pass2_step, type(self).token_stats, opts)
             else:  # pragma: no cover
                 raise KeyError(kind)
             if opts.compile:
-                if device_type == "cpu" and kind == "seq_onepass":
-                    # torch 2.13's CPU inductor fails to generate the scatter of a segment sum into a
-                    # static 1-element buffer (a chunk holding one sequence); fully dynamic shapes avoid it.
-                    fn = torch.compile(fn, dynamic=True)
-                else:
-                    # Rows are marked dynamic per call; the vocabulary stays static so inductor picks
-                    # reduction configs for the real V (dynamic=True ran the logsumexp reduction at
-                    # 0.4 TB/s on an H100).
-                    fn = _RowDynamic(torch.compile(fn))
+                # Rows are marked dynamic per call; the vocabulary stays static so inductor picks
+                # reduction configs for the real V (dynamic=True ran the logsumexp reduction at
+                # 0.4 TB/s on an H100).
+                fn = _RowDynamic(torch.compile(fn))
             self._compiled[key] = fn
         return fn
 
@@ -395,18 +387,6 @@ def _stats_value(token_stats, opts, logits, extra_logits, token):
     return token_stats(logits, extra_logits, token, opts)
 
 
-def _sequence_onepass_step(
-    token_stats, sequence_loss, opts, logits, extra_logits, token, seq_id, num_seqs, sequence, scalars
-):
-    def f(z):
-        stats = token_stats(z, extra_logits, token, opts)
-        loss, metrics = sequence_loss(stats, seq_id, num_seqs, token, sequence, scalars, opts)
-        return loss, (loss.detach(), metrics)
-
-    g, (loss, metrics) = torch.func.grad(f, has_aux=True)(logits)
-    return _grad_out(g, logits, opts), loss, metrics
-
-
 def _sequence_pass2_step(token_stats, opts, logits, extra_logits, token, coef):
     g = torch.func.grad(lambda z: (token_stats(z, extra_logits, token, opts) * coef).sum())(logits)
     return _grad_out(g, logits, opts)
@@ -466,15 +446,10 @@ def _plan_chunks(loss: FusedLinearBase, batch: Batch, n_rows: int, chunk: int) -
     if not loss.is_sequence_loss:
         return _Plan(_even_bounds(n_rows, chunk)), True
     counts = batch.tokens_per_group
-    # One pass needs whole groups in a chunk and differentiates through a reduction over the chunk's rows,
-    # for which inductor keeps about four fp32 copies of the chunk's logits (5.4 GiB beyond the gradients
-    # for DPO at 2048 rows on an H100). Keeping that in the logits budget means chunks of a few hundred rows,
-    # whose GEMMs run slowly: DPO 8x1024 took 134 ms in one pass against 105 ms in two, and in the
-    # end-to-end DPO run (pairs of ~400 tokens, 448-row one-pass chunks) the step was 20% slower than TRL's.
-    # So the automatic chunk size always runs two passes (the second pointwise and in place); one pass is
-    # taken only when the user sets ``chunk_size`` and every group fits in it.
-    auto = loss.options.chunk_size is None
-    if auto or loss.needs_global_stats or counts is None or max(counts, default=0) > chunk:
+    # One pass needs every group whole in a chunk. It saves the second projection (3 GEMMs instead of 4),
+    # which outweighs the smaller chunks that group-aligned packing can leave: per row, an H100 ran the
+    # 3 GEMMs of a 1024-row chunk faster than the 4 of a 4096-row one (H=4096, V=128256).
+    if loss.needs_global_stats or counts is None or n_rows == 0 or max(counts) > chunk:
         return _Plan(_even_bounds(n_rows, chunk)), False
     # Pack whole groups greedily; each chunk ends on a group boundary.
     seqs_per_group = torch.bincount(batch.group_of_seq, minlength=len(counts)).tolist()
@@ -643,6 +618,19 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
         if need_b:
             grad_b.add_(g.sum(0, dtype=accum))
 
+    def sequence_coef(stats, seq_id, num_seqs, token, sequence):
+        """Run ``sequence_loss`` on the rows' statistics (adding its loss and metrics) and return
+        ``dL/dstats``, the per-row coefficient the pointwise step pulls back to the logits (None without
+        grads)."""
+        with torch.enable_grad():
+            stats = stats.detach().requires_grad_(any_grad)
+            seq_loss = type(loss_mod).sequence_loss
+            l_c, m = seq_loss(stats, seq_id, num_seqs, token, sequence, batch.scalars, opts)
+            coef = torch.autograd.grad(l_c, stats, allow_unused=True)[0] if any_grad else None
+        loss.add_(l_c.detach())
+        add_metrics({k: v.detach() for k, v in m.items()})
+        return coef
+
     def add_metrics(m):
         for k, v in m.items():
             if k in token_out:
@@ -663,24 +651,19 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
                     backprop(g, x, a, b)
                 del x, logits, extra, g  # free this chunk's [C, V] buffer before the next is projected
         elif one_pass:
-            step = loss_mod._step_fn("seq_onepass", dev)
-            seq_id = batch.seq_id
+            stats_fn, step = loss_mod._step_fn("stats", dev), loss_mod._step_fn("seq_pass2", dev)
             for (a, b), (s0, s1) in zip(plan.bounds, plan.seq_bounds):
                 x, logits, extra, token = project(a, b, _slice_rows(batch.token, a, b))
-                g, l_c, m = step(
-                    logits,
-                    extra,
-                    token,
-                    seq_id[a:b] - s0,
+                coef = sequence_coef(
+                    stats_fn(logits, extra, token),
+                    batch.seq_id[a:b] - s0,
                     s1 - s0,
+                    token,
                     _slice_rows(batch.sequence, s0, s1),
-                    batch.scalars,
                 )
-                loss += l_c
-                add_metrics(m)
-                if any_grad:
-                    backprop(g, x, a, b)
-                del x, logits, extra, g  # free this chunk's [C, V] buffer before the next is projected
+                if coef is not None:
+                    backprop(step(logits, extra, token, coef), x, a, b)
+                del x, logits, extra  # free this chunk's [C, V] buffer before the next is projected
         else:
             stats_fn = loss_mod._step_fn("stats", dev)
             parts = []
@@ -690,24 +673,15 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
                 del logits, extra
             stats = torch.cat(parts) if parts else _empty_stats(loss_mod, hidden, weight, batch)
             extra_stats = torch.cat(extra_stats_parts) if extra_stats_parts else None
-            num_seqs = batch.num_seqs
-            with torch.enable_grad():
-                stats = stats.detach().requires_grad_(True)
-                l_all, m = type(loss_mod).sequence_loss(
-                    stats, batch.seq_id, num_seqs, batch.token, batch.sequence, batch.scalars, opts
-                )
-                coef = torch.autograd.grad(l_all, stats, allow_unused=True)[0] if any_grad else None
-            loss += l_all.detach()
-            add_metrics({k: v.detach() for k, v in m.items()})
-            if any_grad and coef is not None:
+            coef = sequence_coef(stats, batch.seq_id, batch.num_seqs, batch.token, batch.sequence)
+            if coef is not None:
                 step = loss_mod._step_fn("seq_pass2", dev)
                 for a, b in plan.bounds:
                     # Heads without grad are not projected again: their reduced statistics from pass 1
                     # come in as token["extra_stats"].
                     x, logits, extra, token = project(a, b, _slice_rows(batch.token, a, b), first_pass=False)
-                    g = step(logits, extra, token, coef[a:b])
-                    backprop(g, x, a, b)
-                    del x, logits, extra, g  # free this chunk's [C, V] buffer before the next is projected
+                    backprop(step(logits, extra, token, coef[a:b]), x, a, b)
+                    del x, logits, extra  # free this chunk's [C, V] buffer before the next is projected
 
     if need_w and not w_started[0]:
         grad_w.zero_()  # no rows took part

@@ -118,6 +118,9 @@ def test_one_and_two_pass_are_what_the_chunk_sizes_pick():
     n = batch.rows.numel()
     assert _plan_chunks(mod, batch, n, ONE_PASS)[1] is True
     assert _plan_chunks(mod, batch, n, TWO_PASS)[1] is False
+    # The automatic chunk size picks one pass too when every pair fits (3 GEMMs instead of 4).
+    auto = FusedLinearDPOLoss()
+    assert _plan_chunks(auto, batch, n, auto.chunk_rows(d["w"], d["x"]))[1] is True
 
 
 def _loss_opts(loss_type):

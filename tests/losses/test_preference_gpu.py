@@ -72,3 +72,31 @@ def test_preference_cuda(kind, chunk, compile):
     # bf16 metrics against fp32: means of bf16-rounded log-probs (bf16 eps 7.8e-3 relative per value).
     for k, v in ref_m.items():
         torch.testing.assert_close(mod.metrics[k].float(), v.float(), rtol=1e-2, atol=1e-2, msg=k)
+
+
+@pytest.mark.parametrize("pairs,t", [(4, 1024), (1, 16384)])  # automatic chunks: one pass, two passes
+@pytest.mark.parametrize("kind", ["dpo", "orpo"])
+def test_preference_cuda_automatic_chunks_within_issue_budget(kind, pairs, t):
+    """At Llama-3-8B's head with automatic chunks, DPO (with a reference head) and ORPO stay within
+    0.5 GiB + 4·V·H bytes beyond the gradients, whether pairs fit a chunk (one pass) or not (two)."""
+    h, v = 4096, 128256
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(2 * pairs, t, h, device="cuda", generator=g) * 0.5).bfloat16().requires_grad_()
+    w = (torch.randn(v, h, device="cuda", generator=g) * 0.02).bfloat16().requires_grad_()
+    y = torch.randint(0, v, (2 * pairs, t), device="cuda", generator=g)
+    y[:, : t // 4] = -100
+    if kind == "dpo":
+        mod, kw = FusedLinearDPOLoss(), dict(ref_hidden=x.detach().clone(), ref_weight=w.detach().clone())
+    else:
+        mod, kw = FusedLinearORPOLoss(), {}
+    mod(x, w, y[:pairs], y[pairs:], **kw).backward()  # compiling warm-up
+    x.grad = w.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    loss = mod(x, w, y[:pairs], y[pairs:], **kw)
+    loss.backward()
+    torch.cuda.synchronize()
+    beyond = torch.cuda.max_memory_allocated() - before - x.grad.numel() * 2 - w.grad.numel() * 2
+    assert torch.isfinite(loss)
+    assert beyond <= 4 * v * h + 2**29, beyond / 2**30
