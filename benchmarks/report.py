@@ -66,22 +66,22 @@ def kernel_table() -> list[str]:
 
 
 E2E_IMPLS = ("trl", "chunkloss", "chunkloss+kernels")
-# A bench_e2e run with chunkloss+kernels (`--impls` default), copied here from the GPU run's e2e.json; its
-# tasks replace the earlier runs' rows, so each row's ratios come from one run.
-E2E_KERNELS_RUN = "e2e/e2e_kernels_run3.json"
+# bench_e2e runs with chunkloss+kernels (`--impls` default), copied here from the GPU runs' e2e.json, oldest
+# first; each run's tasks replace the earlier runs' rows, so each row's ratios come from one run.
+E2E_KERNELS_RUNS = ("e2e/e2e_kernels_run3.json", "e2e/e2e_onepass_run4.json")
 
 
 def e2e_table() -> list[str]:
-    """GRPO from run 1; DPO and ORPO from run 2 (after the two-pass change, which GRPO's dapo skips); any task
-    in the kernels run (all three implementations) from that run instead."""
+    """GRPO from run 1; DPO and ORPO from run 2; any task in a later run with all three implementations
+    (``E2E_KERNELS_RUNS``) from the latest such run instead."""
     run1, run2 = _load("e2e/e2e_all_run1.json"), _load("e2e/e2e_dpo_orpo_run2.json")
     rows = [r for r in run1["sweep"] if r["task"] == "grpo"] + run2["sweep"]
     device = run2["device"]
-    if (RESULTS / E2E_KERNELS_RUN).exists():
-        run3 = _load(E2E_KERNELS_RUN)
-        tasks3 = {r["task"] for r in run3["sweep"]}
-        rows = [r for r in rows if r["task"] not in tasks3] + run3["sweep"]
-        device = run3["device"]
+    for name in E2E_KERNELS_RUNS:
+        run = _load(name)
+        tasks = {r["task"] for r in run["sweep"]}
+        rows = [r for r in rows if r["task"] not in tasks] + run["sweep"]
+        device = run["device"]
     impls = [i for i in E2E_IMPLS if any(r["impl"] == i for r in rows)]
     others = [i for i in impls if i != "trl"]
     what = "chunkloss trainer" + (" (+kernels: `chunk_kernels=True`)" if "chunkloss+kernels" in impls else "")

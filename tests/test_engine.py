@@ -22,6 +22,23 @@ def test_at_most_two_graphs_as_batch_and_length_vary():
     assert 1 <= frames <= 2, torch._dynamo.utils.counters["stats"]
 
 
+def test_each_option_set_compiles_its_own_step():
+    """Losses with different options each get a compiled step of their own: dynamo's recompilation limit
+    (here lowered to 1) is counted per option set, not across every loss in the process, past which dynamo
+    would silently run the step eagerly. Equal options share one compiled step."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    weight = torch.randn(97, 16, requires_grad=True)
+    hidden = torch.randn(40, 16, requires_grad=True)
+    labels = torch.randint(0, 97, (40,))
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for smoothing in (0.0, 0.1, 0.2, 0.1):
+            FusedLinearCrossEntropyLoss(label_smoothing=smoothing)(hidden, weight, labels).backward()
+    counters = torch._dynamo.utils.counters
+    assert counters["stats"]["unique_graphs"] == 3, counters["stats"]
+    assert counters["frames"]["ok"] == counters["frames"]["total"] == 3, counters["frames"]
+
+
 # --- The README's extension example: a focal loss in a few lines ----------------------------------
 @dataclass(frozen=True)
 class FocalOptions(FusedOptions):
