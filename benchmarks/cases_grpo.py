@@ -1,6 +1,11 @@
 """GRPO cases: Llama-3-8B head (H=4096, V=128256), bf16, loss_type='dapo', β=0.04 with precomputed
 reference log-probs, old log-probs given, the last 1/8 of each completion masked.
 
+Token-level ratios at three shapes, plus the two modes that are sequence losses in chunkloss, at B=16,
+T=1024: sequence-level ratios (GSPO, ``importance_sampling_level='sequence'``; one pass when each
+completion fits a chunk) and entropy masking (``top_entropy_quantile=0.2``; its threshold is a quantile
+over the whole batch, so always two passes).
+
 Floor FLOPs: 6·N_valid·H·V (the policy head's forward and its two gradient GEMMs).
 """
 
@@ -15,6 +20,11 @@ from chunkloss.reference import grpo_loss_from_logps_ref
 H, V = 4096, 128256
 BETA = 0.04
 SHAPES = ((16, 1024), (2, 16384), (2, 32768))
+# Sequence-loss modes: (case label, FusedLinearGRPOLoss / reference options), at B=16, T=1024.
+MODES = (
+    ("gspo", {"importance_sampling_level": "sequence"}),
+    ("entropy mask 0.2", {"top_entropy_quantile": 0.2}),
+)
 
 
 def _inputs(b: int, t: int):
@@ -42,30 +52,36 @@ def _inputs(b: int, t: int):
     return make
 
 
-def _trl_loss(logps, i):
+def _trl_loss(logps, i, entropies=None, **mode):
     """TRL 1.16's dapo loss on per-token log-probs (fp32 transcription, tests/losses/test_grpo.py checks it
-    against GRPOTrainer._compute_loss)."""
-    ent = torch.zeros_like(logps)
+    against GRPOTrainer._compute_loss); ``mode``: the case's extra options."""
+    ent = torch.zeros_like(logps) if entropies is None else entropies
     loss, _ = grpo_loss_from_logps_ref(
-        logps, ent, i["mask"], i["adv"], old_logps=i["old"], ref_logps=i["ref"], loss_type="dapo", beta=BETA
-    )
+        logps, ent, i["mask"], i["adv"], old_logps=i["old"], ref_logps=i["ref"], loss_type="dapo", beta=BETA,
+        **mode,
+    )  # fmt: skip
     return loss
 
 
-def _torch(i):
+def _torch(i, **mode):
     # Materialised: bf16 logits -> fp32 selective log-softmax (TRL's selective_log_softmax) -> TRL loss.
     logits = i["hidden"] @ i["weight"].t()
-    logps = torch.log_softmax(logits.float(), -1).gather(-1, i["ids"].unsqueeze(-1)).squeeze(-1)
-    return _trl_loss(logps, i)
+    logp_all = torch.log_softmax(logits.float(), -1)
+    logps = logp_all.gather(-1, i["ids"].unsqueeze(-1)).squeeze(-1)
+    ent = None
+    if mode.get("top_entropy_quantile", 1.0) < 1.0:
+        with torch.no_grad():
+            ent = -(logp_all.exp() * logp_all).sum(-1)
+    return _trl_loss(logps, i, ent, **mode)
 
 
-def impls() -> dict:
-    ours = FusedLinearGRPOLoss(loss_type="dapo", beta=BETA)
+def impls(**mode) -> dict:
+    ours = FusedLinearGRPOLoss(loss_type="dapo", beta=BETA, **mode)
     out = {
         "chunkloss": lambda i: ours(
             i["hidden"], i["weight"], i["ids"], i["mask"], i["adv"], old_logps=i["old"], ref_logps=i["ref"]
         ),
-        "torch": _torch,
+        "torch": lambda i: _torch(i, **mode),
     }
     try:
         from trl.kernels.chunked_logprob import ChunkedLogProbFunction
@@ -73,7 +89,7 @@ def impls() -> dict:
         def trl_head(i):
             b, t, _ = i["hidden"].shape
             # TRL's trainer asks its fused head for the entropy too (the `entropy` metric).
-            logps, _ = ChunkedLogProbFunction.apply(
+            logps, ent = ChunkedLogProbFunction.apply(
                 i["hidden"].reshape(b * t, H),
                 i["weight"],
                 None,
@@ -84,11 +100,13 @@ def impls() -> dict:
                 1.0,
                 ("entropy",),
             )[:2]
-            return _trl_loss(logps.view(b, t), i)
+            return _trl_loss(logps.view(b, t), i, ent.view(b, t).detach(), **mode)
 
         out["trl 1.16 head"] = trl_head
     except ImportError:
         pass
+    if mode:  # Liger's GRPO has no entropy masking; its sequence level is not TRL 1.16's GSPO transcription
+        return out
     try:
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
@@ -112,19 +130,20 @@ def impls() -> dict:
 
 
 def cases() -> list[Case]:
-    fns = impls()
+    runs = [("dapo", "grpo", b, t, {}) for b, t in SHAPES]
+    runs += [(f"dapo {label}", "grpo_modes", 16, 1024, opts) for label, opts in MODES]
     out = []
-    for b, t in SHAPES:
+    for label, group, b, t, mode in runs:
         n_valid = b * (t - t // 8)
         out.append(
             Case(
-                f"grpo dapo B={b} T={t}",
-                "grpo",
+                f"grpo {label} B={b} T={t}",
+                group,
                 b * t,
                 6 * n_valid * H * V,
                 _inputs(b, t),
-                fns,
-                {"H": H, "V": V, "B": b, "T": t, "loss_type": "dapo", "beta": BETA},
+                impls(**mode),
+                {"H": H, "V": V, "B": b, "T": t, "loss_type": "dapo", "beta": BETA, **mode},
             )
         )
     return out
