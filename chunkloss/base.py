@@ -615,41 +615,40 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
     chunk = loss_mod.chunk_rows(weight, hidden, batch.extra, fp32_grad_w=need_w and accum == torch.float32)
     dev = hidden.device.type
     plan, one_pass = _plan_chunks(loss_mod, batch, n_rows, chunk)
-    # Rows in natural order with nothing dropped: chunks are slices, no gather/scatter copies.
-    contiguous = batch.all_rows
+    # Rows in natural order with nothing dropped: chunks are slices (rows=None), no gather/scatter copies.
+    # Otherwise ``rows`` holds the flattened hidden's row of each position, and chunk [a, b) gathers them.
+    rows_all = None if batch.all_rows else batch.rows
 
-    def rows_of(a, b):
-        return batch.rows[a:b]
-
-    def gather(h: Tensor, a: int, b: int) -> Tensor:
-        return h[a:b] if contiguous else h.index_select(0, rows_of(a, b))
+    def gather(h: Tensor, rows: Tensor | None, a: int, b: int) -> Tensor:
+        return h[a:b] if rows is None else h.index_select(0, rows[a:b])
 
     reduce_extra = loss_mod.extra_token_stats is not None and bool(batch.extra)
     extra_stats_parts: list[Tensor] = []
 
-    def project(a, b, token, first_pass=True):
-        """(x, logits, extra_logits, token) of rows [a, b); extra heads reduced first when the loss can."""
+    def project(rows, a, b, token, extra_stats=None):
+        """(x, logits, extra_logits, token) of positions [a, b); the extra heads are reduced first when the
+        loss can, or their statistics from the first pass come in as ``extra_stats`` (no projection)."""
         if reduce_extra:
-            if first_pass:
+            if extra_stats is None:
                 fn = loss_mod._step_fn("extra_stats", dev)
                 extra_stats_parts.append(
-                    fn([_project(gather(e.hidden, a, b), e.weight, e.bias) for e in batch.extra], token)
+                    fn([_project(gather(e.hidden, rows, a, b), e.weight, e.bias) for e in batch.extra], token)
                 )
                 token = {**token, "extra_stats": extra_stats_parts[-1]}
             else:
                 token = {**token, "extra_stats": extra_stats[a:b]}
             extra = []
         else:
-            extra = [_project(gather(e.hidden, a, b), e.weight, e.bias) for e in batch.extra]
-        x = gather(hidden, a, b)
+            extra = [_project(gather(e.hidden, rows, a, b), e.weight, e.bias) for e in batch.extra]
+        x = gather(hidden, rows, a, b)
         return x, _project(x, weight, bias), extra, token
 
-    def backprop(g, x, a, b):
+    def backprop(g, x, rows, a, b):
         if need_h:
-            if contiguous:
+            if rows is None:
                 torch.mm(g, weight, out=grad_h[a:b])
             else:
-                grad_h.index_copy_(0, rows_of(a, b), g @ weight)
+                grad_h.index_copy_(0, rows[a:b], g @ weight)
         if need_w:
             _accumulate_weight_grad(grad_w, g, x, beta=1.0 if w_started[0] else 0.0)
             w_started[0] = True
@@ -679,19 +678,19 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
         if not loss_mod.is_sequence_loss:
             step = loss_mod._step_fn("token" if any_grad else "token_value", dev)
             for a, b in plan.bounds:
-                x, logits, extra, token = project(a, b, _slice_rows(batch.token, a, b))
+                x, logits, extra, token = project(rows_all, a, b, _slice_rows(batch.token, a, b))
                 g, l_c, m = step(logits, extra, token, batch.scalars)
                 loss += l_c
                 add_metrics(m)
                 for k in token_out:
-                    token_out[k].index_copy_(0, rows_of(a, b), m[k].float())
+                    token_out[k].index_copy_(0, batch.rows[a:b], m[k].float())
                 if any_grad:
-                    backprop(g, x, a, b)
+                    backprop(g, x, rows_all, a, b)
                 del x, logits, extra, g  # free this chunk's [C, V] buffer before the next is projected
         elif one_pass:
             stats_fn, step = loss_mod._step_fn("stats", dev), loss_mod._step_fn("seq_pass2", dev)
             for (a, b), (s0, s1) in zip(plan.bounds, plan.seq_bounds):
-                x, logits, extra, token = project(a, b, _slice_rows(batch.token, a, b))
+                x, logits, extra, token = project(rows_all, a, b, _slice_rows(batch.token, a, b))
                 coef = sequence_coef(
                     stats_fn(logits, extra, token),
                     batch.seq_id[a:b] - s0,
@@ -700,25 +699,37 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
                     _slice_rows(batch.sequence, s0, s1),
                 )
                 if coef is not None:
-                    backprop(step(logits, extra, token, coef), x, a, b)
+                    backprop(step(logits, extra, token, coef), x, rows_all, a, b)
                 del x, logits, extra  # free this chunk's [C, V] buffer before the next is projected
         else:
             stats_fn = loss_mod._step_fn("stats", dev)
             parts = []
             for a, b in plan.bounds:
-                _, logits, extra, token = project(a, b, _slice_rows(batch.token, a, b))
+                _, logits, extra, token = project(rows_all, a, b, _slice_rows(batch.token, a, b))
                 parts.append(stats_fn(logits, extra, token))
                 del logits, extra
             stats = torch.cat(parts) if parts else _empty_stats(loss_mod, hidden, weight, batch)
             extra_stats = torch.cat(extra_stats_parts) if extra_stats_parts else None
             coef = sequence_coef(stats, batch.seq_id, batch.num_seqs, batch.token, batch.sequence)
             if coef is not None:
+                rows, token_all = rows_all, batch.token
+                # Pass 2 re-projects only the rows with a gradient: a row whose coefficients are all 0 (an
+                # entropy mask keeping the top 20% of tokens drops the other 80%) contributes exactly 0.
+                live = coef.ne(0).any(1)
+                n_live = int(live.sum())  # the one host sync of the second pass
+                if n_live < n_rows:
+                    idx = live.nonzero().squeeze(1)
+                    rows, coef = batch.rows[idx], coef[idx]
+                    token_all = {k: v[idx] for k, v in batch.token.items()}
+                    extra_stats = None if extra_stats is None else extra_stats[idx]
+                    if need_h and batch.all_rows:
+                        grad_h.zero_()  # the skipped rows are not written
                 step = loss_mod._step_fn("seq_pass2", dev)
-                for a, b in plan.bounds:
+                for a, b in _even_bounds(n_live, chunk):
                     # Heads without grad are not projected again: their reduced statistics from pass 1
                     # come in as token["extra_stats"].
-                    x, logits, extra, token = project(a, b, _slice_rows(batch.token, a, b), first_pass=False)
-                    backprop(step(logits, extra, token, coef[a:b]), x, a, b)
+                    x, logits, extra, token = project(rows, a, b, _slice_rows(token_all, a, b), extra_stats)
+                    backprop(step(logits, extra, token, coef[a:b]), x, rows, a, b)
                     del x, logits, extra  # free this chunk's [C, V] buffer before the next is projected
 
     if need_w and not w_started[0]:
