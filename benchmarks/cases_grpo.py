@@ -24,6 +24,8 @@ SHAPES = ((16, 1024), (2, 16384), (2, 32768))
 MODES = (
     ("gspo", {"importance_sampling_level": "sequence"}),
     ("entropy mask 0.2", {"top_entropy_quantile": 0.2}),
+    # TRL's default β=0: no KL term, so the masked 80% of tokens have no gradient; the second pass skips them.
+    ("entropy mask 0.2 beta=0", {"top_entropy_quantile": 0.2, "beta": 0.0}),
 )
 
 
@@ -56,10 +58,11 @@ def _trl_loss(logps, i, entropies=None, **mode):
     """TRL 1.16's dapo loss on per-token log-probs (fp32 transcription, tests/losses/test_grpo.py checks it
     against GRPOTrainer._compute_loss); ``mode``: the case's extra options."""
     ent = torch.zeros_like(logps) if entropies is None else entropies
+    mode = {"beta": BETA, **mode}
+    ref = i["ref"] if mode["beta"] else None
     loss, _ = grpo_loss_from_logps_ref(
-        logps, ent, i["mask"], i["adv"], old_logps=i["old"], ref_logps=i["ref"], loss_type="dapo", beta=BETA,
-        **mode,
-    )  # fmt: skip
+        logps, ent, i["mask"], i["adv"], old_logps=i["old"], ref_logps=ref, loss_type="dapo", **mode
+    )
     return loss
 
 
@@ -76,11 +79,13 @@ def _torch(i, **mode):
 
 
 def impls(**mode) -> dict:
-    ours = FusedLinearGRPOLoss(loss_type="dapo", beta=BETA, **mode)
+    ours = FusedLinearGRPOLoss(**{"loss_type": "dapo", "beta": BETA, **mode})
+    with_ref = ours.options.beta != 0.0
     out = {
         "chunkloss": lambda i: ours(
-            i["hidden"], i["weight"], i["ids"], i["mask"], i["adv"], old_logps=i["old"], ref_logps=i["ref"]
-        ),
+            i["hidden"], i["weight"], i["ids"], i["mask"], i["adv"], old_logps=i["old"],
+            ref_logps=i["ref"] if with_ref else None,
+        ),  # fmt: skip
         "torch": lambda i: _torch(i, **mode),
     }
     try:
