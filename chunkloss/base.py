@@ -303,13 +303,17 @@ class FusedLinearBase(nn.Module):
     # ----------------------------------------------------------------------------------------------
     def _step_fn(self, kind: str, device_type: str = "cuda"):
         """The per-chunk step of ``kind``, compiled when asked: once per loss class, options (those the step
-        reads) and device type, and shared by every instance with those (see ``_own_code``)."""
+        reads) and device type, and shared by every instance with those (see ``_bind``)."""
         key = (kind, device_type)
         fn = self._compiled.get(key)
         if fn is None:
             # The engine's own fields do not enter the step: losses differing only there share it.
+            base = FusedOptions
             opts = dataclasses.replace(
-                self.options, chunk_size=None, logits_budget_mb=448, accum_dtype=torch.float32
+                self.options,
+                chunk_size=base.chunk_size,
+                logits_budget_mb=base.logits_budget_mb,
+                accum_dtype=base.accum_dtype,
             )
             shared_key = (kind, device_type, type(self), opts)
             try:
