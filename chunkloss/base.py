@@ -719,10 +719,9 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
                 rows, token_all = rows_all, batch.token
                 # Pass 2 re-projects only the rows with a gradient: a row whose coefficients are all 0 (an
                 # entropy mask keeping the top 20% of tokens drops the other 80%) contributes exactly 0.
-                live = coef.ne(0).any(1)
-                n_live = int(live.sum())  # the one host sync of the second pass
+                idx = coef.ne(0).any(1).nonzero().squeeze(1)  # the one host sync of the second pass
+                n_live = idx.numel()
                 if n_live < n_rows:
-                    idx = live.nonzero().squeeze(1)
                     rows, coef = batch.rows[idx], coef[idx]
                     token_all = {k: v[idx] for k, v in batch.token.items()}
                     extra_stats = None if extra_stats is None else extra_stats[idx]
