@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from chunkloss import FusedLinearCrossEntropyLoss
 from chunkloss.reference import cross_entropy_ref
+from tests.cuda_memory import beyond_grads
 from tests.tolerances import rel_err
 
 pytestmark = pytest.mark.gpu
@@ -47,20 +48,6 @@ def test_cross_entropy_cuda(dtype, accum_dtype, compile):
         assert rel_err(g, gr) <= k * rel_err(gp, gr) + 2e-3, (name, rel_err(g, gr), rel_err(gp, gr))
 
 
-def _beyond_grads(loss_fn, hidden, weight, labels) -> int:
-    """Peak bytes of one forward+backward (after a compiling warm-up) beyond the bf16 gradients it returns."""
-    loss_fn(hidden, weight, labels).backward()
-    hidden.grad = weight.grad = None
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    loss_fn(hidden, weight, labels).backward()
-    torch.cuda.synchronize()
-    beyond = torch.cuda.max_memory_allocated() - before - hidden.grad.numel() * 2 - weight.grad.numel() * 2
-    hidden.grad = weight.grad = None
-    return beyond
-
-
 def test_cross_entropy_cuda_32k_rows_flat_memory():
     """Peak extra memory does not grow with N beyond the output gradient itself."""
     h, v = 1024, 32000
@@ -70,7 +57,7 @@ def test_cross_entropy_cuda_32k_rows_flat_memory():
     for n in (4096, 16384):
         hidden = torch.randn(n, h, device="cuda").bfloat16().requires_grad_()
         labels = torch.randint(0, v, (n,), device="cuda")
-        extra.append(_beyond_grads(loss_fn, hidden, weight, labels))
+        extra.append(beyond_grads(lambda: loss_fn(hidden, weight, labels), (hidden, weight))[0])
     assert extra[1] <= extra[0] * 1.1 + 2**20, extra
 
 
@@ -83,7 +70,7 @@ def test_cross_entropy_cuda_one_logits_chunk_live(accum_dtype):
     weight = (torch.randn(v, h, device="cuda") * 0.02).bfloat16().requires_grad_()
     labels = torch.randint(0, v, (n,), device="cuda")
     loss_fn = FusedLinearCrossEntropyLoss(chunk_size=chunk, accum_dtype=accum_dtype)
-    beyond = _beyond_grads(loss_fn, hidden, weight, labels)
+    beyond = beyond_grads(lambda: loss_fn(hidden, weight, labels), (hidden, weight))[0]
     accumulator = weight.numel() * 4 if accum_dtype == torch.float32 else 0
     one_chunk = chunk * v * 2
     assert beyond <= accumulator + one_chunk * 1.1 + 32 * 2**20, (beyond, accumulator, one_chunk)
@@ -97,5 +84,6 @@ def test_cross_entropy_cuda_automatic_chunks_within_issue_budget():
     weight = (torch.randn(v, h, device="cuda") * 0.02).bfloat16().requires_grad_()
     labels = torch.randint(0, v, (n,), device="cuda")
     for accum_dtype, allowed in ((torch.float32, 4 * v * h + 2**29), (None, 2**29)):
-        beyond = _beyond_grads(FusedLinearCrossEntropyLoss(accum_dtype=accum_dtype), hidden, weight, labels)
+        loss_fn = FusedLinearCrossEntropyLoss(accum_dtype=accum_dtype)
+        beyond = beyond_grads(lambda: loss_fn(hidden, weight, labels), (hidden, weight))[0]
         assert beyond <= allowed, (accum_dtype, beyond / 2**30)

@@ -9,6 +9,7 @@ from chunkloss.losses.dpo import FusedLinearDPOLoss
 from chunkloss.losses.orpo import FusedLinearORPOLoss
 from chunkloss.losses.simpo import FusedLinearSimPOLoss
 from chunkloss.reference import cpo_ref, dpo_ref, orpo_ref
+from tests.cuda_memory import beyond_grads
 from tests.tolerances import rel_err
 
 pytestmark = pytest.mark.gpu
@@ -89,14 +90,6 @@ def test_preference_cuda_automatic_chunks_within_issue_budget(kind, pairs, t):
         mod, kw = FusedLinearDPOLoss(), dict(ref_hidden=x.detach().clone(), ref_weight=w.detach().clone())
     else:
         mod, kw = FusedLinearORPOLoss(), {}
-    mod(x, w, y[:pairs], y[pairs:], **kw).backward()  # compiling warm-up
-    x.grad = w.grad = None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    loss = mod(x, w, y[:pairs], y[pairs:], **kw)
-    loss.backward()
-    torch.cuda.synchronize()
-    beyond = torch.cuda.max_memory_allocated() - before - x.grad.numel() * 2 - w.grad.numel() * 2
+    beyond, loss = beyond_grads(lambda: mod(x, w, y[:pairs], y[pairs:], **kw), (x, w))
     assert torch.isfinite(loss)
     assert beyond <= 4 * v * h + 2**29, beyond / 2**30
