@@ -546,6 +546,7 @@ class _FusedLinearFunction(torch.autograd.Function):
         loss, grads, _, metric_sums = _run_loop(loss_mod, hidden, weight, bias, batch, need)
         ctx.save_for_backward(*grads)
         ctx.w_dtype = weight.dtype
+        ctx.compile = loss_mod.options.compile
         ctx.b_dtype = None if bias is None else bias.dtype
         metrics_out.update(metric_sums)
         return loss
@@ -577,20 +578,40 @@ class _FusedLinearFunction(torch.autograd.Function):
         # alone, and a copy would double their memory. An fp32 accumulator is scaled and cast in one pass.
         return (
             _scale_grad(grad_h, grad_output, None),
-            _scale_grad(grad_w, grad_output, ctx.w_dtype),
-            _scale_grad(grad_b, grad_output, ctx.b_dtype),
+            _scale_grad(grad_w, grad_output, ctx.w_dtype, ctx.compile),
+            _scale_grad(grad_b, grad_output, ctx.b_dtype, ctx.compile),
             None,
             None,
             None,
         )
 
 
-def _scale_grad(grad: Tensor | None, grad_output: Tensor, dtype: torch.dtype | None) -> Tensor | None:
+def _scale_grad(
+    grad: Tensor | None, grad_output: Tensor, dtype: torch.dtype | None, compile: bool = False
+) -> Tensor | None:
     if grad is None:
         return None
+    scale = grad_output.to(grad.dtype)
     if dtype is None or grad.dtype == dtype:
-        return grad.mul_(grad_output.to(grad.dtype))
-    return torch.mul(grad, grad_output.to(grad.dtype), out=torch.empty_like(grad, dtype=dtype))
+        return grad.mul_(scale)
+    if compile and grad.is_cuda:
+        # One vectorised pass: eager ``torch.mul(..., out=<bf16>)`` takes TensorIterator's generic cast path,
+        # 2.2 ms for the fp32 [128256, 4096] accumulator on an H100 (6% of a CE step at N=8192).
+        return _scale_cast(grad.view(-1), scale, dtype).view(grad.shape)
+    return torch.mul(grad, scale, out=torch.empty_like(grad, dtype=dtype))
+
+
+@functools.cache
+def _scale_cast_fn():
+    def scale_cast(grad: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+        return (grad * scale).to(dtype)
+
+    return torch.compile(scale_cast, dynamic=True)
+
+
+def _scale_cast(grad: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """``(grad * scale).to(dtype)`` for a flat fp32 accumulator, compiled (one graph for any length)."""
+    return _scale_cast_fn()(grad, scale, dtype)
 
 
 def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, need):

@@ -71,8 +71,19 @@ def check_head(hidden: Tensor, weight: Tensor, bias: Tensor | None, name: str = 
             raise TypeError(f"bias dtype {bias.dtype} differs from weight dtype {weight.dtype}")
 
 
-def check_labels(labels: Tensor, rows_shape: torch.Size, vocab: int, ignore_index: int, name: str = "labels"):
-    """Integer labels of the hidden's leading shape, each in [0, V) or ``ignore_index``."""
+def check_labels(
+    labels: Tensor,
+    rows_shape: torch.Size,
+    vocab: int,
+    ignore_index: int,
+    name: str = "labels",
+    rows: bool = False,
+) -> Tensor | None:
+    """Integer labels of the hidden's leading shape, each in [0, V) or ``ignore_index``.
+
+    With ``rows``, returns the flat indices of the labels that are not ignored, found with the range check's
+    one host sync (``nonzero`` alone would need a second).
+    """
     if not isinstance(labels, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(labels).__name__}")
     if labels.dtype.is_floating_point or labels.dtype == torch.bool or labels.is_complex():
@@ -82,10 +93,17 @@ def check_labels(labels: Tensor, rows_shape: torch.Size, vocab: int, ignore_inde
             f"{name} shape {tuple(labels.shape)} must equal hidden's leading shape {tuple(rows_shape)}"
         )
     flat = labels.reshape(-1)
-    bad = (flat != ignore_index) & ((flat < 0) | (flat >= vocab))
-    if bool(bad.any()):
+    keep = flat != ignore_index
+    bad = keep & ((flat < 0) | (flat >= vocab))
+    n_keep, n_bad = torch.stack([keep.sum(), bad.sum()]).tolist()  # the one host sync
+    if n_bad:
         first = flat[bad][0].item()
         raise ValueError(f"{name} holds {first}, outside [0, {vocab}) and not ignore_index={ignore_index}")
+    if not rows:
+        return None
+    if n_keep == flat.numel():
+        return torch.arange(n_keep, device=flat.device)
+    return torch.nonzero_static(keep, size=n_keep).squeeze(1)
 
 
 def to_scalar(x, device, dtype=torch.float32) -> Tensor:

@@ -120,12 +120,10 @@ class FusedLinearCrossEntropyLoss(FusedLinearBase):
     ) -> Tensor:
         opts = self.options
         check_head(hidden, weight, bias)
-        check_labels(labels, hidden.shape[:-1], weight.shape[0], opts.ignore_index)
+        rows = check_labels(labels, hidden.shape[:-1], weight.shape[0], opts.ignore_index, rows=True)
         x = hidden.reshape(-1, hidden.shape[-1])
         y = labels.reshape(-1)
-        keep = y != opts.ignore_index
-        rows = keep.nonzero().squeeze(1)
-        n_valid = keep.sum().clamp(min=1).float()
+        n_valid = torch.full((), float(max(rows.numel(), 1)), device=x.device)
         if num_items_in_batch is not None and opts.reduction != "none":
             normaliser = to_scalar(num_items_in_batch, x.device)
         elif opts.reduction == "mean":

@@ -169,13 +169,13 @@ class FusedLinearJSDLoss(FusedLinearBase):
             raise ValueError(
                 f"teacher_hidden is on {teacher_hidden.device}, student_hidden on {student_hidden.device}"
             )
-        check_labels(labels, student_hidden.shape[:-1], student_weight.shape[0], opts.ignore_index)
+        rows = check_labels(
+            labels, student_hidden.shape[:-1], student_weight.shape[0], opts.ignore_index, rows=True
+        )
         x = student_hidden.reshape(-1, student_hidden.shape[-1])
         x_t = teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1])
         y = labels.reshape(-1)
-        keep = y != opts.ignore_index
-        rows = keep.nonzero().squeeze(1)
-        n_valid = keep.sum().clamp(min=1).float()
+        n_valid = torch.full((), float(max(rows.numel(), 1)), device=x.device)
         if num_items_in_batch is not None:
             normaliser = to_scalar(num_items_in_batch, x.device)
         elif opts.reduction == "batchmean":
