@@ -1,36 +1,50 @@
 """End-to-end: chunkloss's TRL trainers against TRL's own, on randomly initialised real-shaped models.
 
 * GRPO: ``ChunkedGRPOTrainer`` vs ``GRPOTrainer`` on a Qwen3-0.6B-shaped model (vocab 151936, hidden 1024).
-* DPO:  ``ChunkedDPOTrainer`` vs ``DPOTrainer`` on a Llama-3.2-1B-shaped model (vocab 128256, hidden 2048).
+* SFT:  ``ChunkedSFTTrainer`` vs ``SFTTrainer`` on a Llama-3.2-1B-shaped model (vocab 128256, hidden 2048),
+  prompt-completion data, so the loss is on the completion only (TRL's default for such data).
+* DPO:  ``ChunkedDPOTrainer`` vs ``DPOTrainer`` on the same Llama shape.
 * ORPO: ``ChunkedORPOTrainer`` vs ``trl.experimental.orpo.ORPOTrainer`` on the same Llama shape.
+* GKD:  ``ChunkedGKDTrainer`` vs ``trl.experimental.gkd.GKDTrainer`` on the same Llama shape, the teacher of
+  the same shape and depth with other weights (initialised from another seed, frozen). ``lmbda=0``: off-policy
+  only, so no step generates and the step time is the loss path's; ``beta`` is TRL's default (0.5, the JSD).
 
 Implementations (``--impls``, all three by default): ``trl`` (TRL's trainer), ``chunkloss`` (the chunked
 trainer) and ``chunkloss+kernels`` (the chunked trainer with ``chunk_kernels=True``: the model's RMSNorms,
-rotary embedding and gated MLPs, and DPO's reference model's, on chunkloss's Triton kernels). The rotary
-patch is process-wide, so it is undone after each ``chunkloss+kernels`` run (``unpatch_rotary``) and the
-other implementations run on transformers' own.
+rotary embedding and gated MLPs, and DPO's reference model's or GKD's teacher's, on chunkloss's Triton
+kernels). The rotary patch is process-wide, so it is undone after each ``chunkloss+kernels`` run
+(``unpatch_rotary``) and the other implementations run on transformers' own.
 
-Per task, first a batch-size sweep: per-device batch sizes grow, the implementations run in turn at each
-size, until all have gone out of memory or the task's share of the time budget is spent; each run records the
-mean step time (after ``--warmup`` steps), tokens/s and peak CUDA memory. Then each trains ``--curve-steps``
-steps from the same initial weights at ``--curve-batch`` and their loss curves are recorded (fewer steps, at
-least ``--min-curve-steps``, when the sweep's step times say the full curves would overrun the task's share).
-``--time-budget-s`` is split evenly over the tasks still to run, so time one task leaves over goes to the
-next. ``e2e.json`` and ``e2e.md`` in ``--out`` are rewritten after every run, so a run that is cut off still
-leaves its results; ``e2e.png`` (with matplotlib) after every task.
+Per task, first a batch-size sweep: per-device batch sizes grow, the implementations run in turn at each size,
+until all have gone out of memory or the task's share of the time budget is spent; each run records the median
+step time after ``--warmup`` steps, tokens/s and peak CUDA memory. The first batch size runs ``--sweep-steps``
+steps; later ones time enough steps for at least ``--min-timed-s`` seconds at the step time predicted from the
+same implementation's earlier runs (``_step_time_at``), at most ``--max-timed-steps`` and at least
+``--sweep-steps`` minus the warm-up (single steps of 50-90 ms moved by up to 40% between runs with 6 timed
+steps); the time budget's predictions count those steps. GRPO's steps are mostly generation, the same code in
+both trainers; each GRPO run also records the time spent per step in ``_generate_and_score_completions``
+(generation, rewards and TRL's no-grad log-probs; ``gen_time_s``, the median) and the rest of the step
+(``train_time_s``, the median of step minus generation: the loss path), next to the whole step's
+``step_time_s``. Then each implementation trains ``--curve-steps`` steps from the same initial weights at
+``--curve-batch`` and their loss curves are recorded (fewer steps, at least ``--min-curve-steps``, when the
+sweep's step times say the full curves would overrun the task's share). ``--time-budget-s`` is split evenly
+over the tasks still to run, so time one task leaves over goes to the next. ``e2e.json`` and ``e2e.md`` in
+``--out`` are rewritten after every run, so a run that is cut off still leaves its results; ``e2e.png`` (with
+matplotlib) after every task.
 
 Every run starts from the same weights: each task's model is initialised once, directly on the device in
 its dtype, and each run builds its model on the device and loads that saved copy (kept in host memory, so it
-does not count in the peak). DPO's reference model is the same initial weights. The chunked trainers of a
-task (with and without the kernels) share one loss module, so its per-chunk step is compiled once per task
-rather than once per run (a long training run compiles once too); compilation falls in the warm-up steps
-either way.
+does not count in the peak). DPO's reference model is the same initial weights; GKD's teacher is a second
+saved copy (seed 1), built per run like DPO's reference. The chunked trainers of a task (with and without the
+kernels) share one loss module, so its per-chunk step is compiled once per task rather than once per run (a
+long training run compiles once too); compilation falls in the warm-up steps either way.
 
 Nothing is downloaded: the tokenizer is trained locally (``chunkloss.data``); ids it does not know decode to
 nothing, so the large random vocabulary is harmless. Layers are trimmed with ``--layers`` to fit the time
 budget (the LM head, where the two implementations differ, keeps its full size).
 
-    python -m benchmarks.bench_e2e --out benchmarks/results/e2e                 # H100, ~7 min
+    python -m benchmarks.bench_e2e --out benchmarks/results/e2e                 # grpo,dpo,orpo; H100, ~7 min
+    python -m benchmarks.bench_e2e --out /tmp/e2e --tasks sft,gkd               # the other two
     python -m benchmarks.bench_e2e --out /tmp/e2e --tiny                        # CPU smoke run
     TRITON_INTERPRET=1 python -m benchmarks.bench_e2e --out /tmp/e2e --tiny     # ... with the kernels
 
@@ -67,12 +81,23 @@ SHAPES = {
     "tiny": dict(family="qwen3", vocab=4096, hidden=64, inter=128, layers=1, heads=4, kv=2, head_dim=16),
 }
 IMPLS = ("trl", "chunkloss", "chunkloss+kernels")
+TASKS = ("grpo", "sft", "dpo", "orpo", "gkd")
 # Where each chunked trainer keeps its loss module(s); shared by a task's runs so it compiles once.
-LOSS_ATTR = {"grpo": "_chunk_losses", "dpo": "_dpo_loss", "orpo": "_orpo_loss"}
+LOSS_ATTR = {
+    "grpo": "_chunk_losses",
+    "sft": "_chunk_losses",
+    "dpo": "_dpo_loss",
+    "orpo": "_orpo_loss",
+    "gkd": "_chunk_losses",
+}
+# The trainer method that generates a step's completions, timed apart from the rest of the step.
+GEN_ATTR = {"grpo": "_generate_and_score_completions"}
 
 
-def build_model(shape: str, layers: int | None, tokenizer, device, dtype, state: dict | None = None):
-    """The model, initialised on ``device`` in ``dtype`` (seed 0), then loaded from ``state`` when given."""
+def build_model(
+    shape: str, layers: int | None, tokenizer, device, dtype, state: dict | None = None, seed: int = 0
+):
+    """The model, initialised on ``device`` in ``dtype`` from ``seed``, then loaded from ``state``, if any."""
     s = SHAPES[shape]
     cfg = AutoConfig.for_model(
         s["family"],
@@ -89,7 +114,7 @@ def build_model(shape: str, layers: int | None, tokenizer, device, dtype, state:
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
     )
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     if state is not None:
@@ -97,9 +122,9 @@ def build_model(shape: str, layers: int | None, tokenizer, device, dtype, state:
     return model
 
 
-def initial_state(shape: str, a, tokenizer, dtype) -> dict:
-    """A host copy of the task's initial weights (pinned on CUDA for a fast load)."""
-    model = build_model(shape, a.layers, tokenizer, a.device, dtype)
+def initial_state(shape: str, a, tokenizer, dtype, seed: int = 0) -> dict:
+    """A host copy of the task's initial weights from ``seed`` (pinned on CUDA for a fast load)."""
+    model = build_model(shape, a.layers, tokenizer, a.device, dtype, seed=seed)
     state, copies = {}, {}
     for k, v in model.state_dict().items():
         key = (v.data_ptr(), v.dtype, tuple(v.shape))  # tied weights: one host copy
@@ -123,6 +148,12 @@ def counting_dataset(kind: str, n: int, length: int) -> Dataset:
         bad.append(" " + " ".join(reversed(seq)))
     if kind == "grpo":
         return Dataset.from_dict({"prompt": prompts, "answer": good})
+    if kind == "sft":
+        return Dataset.from_dict({"prompt": prompts, "completion": good})
+    if kind == "gkd":  # conversational: GKD's ChatML collator splits the prompt from the last message
+        msgs = [[{"role": "user", "content": p}, {"role": "assistant", "content": g.strip()}]
+                for p, g in zip(prompts, good, strict=True)]  # fmt: skip
+        return Dataset.from_dict({"messages": msgs})
     return Dataset.from_dict({"prompt": prompts, "chosen": good, "rejected": bad})
 
 
@@ -138,24 +169,49 @@ GRPO_REWARDS = [count_reward, even_id_reward]
 
 
 class StepTimer(TrainerCallback):
+    """Each training step's wall time and, after :meth:`time_method`, the time spent in that method."""
+
     def __init__(self):
         self.times: list[float] = []
+        self.method_times: list[float] = []
         self._t0 = 0.0
+        self._in_method = 0.0
+        self._timed = False
 
     def _sync(self):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
 
+    def time_method(self, trainer, name: str) -> None:
+        """Time each call of ``trainer.<name>``, synchronised: queued GPU work counts where it was queued."""
+        inner = getattr(trainer, name)
+
+        def timed(*args, **kwargs):
+            self._sync()
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self._sync()
+                self._in_method += time.perf_counter() - t0
+
+        setattr(trainer, name, timed)
+        self._timed = True
+
     def on_step_begin(self, args, state, control, **kw):
         self._sync()
+        self._in_method = 0.0
         self._t0 = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kw):
         self._sync()
         self.times.append(time.perf_counter() - self._t0)
+        if self._timed:
+            self.method_times.append(self._in_method)
 
 
 def make_trainer(task: str, impl: str, model, ref, tokenizer, ds, out_dir: str, batch: int, steps: int, a):
+    """The ``task``'s trainer of ``impl``; ``ref`` is DPO's reference model or GKD's teacher (else None)."""
     common = dict(
         output_dir=out_dir,
         report_to="none",
@@ -186,6 +242,16 @@ def make_trainer(task: str, impl: str, model, ref, tokenizer, ds, out_dir: str, 
             train_dataset=ds,
             processing_class=tokenizer,
         )
+    if task == "sft":
+        from chunkloss.trainers.sft import ChunkedSFTConfig, ChunkedSFTTrainer
+        from trl import SFTConfig, SFTTrainer
+
+        cfg = dict(common, max_length=a.seq_len)
+        if impl == "trl":
+            return SFTTrainer(model, SFTConfig(**cfg), train_dataset=ds, processing_class=tokenizer)
+        return ChunkedSFTTrainer(
+            model, ChunkedSFTConfig(**cfg, **chunk), train_dataset=ds, processing_class=tokenizer
+        )
     if task == "dpo":
         from chunkloss.trainers.dpo import ChunkedDPOConfig, ChunkedDPOTrainer
         from trl import DPOConfig, DPOTrainer
@@ -195,15 +261,28 @@ def make_trainer(task: str, impl: str, model, ref, tokenizer, ds, out_dir: str, 
             return DPOTrainer(model, ref, DPOConfig(**cfg), train_dataset=ds, processing_class=tokenizer)
         return ChunkedDPOTrainer(model, ref, ChunkedDPOConfig(**cfg, **chunk), train_dataset=ds,
                                  processing_class=tokenizer)  # fmt: skip
-    from chunkloss.trainers.orpo import ChunkedORPOConfig, ChunkedORPOTrainer
-    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+    if task == "orpo":
+        from chunkloss.trainers.orpo import ChunkedORPOConfig, ChunkedORPOTrainer
+        from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
-    cfg = dict(common, max_length=a.seq_len)
-    if impl == "trl":
-        return ORPOTrainer(model, ORPOConfig(**cfg), train_dataset=ds, processing_class=tokenizer)
-    return ChunkedORPOTrainer(
-        model, ChunkedORPOConfig(**cfg, **chunk), train_dataset=ds, processing_class=tokenizer
-    )
+        cfg = dict(common, max_length=a.seq_len)
+        if impl == "trl":
+            return ORPOTrainer(model, ORPOConfig(**cfg), train_dataset=ds, processing_class=tokenizer)
+        return ChunkedORPOTrainer(
+            model, ChunkedORPOConfig(**cfg, **chunk), train_dataset=ds, processing_class=tokenizer
+        )
+    if task == "gkd":
+        from chunkloss.trainers.gkd import ChunkedGKDConfig, ChunkedGKDTrainer
+        from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+        # lmbda=0: off-policy, no step generates. GKDTrainer logs no token count of its own; the Trainer's
+        # count of non-padding input tokens gives tokens/s.
+        cfg = dict(common, max_length=a.seq_len, lmbda=0.0, include_num_input_tokens_seen="non_padding")
+        if impl == "trl":
+            return GKDTrainer(model, ref, GKDConfig(**cfg), train_dataset=ds, processing_class=tokenizer)
+        return ChunkedGKDTrainer(model, ref, ChunkedGKDConfig(**cfg, **chunk), train_dataset=ds,
+                                 processing_class=tokenizer)  # fmt: skip
+    raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
 
 
 def _is_oom(e: BaseException) -> bool:
@@ -229,16 +308,17 @@ def _share_loss(trainer, task: str, shared: dict) -> None:
         shared[task] = getattr(trainer, attr)
 
 
-def run_one(task, impl, shape, batch, steps, a, tokenizer, ds, state, shared):
-    """Train ``steps`` steps from ``state``; returns a result dict (``oom`` set when it ran out of memory)."""
+def run_one(task, impl, shape, batch, steps, a, tokenizer, ds, state, ref_state, shared):
+    """Train ``steps`` steps from ``state`` (DPO's reference or GKD's teacher from ``ref_state``); returns a
+    result dict (``oom`` set when it ran out of memory)."""
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
     res = {"task": task, "impl": impl, "batch": batch, "steps": steps}
     trainer = model = ref = None
     t0 = time.perf_counter()
     try:
         model = build_model(shape, a.layers, tokenizer, a.device, dtype, state)
-        if task == "dpo":  # the reference is the initial policy
-            ref = build_model(shape, a.layers, tokenizer, a.device, dtype, state)
+        if ref_state is not None:  # DPO's reference (the initial policy) or GKD's teacher, frozen
+            ref = build_model(shape, a.layers, tokenizer, a.device, dtype, ref_state)
             ref.requires_grad_(False)
         t1 = time.perf_counter()
         run_dir = os.path.join(a.out, "runs", f"{task}-{impl}")
@@ -246,6 +326,8 @@ def run_one(task, impl, shape, batch, steps, a, tokenizer, ds, state, shared):
         if impl != "trl":
             _share_loss(trainer, task, shared)
         timer = StepTimer()
+        if task in GEN_ATTR:
+            timer.time_method(trainer, GEN_ATTR[task])
         trainer.add_callback(timer)
         t2 = time.perf_counter()
         res["build_s"], res["setup_s"] = t1 - t0, t2 - t1
@@ -254,16 +336,25 @@ def run_one(task, impl, shape, batch, steps, a, tokenizer, ds, state, shared):
         trainer.train()
         res["train_s"] = time.perf_counter() - t2
         res["steps_s"] = sum(timer.times)
-        times = timer.times[a.warmup :] or timer.times
+        skip = a.warmup if len(timer.times) > a.warmup else 0
+        times = timer.times[skip:]
         # The median: single steps of 50-90 ms moved by up to 40% between runs with a mean of two.
         res["step_time_s"] = statistics.median(times)
         res["step_times_s"] = times
+        res["gen_time_s"] = res["train_time_s"] = None
+        if timer.method_times:
+            gen = timer.method_times[skip:]
+            res["gen_times_s"] = gen
+            res["gen_time_s"] = statistics.median(gen)
+            res["train_time_s"] = statistics.median([t - g for t, g in zip(times, gen, strict=True)])
         res["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
         logs = trainer.state.log_history
         res["losses"] = [h["loss"] for h in logs if "loss" in h]
         # GRPO's on-policy loss is ~0 whatever the weights (zero-mean advantages); its reward curve tracks.
         res["rewards"] = [h["reward"] for h in logs if "reward" in h]
-        ntok = [h.get("num_tokens") for h in logs if h.get("num_tokens") is not None]
+        # TRL's own token count where the trainer logs one, else the Trainer's (GKD).
+        key = "num_tokens" if any("num_tokens" in h for h in logs) else "num_input_tokens_seen"
+        ntok = [h[key] for h in logs if h.get(key) is not None]
         if len(ntok) >= 2:
             per_step = (ntok[-1] - ntok[0]) / max(len(ntok) - 1, 1)
             res["tokens_per_s"] = per_step / res["step_time_s"]
@@ -298,13 +389,42 @@ def _predict_s(r: dict | None, batch: int, steps: int) -> float:
     return _overhead_s(r) + r["step_time_s"] * batch / r["batch"] * steps
 
 
+def _step_time_at(runs: list[dict], batch: int) -> float:
+    """The step time at ``batch`` from the same impl's earlier sweep runs: on the last two runs' log-log line,
+    its slope clamped to [0, 1] (from flat, while the GPU is not saturated, to linear in the batch), or the
+    last run's own time when it is the only one. Step times bend upwards in the batch on that plot, so this
+    tends to underestimate."""
+    last = runs[-1]
+    slope = 0.0
+    if len(runs) >= 2:
+        prev = runs[-2]
+        slope = math.log(last["step_time_s"] / prev["step_time_s"]) / math.log(last["batch"] / prev["batch"])
+        slope = min(max(slope, 0.0), 1.0)
+    return last["step_time_s"] * (batch / last["batch"]) ** slope
+
+
+def _sweep_steps(runs: list[dict], batch: int, a) -> int:
+    """Steps of a sweep run at ``batch`` after the same impl's earlier sweep runs ``runs``: ``--warmup``
+    untimed, then enough timed steps for ``--min-timed-s`` at :func:`_step_time_at` (which tends to
+    underestimate: rather more steps than needed), at least ``--sweep-steps`` minus ``--warmup`` and at most
+    ``--max-timed-steps``; ``--sweep-steps`` for the first run."""
+    if not runs:
+        return a.sweep_steps
+    floor = max(a.sweep_steps - a.warmup, 1)
+    timed = math.ceil(a.min_timed_s / max(_step_time_at(runs, batch), 1e-6))
+    return a.warmup + max(floor, min(timed, a.max_timed_steps))
+
+
 def _fmt(r: dict) -> str:
     if r["oom"]:
         return "OOM"
     mem = "n/a" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.2f}"
     tps = r.get("tokens_per_s", math.nan)
     parts = f"build {r['build_s']:.1f} s, setup {r['setup_s']:.1f} s, train {r['train_s']:.1f} s"
-    return f"{r['step_time_s']:.3f} s/step, {tps:.0f} tok/s, peak {mem} GiB ({parts})"
+    gen = ""
+    if r.get("gen_time_s") is not None:
+        gen = f" (generation {r['gen_time_s']:.3f} s, rest {r['train_time_s']:.3f} s)"
+    return f"{r['step_time_s']:.3f} s/step{gen}, {tps:.0f} tok/s, peak {mem} GiB ({parts})"
 
 
 def run_task(task, shape, a, tokenizer, results, deadline, t_start):
@@ -312,10 +432,16 @@ def run_task(task, shape, a, tokenizer, results, deadline, t_start):
     t_task = time.perf_counter()
     sweep_deadline = t_task + a.sweep_share * (deadline - t_task)
     sizes = [int(b) for b in a.batch_sizes.split(",")]
+    # A run whose steps need more rows starts another epoch, between steps (outside their timing).
     n = max(64, max(sizes) * a.sweep_steps, a.curve_batch * a.curve_steps)
     ds = counting_dataset(task, n, a.words)
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
     state = initial_state(shape, a, tokenizer, dtype)
+    ref_state = None
+    if task == "dpo":  # the reference is the initial policy
+        ref_state = state
+    elif task == "gkd":  # the teacher: the same shape, other weights
+        ref_state = initial_state(shape, a, tokenizer, dtype, seed=1)
     shared: dict = {}
 
     def record(kind: str, r: dict) -> None:
@@ -323,20 +449,21 @@ def run_task(task, shape, a, tokenizer, results, deadline, t_start):
         results["wall_s"] = time.perf_counter() - t_start
         write_outputs(results, a.out, plot=False)
 
-    last: dict = {impl: None for impl in a.impls}
+    runs: dict = {impl: [] for impl in a.impls}  # each impl's sweep runs so far (an OOM ends them)
     alive = dict.fromkeys(a.impls, True)
     for bs in sizes:
         todo = [impl for impl in a.impls if alive[impl]]
         if not todo:
             break
-        need = sum(_predict_s(last[impl], bs, a.sweep_steps) for impl in todo)
+        n_steps = {impl: _sweep_steps(runs[impl], bs, a) for impl in todo}
+        need = sum(_predict_s(runs[impl][-1] if runs[impl] else None, bs, n_steps[impl]) for impl in todo)
         if time.perf_counter() + need > sweep_deadline:
             print(f"[sweep] {task}: bs={bs} would need ~{need:.0f} s, past the sweep's share; stopping")
             results["skipped"].append({"task": task, "batch": bs, "impls": todo, "reason": "time budget"})
             break
         for impl in todo:
-            r = run_one(task, impl, shape, bs, a.sweep_steps, a, tokenizer, ds, state, shared)
-            last[impl] = r
+            r = run_one(task, impl, shape, bs, n_steps[impl], a, tokenizer, ds, state, ref_state, shared)
+            runs[impl].append(r)
             alive[impl] = not r["oom"]
             record("sweep", r)
             print(f"[sweep] {task} {impl} bs={bs}: {_fmt(r)}", flush=True)
@@ -355,11 +482,11 @@ def run_task(task, shape, a, tokenizer, results, deadline, t_start):
             steps = max(fit, min(a.min_curve_steps, a.curve_steps))
             print(f"[curve] {task}: {steps} steps fit the task's share (~{per_step:.2f} s/step)")
     for impl in a.impls:
-        r = run_one(task, impl, shape, a.curve_batch, steps, a, tokenizer, ds, state, shared)
+        r = run_one(task, impl, shape, a.curve_batch, steps, a, tokenizer, ds, state, ref_state, shared)
         record("curves", r)
         print(f"[curve] {task} {impl} bs={a.curve_batch} steps={steps}: {_fmt(r)}; "
               f"losses {[round(x, 4) for x in r.get('losses', [])[:5]]}...", flush=True)  # fmt: skip
-    del state, shared
+    del state, ref_state, shared
     gc.unfreeze()
     _cleanup()
 
@@ -367,18 +494,22 @@ def run_task(task, shape, a, tokenizer, results, deadline, t_start):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
-    p.add_argument("--tasks", default="grpo,dpo,orpo")
+    p.add_argument("--tasks", default="grpo,dpo,orpo", help=f"comma-separated, from {', '.join(TASKS)}")
     p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated, from {', '.join(IMPLS)}")
     p.add_argument("--layers", type=int, default=4, help="decoder layers (the real models have 28 / 16)")
     p.add_argument("--batch-sizes", default="2,4,8,16,32,64,128")
-    p.add_argument("--sweep-steps", type=int, default=8, help="steps per sweep run, --warmup of them untimed")
+    p.add_argument("--sweep-steps", type=int, default=8,
+                   help="steps of the first sweep run, --warmup untimed; later runs no fewer")  # fmt: skip
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the timing (compilation)")
+    p.add_argument("--min-timed-s", type=float, default=3.0,
+                   help="later sweep runs time at least this many seconds of steps (predicted)")  # fmt: skip
+    p.add_argument("--max-timed-steps", type=int, default=40, help="timed steps of a sweep run, at most")
     p.add_argument("--curve-steps", type=int, default=30)
     p.add_argument("--min-curve-steps", type=int, default=10, help="curves never get fewer steps than this")
     p.add_argument("--curve-batch", type=int, default=8)
     p.add_argument("--completion-len", type=int, default=128, help="GRPO max_completion_length")
-    p.add_argument("--seq-len", type=int, default=512, help="DPO/ORPO max_length")
-    p.add_argument("--words", type=int, default=200, help="words per DPO/ORPO completion")
+    p.add_argument("--seq-len", type=int, default=512, help="SFT/DPO/ORPO/GKD max_length")
+    p.add_argument("--words", type=int, default=200, help="words per SFT/DPO/ORPO/GKD completion")
     p.add_argument("--time-budget-s", type=float, default=360.0,
                    help="for all tasks together, split evenly over the tasks still to run")  # fmt: skip
     p.add_argument("--sweep-share", type=float, default=0.6, help="part of a task's time for its sweep")
@@ -395,10 +526,15 @@ def main(argv=None):
         a.impls.remove("chunkloss+kernels")
         if not a.impls:
             p.error("--impls: nothing left to run")
-    grpo_shape, dpo_shape = "qwen3-0.6b", "llama-3.2-1b"
+    tasks = [t for t in a.tasks.split(",") if t]
+    unknown = sorted(set(tasks) - set(TASKS))
+    if unknown or not tasks:
+        p.error(f"--tasks: unknown {unknown}; choose from {', '.join(TASKS)}")
+    grpo_shape, llama_shape = "qwen3-0.6b", "llama-3.2-1b"
     if a.tiny:
-        grpo_shape = dpo_shape = "tiny"
+        grpo_shape = llama_shape = "tiny"
         a.layers, a.batch_sizes, a.sweep_steps, a.warmup = 1, "2,4", 2, 1
+        a.min_timed_s, a.max_timed_steps = 0.05, 4
         a.curve_steps, a.min_curve_steps, a.curve_batch = 3, 3, 2
         a.completion_len, a.seq_len, a.words = 4, 48, 6
         a.no_compile = True
@@ -407,11 +543,10 @@ def main(argv=None):
     tokenizer = tiny_tokenizer()
     results = {"device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "args": vars(a),
                "sweep": [], "curves": [], "skipped": []}  # fmt: skip
-    tasks = [t for t in a.tasks.split(",") if t]
     _cleanup()
     for i, task in enumerate(tasks):
         share = (a.time_budget_s - (time.perf_counter() - t_start)) / (len(tasks) - i)
-        shape = grpo_shape if task == "grpo" else dpo_shape
+        shape = grpo_shape if task == "grpo" else llama_shape
         run_task(task, shape, a, tokenizer, results, time.perf_counter() + max(share, 0.0), t_start)
         results["wall_s"] = time.perf_counter() - t_start
         write_outputs(results, a.out)
@@ -423,22 +558,30 @@ def write_outputs(results: dict, out: str, plot: bool = True) -> None:
         json.dump(results, f, indent=1)
     lines = [f"# End-to-end: chunkloss trainers vs TRL ({results['device']})", "",
              "Ratios: the implementation's over TRL's at the same task and batch (below 1: faster / less).",
+             "Step, generation and train times: medians over the timed steps; generation (GRPO only) is the "
+             "time in `_generate_and_score_completions`, train time the rest of the step (the loss path).",
              "",
-             "| task | impl | batch | step time (s) | tokens/s | peak mem (GiB) | time / trl | mem / trl |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| task | impl | batch | steps | step time (s) | gen time (s) | train time (s) | tokens/s "
+             "| peak mem (GiB) | time / trl | train time / trl | mem / trl |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     trl = {(r["task"], r["batch"]): r for r in results["sweep"] if r["impl"] == "trl" and not r["oom"]}
     for r in results["sweep"]:
         if r["oom"]:
-            lines.append(f"| {r['task']} | {r['impl']} | {r['batch']} | OOM | | | | |")
+            lines.append(f"| {r['task']} | {r['impl']} | {r['batch']} | {r['steps']} | OOM | | | | | | | |")
             continue
         mem = "" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.2f}"
         tps = r.get("tokens_per_s")
         t = trl.get((r["task"], r["batch"])) if r["impl"] != "trl" else None
         t_ratio = "–" if t is None else f"{r['step_time_s'] / t['step_time_s']:.2f}"
+        gen, train = r.get("gen_time_s"), r.get("train_time_s")
+        has_train = t is not None and train is not None and t.get("train_time_s") is not None
+        tr_ratio = f"{train / t['train_time_s']:.2f}" if has_train else ("–" if train is not None else "")
         has_mem = t is not None and r["peak_mem_gib"] is not None and t["peak_mem_gib"] is not None
         m_ratio = f"{r['peak_mem_gib'] / t['peak_mem_gib']:.2f}" if has_mem else "–"
-        lines.append(f"| {r['task']} | {r['impl']} | {r['batch']} | {r['step_time_s']:.3f} | "
-                     f"{'' if tps is None else f'{tps:.0f}'} | {mem} | {t_ratio} | {m_ratio} |")  # fmt: skip
+        cells = [r["task"], r["impl"], r["batch"], r["steps"], f"{r['step_time_s']:.3f}",
+                 "" if gen is None else f"{gen:.3f}", "" if train is None else f"{train:.3f}",
+                 "" if tps is None else f"{tps:.0f}", mem, t_ratio, tr_ratio, m_ratio]  # fmt: skip
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
     for s in results.get("skipped", []):
         lines.append(f"\n{s['task']}: sweep stopped before batch {s['batch']} ({s['reason']}).")
     lines += ["", "## Curves (first and last logged loss, and reward where the trainer logs one)", "",

@@ -3,7 +3,8 @@
     python -m benchmarks.report          # rewrites the block between <!-- PERF --> markers in README.md
 
 Loss rows come from ``losses.json`` (CE, GRPO, JSD) and ``losses_preference.json`` (DPO, ORPO); kernel rows
-from ``kernels.json``; end-to-end rows from ``e2e/``; GPU-scale config runs from ``gpu_configs/``.
+from ``kernels.json``; end-to-end rows (GRPO's also without generation, where a run timed it apart) from
+``e2e/``; GPU-scale config runs from ``gpu_configs/``.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ def kernel_table() -> list[str]:
 
 
 E2E_IMPLS = ("trl", "chunkloss", "chunkloss+kernels")
+E2E_TASKS = ("grpo", "sft", "dpo", "orpo", "gkd")  # table order
 # bench_e2e runs with chunkloss+kernels (`--impls` default), copied here from the GPU runs' e2e.json, oldest
 # first; each run's tasks replace the earlier runs' rows, so each row's ratios come from one run.
 E2E_KERNELS_RUNS = ("e2e/e2e_kernels_run3.json", "e2e/e2e_onepass_run4.json")
@@ -73,7 +75,8 @@ E2E_KERNELS_RUNS = ("e2e/e2e_kernels_run3.json", "e2e/e2e_onepass_run4.json")
 
 def e2e_table() -> list[str]:
     """GRPO from run 1; DPO and ORPO from run 2; any task in a later run with all three implementations
-    (``E2E_KERNELS_RUNS``) from the latest such run instead."""
+    (``E2E_KERNELS_RUNS``) from the latest such run instead. Where the GRPO rows time generation apart
+    (``gen_time_s``, runs since bench_e2e recorded it), a second table gives the step time without it."""
     run1, run2 = _load("e2e/e2e_all_run1.json"), _load("e2e/e2e_dpo_orpo_run2.json")
     rows = [r for r in run1["sweep"] if r["task"] == "grpo"] + run2["sweep"]
     device = run2["device"]
@@ -85,44 +88,79 @@ def e2e_table() -> list[str]:
     impls = [i for i in E2E_IMPLS if any(r["impl"] == i for r in rows)]
     others = [i for i in impls if i != "trl"]
     what = "chunkloss trainer" + (" (+kernels: `chunk_kernels=True`)" if "chunkloss+kernels" in impls else "")
-    ratio_cols = []
+    ratio_cols, train_cols = [], []
     for impl in others:
         tag = f" ({impl})" if len(others) > 1 else ""
         ratio_cols += [f"time ratio{tag}", f"memory ratio{tag}"]
+        train_cols.append(f"train-time ratio{tag}")
     names = ["TRL" if i == "trl" else i for i in impls]
+    tasks = [t for t in E2E_TASKS if any(r["task"] == t for r in rows)]
+    llama = ", ".join(t.upper() for t in tasks if t != "grpo")
+    teacher = " (GKD's teacher: same shape, other weights; off-policy, `lmbda=0`)" if "gkd" in tasks else ""
     out = [
         f"End to end (`benchmarks/bench_e2e.py`, one {device}, 4 decoder layers, full-size heads): "
-        f"step time in s / peak GiB, {what} vs TRL 1.16's. GRPO: Qwen3-0.6B shape; DPO, ORPO: "
-        "Llama-3.2-1B shape, 512 tokens. From `benchmarks/results/e2e/`.",
+        f"step time in s / peak GiB, {what} vs TRL 1.16's. GRPO: Qwen3-0.6B shape; {llama}: "
+        f"Llama-3.2-1B shape{teacher}, 512 tokens. From `benchmarks/results/e2e/`.",
         "",
         "| task | batch | " + " | ".join(names + ratio_cols) + " |",
         "|---|---|" + "---|" * (len(names) + len(ratio_cols)),
     ]
-    for task in ("grpo", "dpo", "orpo"):
+    for task in tasks:
         for batch in sorted({r["batch"] for r in rows if r["task"] == task}):
             by = {r["impl"]: r for r in rows if r["task"] == task and r["batch"] == batch}
-            cells = []
-            for impl in impls:
-                r = by.get(impl)
-                cells.append("–" if r is None else "OOM" if r.get("oom") else
-                             f"{r['step_time_s']:.3f} / {r['peak_mem_gib']:.2f}")
-            t = by.get("trl")
-            for impl in others:
-                c = by.get(impl)
-                if t and c and not t.get("oom") and not c.get("oom"):
-                    cells += [f"{c['step_time_s'] / t['step_time_s']:.2f}",
-                              f"{c['peak_mem_gib'] / t['peak_mem_gib']:.2f}"]
-                else:
-                    cells += ["–", "–"]
+            cells = _e2e_cells(by, impls, others, "step_time_s")
             out.append(f"| {task} | {batch} | " + " | ".join(cells) + " |")
+    gen_rows = [r for r in rows if r.get("gen_time_s") is not None]
+    if gen_rows:
+        out += [
+            "",
+            "GRPO without generation: each cell is the median step time less the time in "
+            "`_generate_and_score_completions` (generation, rewards, TRL's no-grad log-probs: the same code "
+            "in both trainers) / the median time in it, in s; the ratios compare the first number, the loss "
+            "path's step.",
+            "",
+            "| task | batch | " + " | ".join(names + train_cols) + " |",
+            "|---|---|" + "---|" * (len(names) + len(others)),
+        ]
+        for task in [t for t in E2E_TASKS if any(r["task"] == t for r in gen_rows)]:
+            for batch in sorted({r["batch"] for r in gen_rows if r["task"] == task}):
+                by = {r["impl"]: r for r in rows if r["task"] == task and r["batch"] == batch}
+                cells = _e2e_cells(by, impls, others, "train_time_s")
+                out.append(f"| {task} | {batch} | " + " | ".join(cells) + " |")
     return out
+
+
+def _e2e_cells(by: dict, impls: list[str], others: list[str], key: str) -> list[str]:
+    """One row's cells from its runs ``by`` impl: per impl ``<key> / <second>`` (second: the peak GiB for
+    ``step_time_s``, the generation time for ``train_time_s``), then per other impl the ratio of ``key`` over
+    TRL's (and of the peak memory, for ``step_time_s``)."""
+    second, fmt = ("peak_mem_gib", ".2f") if key == "step_time_s" else ("gen_time_s", ".3f")
+    ratios = [key, "peak_mem_gib"] if key == "step_time_s" else [key]
+
+    def ok(r) -> bool:
+        return r is not None and not r.get("oom") and r.get(key) is not None
+
+    cells = []
+    for impl in impls:
+        r = by.get(impl)
+        if r is not None and r.get("oom"):
+            cells.append("OOM")
+        else:
+            cells.append(f"{r[key]:.3f} / {r[second]:{fmt}}" if ok(r) else "–")
+    t = by.get("trl")
+    for impl in others:
+        c = by.get(impl)
+        cells += [f"{c[k] / t[k]:.2f}" if ok(t) and ok(c) else "–" for k in ratios]
+    return cells
 
 
 def configs_table() -> list[str]:
     lines = (RESULTS / "gpu_configs" / "gpu_configs.md").read_text().splitlines()
-    return ["GPU-scale configs (`python -m benchmarks.gpu_configs`), from `benchmarks/results/gpu_configs/`:",
-            "",
-            *[ln for ln in lines if ln.startswith("|")]]
+    return [
+        "GPU-scale configs (`python -m benchmarks.gpu_configs`), from `benchmarks/results/gpu_configs/`:",
+        "",
+        *[ln for ln in lines if ln.startswith("|")],
+    ]
 
 
 def main():
