@@ -15,10 +15,11 @@ from dataclasses import dataclass
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
+from chunkloss.losses.cross_entropy import FusedLinearCrossEntropyLoss
 from chunkloss.losses.grpo import FusedLinearGRPOLoss
 
 from ._common import ChunkedArguments, apply_chunk_kernels, chunk_options, peft_base, refuse
-from ._head import add_chunked_head, allow_lm_head_adapter, check_head_supported, head_transforms
+from ._head import _head_of, add_chunked_head, allow_lm_head_adapter, check_head_supported, head_transforms
 
 __all__ = ["ChunkedGRPOConfig", "ChunkedGRPOTrainer"]
 
@@ -106,6 +107,65 @@ class ChunkedGRPOTrainer(GRPOTrainer):
         if mod is None:
             mod = self._chunk_losses[key] = FusedLinearGRPOLoss(**opts, **self._chunk_opts)
         return mod
+
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **multimodal,
+    ):
+        """TRL's, except while a LoRA adapter on ``lm_head`` is active: TRL's fused head reads
+        ``lm_head.weight`` alone, so the old log-probs (``steps_per_generation`` or ``num_iterations`` past
+        the accumulation steps, vLLM's importance-sampling correction) and a reference scored through a "ref"
+        adapter would leave the adapter out. They come from the chunked head instead: per-token log-probs of
+        the completion tokens, 0 on padding, as TRL returns them. The policy's own are ``_compute_loss``'s."""
+        base = peft_base(self.accelerator.unwrap_model(model))
+        if not getattr(base, "_chunkloss_head", False) or _head_of(base)[0]._features is None:
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                compute_aux_loss, **multimodal,
+            )  # fmt: skip
+        if compute_entropy or any(v is not None for v in multimodal.values()):
+            refuse(
+                type(self).__name__,
+                "entropies or multimodal inputs through a LoRA adapter on lm_head",
+                "the chunked head scores text log-probs only",
+            )
+        k = logits_to_keep
+        logp_loss = FusedLinearCrossEntropyLoss(
+            reduction="none", temperature=float(self.temperature), **self._head_transforms, **self._chunk_opts
+        )
+        cast = bool(getattr(self.args, "cast_lm_head_to_fp32", False))
+        batch_size = batch_size or input_ids.size(0)
+        logps, aux = [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            ids = input_ids[start : start + batch_size]
+            att = attention_mask[start : start + batch_size]
+            targets = ids[:, -k:].masked_fill(att[:, -k:] == 0, -100)
+
+            def head_fn(hidden, head, targets=targets):
+                x, w, b = head.features(hidden[:, -k - 1 : -1]), head.weight, head.bias
+                ctx = contextlib.nullcontext()
+                if cast:
+                    x, w, b = x.float(), w.float(), None if b is None else b.float()
+                    ctx = torch.autocast(x.device.type, enabled=False)
+                with ctx:
+                    return -logp_loss(x, w, targets, bias=b)
+
+            inputs = {"input_ids": ids, "attention_mask": att}
+            if compute_aux_loss:
+                inputs["output_router_logits"] = True
+            with self.accelerator.autocast():
+                out = model(**inputs, chunked_head=head_fn)
+            logps.append(out.result)
+            if compute_aux_loss:
+                aux.append(out.aux_loss)
+        return torch.cat(logps), None, torch.stack(aux).mean() if compute_aux_loss else None
 
     def _compute_loss(self, model, inputs):
         for k in _MULTIMODAL:

@@ -343,3 +343,41 @@ def test_grpo_gradient_accumulation(accum, loss_type, off_policy):
     _assert_grads(g_our, g_big)
     _assert_grads(g_big_our, g_big)
     assert_close_loss(l_big_our, l_big)
+
+
+def test_grpo_lora_on_lm_head_old_logps(tmp_path):
+    """With a LoRA adapter on lm_head, the old log-probs TRL computes when a generation serves several steps
+    (steps_per_generation > gradient_accumulation_steps) include the adapter. TRL's fused head reads
+    ``lm_head.weight`` alone and leaves it out: the base-class call below is checked to differ. Reference: the
+    PEFT model's own logits."""
+    peft = pytest.importorskip("peft")
+    cfg = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], lora_dropout=0.0, init_lora_weights=False
+    )
+    _, model = model_pair()
+    torch.manual_seed(0)
+    ours = ChunkedGRPOTrainer(
+        model,
+        count_reward,
+        ChunkedGRPOConfig(
+            **common_args(tmp_path, num_generations=2, max_completion_length=K, steps_per_generation=2),
+            chunk_size=5,
+            chunk_compile=False,
+        ),
+        train_dataset=tiny_dataset("grpo", n=8),
+        processing_class=tokenizer(),
+        peft_config=cfg,
+    )
+    ours.model.train()
+    inputs = ours._prepare_inputs(next(iter(ours.get_train_dataloader())))
+    old = inputs["old_per_token_logps"]
+    assert old is not None
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    att = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    with torch.no_grad():
+        logits = ours.model(input_ids=ids, attention_mask=att).logits[:, -K - 1 : -1].float()
+        ref = torch.log_softmax(logits, -1).gather(-1, inputs["completion_ids"][..., None]).squeeze(-1)
+        ref = ref * inputs["completion_mask"]
+        trl_head = GRPOTrainer._get_per_token_logps_and_entropies(ours, ours.model, ids, att, K)[0]
+    torch.testing.assert_close(old, ref, rtol=1e-5, atol=1e-5)
+    assert (trl_head - ref).abs().max() > 1e-2
