@@ -529,7 +529,9 @@ class FusedLinearGRPOLoss(FusedLinearBase):
             "n_seqs": torch.tensor(float(max(b, 1)), device=dev),
             "grad_accum": torch.tensor(ga, device=dev),
             "policy_scale": torch.tensor(1.0 if lt in ("dapo", "cispo", "vespo") else ga, device=dev),
-            "seq_zeros": torch.zeros(b, device=dev),
+            # One slot more than there are sequences (dropped in _finish_metrics): inductor's CPU codegen
+            # (torch 2.13) fails on an index_add into a 1-element buffer, i.e. a batch of one sequence.
+            "seq_zeros": torch.zeros(b + 1, device=dev),
         }
         batch, _ = sequence_batch(
             mask, torch.arange(b, device=dev), token=token, sequence=sequence, scalars=scalars, extra=extra
@@ -563,7 +565,7 @@ def _finish_metrics(raw: dict, len_s: Tensor, seq_shaped: bool) -> dict:
             ("_low_seq", "clip_ratio/low_min", torch.min),
             ("_high_seq", "clip_ratio/high_max", torch.max),
         ):
-            v = raw[key].masked_fill(empty, float("nan"))
+            v = raw[key][: len_s.numel()].masked_fill(empty, float("nan"))
             ok = ~torch.isnan(v)
             out[name] = red(v[ok]) if bool(ok.any()) else v.new_tensor(float("nan"))
     return out

@@ -460,9 +460,21 @@ def test_compiled(case):
         opts = grid_opts("dapo", "token", beta=0.04, top_entropy_quantile=0.3, entropy_coef=0.1)
     ref = run_ref(inp, kw, opts)
     opts["compile"] = True
-    # One-pass chunks here hold several sequences: with a chunk of a single sequence, inductor's CPU
-    # codegen (torch 2.13) fails on the scatter into a 1-element buffer (backward of lw_seq[seq_id]).
     assert_close_fp32(run_ours(inp, kw, chunk_size=40, **opts), ref)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_compiled_one_sequence_per_chunk(level):
+    """Compiled, with chunks of one sequence (one-pass sequence path) and a batch of one sequence: inductor's
+    CPU codegen failed on the per-sequence metric scatter into a 1-element buffer."""
+    inp, kw = make_inputs()
+    opts = grid_opts("grpo", level, beta=0.04)
+    assert_close_fp32(run_ours(inp, kw, chunk_size=T, **dict(opts, compile=True)), run_ref(inp, kw, opts))
+    one = dict(inp, hidden=inp["hidden"].detach()[:1].requires_grad_(True))
+    for k in ("completion_ids", "completion_mask", "advantages"):
+        one[k] = inp[k][:1]
+    kw1 = {k: v[:1] for k, v in kw.items()}
+    assert_close_fp32(run_ours(one, kw1, **dict(opts, compile=True)), run_ref(one, kw1, opts))
 
 
 @pytest.mark.parametrize(
