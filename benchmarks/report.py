@@ -70,7 +70,11 @@ E2E_IMPLS = ("trl", "chunkloss", "chunkloss+kernels")
 E2E_TASKS = ("grpo", "sft", "dpo", "orpo", "gkd")  # table order
 # bench_e2e runs with chunkloss+kernels (`--impls` default), copied here from the GPU runs' e2e.json, oldest
 # first; each run's tasks replace the earlier runs' rows, so each row's ratios come from one run.
-E2E_KERNELS_RUNS = ("e2e/e2e_kernels_run3.json", "e2e/e2e_onepass_run4.json")
+E2E_KERNELS_RUNS = (
+    "e2e/e2e_kernels_run3.json",
+    "e2e/e2e_onepass_run4.json",
+    "e2e/e2e_sft_gkd_run5.json",
+)
 
 
 def e2e_table() -> list[str]:
@@ -80,10 +84,12 @@ def e2e_table() -> list[str]:
     run1, run2 = _load("e2e/e2e_all_run1.json"), _load("e2e/e2e_dpo_orpo_run2.json")
     rows = [r for r in run1["sweep"] if r["task"] == "grpo"] + run2["sweep"]
     device = run2["device"]
+    layers = {r["task"]: run["args"]["layers"] for run in (run1, run2) for r in run["sweep"]}
     for name in E2E_KERNELS_RUNS:
         run = _load(name)
         tasks = {r["task"] for r in run["sweep"]}
         rows = [r for r in rows if r["task"] not in tasks] + run["sweep"]
+        layers.update({t: _run_layers(run["args"], t) for t in tasks})
         device = run["device"]
     impls = [i for i in E2E_IMPLS if any(r["impl"] == i for r in rows)]
     others = [i for i in impls if i != "trl"]
@@ -97,8 +103,9 @@ def e2e_table() -> list[str]:
     tasks = [t for t in E2E_TASKS if any(r["task"] == t for r in rows)]
     llama = ", ".join(t.upper() for t in tasks if t != "grpo")
     teacher = " (GKD's teacher: same shape, other weights; off-policy, `lmbda=0`)" if "gkd" in tasks else ""
+    depth = ", ".join(f"{t.upper()} {layers[t]}" for t in tasks)
     out = [
-        f"End to end (`benchmarks/bench_e2e.py`, one {device}, 4 decoder layers, full-size heads): "
+        f"End to end (`benchmarks/bench_e2e.py`, one {device}, decoder layers {depth}, full-size heads): "
         f"step time in s / peak GiB, {what} vs TRL 1.16's. GRPO: Qwen3-0.6B shape; {llama}: "
         f"Llama-3.2-1B shape{teacher}, 512 tokens. From `benchmarks/results/e2e/`.",
         "",
@@ -128,6 +135,13 @@ def e2e_table() -> list[str]:
                 cells = _e2e_cells(by, impls, others, "train_time_s")
                 out.append(f"| {task} | {batch} | " + " | ".join(cells) + " |")
     return out
+
+
+def _run_layers(args: dict, task: str) -> int:
+    """Decoder layers of ``task`` in a run's args (a merged run keeps each call's args under its tasks)."""
+    if "layers" in args:
+        return args["layers"]
+    return next(a["layers"] for tasks, a in args.items() if task in tasks.split(","))
 
 
 def _e2e_cells(by: dict, impls: list[str], others: list[str], key: str) -> list[str]:

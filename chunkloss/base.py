@@ -544,10 +544,14 @@ class _FusedLinearFunction(torch.autograd.Function):
             metrics_out.update(metric_sums)
             return per_row_out
         loss, grads, _, metric_sums = _run_loop(loss_mod, hidden, weight, bias, batch, need)
-        ctx.save_for_backward(*grads)
-        ctx.w_dtype = weight.dtype
-        ctx.compile = loss_mod.options.compile
-        ctx.b_dtype = None if bias is None else bias.dtype
+        grad_h, grad_w, grad_b = grads
+        # The accumulators leave in the parameters' dtype: an fp32 one would otherwise stay alive, at twice
+        # the size, from here until the backward reaches the head, i.e. across the model's activation peak.
+        if grad_w is not None:
+            grad_w = grad_w.to(weight.dtype)
+        if grad_b is not None:
+            grad_b = grad_b.to(bias.dtype)
+        ctx.save_for_backward(grad_h, grad_w, grad_b)
         metrics_out.update(metric_sums)
         return loss
 
@@ -574,44 +578,21 @@ class _FusedLinearFunction(torch.autograd.Function):
             )
         ctx.consumed = True
         grad_h, grad_w, grad_b = ctx.saved_tensors if ctx.saved_tensors else (None, None, None)
-        # In place where the dtype is already the parameter's: the stored gradients belong to this call
-        # alone, and a copy would double their memory. An fp32 accumulator is scaled and cast in one pass.
+        # In place: the stored gradients belong to this call alone, and a copy would double their memory.
         return (
-            _scale_grad(grad_h, grad_output, None),
-            _scale_grad(grad_w, grad_output, ctx.w_dtype, ctx.compile),
-            _scale_grad(grad_b, grad_output, ctx.b_dtype, ctx.compile),
+            _scale_grad(grad_h, grad_output),
+            _scale_grad(grad_w, grad_output),
+            _scale_grad(grad_b, grad_output),
             None,
             None,
             None,
         )
 
 
-def _scale_grad(
-    grad: Tensor | None, grad_output: Tensor, dtype: torch.dtype | None, compile: bool = False
-) -> Tensor | None:
-    if grad is None:
-        return None
-    scale = grad_output.to(grad.dtype)
-    if dtype is None or grad.dtype == dtype:
-        return grad.mul_(scale)
-    if compile and grad.is_cuda:
-        # One vectorised pass: eager ``torch.mul(..., out=<bf16>)`` takes TensorIterator's generic cast path,
-        # 2.2 ms for the fp32 [128256, 4096] accumulator on an H100 (6% of a CE step at N=8192).
-        return _scale_cast(grad.view(-1), scale, dtype).view(grad.shape)
-    return torch.mul(grad, scale, out=torch.empty_like(grad, dtype=dtype))
-
-
-@functools.cache
-def _scale_cast_fn():
-    def scale_cast(grad: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
-        return (grad * scale).to(dtype)
-
-    return torch.compile(scale_cast, dynamic=True)
-
-
-def _scale_cast(grad: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
-    """``(grad * scale).to(dtype)`` for a flat fp32 accumulator, compiled (one graph for any length)."""
-    return _scale_cast_fn()(grad, scale, dtype)
+def _scale_grad(grad: Tensor | None, grad_output: Tensor) -> Tensor | None:
+    """``grad · grad_output`` in place. With weight-dtype gradients of an fp32 accumulator this rounds twice
+    when ``grad_output`` is not a power of two (≤ 1 ulp of the weight's dtype more); at 1 it is exact."""
+    return None if grad is None else grad.mul_(grad_output.to(grad.dtype))
 
 
 def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, need):
@@ -758,7 +739,6 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
 
     if need_w and not w_started[0]:
         grad_w.zero_()  # no rows took part
-    # grad_w and grad_b stay in the accumulation dtype: backward casts them while scaling (one pass).
     out = next(iter(token_out.values())) if token_out else loss
     return out, (grad_h, grad_w, grad_b), token_out, metrics
 
