@@ -23,6 +23,15 @@ from ._losses import FusedLinearDFTLoss
 __all__ = ["ChunkedSFTConfig", "ChunkedSFTTrainer"]
 
 
+_SP_WHY = "TRL reduces the model's own loss across ranks there"
+
+
+def _deepspeed_sp(pc) -> bool:
+    """Whether an accelerate ``ParallelismConfig`` (or ``None``) turns on DeepSpeed sequence parallelism (read
+    with ``getattr``: accelerate before 1.12 has no sequence parallelism fields)."""
+    return getattr(pc, "sp_enabled", False) and getattr(pc, "sp_backend", None) == "deepspeed"
+
+
 @dataclass
 class ChunkedSFTConfig(SFTConfig, ChunkedArguments):
     """``trl.SFTConfig`` with the chunkloss fields of :class:`ChunkedArguments`."""
@@ -48,18 +57,14 @@ class ChunkedSFTTrainer(SFTTrainer):
             )
         if args is not None:
             chunk_options(args)  # validate early
+            if _deepspeed_sp(getattr(args, "parallelism_config", None)):
+                refuse(name, "DeepSpeed sequence parallelism", _SP_WHY)
         with allow_lm_head_adapter(model):
             super().__init__(model, args, *pos, **kwargs)
+        # Set through an accelerate config file instead, it reaches the accelerator but not args.
+        if _deepspeed_sp(self.accelerator.parallelism_config):
+            refuse(name, "DeepSpeed sequence parallelism", _SP_WHY)
         apply_chunk_kernels(self)
-        pc = self.accelerator.parallelism_config
-        if (
-            pc is not None
-            and getattr(pc, "sp_enabled", False)
-            and getattr(pc, "sp_backend", None) == "deepspeed"
-        ):
-            refuse(
-                name, "DeepSpeed sequence parallelism", "TRL reduces the model's own loss across ranks there"
-            )
         base = peft_base(self.model)
         check_head_supported(base)
         add_chunked_head(base)

@@ -13,12 +13,14 @@ import pytest
 import torch
 from chunkloss.trainers.distillation import ChunkedDistillationConfig, ChunkedDistillationTrainer
 from trl import DistillationConfig, DistillationTrainer
+from trl.trainer.utils import split_tensor_dict
 
 from chunkloss.data import tiny_dataset
 from tests.trainers.helpers import (
     assert_close_loss,
     assert_same_grads,
     common_args,
+    grads,
     model_pair,
     teacher_model,
     tokenizer,
@@ -166,7 +168,7 @@ def test_distillation_lm_head_bias(tmp_path):
     assert ours.model.lm_head.bias.grad is not None
 
 
-def test_distillation_refuses_missingteacher_model(tmp_path):
+def test_distillation_refuses_missing_teacher_model(tmp_path):
     model, _ = model_pair()
     with pytest.raises(ValueError, match="teacher_model=None"):
         ChunkedDistillationTrainer(
@@ -204,3 +206,42 @@ def test_distillation_evaluate(tmp_path):
     )
     for k in keys:
         assert out[1][k] == pytest.approx(out[0][k], rel=1e-5, abs=1e-6), k
+
+
+def _accumulate(trainer, batches, ga):
+    """The training step on each (already generated) batch at GA=``ga`` from zero gradients; the summed
+    loss."""
+    trainer.current_gradient_accumulation_steps = ga  # set by the training loop, which this test skips
+    trainer.model.zero_grad()
+    return sum(trainer.training_step(trainer.model, dict(b), None) for b in batches)
+
+
+def test_distillation_gradient_accumulation_equals_one_batch(tmp_path):
+    """TRL counts num_items_in_batch over the whole generation batch and splits it into GA micro-batches that
+    each carry that count (loss_is_scaled_for_ga: training_step does not rescale). Two micro-batches of
+    unequal completion lengths at GA=2 give the loss and gradients of TRL's one large batch at GA=1, and TRL's
+    own accumulation; normalised per micro-batch instead (their own count times GA), the gradients differ."""
+    ref, ours = _pair(tmp_path, gradient_accumulation_steps=2)
+    big = _generated(ref)
+    mask = big["completion_mask"].clone()
+    mask[0, 2:] = 0
+    mask[3, 4:] = 0
+    big["completion_mask"], big["num_items_in_batch"] = mask, mask.sum()
+    micro = split_tensor_dict(big, 2)  # as DistillationTrainer._prepare_inputs splits it
+    counts = [int(m["completion_mask"].sum()) for m in micro]
+    assert counts[0] != counts[1] and all(int(m["num_items_in_batch"]) == sum(counts) for m in micro)
+    # training_step gets the batches as given (not TRL's generation buffer).
+    ref._prepare_inputs = ours._prepare_inputs = lambda inputs: inputs
+
+    l_big = _accumulate(ref, [big], 1)
+    l_our = _accumulate(ours, micro, 2)
+    assert_close_loss(l_our, l_big)
+    assert_same_grads(ref.model, ours.model)
+    l_ref = _accumulate(ref, micro, 2)
+    assert_close_loss(l_our, l_ref)
+    assert_same_grads(ref.model, ours.model)
+
+    g_our = grads(ours.model)
+    _accumulate(ours, [{**m, "num_items_in_batch": torch.tensor(2 * c)} for m, c in zip(micro, counts)], 2)
+    g_mean = grads(ours.model)
+    assert max(float((g_mean[k] - g_our[k]).abs().max() / g_our[k].abs().max()) for k in g_our) > 1e-3

@@ -16,6 +16,7 @@ from tests.trainers.helpers import (
     assert_close_loss,
     assert_same_grads,
     common_args,
+    grads,
     model_pair,
     teacher_model,
     tokenizer,
@@ -220,3 +221,42 @@ def test_gkd_evaluate(tmp_path):
         t.eval_dataset = tiny_dataset("gkd", n=4)
         out.append(t.evaluate()["eval_loss"])
     assert out[1] == pytest.approx(out[0], rel=1e-5)
+
+
+def _accumulate(trainer, batches, ga, num_items_in_batch):
+    """The training step on each batch at GA=``ga`` from zero gradients (lmbda=0: no generation); the summed
+    loss."""
+    trainer.current_gradient_accumulation_steps = ga  # set by the training loop, which these tests skip
+    trainer.model.zero_grad()
+    return sum(
+        trainer.training_step(trainer.model, {k: v.clone() for k, v in b.items()}, num_items_in_batch)
+        for b in batches
+    )
+
+
+def test_gkd_gradient_accumulation_equals_one_batch(tmp_path):
+    """Two micro-batches at GA=2 through the training step, with the num_items_in_batch the Trainer counts
+    over both: the loss and gradients of TRL's one large batch at GA=1, and TRL's own accumulation. The
+    micro-batches hold unequal label counts, so a mean per micro-batch (num_items_in_batch=None: the Trainer
+    then divides each batchmean by GA) gives other gradients."""
+    ref, ours = _pair(tmp_path, gradient_accumulation_steps=2)
+    big = _batch(ref, 0, 4)
+    # Cut from the one (left-)padded batch: every row sees the same padding and positions as in it.
+    micro = [{k: v[:2] for k, v in big.items()}, {k: v[2:] for k, v in big.items()}]
+    counts = [int((m["labels"][:, 1:] != -100).sum()) for m in micro]
+    assert counts[0] != counts[1]
+    n = ours._get_num_items_in_batch(micro, torch.device("cpu"))
+    assert int(n) == sum(counts) and ours.model_accepts_loss_kwargs  # so training_step does not divide by GA
+
+    l_big = _accumulate(ref, [big], 1, ref._get_num_items_in_batch([big], torch.device("cpu")))
+    l_our = _accumulate(ours, micro, 2, n)
+    assert_close_loss(l_our, l_big)
+    assert_same_grads(ref.model, ours.model)
+    l_ref = _accumulate(ref, micro, 2, n)
+    assert_close_loss(l_our, l_ref)
+    assert_same_grads(ref.model, ours.model)
+
+    g_our = grads(ours.model)
+    _accumulate(ours, micro, 2, None)
+    g_mean = grads(ours.model)
+    assert max(float((g_mean[k] - g_our[k]).abs().max() / g_our[k].abs().max()) for k in g_our) > 1e-3

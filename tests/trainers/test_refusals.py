@@ -1,0 +1,180 @@
+"""Options a chunked trainer does not cover are refused with a clear error (no silent fallback to TRL's
+materialised logits): at construction where the option is known then, else when the input arrives.
+
+Multi-process and DeepSpeed settings cannot run in one CPU process: where the refusal reads them off the
+accelerator, the test shows the accelerator a real accelerate object in that state, and nothing else."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from accelerate import Accelerator, ParallelismConfig
+from chunkloss.trainers.dpo import ChunkedDPOConfig, ChunkedDPOTrainer
+from chunkloss.trainers.gkd import ChunkedGKDConfig, ChunkedGKDTrainer
+from chunkloss.trainers.grpo import ChunkedGRPOConfig, ChunkedGRPOTrainer
+from chunkloss.trainers.orpo import ChunkedORPOConfig, ChunkedORPOTrainer
+from chunkloss.trainers.sft import ChunkedSFTConfig, ChunkedSFTTrainer
+from transformers import AutoConfig, AutoModelForSeq2SeqLM
+from trl import SFTTrainer
+
+from chunkloss.data import count_reward, tiny_dataset
+from tests.trainers.helpers import common_args, model_pair, tokenizer
+
+
+def _deepspeed_sp():
+    """DeepSpeed sequence parallelism (Ulysses/ALST) over 2 ranks, as accelerate builds it."""
+    pc = ParallelismConfig(sp_size=2, sp_backend="deepspeed")
+    assert pc.sp_enabled
+    return pc
+
+
+def _sft(tmp_path, **cfg):
+    model, _ = model_pair()
+    return ChunkedSFTTrainer(
+        model,
+        ChunkedSFTConfig(**common_args(tmp_path, max_length=64), chunk_compile=False, **cfg),
+        train_dataset=tiny_dataset("sft", 8),
+        processing_class=tokenizer(),
+    )
+
+
+def test_sft_refuses_deepspeed_sequence_parallelism(tmp_path):
+    """Given in the config: refused before TRL builds anything (accelerate would only fail later, on a
+    device mesh of 2 ranks in a 1-process run)."""
+    with pytest.raises(ValueError, match="ChunkedSFTTrainer does not support DeepSpeed sequence parallelism"):
+        _sft(tmp_path, parallelism_config=_deepspeed_sp())
+
+
+def test_sft_refuses_deepspeed_sequence_parallelism_from_accelerate_config(tmp_path, monkeypatch):
+    """Given in an accelerate config file, it reaches the accelerator's state and not ``args``: the trainer
+    reads it there once the accelerator exists."""
+
+    def create_accelerator(self):
+        SFTTrainer.create_accelerator_and_postprocess(self)
+        assert self.args.parallelism_config is None
+        monkeypatch.setattr(self.accelerator.state, "parallelism_config", _deepspeed_sp())
+
+    monkeypatch.setattr(ChunkedSFTTrainer, "create_accelerator_and_postprocess", create_accelerator)
+    with pytest.raises(ValueError, match="ChunkedSFTTrainer does not support DeepSpeed sequence parallelism"):
+        _sft(tmp_path)
+
+
+def test_sft_accepts_other_parallelism(tmp_path, monkeypatch):
+    """A parallelism config without sequence parallelism is not refused (the refusal reads sp_enabled)."""
+
+    def create_accelerator(self):
+        SFTTrainer.create_accelerator_and_postprocess(self)
+        monkeypatch.setattr(self.accelerator.state, "parallelism_config", ParallelismConfig())
+
+    monkeypatch.setattr(ChunkedSFTTrainer, "create_accelerator_and_postprocess", create_accelerator)
+    assert _sft(tmp_path).accelerator.parallelism_config.sp_enabled is False
+
+
+# Tiny encoder-decoders of two families, built from their configs.
+ENCODER_DECODERS = {
+    "t5": dict(d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2),
+    "bart": dict(
+        d_model=16,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        max_position_embeddings=64,
+    ),
+}
+
+
+@pytest.mark.parametrize("family", sorted(ENCODER_DECODERS))
+def test_orpo_refuses_encoder_decoder(tmp_path, family):
+    tok = tokenizer()
+    ids = dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    sizes = ENCODER_DECODERS[family]
+    config = AutoConfig.for_model(
+        family, vocab_size=len(tok), decoder_start_token_id=ids["pad_token_id"], **ids, **sizes
+    )
+    torch.manual_seed(0)
+    model = AutoModelForSeq2SeqLM.from_config(config)
+    assert model.config.is_encoder_decoder
+    with pytest.raises(ValueError, match="ChunkedORPOTrainer does not support encoder-decoder models"):
+        ChunkedORPOTrainer(
+            model,
+            ChunkedORPOConfig(**common_args(tmp_path, max_length=48), chunk_compile=False),
+            train_dataset=tiny_dataset("orpo", 8),
+            processing_class=tokenizer(),
+        )
+
+
+def test_gkd_refuses_preprocess_logits_for_metrics(tmp_path):
+    model, teacher = model_pair()
+    with pytest.raises(ValueError, match="ChunkedGKDTrainer does not support preprocess_logits_for_metrics"):
+        ChunkedGKDTrainer(
+            model,
+            teacher,
+            ChunkedGKDConfig(**common_args(tmp_path)),
+            train_dataset=tiny_dataset("gkd", 8),
+            processing_class=tokenizer(),
+            preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1),
+        )
+
+
+def _grpo(tmp_path, **cfg):
+    model, _ = model_pair()
+    return ChunkedGRPOTrainer(
+        model,
+        count_reward,
+        ChunkedGRPOConfig(
+            **common_args(tmp_path, num_generations=2, max_completion_length=6), chunk_compile=False, **cfg
+        ),
+        train_dataset=tiny_dataset("grpo", 8),
+        processing_class=tokenizer(),
+    )
+
+
+def test_grpo_refuses_top_entropy_quantile_on_several_processes(tmp_path, monkeypatch):
+    """TRL takes the entropy quantile over every process's tokens; the accelerator reports 2 processes."""
+    assert _grpo(tmp_path, top_entropy_quantile=0.5).top_entropy_quantile == 0.5  # one process: accepted
+    monkeypatch.setattr(Accelerator, "num_processes", property(lambda self: 2))
+    message = "ChunkedGRPOTrainer does not support top_entropy_quantile < 1 with several processes"
+    with pytest.raises(ValueError, match=message):
+        _grpo(tmp_path, top_entropy_quantile=0.5)
+    assert _grpo(tmp_path).accelerator.num_processes == 2  # the default quantile 1.0 is accepted there
+
+
+@pytest.fixture(scope="module")
+def grpo_batch(tmp_path_factory):
+    """A GRPO trainer and one batch of its own generated completions (text only)."""
+    torch.manual_seed(0)
+    trainer = _grpo(tmp_path_factory.mktemp("grpo_refusals"))
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by the training loop, which these tests skip
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    return trainer, batch
+
+
+@pytest.mark.parametrize("key", ["pixel_values", "image_grid_thw"])
+def test_grpo_refuses_multimodal_inputs(grpo_batch, key):
+    trainer, batch = grpo_batch
+    value = torch.zeros(4, 3, 8, 8) if key == "pixel_values" else torch.tensor([[1, 2, 2]] * 4)
+    with pytest.raises(ValueError, match=f"ChunkedGRPOTrainer does not support multimodal input '{key}'"):
+        trainer.compute_loss(trainer.model, {**batch, key: value})
+    # The same batch without it trains.
+    assert torch.isfinite(trainer.compute_loss(trainer.model, dict(batch)))
+
+
+def test_dpo_refuses_multimodal_inputs(tmp_path):
+    model, ref_model = model_pair()
+    trainer = ChunkedDPOTrainer(
+        model,
+        ref_model,
+        ChunkedDPOConfig(**common_args(tmp_path, max_length=48), chunk_compile=False),
+        train_dataset=tiny_dataset("dpo", 8),
+        processing_class=tokenizer(),
+    )
+    trainer.model.train()
+    batch = trainer._prepare_inputs(trainer.data_collator([trainer.train_dataset[i] for i in range(4)]))
+    pixels = torch.zeros(batch["input_ids"].size(0), 3, 8, 8)
+    with pytest.raises(ValueError, match=r"ChunkedDPOTrainer does not support inputs \['pixel_values'\]"):
+        trainer.compute_loss(trainer.model, {**batch, "pixel_values": pixels})
+    assert torch.isfinite(trainer.compute_loss(trainer.model, dict(batch)))
