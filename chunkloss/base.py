@@ -292,6 +292,8 @@ class FusedLinearBase(nn.Module):
     #: logits to a few numbers per row (e.g. the reference log-prob) right after they are projected, so
     #: they are freed before the policy's logits exist; the loss then reads ``token["extra_stats"]``
     #: and gets ``extra_logits == []``. Losses that need whole extra distributions (JSD) leave it None.
+    #: It runs uncompiled (a loss keeps its compiled graphs to the two of its own steps) and so must not
+    #: build [C, V] temporaries: ``chunkloss.losses.common.nograd_label_logprob`` reads the logits once.
     extra_token_stats = None
 
     @property
@@ -333,8 +335,6 @@ class FusedLinearBase(nn.Module):
             fn = _bind(_token_step, cls.chunk_loss, opts)
         elif kind == "token_value":
             fn = _bind(_token_value, cls.chunk_loss, opts)
-        elif kind == "extra_stats":
-            fn = _bind(_extra_stats_value, cls.extra_token_stats, opts)
         elif kind == "stats":
             fn = _bind(_stats_value, cls.token_stats, opts)
         elif kind == "seq_pass2":
@@ -345,7 +345,7 @@ class FusedLinearBase(nn.Module):
             return fn
         # Rows are marked dynamic per call; the vocabulary stays static so inductor picks reduction configs
         # for the real V (dynamic=True ran the logsumexp reduction at 0.4 TB/s on an H100).
-        return _RowDynamic(torch.compile(fn))
+        return _RowDynamic(fn)
 
     def run(self, hidden: Tensor, weight: Tensor, bias: Tensor | None, batch: Batch) -> Tensor:
         """Run the chunk loop. ``hidden`` (N, H) is the flattened hidden state, ``batch.rows`` the
@@ -421,10 +421,6 @@ def _token_value(chunk_loss, opts, logits, extra_logits, token, scalars):
     return None, loss, metrics
 
 
-def _extra_stats_value(extra_token_stats, opts, extra_logits, token):
-    return extra_token_stats(extra_logits, token, opts)
-
-
 def _stats_value(token_stats, opts, logits, extra_logits, token):
     return token_stats(logits, extra_logits, token, opts)
 
@@ -445,16 +441,23 @@ def _grad_out(g, logits, opts):
 
 class _RowDynamic:
     """Calls a compiled step after marking dim 0 of every tensor argument dynamic, so chunks of any
-    row count share one graph."""
+    row count share one graph.
+
+    A chunk of one row runs the step eagerly instead: dynamo specialises sizes 0 and 1, so it would
+    compile a graph of its own (one more per step kind, which a batch with a single valid token or a
+    rounding tail of one row meets), for a chunk whose eager cost is a few small kernels."""
 
     def __init__(self, fn):
-        self.fn = fn
+        self.eager = fn
+        self.fn = torch.compile(fn)
 
-    def __call__(self, *args):
-        for t in _tensors(args):
+    def __call__(self, logits, *args):
+        if logits.shape[0] <= 1:
+            return self.eager(logits, *args)
+        for t in _tensors((logits, args)):
             if t.dim() > 0:
                 torch._dynamo.maybe_mark_dynamic(t, 0)
-        return self.fn(*args)
+        return self.fn(logits, *args)
 
 
 def _tensors(obj):
@@ -636,10 +639,9 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
         loss can, or their statistics from the first pass come in as ``extra_stats`` (no projection)."""
         if reduce_extra:
             if extra_stats is None:
-                fn = loss_mod._step_fn("extra_stats", dev)
-                extra_stats_parts.append(
-                    fn([_project(gather(e.hidden, rows, a, b), e.weight, e.bias) for e in batch.extra], token)
-                )
+                extra_logits = [_project(gather(e.hidden, rows, a, b), e.weight, e.bias) for e in batch.extra]
+                extra_stats_parts.append(loss_mod.extra_token_stats(extra_logits, token, opts))
+                del extra_logits
                 token = {**token, "extra_stats": extra_stats_parts[-1]}
             else:
                 token = {**token, "extra_stats": extra_stats[a:b]}

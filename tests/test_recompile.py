@@ -1,18 +1,11 @@
-"""torch.compile does not recompile as B and T vary.
+"""torch.compile does not recompile as B and T vary: at most 2 graphs per loss (the engine issue).
 
 Each loss compiles one graph per per-chunk step *kind* it runs (``FusedLinearBase._build_step``): "token"
-(token losses with grad), "extra_stats" (a no-grad reference head reduced to per-row numbers), "stats" and
-"seq_pass2" (sequence losses: the statistics, then the pointwise pull-back to the logits). Rows are marked
-dynamic and the vocabulary is static, so later batches of other shapes reuse those graphs.
-
-The engine issue asks for at most 2 graphs per loss. That holds for every token loss and for the sequence
-losses without a reference head, but a sequence loss with a reference head runs three kinds and compiles
-three graphs: DPO with ``ref_hidden``/``ref_weight`` (extra_stats + stats + seq_pass2), and likewise
-sequence-level GRPO with a reference head (measured: 3 graphs, not tested here). A chunk of a single row adds
-one more graph to its step (dynamo specialises sizes 0 and 1), so the bound holds per step: at most 2, which
-``test_token_losses_at_most_two_graphs_per_step`` checks with a one-row batch. A sequence loss that meets a
-one-row chunk (a pair with a single completion token, or one live row in pass 2) then holds 2 graphs per
-step (measured: ORPO 4).
+(token losses with grad), or "stats" and "seq_pass2" (sequence losses: the statistics, then the pointwise
+pull-back to the logits). Rows are marked dynamic and the vocabulary is static, so later batches of other
+shapes reuse those graphs. A no-grad reference head is reduced to its label log-prob outside the compiled
+steps (``chunkloss.losses.common.nograd_label_logprob``: a Triton kernel on CUDA), so it adds no graph; a
+chunk of a single row runs its step eagerly (dynamo would specialise size 1 into a graph of its own).
 """
 
 from __future__ import annotations
@@ -116,27 +109,21 @@ CASES = {
         {},
         {"stats", "seq_pass2"},
     ),
-    # A token loss whose reference head is reduced to its label log-prob before the policy's projection.
-    "grpo-token-ref-head": (
+    # The reference head is reduced to its label log-prob before the policy's projection, uncompiled.
+    "grpo-token-ref-head": (FusedLinearGRPOLoss, dict(beta=0.1), _grpo, dict(ref_head=True), {"token"}),
+    "grpo-sequence-ref-head": (
         FusedLinearGRPOLoss,
-        dict(beta=0.1),
+        dict(beta=0.1, importance_sampling_level="sequence"),
         _grpo,
         dict(ref_head=True),
-        {"extra_stats", "token"},
+        {"stats", "seq_pass2"},
     ),
-    # Three kinds: the reference head's reduction comes on top of the two sequence-loss steps.
-    "dpo-ref-head": (
-        FusedLinearDPOLoss,
-        {},
-        _preference,
-        dict(ref="head"),
-        {"extra_stats", "stats", "seq_pass2"},
-    ),
+    "dpo-ref-head": (FusedLinearDPOLoss, {}, _preference, dict(ref="head"), {"stats", "seq_pass2"}),
     "dpo-ref-logps": (FusedLinearDPOLoss, {}, _preference, dict(ref="logps"), {"stats", "seq_pass2"}),
     "orpo": (FusedLinearORPOLoss, {}, _preference, {}, {"stats", "seq_pass2"}),
     "simpo": (FusedLinearSimPOLoss, {}, _preference, {}, {"stats", "seq_pass2"}),
     "cpo": (FusedLinearCPOLoss, {}, _preference, {}, {"stats", "seq_pass2"}),
-    # The teacher's whole distribution enters the divergence: projected as extra logits, no extra_stats step.
+    # The teacher's whole distribution enters the divergence: projected as extra logits into the token step.
     "jsd": (FusedLinearJSDLoss, {}, _jsd, {}, {"token"}),
 }
 
@@ -199,18 +186,18 @@ def test_no_recompile_as_batch_and_length_vary(case, plans):
         assert [one_pass for one_pass, _ in plans] == [ONE_PASS[t] for _, t in [FIRST, *LATER]]
 
 
-TOKEN_LOSSES = {
-    "cross-entropy": (FusedLinearCrossEntropyLoss, {}, _cross_entropy, {}),
-    "grpo-token": (FusedLinearGRPOLoss, {}, _grpo, {}),
-    "jsd": (FusedLinearJSDLoss, {}, _jsd, {}),
+ONE_ROW = {
+    "cross-entropy": (FusedLinearCrossEntropyLoss, {}, _cross_entropy, {}, {"token"}),
+    **{k: CASES[k] for k in ("grpo-token", "grpo-token-ref-head", "grpo-sequence", "grpo-sequence-ref-head")},
+    "jsd": CASES["jsd"],
 }
 
 
-@pytest.mark.parametrize("case", TOKEN_LOSSES)
-def test_token_losses_at_most_two_graphs_per_step(case, plans):
-    """The issue's bound, per step, including a batch of one labelled row (T=3 with 2 prompt rows for CE
-    and JSD; one completion token for GRPO): its chunk of 1 row may take a graph of its own."""
-    cls, opts, build, build_kw = TOKEN_LOSSES[case]
+@pytest.mark.parametrize("case", ONE_ROW)
+def test_one_row_chunk_adds_no_graph(case, plans):
+    """A batch of one labelled row (T=3 with 2 prompt rows for CE and JSD; one completion token for GRPO)
+    runs a chunk of 1 row between batches of several chunks, and the loss still holds one graph per kind."""
+    cls, opts, build, build_kw, kinds = ONE_ROW[case]
     torch._dynamo.reset()
     counters.clear()
     g = torch.Generator().manual_seed(0)
@@ -219,7 +206,6 @@ def test_token_losses_at_most_two_graphs_per_step(case, plans):
     for b, t in [FIRST, (1, t_one_row), *LATER[:2]]:
         build(mod, b, t, g, **build_kw).backward()
     assert plans[1][1] == [1], plans  # the one-row batch ran a chunk of 1 row
-    per_step = _graphs_per_step(mod)
-    assert set(per_step) == {"token"} and 1 <= per_step["token"] <= 2, per_step
-    assert counters["stats"]["unique_graphs"] <= 2, counters["stats"]
+    assert _graphs_per_step(mod) == dict.fromkeys(kinds, 1), _graphs_per_step(mod)
+    assert counters["stats"]["unique_graphs"] == len(kinds), counters["stats"]
     assert counters["frames"]["ok"] == counters["frames"]["total"], counters["frames"]

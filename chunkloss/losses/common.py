@@ -39,6 +39,36 @@ def label_logprobs(z: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
     return pick(z, labels) - lse, lse
 
 
+#: fp32 elements of the row blocks ``nograd_label_logprob`` reduces at a time off CUDA (64 MiB).
+NOGRAD_BLOCK_ELEMS = 2**24
+
+
+def nograd_label_logprob(
+    logits: Tensor,
+    labels: Tensor,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    temperature: float = 1.0,
+) -> Tensor:
+    """``log_softmax(scale_logits(logits))[i, labels[i]]`` (C,) in fp32 for a head without grad (a reference
+    model), from its ``[C, V]`` logits in their own dtype and with no ``[C, V]`` fp32 copy: the Triton kernel
+    ``chunkloss.kernels.logprob`` on CUDA (one read of the logits, no compiled graph), blocks of rows
+    elsewhere."""
+    if logits.is_cuda:
+        from chunkloss.kernels.logprob import label_logprob_triton  # Triton is imported only here
+
+        return label_logprob_triton(logits, labels, logit_scale, softcap, temperature)
+    rows = max(1, NOGRAD_BLOCK_ELEMS // max(logits.shape[-1], 1))
+    parts = [
+        label_logprobs(
+            scale_logits(logits[a : a + rows].float(), logit_scale, softcap, temperature),
+            labels[a : a + rows],
+        )[0]
+        for a in range(0, logits.shape[0], rows)
+    ]
+    return torch.cat(parts) if parts else logits.new_zeros(0, dtype=torch.float32)
+
+
 def entropy_from_logits(z: Tensor, lse: Tensor | None = None) -> Tensor:
     """Entropy ``-Σ p log p`` per row of fp32 logits (N, V)."""
     if lse is None:

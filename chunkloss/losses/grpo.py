@@ -62,6 +62,7 @@ from chunkloss.losses.common import (
     check_labels,
     entropy_from_logits,
     label_logprobs,
+    nograd_label_logprob,
     scale_logits,
     to_scalar,
 )
@@ -189,8 +190,9 @@ def _row_logprobs(logits, extra_logits, token, opts: GRPOOptions):
 
 def grpo_ref_stats(extra_logits, token, opts: GRPOOptions):
     """The reference head's label log-prob per row (C, 1), reduced as soon as it is projected."""
-    zr = scale_logits(extra_logits[0].float(), opts.logit_scale, opts.softcap, opts.temperature)
-    ref, _ = label_logprobs(zr, token["ids"])
+    ref = nograd_label_logprob(
+        extra_logits[0], token["ids"], opts.logit_scale, opts.softcap, opts.temperature
+    )
     return ref.unsqueeze(1)
 
 

@@ -42,7 +42,7 @@ from chunkloss.losses.common import (
     check_head,
     check_labels,
     entropy_from_logits,
-    label_logprobs,
+    nograd_label_logprob,
     pick,
     scale_logits,
 )
@@ -99,8 +99,7 @@ class PreferenceOptions(FusedOptions):
 
 def preference_ref_stats(extra_logits, token, opts: PreferenceOptions) -> Tensor:
     """The reference head's weighted label log-prob per row (C, 1), reduced as soon as it is projected."""
-    zr = scale_logits(extra_logits[0].float(), opts.logit_scale, opts.softcap)
-    ref_lp, _ = label_logprobs(zr, token["labels"])
+    ref_lp = nograd_label_logprob(extra_logits[0], token["labels"], opts.logit_scale, opts.softcap)
     return (ref_lp * token["pref_weight"]).unsqueeze(1)
 
 

@@ -1,0 +1,125 @@
+"""Label log-probabilities of a no-grad head's logits, in one read of the logits.
+
+A reference model's (or a teacher's) head only enters a preference or GRPO loss through
+``log softmax(scale(z))[label]`` per row. Under ``torch.compile`` that reduction is one more compiled
+graph per loss and reads the ``[C, V]`` logits two or three times (max, then sum-exp with the label
+pick); here each row is read once with an online max and sum-exp, and nothing of size ``[C, V]`` is
+allocated. ``scale`` is the model-side transform of ``chunkloss.losses.common.scale_logits``:
+``· logit_scale``, then ``softcap·tanh(z / softcap)``, then ``/ temperature``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from chunkloss.losses.common import label_logprobs, scale_logits
+
+from ._utils import next_power_of_2
+
+__all__ = ["label_logprob_ref", "label_logprob_triton"]
+
+# Columns per step of a row's online reduction and warps per row (not swept: a row of V=128256 bf16 is
+# 250 KB, so the loop is bandwidth-bound at any block of a few thousand columns).
+BLOCK_V = 4096
+NUM_WARPS = 8
+
+
+def label_logprob_ref(
+    logits: Tensor,
+    labels: Tensor,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    temperature: float = 1.0,
+) -> Tensor:
+    """``log_softmax(scale(logits.float()))[i, labels[i]]`` (C,) in fp32, in plain PyTorch."""
+    z = scale_logits(logits.float(), logit_scale, softcap, temperature)
+    return label_logprobs(z, labels.long())[0]
+
+
+@triton.jit
+def _scaled(x, LOGIT_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, TEMPERATURE: tl.constexpr):
+    z = x.to(tl.float32) * LOGIT_SCALE
+    if SOFTCAP > 0:
+        # c·tanh(z/c) with tanh(u) = 2·sigmoid(2u) - 1 (the interpreter has no libdevice tanh).
+        z = SOFTCAP * (2.0 * tl.sigmoid(2.0 * z / SOFTCAP) - 1.0)
+    return z / TEMPERATURE
+
+
+@triton.jit
+def _label_logprob_kernel(
+    Z,  # (C, V) logits, rows contiguous
+    Y,  # (C,) labels
+    OUT,  # (C,) fp32
+    V,
+    stride_row,
+    LOGIT_SCALE: tl.constexpr,
+    SOFTCAP: tl.constexpr,  # 0 for none
+    TEMPERATURE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    base = Z + row * stride_row
+    cols = tl.arange(0, BLOCK)
+    m = tl.full([BLOCK], float("-inf"), tl.float32)  # per-lane running max and sum of exp(z - m)
+    s = tl.zeros([BLOCK], tl.float32)
+    start = 0
+    while start < V:  # a while loop: the interpreter cannot take range() over a runtime int
+        mask = start + cols < V
+        z = _scaled(tl.load(base + start + cols, mask=mask, other=0.0), LOGIT_SCALE, SOFTCAP, TEMPERATURE)
+        z = tl.where(mask, z, float("-inf"))
+        m_new = tl.maximum(m, z)
+        # Lanes that have seen nothing yet keep m = -inf: exp(-inf - -inf) would be NaN.
+        s = s * tl.where(m_new == float("-inf"), 0.0, tl.exp(m - m_new)) + tl.where(
+            mask, tl.exp(z - m_new), 0.0
+        )
+        m = m_new
+        start += BLOCK
+    m_row = tl.max(m, 0)
+    s_row = tl.sum(s * tl.where(m == float("-inf"), 0.0, tl.exp(m - m_row)), 0)
+    y = tl.load(Y + row).to(tl.int64)
+    z_y = _scaled(tl.load(base + y), LOGIT_SCALE, SOFTCAP, TEMPERATURE)
+    tl.store(OUT + row, z_y - (m_row + tl.log(s_row)))
+
+
+def label_logprob_triton(
+    logits: Tensor,
+    labels: Tensor,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    temperature: float = 1.0,
+) -> Tensor:
+    """``log_softmax(scale(logits))[i, labels[i]]`` (C,) in fp32, without grad, for CUDA tensors (or CPU ones
+    under ``TRITON_INTERPRET=1``); ``chunkloss.losses.common.nograd_label_logprob`` calls it on CUDA.
+
+    Labels must be in ``[0, V)``: the losses have checked them, and no check here may sync.
+    """
+    _check(logits, labels)
+    c, v = logits.shape
+    out = torch.empty(c, dtype=torch.float32, device=logits.device)
+    if c == 0:
+        return out
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    _label_logprob_kernel[(c,)](
+        logits,
+        labels,
+        out,
+        v,
+        logits.stride(0),
+        LOGIT_SCALE=float(logit_scale),
+        SOFTCAP=float(softcap or 0.0),
+        TEMPERATURE=float(temperature),
+        BLOCK=min(BLOCK_V, next_power_of_2(v)),
+        num_warps=NUM_WARPS,
+    )
+    return out
+
+
+def _check(logits: Tensor, labels: Tensor) -> None:
+    if logits.dim() != 2 or labels.shape != logits.shape[:1]:
+        raise ValueError(
+            f"logits must be (C, V) and labels (C,), got {tuple(logits.shape)} and {tuple(labels.shape)}"
+        )
