@@ -40,10 +40,10 @@ class ChunkedORPOTrainer(ORPOTrainer):
             chunk_options(args)
         with allow_lm_head_adapter(model):
             super().__init__(model, args, *pos, **kwargs)
-        apply_chunk_kernels(self)
         name = type(self).__name__
-        if self.is_encoder_decoder:
+        if self.is_encoder_decoder:  # before the kernels patch anything
             refuse(name, "encoder-decoder models", "the chunked head covers causal LMs")
+        apply_chunk_kernels(self)
         base = peft_base(self.model)
         check_head_supported(base)
         softcap, logit_scale = head_transforms(base.config)
