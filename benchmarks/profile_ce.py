@@ -1,6 +1,8 @@
-"""Kernel-level breakdown of one CE forward+backward (N=8192, 1/7 ignored, H=4096, V=128256) on the GPU.
+"""Kernel-level breakdown of one loss forward+backward on the GPU (H=4096, V=128256, bf16): cross-entropy at
+N tokens with 1/7 ignored (``benchmarks/cases_ce.py``), or GRPO dapo at B x T (``benchmarks/cases_grpo.py``).
 
-python -m benchmarks.profile_ce [--chunk-size C]
+python -m benchmarks.profile_ce [--chunk-size C] [--n 8192]
+python -m benchmarks.profile_ce --loss grpo [--b 16 --t 1024]
 """
 
 import argparse
@@ -8,7 +10,7 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks import cases_ce
+from benchmarks import cases_ce, cases_grpo
 from chunkloss import FusedLinearCrossEntropyLoss
 
 
@@ -43,13 +45,27 @@ def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--chunk-size", type=int, default=None)
     p.add_argument("--n", type=int, default=8192)
+    p.add_argument("--loss", choices=("ce", "grpo"), default="ce")
+    p.add_argument("--b", type=int, default=16)
+    p.add_argument("--t", type=int, default=1024)
     a = p.parse_args(argv)
-    inp = cases_ce._inputs(a.n)(torch.device("cuda"))
-    f = FusedLinearCrossEntropyLoss(chunk_size=a.chunk_size)
+    if a.loss == "ce":
+        inp = cases_ce._inputs(a.n)(torch.device("cuda"))
+        f = FusedLinearCrossEntropyLoss(chunk_size=a.chunk_size)
+        call = f
+        args = (inp["hidden"], inp["weight"], inp["labels"])
+    else:
+        inp = cases_grpo._inputs(a.b, a.t)(torch.device("cuda"))
+        f = cases_grpo.FusedLinearGRPOLoss(loss_type="dapo", beta=cases_grpo.BETA, chunk_size=a.chunk_size)
+
+        def call(*args):
+            return f(*args, old_logps=inp["old"], ref_logps=inp["ref"])
+
+        args = (inp["hidden"], inp["weight"], inp["ids"], inp["mask"], inp["adv"])
 
     def step():
         inp["hidden"].grad = inp["weight"].grad = None
-        f(inp["hidden"], inp["weight"], inp["labels"]).backward()
+        call(*args).backward()
 
     for _ in range(3):
         step()
@@ -70,7 +86,19 @@ def main(argv=None):
         end = max(end, prev.time_range.end)
         if gap > 30:
             print(f"  idle {gap / 1e3:.3f} ms  after {prev.name[:50]}  before {e.name[:50]}")
-    host_overhead(f)
+    if a.loss == "ce":
+        host_overhead(f)
+    else:
+        import warnings
+
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step()
+        torch.cuda.set_sync_debug_mode(0)
+        print(f"host syncs per step: {len(caught)}")
+        for c in caught:
+            print("  ", str(c.message)[:100], c.filename.split("/")[-1], c.lineno)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
 
 

@@ -99,6 +99,7 @@ class Batch:
             (a chosen/rejected pair) must share a chunk for the one-pass mode. Groups are numbered
             in row order, so ``rows`` sorted by group keeps each group contiguous.
         tokens_per_group: host list of rows per group (one-pass chunk planning).
+        seqs_per_group: host list of sequences per group (one-pass chunk planning).
         num_seqs: S, number of sequences (sequence losses).
         num_rows: N, rows of the flattened hidden (for the per-row output of reduction='none').
         all_rows: ``rows`` is ``arange(N)``: chunks are plain slices (no gather/scatter copies).
@@ -112,6 +113,7 @@ class Batch:
     sequence: dict[str, Tensor] = field(default_factory=dict)
     group_of_seq: Tensor | None = None
     tokens_per_group: list[int] | None = None
+    seqs_per_group: list[int] | None = None
     num_rows: int = 0
     all_rows: bool = False
     num_seqs: int = 0
@@ -177,13 +179,23 @@ def sequence_batch(
     order = torch.argsort(group_of_seq, stable=True)
     rank = torch.empty_like(order)
     rank[order] = torch.arange(n_seq, device=order.device)
-    rows = keep.reshape(-1).nonzero().squeeze(1)
+    groups = group_of_seq[order]
+    # Group index of each reordered sequence (sorted groups: a new one starts where the value changes).
+    group_idx = torch.cat([groups.new_zeros(min(n_seq, 1)), (groups[1:] != groups[:-1]).long().cumsum(0)])
+    rows_per_seq = keep.sum(1)
+    per_group = torch.zeros(2, max(n_seq, 1), dtype=torch.long, device=keep.device)
+    per_group[0].index_add_(0, group_idx, rows_per_seq[order])  # rows of each group
+    per_group[1].index_add_(0, group_idx, torch.ones_like(group_idx))  # sequences of each group
+    n_groups = group_idx[-1:] + 1 if n_seq else group_idx.new_zeros(1)
+    # The one host sync: rows in all, groups, and per group its rows and sequences (chunk planning).
+    host = torch.cat([rows_per_seq.sum().reshape(1), n_groups, per_group.reshape(-1)]).tolist()
+    n_rows, n_groups = host[0], host[1]
+    width = max(n_seq, 1)
+    rows = torch.nonzero_static(keep.reshape(-1), size=n_rows).squeeze(1)
     seq_of_row = rows // t
     perm = torch.argsort(rank[seq_of_row] * t + rows % t)  # rows by (reordered seq, position)
     rows = rows[perm]
     seq_id = rank[rows // t]
-    groups = group_of_seq[order]
-    _, group_idx = torch.unique_consecutive(groups, return_inverse=True)
     batch = Batch(
         rows=rows,
         token={k: v.reshape(n_seq * t, *v.shape[2:])[rows] for k, v in (token or {}).items()},
@@ -192,9 +204,8 @@ def sequence_batch(
         seq_id=seq_id,
         sequence={k: v[order] for k, v in (sequence or {}).items()},
         group_of_seq=group_idx,
-        tokens_per_group=torch.bincount(
-            group_idx[seq_id], minlength=int(group_idx.max()) + 1 if n_seq else 0
-        ).tolist(),
+        tokens_per_group=host[2 : 2 + n_groups],
+        seqs_per_group=host[2 + width : 2 + width + n_groups],
         num_rows=n_seq * t,
         all_rows=False,
         num_seqs=n_seq,
@@ -497,7 +508,9 @@ def _plan_chunks(loss: FusedLinearBase, batch: Batch, n_rows: int, chunk: int) -
     if loss.needs_global_stats or counts is None or n_rows == 0 or max(counts) > chunk:
         return _Plan(_even_bounds(n_rows, chunk)), False
     # Pack whole groups greedily; each chunk ends on a group boundary.
-    seqs_per_group = torch.bincount(batch.group_of_seq, minlength=len(counts)).tolist()
+    seqs_per_group = batch.seqs_per_group
+    if seqs_per_group is None:
+        seqs_per_group = torch.bincount(batch.group_of_seq, minlength=len(counts)).tolist()
     bounds, seq_bounds = [], []
     r0 = r = s0 = s = 0
     for n_tok, n_seq in zip(counts, seqs_per_group):

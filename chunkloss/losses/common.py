@@ -137,10 +137,11 @@ def check_labels(
 
 
 def to_scalar(x, device, dtype=torch.float32) -> Tensor:
-    """A Python number or tensor as a 0-d tensor on ``device`` (no host sync)."""
+    """A Python number or tensor as a 0-d tensor on ``device`` (no host sync: ``torch.full`` fills on the
+    device, where ``torch.tensor(x, device=cuda)`` copies from pageable memory and waits for the stream)."""
     if isinstance(x, Tensor):
         return x.detach().to(device=device, dtype=dtype).reshape(())
-    return torch.tensor(float(x), device=device, dtype=dtype)
+    return torch.full((), float(x), device=device, dtype=dtype)
 
 
 def log1mexp(x: Tensor) -> Tensor:

@@ -488,9 +488,9 @@ class FusedLinearGRPOLoss(FusedLinearBase):
             if lt == "bnpo":
                 norm = n_valid * ga
             elif lt == "dr_grpo":
-                norm = torch.tensor(float(b * opts.max_completion_length) * ga, device=dev)
+                norm = to_scalar(float(b * opts.max_completion_length) * ga, dev)
             elif lt == "luspo":
-                norm = torch.tensor(float(b) * ga, device=dev)
+                norm = to_scalar(float(b) * ga, dev)
             else:
                 items = n_local if num_items_in_batch is None else to_scalar(num_items_in_batch, dev)
                 spg = gradient_accumulation_steps if steps_per_generation is None else steps_per_generation
@@ -528,9 +528,9 @@ class FusedLinearGRPOLoss(FusedLinearBase):
         scalars = {
             "n_valid": n_valid,
             "n_bonus": n_valid,
-            "n_seqs": torch.tensor(float(max(b, 1)), device=dev),
-            "grad_accum": torch.tensor(ga, device=dev),
-            "policy_scale": torch.tensor(1.0 if lt in ("dapo", "cispo", "vespo") else ga, device=dev),
+            "n_seqs": to_scalar(max(b, 1), dev),
+            "grad_accum": to_scalar(ga, dev),
+            "policy_scale": to_scalar(1.0 if lt in ("dapo", "cispo", "vespo") else ga, dev),
             # One slot more than there are sequences (dropped in _finish_metrics): inductor's CPU codegen
             # (torch 2.13) fails on an index_add into a 1-element buffer, i.e. a batch of one sequence.
             "seq_zeros": torch.zeros(b + 1, device=dev),
@@ -564,12 +564,15 @@ def _finish_metrics(raw: dict, len_s: Tensor, seq_shaped: bool) -> dict:
     if "_low_seq" in raw:
         empty = (len_s == 0) & (not seq_shaped)
         for key, name, red in (
-            ("_low_seq", "clip_ratio/low_min", torch.min),
-            ("_high_seq", "clip_ratio/high_max", torch.max),
+            ("_low_seq", "clip_ratio/low_min", torch.amin),
+            ("_high_seq", "clip_ratio/high_max", torch.amax),
         ):
             v = raw[key][: len_s.numel()].masked_fill(empty, float("nan"))
             ok = ~torch.isnan(v)
-            out[name] = red(v[ok]) if bool(ok.any()) else v.new_tensor(float("nan"))
+            # On the device (no host sync): the extremum over the non-NaN entries, NaN if there are none.
+            skip = float("inf") if red is torch.amin else float("-inf")
+            ext = red(torch.where(ok, v, skip)) if v.numel() else v.new_full((), float("nan"))
+            out[name] = torch.where(ok.any(), ext, float("nan"))
     return out
 
 

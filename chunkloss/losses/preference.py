@@ -45,6 +45,7 @@ from chunkloss.losses.common import (
     nograd_label_logprob,
     pick,
     scale_logits,
+    to_scalar,
 )
 
 __all__ = ["FusedLinearPreferenceLoss", "PreferenceOptions"]
@@ -303,7 +304,7 @@ class FusedLinearPreferenceLoss(FusedLinearBase):
             "pref_mask": pref_mask.float(),
             "pref_weight": self.token_weights(pref_mask[:n_pairs], pref_mask[n_pairs:]),
         }
-        scalars = {"n_pairs": torch.tensor(float(n_pairs), device=dev)}
+        scalars = {"n_pairs": to_scalar(n_pairs, dev)}
         if self.uses_nll and opts.nll_coef != 0:
             nll = (chosen if nll_labels is None else nll_labels.to(dev)).long()
             nll = torch.cat([nll, torch.full_like(nll, opts.ignore_index)])
