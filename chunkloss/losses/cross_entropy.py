@@ -13,6 +13,7 @@ does under gradient accumulation. With every label ignored, 'mean' gives 0 (torc
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -77,20 +78,56 @@ def cross_entropy_chunk(logits, extra_logits, token, scalars, opts: CrossEntropy
     per_row = lse - pick(z, labels)
     if opts.label_smoothing > 0:
         per_row = (1 - opts.label_smoothing) * per_row + opts.label_smoothing * (lse - z.mean(-1))
-    metrics = {}
+    rows = {}
     if opts.lse_square_scale > 0:
-        z_loss = opts.lse_square_scale * lse.square()
-        per_row = per_row + z_loss
-        metrics["z_loss"] = z_loss.sum() / scalars["n_valid"]
+        rows["z_loss"] = opts.lse_square_scale * lse.square()
+        per_row = per_row + rows["z_loss"]
+    rows["loss"] = per_row
+    if opts.return_token_accuracy:
+        rows["correct"] = (z.argmax(-1) == labels).float()
+    if opts.return_entropy:
+        rows["entropy"] = entropy_from_logits(z, lse)
+    return _chunk_sums(rows, token, scalars, opts)
+
+
+def _chunk_sums(rows: dict[str, Tensor], token, scalars, opts: CrossEntropyOptions):
+    """The chunk's loss and metric sums from its per-row values (``loss`` ℓ_i and, as asked, ``z_loss``,
+    ``correct``, ``entropy``); shared by the compiled step and the Triton one."""
+    per_row = rows["loss"]
     scaled = per_row * token["grad_scale"] if "grad_scale" in token else per_row
     loss = scaled.sum() / scalars["normaliser"]
+    metrics = {}
+    if "z_loss" in rows:
+        metrics["z_loss"] = rows["z_loss"].sum() / scalars["n_valid"]
     if opts.reduction == "none":
         metrics["loss"] = per_row
-    if opts.return_token_accuracy:
-        metrics["mean_token_accuracy"] = (z.argmax(-1) == labels).float().sum() / scalars["n_valid"]
-    if opts.return_entropy:
-        metrics["entropy"] = entropy_from_logits(z, lse).sum() / scalars["n_valid"]
+    if "correct" in rows:
+        metrics["mean_token_accuracy"] = rows["correct"].sum() / scalars["n_valid"]
+    if "entropy" in rows:
+        metrics["entropy"] = rows["entropy"].sum() / scalars["n_valid"]
     return loss, metrics
+
+
+def _triton_step(opts: CrossEntropyOptions, logits, extra_logits, token, scalars):
+    """The "token" step on CUDA: ``chunkloss.kernels.cross_entropy`` reads the chunk's logits twice and writes
+    the gradient over them (the compiled step reads them three times); same values as
+    ``grad_and_value(cross_entropy_chunk)``."""
+    from chunkloss.kernels.cross_entropy import cross_entropy_step  # Triton is imported only on CUDA
+
+    rows = cross_entropy_step(
+        logits,
+        token["labels"],
+        scalars["normaliser"],
+        token["grad_scale"].float() if "grad_scale" in token else None,
+        label_smoothing=opts.label_smoothing,
+        lse_square_scale=opts.lse_square_scale,
+        softcap=opts.softcap,
+        temperature=opts.temperature,
+        logit_scale=opts.logit_scale,
+        want_accuracy=opts.return_token_accuracy,
+        want_entropy=opts.return_entropy,
+    )
+    return (logits, *_chunk_sums(rows, token, scalars, opts))
 
 
 class FusedLinearCrossEntropyLoss(FusedLinearBase):
@@ -109,6 +146,12 @@ class FusedLinearCrossEntropyLoss(FusedLinearBase):
         super().__init__(**options)
         if self.options.reduction == "none":
             self.token_outputs = ("loss",)
+
+    def _build_step(self, kind: str, opts: CrossEntropyOptions, device_type: str):
+        """On CUDA the compiled chunk step with grad is the Triton kernel (no torch.compile graph)."""
+        if kind == "token" and device_type == "cuda" and opts.compile:
+            return functools.partial(_triton_step, opts)
+        return super()._build_step(kind, opts, device_type)
 
     def forward(
         self,

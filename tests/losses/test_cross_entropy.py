@@ -1,6 +1,7 @@
 """FusedLinearCrossEntropyLoss against the fp32 reference over dtypes, shapes, options and chunking."""
 
 import itertools
+import os
 
 import pytest
 import torch
@@ -108,6 +109,31 @@ def test_options_match_reference(opts, grad_out):
         return_entropy=True,
         **opts,
     )
+    ref, ref_grads, ref_metrics = run_ref(hidden, weight, b, labels, grad_out, **opts)
+    assert_close_to_ref(loss, ref, name="loss")
+    for g, r in zip(grads, ref_grads):
+        assert_close_to_ref(g, r, name="grad")
+    for name in ("mean_token_accuracy", "entropy") + (("z_loss",) if "lse_square_scale" in opts else ()):
+        assert_close_to_ref(metrics[name], ref_metrics[name], name=name)
+
+
+@pytest.mark.parametrize("opts", OPTION_CASES, ids=lambda o: ",".join(o))
+def test_triton_step_matches_reference(opts, monkeypatch):
+    """On CUDA the compiled "token" step is the Triton kernel (``chunkloss.kernels.cross_entropy``); here it
+    runs on CPU through TRITON_INTERPRET=1 inside the whole loss (chunking, metrics, reduction='none''s
+    per-row backward) against the fp32 reference, at the tolerances of the compiled step."""
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    real = FusedLinearCrossEntropyLoss._build_step
+
+    def build(self, kind, options, device_type):
+        return real(self, kind, options, "cuda" if kind == "token" else device_type)
+
+    monkeypatch.setattr(FusedLinearCrossEntropyLoss, "_build_step", build)
+    hidden, weight, b, labels = make(torch.float32)
+    grad_out = torch.rand(labels.shape) * 2.5 if opts.get("reduction") == "none" else 2.5
+    kw = dict(chunk_size=16, return_token_accuracy=True, return_entropy=True, **opts)
+    loss, grads, metrics = run_ours(hidden, weight, b, labels, grad_out, **kw)
     ref, ref_grads, ref_metrics = run_ref(hidden, weight, b, labels, grad_out, **opts)
     assert_close_to_ref(loss, ref, name="loss")
     for g, r in zip(grads, ref_grads):
