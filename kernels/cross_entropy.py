@@ -27,7 +27,7 @@ from ._utils import next_power_of_2
 __all__ = ["cross_entropy_step", "cross_entropy_step_ref"]
 
 # Columns per step of a row's two passes and warps per row, swept on an H100 at 4096 x 128256 bf16
-# (benchmarks/results/dev/cross_entropy_step/, 2048-16384 columns x 4-16 warps): 8192 x 16 takes 1.03 ms
+# (benchmarks/results/dev/s6/cross_entropy_step/, 2048-16384 columns x 4-16 warps): 8192 x 16 takes 1.03 ms
 # with no option (3.06 TB/s if two reads and a write all went to HBM: part of pass 2 hits L2), 1.11 ms with
 # accuracy and entropy, 1.48 ms with every option; the best for each was 0.99 ms (16384 x 16), 1.11 ms (this
 # one) and 1.40 ms (4096 x 8). The compiled grad_and_value step it replaces took 2.47 ms (accuracy, entropy).

@@ -1,6 +1,6 @@
 """Sweep chunkloss.kernels.cross_entropy's BLOCK_V x NUM_WARPS at 4096 x 128256 bf16 on one GPU.
 
-python benchmarks/results/dev/cross_entropy_step/sweep.py [BLOCKS] [WARPS]   # e.g. 4096,8192 8,16
+python benchmarks/results/dev/s6/cross_entropy_step/sweep.py [BLOCKS] [WARPS]   # e.g. 4096,8192 8,16
 """
 
 import itertools
