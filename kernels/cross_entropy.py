@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from chunkloss.losses.common import scale_logits
+from chunkloss.losses.cross_entropy import CrossEntropyOptions, cross_entropy_rows
 
 from ._utils import next_power_of_2
 
@@ -51,29 +51,28 @@ def cross_entropy_step_ref(
     want_accuracy: bool = False,
     want_entropy: bool = False,
 ) -> dict[str, Tensor]:
-    """:func:`cross_entropy_step` in plain PyTorch: fp32 autograd of ``F.cross_entropy``'s formula, the
-    gradient rounded once to the logits' dtype and copied over them."""
+    """:func:`cross_entropy_step` in plain PyTorch: fp32 autograd of the engine's own CE formula
+    (``chunkloss.losses.cross_entropy.cross_entropy_rows``), the gradient rounded once to the logits' dtype
+    and copied over them."""
     _check(logits, labels, normaliser, grad_scale, label_smoothing, lse_square_scale, softcap, temperature)
-    eps, lam = label_smoothing, lse_square_scale
+    opts = CrossEntropyOptions(
+        label_smoothing=label_smoothing,
+        lse_square_scale=lse_square_scale,
+        softcap=softcap,
+        temperature=temperature,
+        logit_scale=logit_scale,
+        return_token_accuracy=want_accuracy,
+        return_entropy=want_entropy,
+        compile=False,
+    )
     with torch.enable_grad():
         x = logits.detach().to(torch.float32, copy=True)  # a copy: the logits are overwritten below
         x.requires_grad_(True)
-        z = scale_logits(x, logit_scale, softcap, temperature)
-        lse = torch.logsumexp(z, dim=-1)
-        z_y = z.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
-        per_row = (1 - eps) * (lse - z_y) + eps * (lse - z.mean(-1)) + lam * lse.square()
-        w = grad_scale if grad_scale is not None else torch.ones_like(per_row)
-        (grad,) = torch.autograd.grad((per_row * w).sum() / normaliser, x)
+        rows = cross_entropy_rows(x, labels.long(), opts)
+        w = grad_scale if grad_scale is not None else torch.ones_like(rows["loss"])
+        (grad,) = torch.autograd.grad((rows["loss"] * w).sum() / normaliser, x)
     logits.copy_(grad)
-    z, lse = z.detach(), lse.detach()
-    out = {"loss": per_row.detach()}
-    if lam > 0:
-        out["z_loss"] = lam * lse.square()
-    if want_accuracy:
-        out["correct"] = (z.argmax(-1) == labels).float()
-    if want_entropy:
-        out["entropy"] = lse - (torch.softmax(z, -1) * z).sum(-1)
-    return out
+    return {k: v.detach() for k, v in rows.items()}
 
 
 @triton.jit

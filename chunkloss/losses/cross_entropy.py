@@ -29,7 +29,7 @@ from chunkloss.losses.common import (
     to_scalar,
 )
 
-__all__ = ["CrossEntropyOptions", "FusedLinearCrossEntropyLoss"]
+__all__ = ["CrossEntropyOptions", "FusedLinearCrossEntropyLoss", "cross_entropy_rows"]
 
 _REDUCTIONS = ("mean", "sum", "none")
 
@@ -70,10 +70,10 @@ class CrossEntropyOptions(FusedOptions):
             raise ValueError(f"softcap must be positive or None, got {self.softcap}")
 
 
-def cross_entropy_chunk(logits, extra_logits, token, scalars, opts: CrossEntropyOptions):
-    """Loss of one chunk: Σ_i w_i·ℓ_i / normaliser, and metrics as sums over the chunk."""
+def cross_entropy_rows(logits: Tensor, labels: Tensor, opts: CrossEntropyOptions) -> dict[str, Tensor]:
+    """Per-row values of a chunk: ``loss`` ℓ_i and, as the options ask, ``z_loss``, ``correct`` (argmax is the
+    label), ``entropy``; the one CE formula (the compiled step and the Triton kernel's reference use it)."""
     z = scale_logits(logits.float(), opts.logit_scale, opts.softcap, opts.temperature)
-    labels = token["labels"]
     lse = torch.logsumexp(z, dim=-1)
     per_row = lse - pick(z, labels)
     if opts.label_smoothing > 0:
@@ -87,7 +87,12 @@ def cross_entropy_chunk(logits, extra_logits, token, scalars, opts: CrossEntropy
         rows["correct"] = (z.argmax(-1) == labels).float()
     if opts.return_entropy:
         rows["entropy"] = entropy_from_logits(z, lse)
-    return _chunk_sums(rows, token, scalars, opts)
+    return rows
+
+
+def cross_entropy_chunk(logits, extra_logits, token, scalars, opts: CrossEntropyOptions):
+    """Loss of one chunk: Σ_i w_i·ℓ_i / normaliser, and metrics as sums over the chunk."""
+    return _chunk_sums(cross_entropy_rows(logits, token["labels"], opts), token, scalars, opts)
 
 
 def _chunk_sums(rows: dict[str, Tensor], token, scalars, opts: CrossEntropyOptions):
