@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from chunkloss.losses.common import label_logprobs, scale_logits
+from chunkloss.losses.common import scaled_label_logprob
 
 from ._utils import next_power_of_2
 
@@ -28,16 +28,8 @@ BLOCK_V = 8192
 NUM_WARPS = 8
 
 
-def label_logprob_ref(
-    logits: Tensor,
-    labels: Tensor,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
-    temperature: float = 1.0,
-) -> Tensor:
-    """``log_softmax(scale(logits.float()))[i, labels[i]]`` (C,) in fp32, in plain PyTorch."""
-    z = scale_logits(logits.float(), logit_scale, softcap, temperature)
-    return label_logprobs(z, labels.long())[0]
+# The fp32 reference of the kernel: the formula the losses use off CUDA.
+label_logprob_ref = scaled_label_logprob
 
 
 @triton.jit

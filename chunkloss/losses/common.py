@@ -39,6 +39,18 @@ def label_logprobs(z: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
     return pick(z, labels) - lse, lse
 
 
+def scaled_label_logprob(
+    logits: Tensor,
+    labels: Tensor,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    temperature: float = 1.0,
+) -> Tensor:
+    """``log_softmax(scale_logits(logits.float()))[i, labels[i]]`` (C,) in fp32, in plain PyTorch."""
+    z = scale_logits(logits.float(), logit_scale, softcap, temperature)
+    return label_logprobs(z, labels.long())[0]
+
+
 #: fp32 elements of the row blocks ``nograd_label_logprob`` reduces at a time off CUDA (64 MiB).
 NOGRAD_BLOCK_ELEMS = 2**24
 
@@ -60,10 +72,7 @@ def nograd_label_logprob(
         return label_logprob_triton(logits, labels, logit_scale, softcap, temperature)
     rows = max(1, NOGRAD_BLOCK_ELEMS // max(logits.shape[-1], 1))
     parts = [
-        label_logprobs(
-            scale_logits(logits[a : a + rows].float(), logit_scale, softcap, temperature),
-            labels[a : a + rows],
-        )[0]
+        scaled_label_logprob(logits[a : a + rows], labels[a : a + rows], logit_scale, softcap, temperature)
         for a in range(0, logits.shape[0], rows)
     ]
     return torch.cat(parts) if parts else logits.new_zeros(0, dtype=torch.float32)
