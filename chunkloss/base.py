@@ -505,12 +505,16 @@ def _plan_chunks(loss: FusedLinearBase, batch: Batch, n_rows: int, chunk: int) -
     # One pass needs every group whole in a chunk. It saves the second projection (3 GEMMs instead of 4),
     # which outweighs the smaller chunks that group-aligned packing can leave: per row, an H100 ran the
     # 3 GEMMs of a 1024-row chunk faster than the 4 of a 4096-row one (H=4096, V=128256).
-    if loss.needs_global_stats or counts is None or n_rows == 0 or max(counts) > chunk:
+    seqs_per_group = batch.seqs_per_group
+    if (
+        loss.needs_global_stats
+        or counts is None
+        or seqs_per_group is None
+        or n_rows == 0
+        or max(counts) > chunk
+    ):
         return _Plan(_even_bounds(n_rows, chunk)), False
     # Pack whole groups greedily; each chunk ends on a group boundary.
-    seqs_per_group = batch.seqs_per_group
-    if seqs_per_group is None:
-        seqs_per_group = torch.bincount(batch.group_of_seq, minlength=len(counts)).tolist()
     bounds, seq_bounds = [], []
     r0 = r = s0 = s = 0
     for n_tok, n_seq in zip(counts, seqs_per_group):

@@ -563,14 +563,13 @@ def _finish_metrics(raw: dict, len_s: Tensor, seq_shaped: bool) -> dict:
     out = {k: v for k, v in raw.items() if not k.startswith("_")}
     if "_low_seq" in raw:
         empty = (len_s == 0) & (not seq_shaped)
-        for key, name, red in (
-            ("_low_seq", "clip_ratio/low_min", torch.amin),
-            ("_high_seq", "clip_ratio/high_max", torch.amax),
+        for key, name, red, skip in (
+            ("_low_seq", "clip_ratio/low_min", torch.amin, float("inf")),
+            ("_high_seq", "clip_ratio/high_max", torch.amax, float("-inf")),
         ):
             v = raw[key][: len_s.numel()].masked_fill(empty, float("nan"))
             ok = ~torch.isnan(v)
             # On the device (no host sync): the extremum over the non-NaN entries, NaN if there are none.
-            skip = float("inf") if red is torch.amin else float("-inf")
             ext = red(torch.where(ok, v, skip)) if v.numel() else v.new_full((), float("nan"))
             out[name] = torch.where(ok.any(), ext, float("nan"))
     return out
