@@ -122,8 +122,10 @@ def test_triton_step_matches_reference(opts, monkeypatch):
     """On CUDA the compiled "token" step is the Triton kernel (``chunkloss.kernels.cross_entropy``); here it
     runs on CPU through TRITON_INTERPRET=1 inside the whole loss (chunking, metrics, reduction='none''s
     per-row backward) against the fp32 reference, at the tolerances of the compiled step."""
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        # The test's tensors are on CPU, which compiled Triton cannot take; without a GPU tests/conftest.py
+        # sets TRITON_INTERPRET=1 (CI), and on a GPU the CUDA tests run the kernel inside the loss.
+        pytest.skip("CPU tensors reach the Triton kernel only under TRITON_INTERPRET=1")
     real = FusedLinearCrossEntropyLoss._build_step
 
     def build(self, kind, options, device_type):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from chunkloss.data import tiny_model, tiny_tokenizer
@@ -87,3 +88,23 @@ def assert_same_grads(ref_model, our_model, rtol=RTOL, atol=ATOL):
 
 def assert_close_loss(ours, ref, rtol=RTOL):
     torch.testing.assert_close(ours.detach().float(), ref.detach().float(), rtol=rtol, atol=1e-7)
+
+
+def check_orpo_step(ref, ours):
+    """TRL's ORPOTrainer and ours on one batch: equal loss, gradients and logged metrics; returns the batch
+    and the two losses (TRL's first)."""
+    batch = ref._prepare_inputs(ref.data_collator([ref.train_dataset[i] for i in range(4)]))
+    results = []
+    for tr in (ref, ours):
+        tr.model.train()
+        tr._stored_metrics.clear()
+        loss = tr.compute_loss(tr.model, dict(batch))
+        loss.backward()
+        results.append(loss)
+    assert_close_loss(results[1], results[0])
+    assert_same_grads(ref.model, ours.model)
+    m_ref, m_our = ref._stored_metrics["train"], ours._stored_metrics["train"]
+    assert sorted(m_ref) == sorted(m_our)
+    for key in m_ref:
+        assert m_our[key] == pytest.approx(m_ref[key], rel=1e-5, abs=1e-6), key
+    return batch, results

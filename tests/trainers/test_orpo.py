@@ -12,6 +12,7 @@ from chunkloss.data import tiny_dataset
 from tests.trainers.helpers import (
     assert_close_loss,
     assert_same_grads,
+    check_orpo_step,
     common_args,
     grads,
     model_pair,
@@ -33,30 +34,13 @@ def _pair(tmp_path, compile_=False, model_kw=None, **cfg):
     return ref, ours
 
 
-def _check(ref, ours):
-    batch = ref._prepare_inputs(ref.data_collator([ref.train_dataset[i] for i in range(4)]))
-    results = []
-    for tr in (ref, ours):
-        tr.model.train()
-        tr._stored_metrics.clear()
-        loss = tr.compute_loss(tr.model, dict(batch))
-        loss.backward()
-        results.append(loss)
-    assert_close_loss(results[1], results[0])
-    assert_same_grads(ref.model, ours.model)
-    m_ref, m_our = ref._stored_metrics["train"], ours._stored_metrics["train"]
-    assert sorted(m_ref) == sorted(m_our)
-    for key in m_ref:
-        assert m_our[key] == pytest.approx(m_ref[key], rel=1e-5, abs=1e-6), key
-
-
 @pytest.mark.parametrize("beta", [0.1, 1.0])
 def test_orpo_parity(tmp_path, beta):
-    _check(*_pair(tmp_path, beta=beta))
+    check_orpo_step(*_pair(tmp_path, beta=beta))
 
 
 def test_orpo_tied_embeddings(tmp_path):
-    _check(*_pair(tmp_path, model_kw={"tie_word_embeddings": True}))
+    check_orpo_step(*_pair(tmp_path, model_kw={"tie_word_embeddings": True}))
 
 
 @pytest.mark.parametrize(
@@ -68,11 +52,11 @@ def test_orpo_head_transforms(tmp_path, family, overrides):
     ref, ours = _pair(tmp_path, model_kw=dict(family=family, **overrides))
     assert ours._orpo_loss.options.softcap == overrides.get("final_logit_softcapping")
     assert ours._orpo_loss.options.logit_scale == overrides.get("logit_scale", 1.0)
-    _check(ref, ours)
+    check_orpo_step(ref, ours)
 
 
 def test_orpo_compiled(tmp_path):
-    _check(*_pair(tmp_path, compile_=True))
+    check_orpo_step(*_pair(tmp_path, compile_=True))
 
 
 # Gradient accumulation. TRL's ORPOTrainer sets loss_is_scaled_for_ga=False and never sees a

@@ -1,5 +1,7 @@
-import torch, triton
 import chunkloss.kernels.logprob as lp
+import torch
+import triton
+
 z = (3 * torch.randn(4096, 128256, device="cuda")).bfloat16()
 y = torch.randint(0, 128256, (4096,), device="cuda")
 ref = lp.label_logprob_ref(z, y)
@@ -9,4 +11,5 @@ for block in [2048, 4096, 8192, 16384]:
         out = lp.label_logprob_triton(z, y)
         err = (out - ref).abs().max().item()
         t = triton.testing.do_bench(lambda: lp.label_logprob_triton(z, y), rep=200)
-        print(f"BLOCK {block:5d} warps {warps:2d}: {t:.3f} ms  {z.numel()*2/t/1e6:.0f} GB/s  err {err:.2e}", flush=True)
+        gbps = z.numel() * 2 / t / 1e6
+        print(f"BLOCK {block:5d} warps {warps:2d}: {t:.3f} ms  {gbps:.0f} GB/s  err {err:.2e}", flush=True)
