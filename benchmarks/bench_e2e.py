@@ -40,8 +40,9 @@ kernels) share one loss module, so its per-chunk step is compiled once per task 
 long training run compiles once too); compilation falls in the warm-up steps either way.
 
 Nothing is downloaded: the tokenizer is trained locally (``chunkloss.data``); ids it does not know decode to
-nothing, so the large random vocabulary is harmless. Layers are trimmed with ``--layers`` to fit the time
-budget (the LM head, where the two implementations differ, keeps its full size).
+nothing, so the large random vocabulary is harmless. The models keep their real depth (28 / 16 decoder layers)
+unless ``--layers`` trims them to fit a time budget (the LM head, where the implementations differ, keeps its
+full size either way); each result records its layer count.
 
     python -m benchmarks.bench_e2e --out benchmarks/results/e2e                 # grpo,dpo,orpo; H100, ~7 min
     python -m benchmarks.bench_e2e --out /tmp/e2e --tasks sft,gkd               # the other two
@@ -312,7 +313,7 @@ def run_one(task, impl, shape, batch, steps, a, tokenizer, ds, state, ref_state,
     """Train ``steps`` steps from ``state`` (DPO's reference or GKD's teacher from ``ref_state``); returns a
     result dict (``oom`` set when it ran out of memory)."""
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
-    res = {"task": task, "impl": impl, "batch": batch, "steps": steps}
+    res = {"task": task, "impl": impl, "batch": batch, "steps": steps, "layers": a.layers or SHAPES[shape]["layers"]}
     trainer = model = ref = None
     t0 = time.perf_counter()
     try:
@@ -496,7 +497,8 @@ def main(argv=None):
     p.add_argument("--out", required=True)
     p.add_argument("--tasks", default="grpo,dpo,orpo", help=f"comma-separated, from {', '.join(TASKS)}")
     p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated, from {', '.join(IMPLS)}")
-    p.add_argument("--layers", type=int, default=4, help="decoder layers (the real models have 28 / 16)")
+    p.add_argument("--layers", type=int, default=0,
+                   help="decoder layers; 0 (the default): the real models' 28 (Qwen3-0.6B) / 16 (Llama-3.2-1B)")
     p.add_argument("--batch-sizes", default="2,4,8,16,32,64,128")
     p.add_argument("--sweep-steps", type=int, default=8,
                    help="steps of the first sweep run, --warmup untimed; later runs no fewer")  # fmt: skip
