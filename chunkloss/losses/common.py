@@ -51,6 +51,43 @@ def scaled_label_logprob(
     return label_logprobs(z, labels.long())[0]
 
 
+def row_statistics(
+    logits: Tensor,
+    labels: Tensor,
+    labels2: Tensor | None = None,
+    *,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    temperature: float = 1.0,
+    lse: bool = False,
+    entropy: bool = False,
+    mean: bool = False,
+    argmax: bool = False,
+    lse2: bool = False,
+) -> dict[str, Tensor]:
+    """Per-row statistics of ``z = scale_logits(logits.float())`` (C, V), differentiable, by name:
+    ``"logp"`` (``log_softmax(z)[i, labels[i]]``), ``"logp2"`` (the same at ``labels2``, if given), and if
+    asked ``"lse"``, ``"entropy"``, ``"mean"`` (``z.mean(-1)``), ``"argmax"`` (the first maximum) and
+    ``"lse2"`` (``logsumexp(2z)``). The losses' formula off CUDA and the reference of
+    ``chunkloss.kernels.logprob.row_stats``, which computes the same in one read of the logits."""
+    z = scale_logits(logits.float(), logit_scale, softcap, temperature)
+    lse_ = torch.logsumexp(z, dim=-1)
+    out = {"logp": pick(z, labels.long()) - lse_}
+    if labels2 is not None:
+        out["logp2"] = pick(z, labels2.long()) - lse_
+    if lse:
+        out["lse"] = lse_
+    if entropy:
+        out["entropy"] = entropy_from_logits(z, lse_)
+    if mean:
+        out["mean"] = z.mean(-1)
+    if argmax:
+        out["argmax"] = z.argmax(-1)
+    if lse2:
+        out["lse2"] = torch.logsumexp(2 * z, dim=-1)
+    return out
+
+
 #: fp32 elements of the row blocks ``nograd_label_logprob`` reduces at a time off CUDA (64 MiB).
 NOGRAD_BLOCK_ELEMS = 2**24
 

@@ -26,7 +26,8 @@ the NLL targets of the chosen rows (``torch.nn.CrossEntropyLoss`` as TRL's ORPO/
 
 When a chosen/rejected pair's valid tokens fit in one chunk the engine runs one pass with chunks
 aligned to pairs; otherwise (long sequences) it takes two passes, so the chunk stays a fixed number
-of tokens whatever T is.
+of tokens whatever T is. On CUDA (with ``compile=True``) the statistics and the pass-2 gradient come from the
+Triton row kernels of ``chunkloss.kernels.logprob`` instead of compiled graphs.
 """
 
 from __future__ import annotations
@@ -41,10 +42,8 @@ from chunkloss.base import FusedLinearBase, FusedOptions, Head, segment_sum, seq
 from chunkloss.losses.common import (
     check_head,
     check_labels,
-    entropy_from_logits,
     nograd_label_logprob,
-    pick,
-    scale_logits,
+    row_statistics,
     to_scalar,
 )
 
@@ -104,32 +103,62 @@ def preference_ref_stats(extra_logits, token, opts: PreferenceOptions) -> Tensor
     return (ref_lp * token["pref_weight"]).unsqueeze(1)
 
 
-def preference_token_stats(logits, extra_logits, token, opts: PreferenceOptions) -> Tensor:
-    """Per-row statistics (C, 8) of one chunk; columns as in the module docstring."""
-    z = scale_logits(logits.float(), opts.logit_scale, opts.softcap)
-    lse = torch.logsumexp(z, dim=-1)
-    lp = pick(z, token["labels"]) - lse
+def preference_token_stats(logits, extra_logits, token, opts: PreferenceOptions, stats_fn=row_statistics):
+    """Per-row statistics (C, 8) of one chunk; columns as in the module docstring. ``stats_fn`` is
+    ``common.row_statistics`` (differentiable) or the CUDA steps' Triton ``row_stats`` (no grad)."""
+    metrics = opts.return_token_metrics
+    rows = stats_fn(
+        logits,
+        token["labels"],
+        token.get("nll_labels"),
+        logit_scale=opts.logit_scale,
+        softcap=opts.softcap,
+        lse=opts.wpo,
+        lse2=opts.wpo,
+        mean=True,
+        entropy=metrics,
+        argmax=metrics,
+    )
+    lp = rows["logp"]
     m, w = token["pref_mask"], token["pref_weight"]
     zero = torch.zeros_like(lp)
-    if "nll_labels" in token:
-        nll = (pick(z, token["nll_labels"]) - lse) * token["nll_mask"]
-    else:
-        nll = zero
+    nll = rows["logp2"] * token["nll_mask"] if "nll_labels" in token else zero
     ref = token["extra_stats"][:, 0] if "extra_stats" in token else zero
-    mean_logit = (z.mean(-1) * token["logit_mask"]).detach()
-    if opts.wpo:
-        # log Σ_v p_v² = logsumexp(2z) - 2·lse
-        wpo = ((lp - (torch.logsumexp(2 * z, dim=-1) - 2 * lse)) * m).detach()
-    else:
-        wpo = zero
-    if opts.return_token_metrics:
-        zd = z.detach()
-        ent = entropy_from_logits(zd, lse.detach()) * m
+    mean_logit = (rows["mean"] * token["logit_mask"]).detach()
+    # log Σ_v p_v² = logsumexp(2z) - 2·lse
+    wpo = ((lp - (rows["lse2"] - 2 * rows["lse"])) * m).detach() if opts.wpo else zero
+    if metrics:
+        ent = rows["entropy"].detach() * m
         # argmax takes the first maximum: TRL's is_top1 (the label is the first maximal logit).
-        top1 = (zd.argmax(-1) == token["labels"]).float() * m
+        top1 = (rows["argmax"] == token["labels"]).float() * m
     else:
         ent = top1 = zero
     return torch.stack([lp * w, lp * m, nll, ref, mean_logit, wpo, ent, top1], dim=1)
+
+
+# The steps on CUDA: the statistics and the logits gradient from the Triton row kernels of
+# chunkloss.kernels.logprob (one read of the logits; two reads and one write) instead of compiled graphs.
+def _triton_stats(opts: PreferenceOptions, logits, extra_logits, token):
+    """The "stats" step: ``preference_token_stats``."""
+    from chunkloss.kernels.logprob import row_stats  # Triton is imported only on CUDA
+
+    return preference_token_stats(logits, extra_logits, token, opts, row_stats)
+
+
+def _triton_pass2(opts: PreferenceOptions, logits, extra_logits, token, coef):
+    """The "seq_pass2" step: ``grad((preference_token_stats * coef).sum())`` over the logits. Only the
+    LOGP, LOGP_RAW and NLL columns carry a gradient (the others are detached or the reference's)."""
+    from chunkloss.kernels.logprob import row_grad_
+
+    a = coef[:, LOGP] * token["pref_weight"] + coef[:, LOGP_RAW] * token["pref_mask"]
+    nll = {}
+    if "nll_labels" in token:
+        nll = dict(labels2=token["nll_labels"], coef2=(coef[:, NLL] * token["nll_mask"]).float().contiguous())
+    return row_grad_(logits, token["labels"], a.float().contiguous(), **nll, logit_scale=opts.logit_scale,
+                     softcap=opts.softcap)  # fmt: skip
+
+
+_TRITON_STEPS = {"stats": _triton_stats, "seq_pass2": _triton_pass2}
 
 
 def preference_sequence_loss(pair_loss, stats, seq_id, num_seqs, token, sequence, scalars, opts):
@@ -216,6 +245,12 @@ class FusedLinearPreferenceLoss(FusedLinearBase):
     @staticmethod
     def pair_loss(pair, scalars, opts):  # pragma: no cover - interface
         raise NotImplementedError
+
+    def _build_step(self, kind: str, opts: PreferenceOptions, device_type: str):
+        """On CUDA the per-chunk steps are the Triton row kernels (no torch.compile graph)."""
+        if device_type == "cuda" and opts.compile:
+            return functools.partial(_TRITON_STEPS[kind], opts)
+        return super()._build_step(kind, opts, device_type)
 
     def token_weights(self, chosen_mask: Tensor, rejected_mask: Tensor) -> Tensor:
         """Weights (2B, T) of each completion token in the sequence log-prob (DPO's ld_alpha)."""

@@ -1,0 +1,169 @@
+"""The CUDA steps of the GRPO and preference losses (Triton row kernels of ``chunkloss.kernels.logprob``, the
+loss on (C,) statistics in between) through the whole engine, against the same fp32 references as the
+compiled and eager steps.
+
+On CUDA these steps are what ``compile=True`` runs (``tests/losses/test_*_gpu.py``). Here, on CPU, the kernels
+run through TRITON_INTERPRET=1 and the steps are put in place of the compiled ones by hand, at the small odd
+shapes of ``test_grpo.py`` and ``test_preference.py``: token path, one-pass and two-pass sequence paths, every
+GRPO loss type and importance-sampling level, KL from precomputed log-probs and from a reference head, the
+entropy bonus and mask, logit transforms, every preference loss family, ORPO's own NLL targets, WPO and the
+token metrics. Tolerances are those files' own (the kernels differ from the references in summation order
+only: measured ≤ 7.6e-6 on entropies and ≤ 5.5e-6 on fp32 logit gradients, tests/kernels/test_logprob.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import chunkloss.base as base
+from chunkloss.losses import grpo, preference
+from chunkloss.losses.cpo import FusedLinearCPOLoss
+from chunkloss.losses.dpo import FusedLinearDPOLoss
+from chunkloss.losses.grpo import LOSS_TYPES, FusedLinearGRPOLoss
+from chunkloss.losses.orpo import FusedLinearORPOLoss
+from chunkloss.losses.simpo import FusedLinearSimPOLoss
+from chunkloss.reference import cpo_ref, orpo_ref
+from tests.losses import test_grpo as tg
+from tests.losses import test_preference as tp
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="on a GPU these steps are the compile=True path of the *_gpu tests"
+)
+
+
+@pytest.fixture
+def triton_steps(monkeypatch):
+    """Every per-chunk step of the GRPO and preference losses is the CUDA one, on CPU tensors."""
+    monkeypatch.setattr(base, "_SHARED_STEPS", {})  # no step compiled by an earlier test is reused
+    for cls, steps in ((FusedLinearGRPOLoss, grpo._TRITON_STEPS),
+                       (preference.FusedLinearPreferenceLoss, preference._TRITON_STEPS)):  # fmt: skip
+
+        def build(self, kind, opts, device_type, steps=steps):
+            return functools.partial(steps[kind], opts)
+
+        monkeypatch.setattr(cls, "_build_step", build)
+
+
+# --------------------------------------------------------------------------------------------------
+# GRPO
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("level", ["token", "sequence", "sequence_token"])
+def test_grpo_grid(loss_type, level, triton_steps):
+    """Every loss type x IS level; the KL source and the chunk size (one pass or two below the completion
+    length on the sequence path) alternate over the grid; old log-probs and on-policy."""
+    i = LOSS_TYPES.index(loss_type) + ["token", "sequence", "sequence_token"].index(level)
+    kl = ("none", "precomputed", "head")[i % 3]
+    chunk = (5, 1000)[i % 2]
+    for adv_2d, on_policy in ((False, False), (True, True)):
+        inp, kw = tg.make_inputs(adv_2d=adv_2d, ref_head=kl == "head")
+        if kl == "none":
+            kw = {k: v for k, v in kw.items() if not k.startswith("ref_")}
+        if on_policy:
+            kw.pop("old_logps")
+        opts = tg.grid_opts(loss_type, level, beta=0.0 if kl == "none" else 0.04)
+        ours = tg.run_ours(inp, kw, chunk_size=chunk, **dict(opts, compile=True))
+        tg.assert_close_fp32(ours, tg.run_ref(inp, kw, opts))
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(loss_type="dapo", top_entropy_quantile=0.3, beta=0.04),
+        dict(
+            loss_type="grpo", top_entropy_quantile=0.5, entropy_coef=0.1, importance_sampling_level="sequence"
+        ),
+        dict(loss_type="dapo", entropy_coef=0.05),
+        dict(loss_type="dapo", beta=0.04, logit_scale=1.7, softcap=2.5, temperature=0.8),
+        dict(loss_type="grpo", importance_sampling_level="sequence", softcap=2.5, temperature=0.8),
+    ],
+    ids=["entropy-mask", "entropy-mask-bonus-seq", "entropy-bonus", "transforms-token", "transforms-seq"],
+)
+@pytest.mark.parametrize("chunk", [4, 1000])
+def test_grpo_options(opts, chunk, triton_steps):
+    inp, kw = tg.make_inputs(adv_2d=True, ref_head=True)
+    opts = dict(opts)
+    opts = tg.grid_opts(opts.pop("loss_type"), opts.pop("importance_sampling_level", "token"), **opts)
+    ours = tg.run_ours(inp, kw, chunk_size=chunk, **dict(opts, compile=True))
+    tg.assert_close_fp32(ours, tg.run_ref(inp, kw, opts))
+
+
+def test_grpo_bf16(triton_steps):
+    """bf16 within test_grpo.py's bound (BF16_K x the materialised bf16 loss's error, plus BF16_ATOL)."""
+    inp, kw = tg.make_inputs(dtype=torch.bfloat16)
+    opts = dict(loss_type="dapo", beta=0.04, entropy_coef=0.05, compile=False)
+    l32, g32, _ = tg.run_ref(inp, kw, opts)
+    lt, gt, _ = tg.run_ref(inp, kw, opts, dtype=torch.bfloat16)
+    lo, go, _ = tg.run_ours(inp, kw, chunk_size=7, **dict(opts, compile=True))
+    assert (lo - l32).abs() <= tg.BF16_K * (lt - l32).abs() + tg.BF16_ATOL["loss"]
+    for a, b, r in zip(go, gt, g32):
+        assert (a - r).abs().max() <= tg.BF16_K * (b - r).abs().max() + tg.BF16_ATOL["grad"]
+
+
+def test_grpo_no_grad(triton_steps):
+    """The "token_value" step: the loss without gradients equals the reference."""
+    inp, kw = tg.make_inputs()
+    opts = tg.grid_opts("dapo", "token", beta=0.04)
+    mod = FusedLinearGRPOLoss(**dict(opts, compile=True))
+    assert mod._step_fn("token_value", "cpu").func is grpo._triton_token_step  # the fixture took effect
+    with torch.no_grad():
+        loss = mod(**inp, **kw)
+    assert abs(float(loss) - float(tg.run_ref(inp, kw, opts)[0])) <= tg.FP32_ATOL["loss"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Preference losses (always sequence losses: "stats" and "seq_pass2" steps)
+@pytest.mark.parametrize("chunk", [1, tp.TWO_PASS, tp.ONE_PASS])
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(),
+        dict(loss_type=("sigmoid", "bco_pair", "sft"), loss_weights=(1.0, 0.5, 0.3)),
+        dict(use_weighting=True, ld_alpha=0.4),
+        dict(loss_type="ipo", average_log_prob=True),
+    ],
+    ids=["sigmoid", "mix-sft", "wpo-ld_alpha", "ipo-avg"],
+)
+def test_dpo(opts, chunk, triton_steps):
+    d = tp._inputs()
+    ours = tp._run(FusedLinearDPOLoss, d, tp._ref_kwargs(d, "model"), chunk_size=chunk, compile=True, **opts)
+    tp._check(ours, tp._dpo_ref_call(d, "model", **opts), d)
+
+
+@pytest.mark.parametrize("chunk", [1, tp.TWO_PASS, tp.ONE_PASS])
+@pytest.mark.parametrize("own_nll", [False, True])
+def test_orpo(chunk, own_nll, triton_steps):
+    d = tp._inputs(ref=False)
+    kw = dict(nll_labels=d["nll"]) if own_nll else {}
+    ours = tp._run(FusedLinearORPOLoss, d, kw, chunk_size=chunk, compile=True, beta=0.2, softcap=2.0)
+    ref = orpo_ref(d["x"], d["w"], d["chosen"], d["rejected"], d["b"], beta=0.2, softcap=2.0, **kw)
+    tp._check(ours, ref, d)
+
+
+@pytest.mark.parametrize("chunk", [tp.TWO_PASS, tp.ONE_PASS])
+def test_cpo_simpo(chunk, triton_steps):
+    d = tp._inputs(ref=False)
+    opts = dict(beta=0.2, loss_type="simpo", simpo_gamma=0.7, cpo_alpha=0.5)
+    ours = tp._run(FusedLinearCPOLoss, d, None, chunk_size=chunk, compile=True, **opts)
+    tp._check(ours, cpo_ref(d["x"], d["w"], d["chosen"], d["rejected"], d["b"], **opts), d)
+    ours = tp._run(FusedLinearSimPOLoss, d, None, chunk_size=chunk, compile=True)
+    eager = tp._run(FusedLinearSimPOLoss, d, None, chunk_size=chunk, compile=False)
+    torch.testing.assert_close(ours[0], eager[0], **tp.FP32)
+
+
+def test_dpo_token_metrics(triton_steps, monkeypatch):
+    """Entropy and top-1 columns (``return_token_metrics``) equal the eager steps'."""
+    d = tp._inputs()
+    kw = tp._ref_kwargs(d, "model")
+    ours = tp._run(FusedLinearDPOLoss, d, kw, chunk_size=tp.TWO_PASS, compile=True, return_token_metrics=True)
+    monkeypatch.undo()  # the eager steps again
+    eager = tp._run(
+        FusedLinearDPOLoss, d, kw, chunk_size=tp.TWO_PASS, compile=False, return_token_metrics=True
+    )
+    assert set(ours[2]) == set(eager[2]) and any("entropy" in k for k in ours[2])
+    for k in eager[2]:
+        torch.testing.assert_close(ours[2][k], eager[2][k], **tp.FP32, msg=k)
+    for a, b in zip(ours[1], eager[1]):
+        torch.testing.assert_close(a, b, **tp.FP32)
