@@ -57,11 +57,16 @@ label_logprob_ref = scaled_label_logprob
 def _scaled(x, LOGIT_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, TEMPERATURE: tl.constexpr):
     """(z, dz/dx) of raw logits x."""
     u = x.to(tl.float32) * LOGIT_SCALE
+    # One return statement: Triton 3.6 checks every return's types alike, even under a constexpr branch.
     if SOFTCAP > 0:
         # tanh(v) = 2·sigmoid(2v) - 1 (the interpreter has no libdevice tanh).
         t = 2.0 * tl.sigmoid(2.0 * u / SOFTCAP) - 1.0
-        return SOFTCAP * t / TEMPERATURE, (1.0 - t * t) * (LOGIT_SCALE / TEMPERATURE)
-    return u / TEMPERATURE, LOGIT_SCALE / TEMPERATURE
+        z = SOFTCAP * t / TEMPERATURE
+        dz = (1.0 - t * t) * (LOGIT_SCALE / TEMPERATURE)
+    else:
+        z = u / TEMPERATURE
+        dz = LOGIT_SCALE / TEMPERATURE
+    return z, dz
 
 
 @triton.jit
