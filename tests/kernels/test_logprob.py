@@ -185,7 +185,9 @@ def test_row_kernels_real_vocab():
         torch.testing.assert_close(got[k], ref[k], **STATS_TOL, msg=k)
     expect = lp.row_grad_ref(z.clone(), y, a, coef_entropy=b)
     out = lp.row_grad_(z.clone(), y, a, coef_entropy=b, stats=got)
-    assert ((out.float() - expect.float()).abs() <= _ulp(expect) / 2 + 1e-9).all()
+    # Both round an fp32 value to bf16 and the two fp32 values differ in their last bits, so a value near a
+    # rounding boundary may land one bf16 ulp apart (half an ulp each way failed on an H100).
+    assert ((out.float() - expect.float()).abs() <= _ulp(expect) + 1e-9).all()
     zz = z.clone()
     t_stats = triton.testing.do_bench(lambda: lp.row_stats(z, y, lse=True, entropy=True))
     t_grad = triton.testing.do_bench(lambda: lp.row_grad_(zz, y, a, coef_entropy=b, stats=got))
