@@ -313,7 +313,8 @@ def run_one(task, impl, shape, batch, steps, a, tokenizer, ds, state, ref_state,
     """Train ``steps`` steps from ``state`` (DPO's reference or GKD's teacher from ``ref_state``); returns a
     result dict (``oom`` set when it ran out of memory)."""
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
-    res = {"task": task, "impl": impl, "batch": batch, "steps": steps, "layers": a.layers or SHAPES[shape]["layers"]}
+    layers = a.layers or SHAPES[shape]["layers"]
+    res = {"task": task, "impl": impl, "batch": batch, "steps": steps, "layers": layers}
     trainer = model = ref = None
     t0 = time.perf_counter()
     try:
@@ -498,7 +499,7 @@ def main(argv=None):
     p.add_argument("--tasks", default="grpo,dpo,orpo", help=f"comma-separated, from {', '.join(TASKS)}")
     p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated, from {', '.join(IMPLS)}")
     p.add_argument("--layers", type=int, default=0,
-                   help="decoder layers; 0 (the default): the real models' 28 (Qwen3-0.6B) / 16 (Llama-3.2-1B)")
+                   help="decoder layers; 0 (default): the real models' 28 (Qwen3-0.6B) / 16 (Llama-3.2-1B)")
     p.add_argument("--batch-sizes", default="2,4,8,16,32,64,128")
     p.add_argument("--sweep-steps", type=int, default=8,
                    help="steps of the first sweep run, --warmup untimed; later runs no fewer")  # fmt: skip
