@@ -32,6 +32,7 @@ projected without grad chunk by chunk in the same pass; it receives no gradient.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -41,7 +42,7 @@ from torch import Tensor
 from chunkloss.base import Batch, FusedLinearBase, FusedOptions, Head
 from chunkloss.losses.common import check_head, check_labels, pick, scale_logits, to_scalar
 
-__all__ = ["FusedLinearJSDLoss", "JSDOptions", "jsd_chunk"]
+__all__ = ["FusedLinearJSDLoss", "JSDOptions", "jsd_chunk", "jsd_rows"]
 
 _REDUCTIONS = ("batchmean", "sum", "mean")
 METRICS = ("soft_loss", "hard_loss", "entropy")
@@ -89,34 +90,56 @@ class JSDOptions(FusedOptions):
                 raise ValueError(f"{name} must be positive or None, got {cap}")
 
 
-def jsd_chunk(logits, extra_logits, token, scalars, opts: JSDOptions):
-    """Loss of one chunk: the weighted divergence and hard loss summed over rows, divided by the
-    global normaliser; metrics are the same sums, unweighted."""
+def jsd_rows(logits: Tensor, teacher_logits: Tensor, labels: Tensor, opts: JSDOptions) -> dict[str, Tensor]:
+    """Per-row fp32 terms of one chunk by name: ``"soft"`` (jsd_i), ``"hard"`` (the student's CE on the label,
+    when ``weight_hard_loss`` ≠ 0) and ``"entropy"`` (of S at τ). The one formula of the compiled step and of
+    the Triton step's reference (``chunkloss.kernels.jsd``)."""
     z_s = scale_logits(logits.float(), opts.student_logit_scale, opts.student_softcap)
-    z_t = scale_logits(extra_logits[0].float(), opts.teacher_logit_scale, opts.teacher_softcap)
+    z_t = scale_logits(teacher_logits.float(), opts.teacher_logit_scale, opts.teacher_softcap)
     log_s = torch.log_softmax(z_s / opts.temperature if opts.temperature != 1.0 else z_s, dim=-1)
     log_t = torch.log_softmax(z_t / opts.temperature if opts.temperature != 1.0 else z_t, dim=-1)
     beta = opts.beta
     if beta == 0.0:
-        per_row = (log_t.exp() * (log_t - log_s)).sum(-1)
+        soft = (log_t.exp() * (log_t - log_s)).sum(-1)
     elif beta == 1.0:
-        per_row = (log_s.exp() * (log_s - log_t)).sum(-1)
+        soft = (log_s.exp() * (log_s - log_t)).sum(-1)
     else:
         log_m = torch.logaddexp(log_s + math.log1p(-beta), log_t + math.log(beta))
-        per_row = (beta * (log_t.exp() * (log_t - log_m)) + (1 - beta) * (log_s.exp() * (log_s - log_m))).sum(
-            -1
-        )
-    normaliser = scalars["normaliser"]
-    soft = per_row.sum() / normaliser
-    loss = opts.weight_soft_loss * soft
-    metrics = {"soft_loss": soft}
+        soft = (beta * (log_t.exp() * (log_t - log_m)) + (1 - beta) * (log_s.exp() * (log_s - log_m))).sum(-1)
+    rows = {"soft": soft, "entropy": -(log_s.exp() * log_s).sum(-1)}
     if opts.weight_hard_loss != 0.0:
         # lse - z_y rather than F.cross_entropy: its gradient stays pointwise under compile (see pick).
-        hard = (torch.logsumexp(z_s, dim=-1) - pick(z_s, token["labels"])).sum() / normaliser
+        rows["hard"] = torch.logsumexp(z_s, dim=-1) - pick(z_s, labels)
+    return rows
+
+
+def _chunk_sums(rows: dict[str, Tensor], scalars, opts: JSDOptions):
+    """The chunk's loss (weighted, over the global normaliser) and metric sums from its per-row terms."""
+    normaliser = scalars["normaliser"]
+    soft = rows["soft"].sum() / normaliser
+    loss = opts.weight_soft_loss * soft
+    metrics = {"soft_loss": soft}
+    if "hard" in rows:
+        hard = rows["hard"].sum() / normaliser
         loss = loss + opts.weight_hard_loss * hard
         metrics["hard_loss"] = hard
-    metrics["entropy"] = -(log_s.exp() * log_s).sum() / scalars["n_valid"]
+    metrics["entropy"] = rows["entropy"].sum() / scalars["n_valid"]
     return loss, metrics
+
+
+def jsd_chunk(logits, extra_logits, token, scalars, opts: JSDOptions):
+    """Loss of one chunk: the weighted divergence and hard loss summed over rows, divided by the
+    global normaliser; metrics are the same sums, unweighted."""
+    return _chunk_sums(jsd_rows(logits, extra_logits[0], token["labels"], opts), scalars, opts)
+
+
+def _triton_step(opts: JSDOptions, logits, extra_logits, token, scalars):
+    """The "token" step on CUDA: ``chunkloss.kernels.jsd`` reads both heads' logits three times and writes the
+    student's gradient over its logits, with no fp32 copy; same values as ``grad_and_value(jsd_chunk)``."""
+    from chunkloss.kernels.jsd import jsd_step  # Triton is imported only on CUDA
+
+    rows = jsd_step(logits, extra_logits[0], token["labels"], scalars["normaliser"], opts)
+    return (logits, *_chunk_sums(rows, scalars, opts))
 
 
 class FusedLinearJSDLoss(FusedLinearBase):
@@ -137,6 +160,12 @@ class FusedLinearJSDLoss(FusedLinearBase):
     options_cls = JSDOptions
     options: JSDOptions
     chunk_loss = staticmethod(jsd_chunk)
+
+    def _build_step(self, kind: str, opts: JSDOptions, device_type: str):
+        """On CUDA the chunk step with grad is the Triton kernel (no torch.compile graph)."""
+        if kind == "token" and device_type == "cuda" and opts.compile:
+            return functools.partial(_triton_step, opts)
+        return super()._build_step(kind, opts, device_type)
 
     def forward(
         self,

@@ -1,6 +1,6 @@
 """The CUDA steps of the GRPO and preference losses (Triton row kernels of ``chunkloss.kernels.logprob``, the
-loss on (C,) statistics in between) through the whole engine, against the same fp32 references as the
-compiled and eager steps.
+loss on (C,) statistics in between) and of the JSD loss (``chunkloss.kernels.jsd``) through the whole engine,
+against the same fp32 references as the compiled and eager steps.
 
 On CUDA these steps are what ``compile=True`` runs (``tests/losses/test_*_gpu.py``). Here, on CPU, the kernels
 run through TRITON_INTERPRET=1 and the steps are put in place of the compiled ones by hand, at the small odd
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import chunkloss.base as base
-from chunkloss.losses import grpo, preference
+from chunkloss.losses import grpo, jsd, preference
 from chunkloss.losses.cpo import FusedLinearCPOLoss
 from chunkloss.losses.dpo import FusedLinearDPOLoss
 from chunkloss.losses.grpo import LOSS_TYPES, FusedLinearGRPOLoss
@@ -27,6 +27,7 @@ from chunkloss.losses.orpo import FusedLinearORPOLoss
 from chunkloss.losses.simpo import FusedLinearSimPOLoss
 from chunkloss.reference import cpo_ref, orpo_ref
 from tests.losses import test_grpo as tg
+from tests.losses import test_jsd as tj
 from tests.losses import test_preference as tp
 
 pytestmark = pytest.mark.skipif(
@@ -45,6 +46,14 @@ def triton_steps(monkeypatch):
             return functools.partial(steps[kind], opts)
 
         monkeypatch.setattr(cls, "_build_step", build)
+    compiled = jsd.FusedLinearJSDLoss._build_step
+
+    def build_jsd(self, kind, opts, device_type):
+        if kind == "token":
+            return functools.partial(jsd._triton_step, opts)
+        return compiled(self, kind, opts, device_type)
+
+    monkeypatch.setattr(jsd.FusedLinearJSDLoss, "_build_step", build_jsd)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -167,3 +176,35 @@ def test_dpo_token_metrics(triton_steps, monkeypatch):
         torch.testing.assert_close(ours[2][k], eager[2][k], **tp.FP32, msg=k)
     for a, b in zip(ours[1], eager[1]):
         torch.testing.assert_close(a, b, **tp.FP32)
+
+
+# --------------------------------------------------------------------------------------------------
+# JSD ("token" step)
+@pytest.mark.parametrize("beta", tj.BETAS)
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(),
+        dict(temperature=1.5, weight_hard_loss=0.2),
+        dict(reduction="mean", student_softcap=3.0, teacher_logit_scale=0.7, weight_soft_loss=0.5),
+    ],
+    ids=["plain", "temperature-hard", "mean-transforms"],
+)
+@pytest.mark.parametrize("chunk", [4, 1000])
+def test_jsd(beta, opts, chunk, triton_steps):
+    d = tj._inputs()
+    ours = tj._ours(d, beta=beta, chunk_size=chunk, compile=True, **opts)
+    tj._assert_close_all(ours, tj._ref(d, beta=beta, **opts), tj.FP32)
+
+
+def test_jsd_accumulation_and_no_grad(triton_steps):
+    """``num_items_in_batch`` reaches the kernel's normaliser; without grad the loss is the compiled one's."""
+    d = tj._inputs()
+    # The fixture took effect:
+    assert jsd.FusedLinearJSDLoss()._step_fn("token", "cpu").func is jsd._triton_step
+    tj._assert_close_all(tj._ours(d, 17, beta=0.3, compile=True), tj._ref(d, 17, beta=0.3), tj.FP32)
+    with torch.no_grad():
+        loss = jsd.FusedLinearJSDLoss(beta=0.3)(
+            d["x_s"], d["w_s"], d["x_t"], d["w_t"], d["y"], d["b_s"], d["b_t"]
+        )
+    torch.testing.assert_close(loss, tj._ref(d, beta=0.3)[0].float(), **tj.FP32)

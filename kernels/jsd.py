@@ -1,0 +1,280 @@
+"""Generalized JSD of a chunk of student and teacher logits, and its gradient written over the student's.
+
+The engine (``chunkloss.base``) projects a chunk of rows through both heads and needs the chunk's loss and
+``dL/dlogits`` of the student in the logits' own buffer. For ``chunkloss.losses.jsd.JSDOptions``,
+:func:`jsd_step` equals::
+
+    g, (loss, metrics) = torch.func.grad_and_value(jsd_chunk, has_aux=True)(logits, [teacher_logits], ...)
+    logits.copy_(g)
+
+with the per-row terms returned rather than summed. Under ``torch.compile`` that step holds fp32 copies of
+both chunks and reads them several times; here each row pair is read three times and nothing of size [C, V] is
+allocated. Per row, with ``z = scale(x)`` each head's logit transform, ``a = log_softmax(z_s/τ)``,
+``b = log_softmax(z_t/τ)``, ``s = e^a``, ``t = e^b``, ``log m = logaddexp(a + log(1-β), b + log β)``::
+
+    jsd   = Σ_j β·t_j·(b_j - log m_j) + (1-β)·s_j·(a_j - log m_j)     0 < β < 1
+          = Σ_j s_j·(a_j - b_j)        β = 1 (reverse KL)         = Σ_j t_j·(b_j - a_j)   β = 0 (forward KL)
+    u_j   = dL/da_j at fixed a_k (k ≠ j) = (1-β)·s_j·(a_j - log m_j)   (β·t·log m and (1-β)·s·log m's own
+            derivatives cancel, as m_j = (1-β)·s_j + β·t_j);  s_j·(a_j - b_j) at β = 1;  -t_j at β = 0
+    djsd/dz_s,j = (u_j - s_j·Σ_k u_k) / τ                                            (through log_softmax)
+    hard  = lse(z_s) - z_s,y,  dhard/dz_s,j = softmax(z_s)_j - [j = y]              (no temperature)
+    dL/dx_j = (w_soft·djsd/dz_s,j + w_hard·dhard/dz_s,j) / normaliser · dz_s,j/dx_j
+
+Pass 1 reads both rows for the running max and sum-exp of ``z_s/τ``, ``z_t/τ`` (and of ``z_s`` for the hard
+loss); pass 2 reads them again for jsd, ``Σ u`` and the entropy ``-Σ s·a``; pass 3 reads them once more and
+writes the gradient (computed in fp32, rounded once to the logits' dtype).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from chunkloss.losses.jsd import JSDOptions, jsd_rows
+
+from ._utils import next_power_of_2
+from .logprob import _scaled
+
+__all__ = ["jsd_step", "jsd_step_ref"]
+
+# Columns per step and warps per row: the CE step's launch shape (kernels/cross_entropy.py), not yet swept for
+# this kernel's two rows per program.
+BLOCK_V = 4096
+NUM_WARPS = 16
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def jsd_step_ref(
+    logits: Tensor, teacher_logits: Tensor, labels: Tensor, normaliser: Tensor, opts: JSDOptions
+) -> dict[str, Tensor]:
+    """:func:`jsd_step` in plain PyTorch: fp32 autograd of the engine's own formula
+    (``chunkloss.losses.jsd.jsd_rows``), the gradient rounded once to the logits' dtype and copied over
+    them."""
+    _check(logits, teacher_logits, labels, normaliser)
+    with torch.enable_grad():
+        x = logits.detach().to(torch.float32, copy=True).requires_grad_(True)
+        rows = jsd_rows(x, teacher_logits, labels.long(), opts)
+        total = opts.weight_soft_loss * rows["soft"].sum()
+        if "hard" in rows:
+            total = total + opts.weight_hard_loss * rows["hard"].sum()
+        (grad,) = torch.autograd.grad(total / normaliser, x)
+    logits.copy_(grad)
+    return {k: v.detach() for k, v in rows.items()}
+
+
+@triton.jit
+def _online_step(m, s, z, mask):
+    """The running (max, sum-exp) of a row after one block ``z``, moved once per block."""
+    z = tl.where(mask, z, -float("inf"))
+    m_new = tl.maximum(m, tl.max(z, 0))  # finite: every block holds a column < V
+    return m_new, s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
+
+
+@triton.jit
+def _jsd_step_kernel(
+    XS,  # (C, V) student logits in, dL/dlogits out (same dtype), unit column stride
+    XT,  # (C, V) teacher logits, unit column stride
+    Y,  # (C,) labels (read if HAS_HARD)
+    NORM,  # () fp32 normaliser
+    SOFT,  # (C,) fp32 jsd per row
+    HARD,  # (C,) fp32 hard-label CE per row (written if HAS_HARD)
+    ENT,  # (C,) fp32 entropy of S per row
+    V,
+    stride_s,
+    stride_t,
+    beta,
+    log_beta,  # log β (mixture only)
+    log_1m_beta,  # log(1 - β) (mixture only)
+    inv_tau,
+    w_soft,
+    w_hard,
+    S_SCALE: tl.constexpr,
+    S_CAP: tl.constexpr,  # 0 for none
+    T_SCALE: tl.constexpr,
+    T_CAP: tl.constexpr,
+    MODE: tl.constexpr,  # 0: β = 0 (forward KL), 1: β = 1 (reverse KL), 2: the mixture
+    HAS_HARD: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    s_base = XS + row * stride_s  # int64: C·V passes 2^31 at real vocabularies
+    t_base = XT + row * stride_t
+    cols = tl.arange(0, BLOCK)
+
+    # Pass 1: lse of z_s/τ and z_t/τ (and of z_s for the hard loss).
+    m_s = -float("inf")
+    l_s = 0.0
+    m_t = -float("inf")
+    l_t = 0.0
+    m_h = -float("inf")
+    l_h = 0.0
+    start = 0
+    while start < V:  # a while loop: the interpreter cannot take range() over a runtime int
+        mask = start + cols < V
+        zs, _ = _scaled(tl.load(s_base + start + cols, mask=mask, other=0.0), S_SCALE, S_CAP, 1.0)
+        zt, _ = _scaled(tl.load(t_base + start + cols, mask=mask, other=0.0), T_SCALE, T_CAP, 1.0)
+        m_s, l_s = _online_step(m_s, l_s, zs * inv_tau, mask)
+        m_t, l_t = _online_step(m_t, l_t, zt * inv_tau, mask)
+        if HAS_HARD:
+            m_h, l_h = _online_step(m_h, l_h, zs, mask)
+        start += BLOCK
+    lse_s = m_s + tl.log(l_s)
+    lse_t = m_t + tl.log(l_t)
+
+    # Pass 2: jsd, Σ u and the entropy.
+    soft = 0.0
+    u_sum = 0.0
+    ent = 0.0
+    start = 0
+    while start < V:
+        mask = start + cols < V
+        zs, _ = _scaled(tl.load(s_base + start + cols, mask=mask, other=0.0), S_SCALE, S_CAP, 1.0)
+        zt, _ = _scaled(tl.load(t_base + start + cols, mask=mask, other=0.0), T_SCALE, T_CAP, 1.0)
+        a = zs * inv_tau - lse_s
+        b = zt * inv_tau - lse_t
+        p_s = tl.exp(a)
+        p_t = tl.exp(b)
+        if MODE == 0:
+            term = p_t * (b - a)
+            u = -p_t
+        elif MODE == 1:
+            term = p_s * (a - b)
+            u = term
+        else:
+            x1 = a + log_1m_beta
+            x2 = b + log_beta
+            hi = tl.maximum(x1, x2)
+            log_m = hi + tl.log(tl.exp(x1 - hi) + tl.exp(x2 - hi))
+            u = (1.0 - beta) * p_s * (a - log_m)
+            term = beta * p_t * (b - log_m) + u
+        soft += tl.sum(tl.where(mask, term, 0.0), 0)
+        u_sum += tl.sum(tl.where(mask, u, 0.0), 0)
+        ent -= tl.sum(tl.where(mask, p_s * a, 0.0), 0)
+        start += BLOCK
+    tl.store(SOFT + row, soft)
+    tl.store(ENT + row, ent)
+    y = 0
+    lse_h = 0.0
+    if HAS_HARD:
+        y = tl.load(Y + row).to(tl.int64)
+        # Named, not `_`: the loops assign `_` a block, and Triton 3.6 keeps a loop-carried name's type.
+        z_y, dz_y = _scaled(tl.load(s_base + y), S_SCALE, S_CAP, 1.0)
+        lse_h = m_h + tl.log(l_h)
+        tl.store(HARD + row, lse_h - z_y)
+
+    # Pass 3: the gradient over the student's logits, last block first (the likeliest to be still in L2).
+    norm = tl.load(NORM)
+    c_soft = w_soft * inv_tau / norm
+    c_hard = w_hard / norm
+    start = (V - 1) // BLOCK * BLOCK
+    while start >= 0:
+        idx = start + cols
+        mask = idx < V
+        zs, dzs = _scaled(tl.load(s_base + idx, mask=mask, other=0.0), S_SCALE, S_CAP, 1.0)
+        zt, _ = _scaled(tl.load(t_base + idx, mask=mask, other=0.0), T_SCALE, T_CAP, 1.0)
+        a = zs * inv_tau - lse_s
+        p_s = tl.exp(a)
+        if MODE == 0:
+            u = -tl.exp(zt * inv_tau - lse_t)
+        elif MODE == 1:
+            u = p_s * (a - (zt * inv_tau - lse_t))
+        else:
+            x1 = a + log_1m_beta
+            x2 = zt * inv_tau - lse_t + log_beta
+            hi = tl.maximum(x1, x2)
+            log_m = hi + tl.log(tl.exp(x1 - hi) + tl.exp(x2 - hi))
+            u = (1.0 - beta) * p_s * (a - log_m)
+        g = c_soft * (u - p_s * u_sum)
+        if HAS_HARD:
+            g += c_hard * tl.where(idx == y, tl.exp(zs - lse_h) - 1.0, tl.exp(zs - lse_h))
+        tl.store(s_base + idx, (g * dzs).to(XS.dtype.element_ty), mask=mask)
+        start -= BLOCK
+
+
+@torch.no_grad()
+def jsd_step(
+    logits: Tensor,  # (C, V) student
+    teacher_logits: Tensor,  # (C, V)
+    labels: Tensor,  # (C,)
+    normaliser: Tensor,  # ()
+    opts: JSDOptions,
+) -> dict[str, Tensor]:
+    """Per-row generalized JSD of a chunk (and the hard-label CE and student entropy), and ``dL/dlogits`` of
+    ``L = (w_soft·Σ jsd + w_hard·Σ hard) / normaliser`` written over the student's logits.
+
+    Args:
+        logits: (C, V) student logits, fp32/bf16/fp16, unit column stride; overwritten with the gradient.
+        teacher_logits: (C, V) teacher logits (no gradient), same V.
+        labels: (C,) int64 in ``[0, V)`` (read for the hard loss only; not checked, a check would sync).
+        normaliser: 0-d fp32 tensor (read on the device).
+        opts: the loss's options (β, τ, weights, each head's ``logit_scale`` and softcap).
+
+    Returns:
+        fp32 (C,) tensors by name, as ``chunkloss.losses.jsd.jsd_rows``: ``"soft"``, ``"entropy"`` and, when
+        ``weight_hard_loss`` ≠ 0, ``"hard"``.
+    """
+    _check(logits, teacher_logits, labels, normaliser)
+    c, v = logits.shape
+    new = lambda: torch.empty(c, dtype=torch.float32, device=logits.device)  # noqa: E731
+    out = {"soft": new(), "entropy": new()}
+    has_hard = opts.weight_hard_loss != 0.0
+    if has_hard:
+        out["hard"] = new()
+    if c == 0:
+        return out
+    beta = float(opts.beta)
+    mode = 0 if beta == 0.0 else 1 if beta == 1.0 else 2
+    _jsd_step_kernel[(c,)](
+        logits,
+        teacher_logits,
+        labels,
+        normaliser,
+        out["soft"],
+        out.get("hard", out["soft"]),
+        out["entropy"],
+        v,
+        logits.stride(0),
+        teacher_logits.stride(0),
+        beta,
+        math.log(beta) if mode == 2 else 0.0,
+        math.log1p(-beta) if mode == 2 else 0.0,
+        1.0 / float(opts.temperature),
+        float(opts.weight_soft_loss),
+        float(opts.weight_hard_loss),
+        S_SCALE=float(opts.student_logit_scale),
+        S_CAP=float(opts.student_softcap or 0.0),
+        T_SCALE=float(opts.teacher_logit_scale),
+        T_CAP=float(opts.teacher_softcap or 0.0),
+        MODE=mode,
+        HAS_HARD=has_hard,
+        BLOCK=min(BLOCK_V, next_power_of_2(v)),
+        num_warps=NUM_WARPS,
+    )
+    return out
+
+
+def _check(logits: Tensor, teacher_logits: Tensor, labels: Tensor, normaliser: Tensor) -> None:
+    """Shapes, dtypes, devices and layouts only: nothing here reads a tensor's values (no host sync)."""
+    for name, t in (("logits", logits), ("teacher_logits", teacher_logits)):
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
+        if t.dim() != 2 or t.stride(1) != 1:
+            raise ValueError(f"{name} must be (C, V) with unit column stride, got shape {tuple(t.shape)}")
+    if teacher_logits.shape != logits.shape:
+        raise ValueError(
+            f"teacher_logits {tuple(teacher_logits.shape)} must match logits {tuple(logits.shape)}"
+        )
+    if labels.shape != logits.shape[:1]:
+        raise ValueError(f"labels must be (C,)=({logits.shape[0]},), got {tuple(labels.shape)}")
+    if normaliser.dtype != torch.float32 or normaliser.dim() != 0:
+        raise TypeError(
+            f"normaliser must be a 0-d float32 tensor, got {normaliser.dtype} {tuple(normaliser.shape)}"
+        )
+    for name, t in (("teacher_logits", teacher_logits), ("labels", labels), ("normaliser", normaliser)):
+        if t.device != logits.device:
+            raise ValueError(f"{name} is on {t.device} but logits are on {logits.device}")
