@@ -2,25 +2,62 @@
 
 from __future__ import annotations
 
-from chunkloss.losses.common import entropy_from_logits, label_logprobs, scale_logits
+import functools
+
+import torch
+
+from chunkloss.base import FusedLinearBase
+from chunkloss.losses.common import row_statistics
 from chunkloss.losses.cross_entropy import CrossEntropyOptions, FusedLinearCrossEntropyLoss
 
 __all__ = ["FusedLinearDFTLoss"]
 
 
-def dft_chunk(logits, extra_logits, token, scalars, opts: CrossEntropyOptions):
-    """DFT (arXiv:2508.05629), TRL's ``SFTTrainer`` with ``loss_type="dft"``: ``-sg(p_y)·log p_y`` summed over
-    the chunk and divided by the global normaliser; metrics as in the cross-entropy."""
-    z = scale_logits(logits.float(), opts.logit_scale, opts.softcap, opts.temperature)
-    labels = token["labels"]
-    logp, lse = label_logprobs(z, labels)
+def _row_kw(opts: CrossEntropyOptions) -> dict:
+    return dict(
+        logit_scale=opts.logit_scale,
+        softcap=opts.softcap,
+        temperature=opts.temperature,
+        lse=True,
+        entropy=opts.return_entropy,
+        argmax=opts.return_token_accuracy,
+    )
+
+
+def _dft_sums(rows: dict, token, scalars, opts: CrossEntropyOptions):
+    """The chunk's DFT loss and metric sums from its rows' statistics (``row_statistics`` names)."""
+    logp = rows["logp"]
     loss = -(logp * logp.detach().exp()).sum() / scalars["normaliser"]
     metrics = {}
     if opts.return_token_accuracy:
-        metrics["mean_token_accuracy"] = (z.argmax(-1) == labels).float().sum() / scalars["n_valid"]
+        metrics["mean_token_accuracy"] = (rows["argmax"] == token["labels"]).float().sum() / scalars[
+            "n_valid"
+        ]
     if opts.return_entropy:
-        metrics["entropy"] = entropy_from_logits(z, lse).sum() / scalars["n_valid"]
+        metrics["entropy"] = rows["entropy"].sum() / scalars["n_valid"]
     return loss, metrics
+
+
+def dft_chunk(logits, extra_logits, token, scalars, opts: CrossEntropyOptions):
+    """DFT (arXiv:2508.05629), TRL's ``SFTTrainer`` with ``loss_type="dft"``: ``-sg(p_y)·log p_y`` summed over
+    the chunk and divided by the global normaliser; metrics as in the cross-entropy."""
+    return _dft_sums(row_statistics(logits, token["labels"], **_row_kw(opts)), token, scalars, opts)
+
+
+def _dft_triton_step(opts: CrossEntropyOptions, logits, extra_logits, token, scalars):
+    """The "token" step on CUDA: the rows' statistics from ``chunkloss.kernels.logprob`` (one read of the
+    logits), the loss on them, and ``dL/dlogits = -sg(p_y)/n · (onehot - p)`` written in place (one more
+    read)."""
+    from chunkloss.kernels.logprob import row_grad_, row_stats  # Triton is imported only on CUDA
+
+    rows = row_stats(logits, token["labels"], **_row_kw(opts))
+    with torch.enable_grad():
+        logp = rows["logp"].requires_grad_(True)
+        loss, metrics = _dft_sums(rows, token, scalars, opts)
+        (coef,) = torch.autograd.grad(loss, logp)
+    scalings = dict(logit_scale=opts.logit_scale, softcap=opts.softcap, temperature=opts.temperature)
+    row_grad_(logits, token["labels"], coef.contiguous(), stats=rows, **scalings)
+    return logits, loss.detach(), metrics
 
 
 class FusedLinearDFTLoss(FusedLinearCrossEntropyLoss):
@@ -38,3 +75,10 @@ class FusedLinearDFTLoss(FusedLinearCrossEntropyLoss):
             raise ValueError(
                 "FusedLinearDFTLoss takes no label_smoothing, lse_square_scale or reduction='none'"
             )
+
+    def _build_step(self, kind: str, opts: CrossEntropyOptions, device_type: str):
+        """On CUDA the step with grad runs on the row kernels; elsewhere the compiled ``grad_and_value`` of
+        ``dft_chunk`` (never the cross-entropy kernel of the parent class)."""
+        if kind == "token" and device_type == "cuda" and opts.compile:
+            return functools.partial(_dft_triton_step, opts)
+        return FusedLinearBase._build_step(self, kind, opts, device_type)

@@ -153,8 +153,11 @@ class FusedLinearCrossEntropyLoss(FusedLinearBase):
             self.token_outputs = ("loss",)
 
     def _build_step(self, kind: str, opts: CrossEntropyOptions, device_type: str):
-        """On CUDA the compiled chunk step with grad is the Triton kernel (no torch.compile graph)."""
-        if kind == "token" and device_type == "cuda" and opts.compile:
+        """On CUDA the compiled chunk step with grad is the Triton kernel (no torch.compile graph). The kernel
+        computes this class's cross-entropy: a subclass with its own ``chunk_loss`` keeps the compiled step
+        unless it builds its own."""
+        own = type(self).chunk_loss is cross_entropy_chunk
+        if own and kind == "token" and device_type == "cuda" and opts.compile:
             return functools.partial(_triton_step, opts)
         return super()._build_step(kind, opts, device_type)
 
