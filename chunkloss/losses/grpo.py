@@ -454,7 +454,8 @@ class FusedLinearGRPOLoss(FusedLinearBase):
     def _build_step(self, kind: str, opts: GRPOOptions, device_type: str):
         """On CUDA the per-chunk steps are the Triton row kernels with the loss on (C,) tensors in between (no
         torch.compile graph)."""
-        if device_type == "cuda" and opts.compile:
+        own = type(self).chunk_loss is grpo_chunk and type(self).token_stats is grpo_token_stats
+        if own and device_type == "cuda" and opts.compile:  # the kernels compute this class's own math
             return functools.partial(_TRITON_STEPS[kind], opts)
         return super()._build_step(kind, opts, device_type)
 

@@ -163,7 +163,8 @@ class FusedLinearJSDLoss(FusedLinearBase):
 
     def _build_step(self, kind: str, opts: JSDOptions, device_type: str):
         """On CUDA the chunk step with grad is the Triton kernel (no torch.compile graph)."""
-        if kind == "token" and device_type == "cuda" and opts.compile:
+        own = type(self).chunk_loss is jsd_chunk  # the kernel computes this class's own loss
+        if own and kind == "token" and device_type == "cuda" and opts.compile:
             return functools.partial(_triton_step, opts)
         return super()._build_step(kind, opts, device_type)
 

@@ -248,7 +248,9 @@ class FusedLinearPreferenceLoss(FusedLinearBase):
 
     def _build_step(self, kind: str, opts: PreferenceOptions, device_type: str):
         """On CUDA the per-chunk steps are the Triton row kernels (no torch.compile graph)."""
-        if device_type == "cuda" and opts.compile:
+        # The kernels compute this module's statistics: a subclass with its own token_stats keeps the compiled
+        # steps.
+        if type(self).token_stats is preference_token_stats and device_type == "cuda" and opts.compile:
             return functools.partial(_TRITON_STEPS[kind], opts)
         return super()._build_step(kind, opts, device_type)
 

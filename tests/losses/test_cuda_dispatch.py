@@ -17,6 +17,10 @@ import chunkloss.base as base
 from chunkloss.base import FusedLinearBase
 from chunkloss.losses.common import scale_logits
 from chunkloss.losses.cross_entropy import FusedLinearCrossEntropyLoss
+from chunkloss.losses.grpo import FusedLinearGRPOLoss, grpo_chunk
+from chunkloss.losses.jsd import FusedLinearJSDLoss, jsd_chunk
+from tests.losses import test_grpo as tg
+from tests.losses import test_jsd as tj
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="on a GPU the CUDA steps run in the *_gpu tests on CUDA tensors"
@@ -79,3 +83,51 @@ def test_cuda_steps_compute_the_class_loss(cls, opts, cuda_steps):
     if cls is not FusedLinearCrossEntropyLoss:  # and it is not the cross-entropy
         ce = _run(FusedLinearCrossEntropyLoss, False, **opts)
         assert abs(float(ce[0]) - float(ours[0])) > 1e-3
+
+
+def _double(chunk_loss):
+    """A user's variant of a loss: twice its chunk loss (metrics unchanged)."""
+
+    def chunk(*args):
+        loss, metrics = chunk_loss(*args)
+        return 2 * loss, metrics
+
+    return staticmethod(chunk)
+
+
+class DoubledGRPO(FusedLinearGRPOLoss):
+    chunk_loss = _double(grpo_chunk)
+
+
+class DoubledJSD(FusedLinearJSDLoss):
+    chunk_loss = _double(jsd_chunk)
+
+
+@pytest.mark.parametrize("cls", [DoubledGRPO, DoubledJSD])
+def test_subclass_with_its_own_loss_keeps_its_loss(cls, cuda_steps):
+    """GRPO's and JSD's kernels compute their own class's loss; a subclass with another one gets twice the
+    parent's loss and gradients here, on the CUDA steps as eagerly."""
+    if cls is DoubledGRPO:
+        inp, kw = tg.make_inputs()
+        opts = tg.grid_opts("dapo", "token", beta=0.04)
+
+        def run(c, compile):
+            for x in tg.leaves(inp):
+                x.grad = None
+            mod = c(chunk_size=5, **dict(opts, compile=compile))
+            loss = mod(**inp, **kw)
+            loss.backward()
+            return loss.detach(), [x.grad.clone() for x in tg.leaves(inp)], mod.metrics
+    else:
+        d = tj._inputs()
+
+        def run(c, compile):
+            mod = c(beta=0.3, chunk_size=5, compile=compile)
+            loss = mod(d["x_s"], d["w_s"], d["x_t"], d["w_t"], d["y"], d["b_s"], d["b_t"])
+            return loss.detach(), tj._grads(loss, d), mod.metrics
+
+    ours, eager, parent = run(cls, True), run(cls, False), run(cls.__mro__[1], False)
+    torch.testing.assert_close(ours[0], eager[0], **TOL)
+    torch.testing.assert_close(ours[0], 2 * parent[0], **TOL)
+    for a, b in zip(ours[1], parent[1]):
+        torch.testing.assert_close(a, 2 * b, **TOL)
