@@ -42,7 +42,7 @@ def _ulp(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("beta, tau, hard, caps", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("c, v, block", [(1, 37, 16), (5, 130, 64)])
+@pytest.mark.parametrize("c, v, block", [(3, 2, 16), (1, 37, 16), (5, 130, 64)])  # V=2: one 2-wide block
 def test_jsd_step(c, v, block, dtype, beta, tau, hard, caps, monkeypatch):
     monkeypatch.setattr(kj, "BLOCK_V", block)
     opts = JSDOptions(

@@ -6,9 +6,11 @@ On CUDA these steps are what ``compile=True`` runs (``tests/losses/test_*_gpu.py
 run through TRITON_INTERPRET=1 and the steps are put in place of the compiled ones by hand, at the small odd
 shapes of ``test_grpo.py`` and ``test_preference.py``: token path, one-pass and two-pass sequence paths, every
 GRPO loss type and importance-sampling level, KL from precomputed log-probs and from a reference head, the
-entropy bonus and mask, logit transforms, every preference loss family, ORPO's own NLL targets, WPO and the
-token metrics. Tolerances are those files' own (the kernels differ from the references in summation order
-only: measured ≤ 7.6e-6 on entropies and ≤ 5.5e-6 on fp32 logit gradients, tests/kernels/test_logprob.py).
+entropy bonus (token, one- and two-pass sequence paths) and mask, the off-policy mask and trainer inputs,
+logit transforms (GRPO and the preference losses), every preference loss family, ORPO's own NLL targets and
+logits rows, WPO and the token metrics, no-grad calls. Tolerances are those files' own (the kernels differ
+from the references in summation order only: measured ≤ 7.6e-6 on entropies and ≤ 5.5e-6 on fp32 logit
+gradients, tests/kernels/test_logprob.py).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from chunkloss.losses.dpo import FusedLinearDPOLoss
 from chunkloss.losses.grpo import LOSS_TYPES, FusedLinearGRPOLoss
 from chunkloss.losses.orpo import FusedLinearORPOLoss
 from chunkloss.losses.simpo import FusedLinearSimPOLoss
-from chunkloss.reference import cpo_ref, orpo_ref
+from chunkloss.reference import cpo_ref, dpo_ref, orpo_ref
 from tests.losses import test_grpo as tg
 from tests.losses import test_jsd as tj
 from tests.losses import test_preference as tp
@@ -87,8 +89,19 @@ def test_grpo_grid(loss_type, level, triton_steps):
         dict(loss_type="dapo", entropy_coef=0.05),
         dict(loss_type="dapo", beta=0.04, logit_scale=1.7, softcap=2.5, temperature=0.8),
         dict(loss_type="grpo", importance_sampling_level="sequence", softcap=2.5, temperature=0.8),
+        # The entropy column's coefficient in the one-pass and two-pass "seq_pass2" step, without the mask.
+        dict(loss_type="dapo", importance_sampling_level="sequence", entropy_coef=0.1, beta=0.04),
+        dict(loss_type="vespo", entropy_coef=0.05, temperature=1.3),
     ],
-    ids=["entropy-mask", "entropy-mask-bonus-seq", "entropy-bonus", "transforms-token", "transforms-seq"],
+    ids=[
+        "entropy-mask",
+        "entropy-mask-bonus-seq",
+        "entropy-bonus",
+        "transforms-token",
+        "transforms-seq",
+        "entropy-bonus-seq",
+        "entropy-bonus-vespo",
+    ],
 )
 @pytest.mark.parametrize("chunk", [4, 1000])
 def test_grpo_options(opts, chunk, triton_steps):
@@ -111,15 +124,40 @@ def test_grpo_bf16(triton_steps):
         assert (a - r).abs().max() <= tg.BF16_K * (b - r).abs().max() + tg.BF16_ATOL["grad"]
 
 
-def test_grpo_no_grad(triton_steps):
-    """The "token_value" step: the loss without gradients equals the reference."""
+@pytest.mark.parametrize("level, chunk", [("token", 1000), ("sequence", 1000), ("sequence", 4)])
+def test_grpo_no_grad(level, chunk, triton_steps):
+    """The "token_value" step, and the "stats" step alone on the one-pass and two-pass sequence paths (no
+    coefficient, no pass 2): the loss without gradients equals the reference."""
     inp, kw = tg.make_inputs()
-    opts = tg.grid_opts("dapo", "token", beta=0.04)
-    mod = FusedLinearGRPOLoss(**dict(opts, compile=True))
+    opts = tg.grid_opts("dapo", level, beta=0.04, entropy_coef=0.05)
+    mod = FusedLinearGRPOLoss(**dict(opts, compile=True, chunk_size=chunk))
     assert mod._step_fn("token_value", "cpu").func is grpo._triton_token_step  # the fixture took effect
     with torch.no_grad():
         loss = mod(**inp, **kw)
     assert abs(float(loss) - float(tg.run_ref(inp, kw, opts)[0])) <= tg.FP32_ATOL["loss"]
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(loss_type="bnpo", entropy_coef=0.05, top_entropy_quantile=0.0),
+        dict(loss_type="grpo", off_policy_mask_threshold=0.05, beta=0.04),
+        dict(loss_type="dapo", off_policy_mask_threshold=0.05, importance_sampling_level="sequence"),
+        dict(loss_type="dapo", delta=1.1, temperature=0.7, beta=0.04, use_bias_correction_kl=False),
+        dict(loss_type="sapo", sapo_temperature_pos=0.5, sapo_temperature_neg=2.0, temperature=1.3),
+    ],
+    ids=["bonus-quantile0", "offpolicy-token", "offpolicy-seq", "delta", "sapo-temps"],
+)
+def test_grpo_more_options(opts, triton_steps):
+    """test_grpo.py's remaining options (off-policy mask, delta, SAPO temperatures, an entropy quantile of 0)
+    through the Triton steps; chunks of 3 (two passes on the sequence path) and 1000."""
+    tg.test_options_fp32(opts, adv_2d=False)
+
+
+@pytest.mark.parametrize("loss_type,isr_shape", [("dapo", "token"), ("vespo", "token")])
+def test_grpo_trainer_inputs(loss_type, isr_shape, triton_steps):
+    """vLLM IS ratio, tool mask, sampling log-probs, num_items_in_batch, processes and accumulation."""
+    tg.test_trainer_inputs(loss_type, isr_shape)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -176,6 +214,37 @@ def test_dpo_token_metrics(triton_steps, monkeypatch):
         torch.testing.assert_close(ours[2][k], eager[2][k], **tp.FP32, msg=k)
     for a, b in zip(ours[1], eager[1]):
         torch.testing.assert_close(a, b, **tp.FP32)
+
+
+@pytest.mark.parametrize("case", range(5))
+@pytest.mark.parametrize("chunk", [1, tp.ONE_PASS])
+def test_preference_transforms_and_token_metrics(case, chunk, triton_steps):
+    """logit_scale and softcap in the "stats" and "seq_pass2" steps (the policy and DPO's reference head),
+    the entropy / top-1 columns, WPO, ORPO and CPO's NLL column, an empty completion: test_preference.py's
+    own case, through the Triton steps."""
+    cases = [
+        (FusedLinearDPOLoss, dpo_ref, dict(loss_type="sigmoid", beta=0.3)),
+        (FusedLinearDPOLoss, dpo_ref, dict(loss_type=("sigmoid", "sft"), use_weighting=True, beta=0.3)),
+        (FusedLinearORPOLoss, orpo_ref, dict(beta=0.2)),
+        (FusedLinearCPOLoss, cpo_ref, dict(loss_type="ipo", beta=0.3)),
+        (FusedLinearSimPOLoss, cpo_ref, dict(beta=2.0, loss_type="simpo", cpo_alpha=0.0)),
+    ]
+    tp.test_logit_transforms_and_token_metrics(*cases[case], chunk)
+
+
+@pytest.mark.parametrize("chunk", [1, tp.ONE_PASS])
+def test_orpo_logit_rows_and_no_grad(chunk, triton_steps):
+    """ORPO's logits/* rows beyond the completions (rows with no loss coefficient); then the same loss without
+    gradients (the "stats" step alone)."""
+    tp.test_orpo_logit_rows(chunk)
+    d = tp._inputs(ref=False)
+    kw = dict(nll_labels=d["nll"])
+    with torch.no_grad():
+        loss = FusedLinearORPOLoss(chunk_size=chunk, compile=True, beta=0.2, softcap=2.0)(
+            d["x"], d["w"], d["chosen"], d["rejected"], d["b"], **kw
+        )
+    ref = orpo_ref(d["x"], d["w"], d["chosen"], d["rejected"], d["b"], beta=0.2, softcap=2.0, **kw)[0]
+    torch.testing.assert_close(loss, ref.detach().float(), **tp.FP32)
 
 
 # --------------------------------------------------------------------------------------------------
