@@ -13,8 +13,6 @@ import pytest
 import torch
 from chunkloss.trainers._losses import FusedLinearDFTLoss
 
-import chunkloss.base as base
-from chunkloss.base import FusedLinearBase
 from chunkloss.losses.common import scale_logits
 from chunkloss.losses.cross_entropy import FusedLinearCrossEntropyLoss
 from chunkloss.losses.grpo import FusedLinearGRPOLoss, grpo_chunk
@@ -27,16 +25,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 TOL = dict(rtol=1e-5, atol=1e-6)  # fp32, summation order only (as tests/losses/test_cross_entropy.py)
-
-
-@pytest.fixture
-def cuda_steps(monkeypatch):
-    """Every loss builds the steps it would build on CUDA, for whatever device its tensors are on."""
-    monkeypatch.setattr(base, "_SHARED_STEPS", {})
-    real = FusedLinearBase._step_fn
-    monkeypatch.setattr(
-        FusedLinearBase, "_step_fn", lambda self, kind, device_type="cuda": real(self, kind, "cuda")
-    )
 
 
 def _focal_chunk(logits, extra_logits, token, scalars, opts):

@@ -15,13 +15,10 @@ gradients, tests/kernels/test_logprob.py).
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
-import chunkloss.base as base
-from chunkloss.losses import grpo, jsd, preference
+from chunkloss.losses import grpo, jsd
 from chunkloss.losses.cpo import FusedLinearCPOLoss
 from chunkloss.losses.dpo import FusedLinearDPOLoss
 from chunkloss.losses.grpo import LOSS_TYPES, FusedLinearGRPOLoss
@@ -37,32 +34,11 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture
-def triton_steps(monkeypatch):
-    """Every per-chunk step of the GRPO and preference losses is the CUDA one, on CPU tensors."""
-    monkeypatch.setattr(base, "_SHARED_STEPS", {})  # no step compiled by an earlier test is reused
-    for cls, steps in ((FusedLinearGRPOLoss, grpo._TRITON_STEPS),
-                       (preference.FusedLinearPreferenceLoss, preference._TRITON_STEPS)):  # fmt: skip
-
-        def build(self, kind, opts, device_type, steps=steps):
-            return functools.partial(steps[kind], opts)
-
-        monkeypatch.setattr(cls, "_build_step", build)
-    compiled = jsd.FusedLinearJSDLoss._build_step
-
-    def build_jsd(self, kind, opts, device_type):
-        if kind == "token":
-            return functools.partial(jsd._triton_step, opts)
-        return compiled(self, kind, opts, device_type)
-
-    monkeypatch.setattr(jsd.FusedLinearJSDLoss, "_build_step", build_jsd)
-
-
 # --------------------------------------------------------------------------------------------------
 # GRPO
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 @pytest.mark.parametrize("level", ["token", "sequence", "sequence_token"])
-def test_grpo_grid(loss_type, level, triton_steps):
+def test_grpo_grid(loss_type, level, cuda_steps):
     """Every loss type x IS level; the KL source and the chunk size (one pass or two below the completion
     length on the sequence path) alternate over the grid; old log-probs and on-policy."""
     i = LOSS_TYPES.index(loss_type) + ["token", "sequence", "sequence_token"].index(level)
@@ -104,7 +80,7 @@ def test_grpo_grid(loss_type, level, triton_steps):
     ],
 )
 @pytest.mark.parametrize("chunk", [4, 1000])
-def test_grpo_options(opts, chunk, triton_steps):
+def test_grpo_options(opts, chunk, cuda_steps):
     inp, kw = tg.make_inputs(adv_2d=True, ref_head=True)
     opts = dict(opts)
     opts = tg.grid_opts(opts.pop("loss_type"), opts.pop("importance_sampling_level", "token"), **opts)
@@ -112,7 +88,7 @@ def test_grpo_options(opts, chunk, triton_steps):
     tg.assert_close_fp32(ours, tg.run_ref(inp, kw, opts))
 
 
-def test_grpo_bf16(triton_steps):
+def test_grpo_bf16(cuda_steps):
     """bf16 within test_grpo.py's bound (BF16_K x the materialised bf16 loss's error, plus BF16_ATOL)."""
     inp, kw = tg.make_inputs(dtype=torch.bfloat16)
     opts = dict(loss_type="dapo", beta=0.04, entropy_coef=0.05, compile=False)
@@ -125,7 +101,7 @@ def test_grpo_bf16(triton_steps):
 
 
 @pytest.mark.parametrize("level, chunk", [("token", 1000), ("sequence", 1000), ("sequence", 4)])
-def test_grpo_no_grad(level, chunk, triton_steps):
+def test_grpo_no_grad(level, chunk, cuda_steps):
     """The "token_value" step, and the "stats" step alone on the one-pass and two-pass sequence paths (no
     coefficient, no pass 2): the loss without gradients equals the reference."""
     inp, kw = tg.make_inputs()
@@ -148,14 +124,14 @@ def test_grpo_no_grad(level, chunk, triton_steps):
     ],
     ids=["bonus-quantile0", "offpolicy-token", "offpolicy-seq", "delta", "sapo-temps"],
 )
-def test_grpo_more_options(opts, triton_steps):
+def test_grpo_more_options(opts, cuda_steps):
     """test_grpo.py's remaining options (off-policy mask, delta, SAPO temperatures, an entropy quantile of 0)
     through the Triton steps; chunks of 3 (two passes on the sequence path) and 1000."""
     tg.test_options_fp32(opts, adv_2d=False)
 
 
 @pytest.mark.parametrize("loss_type,isr_shape", [("dapo", "token"), ("vespo", "token")])
-def test_grpo_trainer_inputs(loss_type, isr_shape, triton_steps):
+def test_grpo_trainer_inputs(loss_type, isr_shape, cuda_steps):
     """vLLM IS ratio, tool mask, sampling log-probs, num_items_in_batch, processes and accumulation."""
     tg.test_trainer_inputs(loss_type, isr_shape)
 
@@ -173,7 +149,7 @@ def test_grpo_trainer_inputs(loss_type, isr_shape, triton_steps):
     ],
     ids=["sigmoid", "mix-sft", "wpo-ld_alpha", "ipo-avg"],
 )
-def test_dpo(opts, chunk, triton_steps):
+def test_dpo(opts, chunk, cuda_steps):
     d = tp._inputs()
     ours = tp._run(FusedLinearDPOLoss, d, tp._ref_kwargs(d, "model"), chunk_size=chunk, compile=True, **opts)
     tp._check(ours, tp._dpo_ref_call(d, "model", **opts), d)
@@ -181,7 +157,7 @@ def test_dpo(opts, chunk, triton_steps):
 
 @pytest.mark.parametrize("chunk", [1, tp.TWO_PASS, tp.ONE_PASS])
 @pytest.mark.parametrize("own_nll", [False, True])
-def test_orpo(chunk, own_nll, triton_steps):
+def test_orpo(chunk, own_nll, cuda_steps):
     d = tp._inputs(ref=False)
     kw = dict(nll_labels=d["nll"]) if own_nll else {}
     ours = tp._run(FusedLinearORPOLoss, d, kw, chunk_size=chunk, compile=True, beta=0.2, softcap=2.0)
@@ -190,7 +166,7 @@ def test_orpo(chunk, own_nll, triton_steps):
 
 
 @pytest.mark.parametrize("chunk", [tp.TWO_PASS, tp.ONE_PASS])
-def test_cpo_simpo(chunk, triton_steps):
+def test_cpo_simpo(chunk, cuda_steps):
     d = tp._inputs(ref=False)
     opts = dict(beta=0.2, loss_type="simpo", simpo_gamma=0.7, cpo_alpha=0.5)
     ours = tp._run(FusedLinearCPOLoss, d, None, chunk_size=chunk, compile=True, **opts)
@@ -200,7 +176,7 @@ def test_cpo_simpo(chunk, triton_steps):
     torch.testing.assert_close(ours[0], eager[0], **tp.FP32)
 
 
-def test_dpo_token_metrics(triton_steps, monkeypatch):
+def test_dpo_token_metrics(cuda_steps, monkeypatch):
     """Entropy and top-1 columns (``return_token_metrics``) equal the eager steps'."""
     d = tp._inputs()
     kw = tp._ref_kwargs(d, "model")
@@ -218,7 +194,7 @@ def test_dpo_token_metrics(triton_steps, monkeypatch):
 
 @pytest.mark.parametrize("case", range(5))
 @pytest.mark.parametrize("chunk", [1, tp.ONE_PASS])
-def test_preference_transforms_and_token_metrics(case, chunk, triton_steps):
+def test_preference_transforms_and_token_metrics(case, chunk, cuda_steps):
     """logit_scale and softcap in the "stats" and "seq_pass2" steps (the policy and DPO's reference head),
     the entropy / top-1 columns, WPO, ORPO and CPO's NLL column, an empty completion: test_preference.py's
     own case, through the Triton steps."""
@@ -233,7 +209,7 @@ def test_preference_transforms_and_token_metrics(case, chunk, triton_steps):
 
 
 @pytest.mark.parametrize("chunk", [1, tp.ONE_PASS])
-def test_orpo_logit_rows_and_no_grad(chunk, triton_steps):
+def test_orpo_logit_rows_and_no_grad(chunk, cuda_steps):
     """ORPO's logits/* rows beyond the completions (rows with no loss coefficient); then the same loss without
     gradients (the "stats" step alone)."""
     tp.test_orpo_logit_rows(chunk)
@@ -260,13 +236,13 @@ def test_orpo_logit_rows_and_no_grad(chunk, triton_steps):
     ids=["plain", "temperature-hard", "mean-transforms"],
 )
 @pytest.mark.parametrize("chunk", [4, 1000])
-def test_jsd(beta, opts, chunk, triton_steps):
+def test_jsd(beta, opts, chunk, cuda_steps):
     d = tj._inputs()
     ours = tj._ours(d, beta=beta, chunk_size=chunk, compile=True, **opts)
     tj._assert_close_all(ours, tj._ref(d, beta=beta, **opts), tj.FP32)
 
 
-def test_jsd_accumulation_and_no_grad(triton_steps):
+def test_jsd_accumulation_and_no_grad(cuda_steps):
     """``num_items_in_batch`` reaches the kernel's normaliser; without grad the loss is the compiled one's."""
     d = tj._inputs()
     # The fixture took effect:
