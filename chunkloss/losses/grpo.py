@@ -64,6 +64,8 @@ from chunkloss.base import FusedLinearBase, FusedOptions, Head, segment_sum, seq
 from chunkloss.losses.common import (
     check_head,
     check_labels,
+    keeping_rows,
+    kept_rows,
     nograd_label_logprob,
     row_statistics,
     to_scalar,
@@ -327,7 +329,9 @@ def _triton_stats(opts: GRPOOptions, logits, extra_logits, token):
     """The sequence path's "stats" step: ``grpo_token_stats``."""
     from chunkloss.kernels.logprob import row_stats
 
-    logp, ent, ref, _ = _row_logprobs(logits, extra_logits, token, opts, row_stats)
+    logp, ent, ref, _ = _row_logprobs(
+        logits, extra_logits, token, opts, keeping_rows(row_stats, token, logits)
+    )
     return torch.stack([logp, ent] if ref is None else [logp, ent, ref], dim=1)
 
 
@@ -337,7 +341,10 @@ def _triton_pass2(opts: GRPOOptions, logits, extra_logits, token, coef):
     from chunkloss.kernels.logprob import row_grad_
 
     coef_ent = coef[:, 1].contiguous() if opts.entropy_coef != 0 else None
-    return row_grad_(logits, token["ids"], coef[:, 0].contiguous(), coef_entropy=coef_ent, **_scalings(opts))
+    stats = kept_rows(token, logits)  # one pass: the statistics of these logits, lse and entropy
+    return row_grad_(
+        logits, token["ids"], coef[:, 0].contiguous(), coef_entropy=coef_ent, stats=stats, **_scalings(opts)
+    )
 
 
 def _scalings(opts: GRPOOptions) -> dict:

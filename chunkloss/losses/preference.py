@@ -42,6 +42,8 @@ from chunkloss.base import FusedLinearBase, FusedOptions, Head, segment_sum, seq
 from chunkloss.losses.common import (
     check_head,
     check_labels,
+    keeping_rows,
+    kept_rows,
     nograd_label_logprob,
     row_statistics,
     to_scalar,
@@ -113,7 +115,7 @@ def preference_token_stats(logits, extra_logits, token, opts: PreferenceOptions,
         token.get("nll_labels"),
         logit_scale=opts.logit_scale,
         softcap=opts.softcap,
-        lse=opts.wpo,
+        lse=True,  # for WPO, and for the CUDA pass-2 step when it runs on the same logits (kept_rows)
         lse2=opts.wpo,
         mean=True,
         entropy=metrics,
@@ -142,7 +144,7 @@ def _triton_stats(opts: PreferenceOptions, logits, extra_logits, token):
     """The "stats" step: ``preference_token_stats``."""
     from chunkloss.kernels.logprob import row_stats  # Triton is imported only on CUDA
 
-    return preference_token_stats(logits, extra_logits, token, opts, row_stats)
+    return preference_token_stats(logits, extra_logits, token, opts, keeping_rows(row_stats, token, logits))
 
 
 def _triton_pass2(opts: PreferenceOptions, logits, extra_logits, token, coef):
@@ -154,8 +156,9 @@ def _triton_pass2(opts: PreferenceOptions, logits, extra_logits, token, coef):
     nll = {}
     if "nll_labels" in token:
         nll = dict(labels2=token["nll_labels"], coef2=(coef[:, NLL] * token["nll_mask"]).float().contiguous())
-    return row_grad_(logits, token["labels"], a.float().contiguous(), **nll, logit_scale=opts.logit_scale,
-                     softcap=opts.softcap)  # fmt: skip
+    stats = kept_rows(token, logits)  # one pass: the lse of these logits
+    return row_grad_(logits, token["labels"], a.float().contiguous(), **nll, stats=stats,
+                     logit_scale=opts.logit_scale, softcap=opts.softcap)  # fmt: skip
 
 
 _TRITON_STEPS = {"stats": _triton_stats, "seq_pass2": _triton_pass2}

@@ -253,3 +253,40 @@ def test_jsd_accumulation_and_no_grad(cuda_steps):
             d["x_s"], d["w_s"], d["x_t"], d["w_t"], d["y"], d["b_s"], d["b_t"]
         )
     torch.testing.assert_close(loss, tj._ref(d, beta=0.3)[0].float(), **tj.FP32)
+
+
+# --------------------------------------------------------------------------------------------------
+# One pass hands the statistics of a chunk's logits from its "stats" step to its "seq_pass2" step.
+@pytest.mark.parametrize("loss", ["grpo-sequence", "dpo"])
+def test_one_pass_hands_statistics_to_pass_2(loss, cuda_steps, monkeypatch):
+    import chunkloss.kernels.logprob as lp
+
+    handed = []
+    real = lp.row_grad_
+
+    def row_grad_(*args, stats=None, **kwargs):
+        handed.append(stats is not None)
+        return real(*args, stats=stats, **kwargs)
+
+    monkeypatch.setattr(lp, "row_grad_", row_grad_)
+    for chunk, one_pass in ((1000, True), (4, False)):
+        handed.clear()
+        if loss == "dpo":
+            d = tp._inputs()
+            ours = tp._run(FusedLinearDPOLoss, d, tp._ref_kwargs(d, "model"), chunk_size=chunk, compile=True)
+            tp._check(ours, tp._dpo_ref_call(d, "model"), d)
+        else:
+            inp, kw = tg.make_inputs()
+            opts = tg.grid_opts("grpo", "sequence", beta=0.04, entropy_coef=0.1)
+            ours = tg.run_ours(inp, kw, chunk_size=chunk, **dict(opts, compile=True))
+            tg.assert_close_fp32(ours, tg.run_ref(inp, kw, opts))
+        assert handed and all(h == one_pass for h in handed), (chunk, handed)
+
+
+def test_kept_rows_only_for_the_same_logits():
+    from chunkloss.losses.common import keeping_rows, kept_rows
+
+    token, logits = {}, torch.randn(3, 5)
+    keeping_rows(lambda *a, **k: {"lse": torch.zeros(3)}, token, logits)(logits)
+    assert kept_rows(dict(token), torch.randn(3, 5)) is None  # other logits
+    assert kept_rows(token, logits) is not None and kept_rows(token, logits) is None  # handed over once
