@@ -290,7 +290,9 @@ class FusedLinearBase(nn.Module):
         """Sequence losses: differentiable per-row statistics ``(N_c, K)`` in fp32.
 
         Heads without grad reach it through ``token["extra_stats"]`` (see ``extra_token_stats``),
-        computed once in the first pass and reused in the second.
+        computed once in the first pass and reused in the second. A loss's own "stats" step (``_build_step``)
+        may return ``(statistics, carry)``; in one pass ``carry`` reaches its "seq_pass2" step on the same
+        logits as a last argument (``_stats_and_carry``).
         """
         raise NotImplementedError
 
@@ -728,22 +730,21 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
             stats_fn, step = loss_mod._step_fn("stats", dev), loss_mod._step_fn("seq_pass2", dev)
             for (a, b), (s0, s1) in zip(plan.bounds, plan.seq_bounds):
                 x, logits, extra, token = project(rows_all, a, b, _slice_rows(batch.token, a, b))
+                stats, carry = _stats_and_carry(stats_fn(logits, extra, token))
                 coef = sequence_coef(
-                    stats_fn(logits, extra, token),
-                    batch.seq_id[a:b] - s0,
-                    s1 - s0,
-                    token,
-                    _slice_rows(batch.sequence, s0, s1),
+                    stats, batch.seq_id[a:b] - s0, s1 - s0, token, _slice_rows(batch.sequence, s0, s1)
                 )
                 if coef is not None:
-                    backprop(step(logits, extra, token, coef), x, rows_all, a, b)
-                del x, logits, extra  # free this chunk's [C, V] buffer before the next is projected
+                    # The same logits: what the stats step carried over (e.g. their logsumexp) still holds.
+                    args = (coef,) if carry is None else (coef, carry)
+                    backprop(step(logits, extra, token, *args), x, rows_all, a, b)
+                del x, logits, extra, carry  # free this chunk's [C, V] buffer before the next is projected
         else:
             stats_fn = loss_mod._step_fn("stats", dev)
             parts = []
             for a, b in plan.bounds:
                 _, logits, extra, token = project(rows_all, a, b, _slice_rows(batch.token, a, b))
-                parts.append(stats_fn(logits, extra, token))
+                parts.append(_stats_and_carry(stats_fn(logits, extra, token))[0])  # no carry: other logits
                 del logits, extra
             stats = torch.cat(parts) if parts else _empty_stats(loss_mod, hidden, weight, batch)
             extra_stats = torch.cat(extra_stats_parts) if extra_stats_parts else None
@@ -772,6 +773,12 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
         grad_w.zero_()  # no rows took part
     out = next(iter(token_out.values())) if token_out else loss
     return out, (grad_h, grad_w, grad_b), token_out, metrics
+
+
+def _stats_and_carry(out) -> tuple[Tensor, object]:
+    """A "stats" step returns the rows' statistics, or ``(statistics, carry)``: ``carry`` is handed to the
+    "seq_pass2" step of the same chunk in one pass, on the same logits (two passes drop it)."""
+    return out if isinstance(out, tuple) else (out, None)
 
 
 def _empty_stats(loss_mod, hidden, weight, batch) -> Tensor:

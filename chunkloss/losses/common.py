@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import weakref
 
 import torch
 from torch import Tensor
@@ -87,31 +86,6 @@ def row_statistics(
     if lse2:
         out["lse2"] = torch.logsumexp(2 * z, dim=-1)
     return out
-
-
-_KEPT = "_kept_row_stats"
-
-
-def keeping_rows(stats_fn, token: dict, logits: Tensor):
-    """``stats_fn`` (``row_stats``) that also leaves its rows' statistics in ``token`` for :func:`kept_rows`.
-
-    The one-pass sequence path runs a chunk's "stats" step and then its "seq_pass2" step on the same logits
-    and the same token dict: pass 2 then needs not read the rows again for their lse and entropy. Only a weak
-    reference to the logits is kept (the chunk's [C, V] buffer is freed before the next projection), and
-    :func:`kept_rows` hands the statistics over only for those very logits."""
-
-    def fn(*args, **kwargs):
-        rows = stats_fn(*args, **kwargs)
-        token[_KEPT] = (weakref.ref(logits), rows)
-        return rows
-
-    return fn
-
-
-def kept_rows(token: dict, logits: Tensor) -> dict[str, Tensor] | None:
-    """The statistics :func:`keeping_rows` left for these logits, or None (two-pass: other token dicts)."""
-    kept = token.pop(_KEPT, None)
-    return kept[1] if kept is not None and kept[0]() is logits else None
 
 
 #: fp32 elements of the row blocks ``nograd_label_logprob`` reduces at a time off CUDA (64 MiB).

@@ -64,8 +64,6 @@ from chunkloss.base import FusedLinearBase, FusedOptions, Head, segment_sum, seq
 from chunkloss.losses.common import (
     check_head,
     check_labels,
-    keeping_rows,
-    kept_rows,
     nograd_label_logprob,
     row_statistics,
     to_scalar,
@@ -329,21 +327,20 @@ def _triton_stats(opts: GRPOOptions, logits, extra_logits, token):
     """The sequence path's "stats" step: ``grpo_token_stats``."""
     from chunkloss.kernels.logprob import row_stats
 
-    logp, ent, ref, _ = _row_logprobs(
-        logits, extra_logits, token, opts, keeping_rows(row_stats, token, logits)
-    )
-    return torch.stack([logp, ent] if ref is None else [logp, ent, ref], dim=1)
+    logp, ent, ref, rows = _row_logprobs(logits, extra_logits, token, opts, row_stats)
+    # The rows' lse and entropy reach the "seq_pass2" step when it runs on these logits (one pass).
+    return torch.stack([logp, ent] if ref is None else [logp, ent, ref], dim=1), rows
 
 
-def _triton_pass2(opts: GRPOOptions, logits, extra_logits, token, coef):
+def _triton_pass2(opts: GRPOOptions, logits, extra_logits, token, coef, rows=None):
     """The sequence path's "seq_pass2" step: ``grad((grpo_token_stats * coef).sum())`` over the logits (the
-    reference column carries no gradient, the entropy one only with the entropy bonus)."""
+    reference column carries no gradient, the entropy one only with the entropy bonus). ``rows``: the stats
+    step's statistics of these logits in one pass, else read again."""
     from chunkloss.kernels.logprob import row_grad_
 
     coef_ent = coef[:, 1].contiguous() if opts.entropy_coef != 0 else None
-    stats = kept_rows(token, logits)  # one pass: the statistics of these logits, lse and entropy
     return row_grad_(
-        logits, token["ids"], coef[:, 0].contiguous(), coef_entropy=coef_ent, stats=stats, **_scalings(opts)
+        logits, token["ids"], coef[:, 0].contiguous(), coef_entropy=coef_ent, stats=rows, **_scalings(opts)
     )
 
 

@@ -42,8 +42,6 @@ from chunkloss.base import FusedLinearBase, FusedOptions, Head, segment_sum, seq
 from chunkloss.losses.common import (
     check_head,
     check_labels,
-    keeping_rows,
-    kept_rows,
     nograd_label_logprob,
     row_statistics,
     to_scalar,
@@ -105,22 +103,22 @@ def preference_ref_stats(extra_logits, token, opts: PreferenceOptions) -> Tensor
     return (ref_lp * token["pref_weight"]).unsqueeze(1)
 
 
-def preference_token_stats(logits, extra_logits, token, opts: PreferenceOptions, stats_fn=row_statistics):
-    """Per-row statistics (C, 8) of one chunk; columns as in the module docstring. ``stats_fn`` is
-    ``common.row_statistics`` (differentiable) or the CUDA steps' Triton ``row_stats`` (no grad)."""
-    metrics = opts.return_token_metrics
-    rows = stats_fn(
-        logits,
-        token["labels"],
-        token.get("nll_labels"),
+def _row_request(token, opts: PreferenceOptions) -> dict:
+    """What the statistics below read of a row (``row_statistics`` / ``row_stats`` arguments)."""
+    return dict(
+        labels2=token.get("nll_labels"),
         logit_scale=opts.logit_scale,
         softcap=opts.softcap,
-        lse=True,  # for WPO, and for the CUDA pass-2 step when it runs on the same logits (kept_rows)
+        lse=True,  # for WPO, and for the CUDA pass-2 step when it runs on the same logits
         lse2=opts.wpo,
         mean=True,
-        entropy=metrics,
-        argmax=metrics,
+        entropy=opts.return_token_metrics,
+        argmax=opts.return_token_metrics,
     )
+
+
+def _columns(rows: dict[str, Tensor], token, opts: PreferenceOptions) -> Tensor:
+    """The (C, 8) statistics of the module docstring from the rows' ``row_statistics``."""
     lp = rows["logp"]
     m, w = token["pref_mask"], token["pref_weight"]
     zero = torch.zeros_like(lp)
@@ -129,7 +127,7 @@ def preference_token_stats(logits, extra_logits, token, opts: PreferenceOptions,
     mean_logit = (rows["mean"] * token["logit_mask"]).detach()
     # log Σ_v p_v² = logsumexp(2z) - 2·lse
     wpo = ((lp - (rows["lse2"] - 2 * rows["lse"])) * m).detach() if opts.wpo else zero
-    if metrics:
+    if opts.return_token_metrics:
         ent = rows["entropy"].detach() * m
         # argmax takes the first maximum: TRL's is_top1 (the label is the first maximal logit).
         top1 = (rows["argmax"] == token["labels"]).float() * m
@@ -138,26 +136,33 @@ def preference_token_stats(logits, extra_logits, token, opts: PreferenceOptions,
     return torch.stack([lp * w, lp * m, nll, ref, mean_logit, wpo, ent, top1], dim=1)
 
 
+def preference_token_stats(logits, extra_logits, token, opts: PreferenceOptions) -> Tensor:
+    """Per-row statistics (C, 8) of one chunk; columns as in the module docstring."""
+    return _columns(row_statistics(logits, token["labels"], **_row_request(token, opts)), token, opts)
+
+
 # The steps on CUDA: the statistics and the logits gradient from the Triton row kernels of
 # chunkloss.kernels.logprob (one read of the logits; two reads and one write) instead of compiled graphs.
 def _triton_stats(opts: PreferenceOptions, logits, extra_logits, token):
     """The "stats" step: ``preference_token_stats``."""
     from chunkloss.kernels.logprob import row_stats  # Triton is imported only on CUDA
 
-    return preference_token_stats(logits, extra_logits, token, opts, keeping_rows(row_stats, token, logits))
+    rows = row_stats(logits, token["labels"], **_row_request(token, opts))
+    # The rows' lse reaches the "seq_pass2" step when it runs on these logits (one pass).
+    return _columns(rows, token, opts), rows
 
 
-def _triton_pass2(opts: PreferenceOptions, logits, extra_logits, token, coef):
+def _triton_pass2(opts: PreferenceOptions, logits, extra_logits, token, coef, rows=None):
     """The "seq_pass2" step: ``grad((preference_token_stats * coef).sum())`` over the logits. Only the
-    LOGP, LOGP_RAW and NLL columns carry a gradient (the others are detached or the reference's)."""
+    LOGP, LOGP_RAW and NLL columns carry a gradient (the others are detached or the reference's). ``rows``:
+    the stats step's statistics of these logits in one pass, else read again."""
     from chunkloss.kernels.logprob import row_grad_
 
     a = coef[:, LOGP] * token["pref_weight"] + coef[:, LOGP_RAW] * token["pref_mask"]
     nll = {}
     if "nll_labels" in token:
         nll = dict(labels2=token["nll_labels"], coef2=(coef[:, NLL] * token["nll_mask"]).float().contiguous())
-    stats = kept_rows(token, logits)  # one pass: the lse of these logits
-    return row_grad_(logits, token["labels"], a.float().contiguous(), **nll, stats=stats,
+    return row_grad_(logits, token["labels"], a.float().contiguous(), **nll, stats=rows,
                      logit_scale=opts.logit_scale, softcap=opts.softcap)  # fmt: skip
 
 

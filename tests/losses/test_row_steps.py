@@ -281,12 +281,3 @@ def test_one_pass_hands_statistics_to_pass_2(loss, cuda_steps, monkeypatch):
             ours = tg.run_ours(inp, kw, chunk_size=chunk, **dict(opts, compile=True))
             tg.assert_close_fp32(ours, tg.run_ref(inp, kw, opts))
         assert handed and all(h == one_pass for h in handed), (chunk, handed)
-
-
-def test_kept_rows_only_for_the_same_logits():
-    from chunkloss.losses.common import keeping_rows, kept_rows
-
-    token, logits = {}, torch.randn(3, 5)
-    keeping_rows(lambda *a, **k: {"lse": torch.zeros(3)}, token, logits)(logits)
-    assert kept_rows(dict(token), torch.randn(3, 5)) is None  # other logits
-    assert kept_rows(token, logits) is not None and kept_rows(token, logits) is None  # handed over once
