@@ -23,6 +23,7 @@ from torch import Tensor
 from chunkloss.losses.cross_entropy import CrossEntropyOptions, cross_entropy_rows
 
 from ._utils import next_power_of_2
+from .logprob import _online, _scaled, _scalings
 
 __all__ = ["cross_entropy_step", "cross_entropy_step_ref"]
 
@@ -75,25 +76,13 @@ def cross_entropy_step_ref(
     return {k: v.detach() for k, v in rows.items()}
 
 
-@triton.jit
-def _tanh(u):
-    # tanh(u) = 2·sigmoid(2u) - 1: the interpreter has no libdevice tanh; it saturates cleanly for large |u|.
-    return 2.0 * tl.sigmoid(2.0 * u) - 1.0
-
-
-# Row i of the raw logits x (one program), ε = label_smoothing, λ = lse_square_scale, y the label:
-#   softcap:     t_j = tanh(x_j·logit_scale/softcap),  z_j = t_j·softcap/temperature
-#   otherwise:   z_j = x_j·logit_scale/temperature
-# Pass 1, online over blocks of V. The running max m moves to m' = max(m, max_blk z) with α = exp(m - m'):
-#   s = Σ_j exp(z_j - m)               s' = α·s + Σ_blk exp(z_j - m')
-#   h = Σ_j exp(z_j - m)·z_j           h' = α·h + Σ_blk exp(z_j - m')·z_j                         (entropy)
-#   z_sum = Σ_j z_j                                                                           (smoothing)
-#   arg = first j with z_j = m, kept unless a later block holds a strictly larger value        (accuracy)
-# then lse = m + log s, entropy = lse - Σ_j p_j·z_j = lse - h/s, and
+# Row i of the raw logits x (one program), ε = label_smoothing, λ = lse_square_scale, y the label,
+# z = scale(x) and dz/dx from ``logprob._scaled`` (logit_scale, softcap, temperature). Pass 1 is
+# ``logprob._online``: one read of the row for its max m, s = Σ exp(z - m), h = Σ exp(z - m)·z (entropy),
+# Σ z (smoothing) and the first argmax (accuracy); then lse = m + log s, entropy = lse - h/s, and
 #   ℓ = (1-ε)·(lse - z_y) + ε·(lse - z_sum/V) + λ·lse².
 # Pass 2, with p_j = exp(z_j - lse) and c = w_i/normaliser:
-#   dℓ/dz_j = p_j·(1 + 2λ·lse) - (1-ε)·[j = y] - ε/V
-#   dL/dx_j = c·dℓ/dz_j · logit_scale/temperature · (1 - t_j²)      (the last factor with softcap only)
+#   dℓ/dz_j = p_j·(1 + 2λ·lse) - (1-ε)·[j = y] - ε/V,   dL/dx_j = c·dℓ/dz_j·dz_j/dx_j
 @triton.jit
 def _cross_entropy_step_kernel(
     X,  # (C, V) logits in, dL/dlogits out (same dtype), contiguous
@@ -107,10 +96,9 @@ def _cross_entropy_step_kernel(
     V,  # vocabulary size, also the row stride
     eps,  # ε
     lam,  # λ
-    x_to_u,  # logit_scale/softcap with softcap, else logit_scale/temperature (x straight to z)
-    t_to_z,  # softcap/temperature (softcap only)
-    dz_to_dx,  # logit_scale/temperature
-    HAS_SOFTCAP: tl.constexpr,
+    LOGIT_SCALE: tl.constexpr,
+    SOFTCAP: tl.constexpr,  # 0 for none
+    TEMPERATURE: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     HAS_Z_LOSS: tl.constexpr,
     HAS_GRAD_SCALE: tl.constexpr,
@@ -122,45 +110,13 @@ def _cross_entropy_step_kernel(
     base = X + row * V  # int64: C·V passes 2^31 at real vocabularies
     cols = tl.arange(0, BLOCK_V)
 
-    # Pass 1. Running values move once per block (per-lane ones cost a second exp per element: logprob.py).
-    m = -float("inf")
-    s = 0.0
-    h = 0.0
-    z_sum = 0.0
-    arg = 0
-    start = 0
-    while start < V:  # a while loop: the interpreter cannot take range() over a runtime int
-        mask = start + cols < V
-        x = tl.load(base + start + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_SOFTCAP:
-            z = _tanh(x * x_to_u) * t_to_z
-        else:
-            z = x * x_to_u
-        if HAS_SMOOTHING:
-            z_sum += tl.sum(z, 0)  # masked lanes hold x = 0, hence z = 0
-        z_fin = z
-        z = tl.where(mask, z, -float("inf"))
-        m_blk = tl.max(z, 0)
-        if WANT_ACCURACY:
-            if m_blk > m:  # a branch, not a (value, index) reduction per block: the max moves rarely
-                arg = start + tl.min(tl.where(z == m_blk, cols, BLOCK_V), 0)
-        m_new = tl.maximum(m, m_blk)  # finite: every block holds a column < V
-        alpha = tl.exp(m - m_new)  # 0 on the first block
-        e = tl.exp(z - m_new)  # 0 in masked lanes
-        if WANT_ENTROPY:
-            h = h * alpha + tl.sum(e * z_fin, 0)  # z_fin, not z: 0·(-inf) in masked lanes would be NaN
-        s = s * alpha + tl.sum(e, 0)
-        m = m_new
-        start += BLOCK_V
-
+    # Pass 1.
+    m, s, h, z_sum, arg, _ = _online(
+        base, V, LOGIT_SCALE, SOFTCAP, TEMPERATURE, WANT_ENTROPY, HAS_SMOOTHING, WANT_ACCURACY, False, BLOCK_V
+    )
     y = tl.load(Y + row)
-    x_y = tl.load(base + y).to(tl.float32)
-    if HAS_SOFTCAP:
-        z_y = _tanh(x_y * x_to_u) * t_to_z
-    else:
-        z_y = x_y * x_to_u
-    log_s = tl.log(s)
-    lse = m + log_s
+    z_y, dz_y = _scaled(tl.load(base + y), LOGIT_SCALE, SOFTCAP, TEMPERATURE)
+    lse = m + tl.log(s)
     loss = lse - z_y
     if HAS_SMOOTHING:
         loss = (1.0 - eps) * loss + eps * (lse - z_sum / V)
@@ -178,7 +134,6 @@ def _cross_entropy_step_kernel(
     c = 1.0 / tl.load(NORM)
     if HAS_GRAD_SCALE:
         c *= tl.load(W + row)
-    c *= dz_to_dx
     p_coef = 1.0
     if HAS_Z_LOSS:
         p_coef += 2.0 * lam * lse
@@ -193,17 +148,10 @@ def _cross_entropy_step_kernel(
     while start >= 0:
         idx = start + cols
         mask = idx < V
-        x = tl.load(base + idx, mask=mask, other=0.0).to(tl.float32)
-        if HAS_SOFTCAP:
-            t = _tanh(x * x_to_u)
-            z = t * t_to_z
-        else:
-            z = x * x_to_u
+        z, dz = _scaled(tl.load(base + idx, mask=mask, other=0.0), LOGIT_SCALE, SOFTCAP, TEMPERATURE)
         g = tl.exp(z - lse) * p_coef - uniform
         g = tl.where(idx == y, g - one_hot, g) * c
-        if HAS_SOFTCAP:
-            g *= 1.0 - t * t
-        tl.store(base + idx, g.to(X.dtype.element_ty), mask=mask)
+        tl.store(base + idx, (g * dz).to(X.dtype.element_ty), mask=mask)
         start -= BLOCK_V
 
 
@@ -258,10 +206,6 @@ def cross_entropy_step(
     if c == 0:
         return out
     loss = out["loss"]  # stands in for the pointers a switch leaves unread
-    if softcap is not None:
-        x_to_u, t_to_z = logit_scale / softcap, softcap / temperature
-    else:
-        x_to_u, t_to_z = logit_scale / temperature, 1.0
     _cross_entropy_step_kernel[(c,)](
         logits,
         labels,
@@ -274,10 +218,7 @@ def cross_entropy_step(
         v,
         float(label_smoothing),
         float(lse_square_scale),
-        float(x_to_u),
-        float(t_to_z),
-        float(logit_scale / temperature),
-        HAS_SOFTCAP=softcap is not None,
+        **_scalings(logit_scale, softcap, temperature),
         HAS_SMOOTHING=label_smoothing > 0,
         HAS_Z_LOSS=lse_square_scale > 0,
         HAS_GRAD_SCALE=grad_scale is not None,

@@ -20,9 +20,10 @@ allocated. Per row, with ``z = scale(x)`` each head's logit transform, ``a = log
     hard  = lse(z_s) - z_s,y,  dhard/dz_s,j = softmax(z_s)_j - [j = y]              (no temperature)
     dL/dx_j = (w_soft·djsd/dz_s,j + w_hard·dhard/dz_s,j) / normaliser · dz_s,j/dx_j
 
-Pass 1 reads both rows for the running max and sum-exp of ``z_s/τ``, ``z_t/τ`` (and of ``z_s`` for the hard
-loss); pass 2 reads them again for jsd, ``Σ u`` and the entropy ``-Σ s·a``; pass 3 reads them once more and
-writes the gradient (computed in fp32, rounded once to the logits' dtype).
+Pass 1 reads each row for the running max and sum-exp of ``z_s/τ`` and ``z_t/τ`` (``logprob._online``, and
+the student's once more for ``z_s`` with the hard loss); pass 2 reads them again for jsd, ``Σ u`` and the
+entropy ``-Σ s·a``; pass 3 reads them once more and writes the gradient (computed in fp32, rounded once to the
+logits' dtype).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from torch import Tensor
 from chunkloss.losses.jsd import JSDOptions, jsd_rows
 
 from ._utils import next_power_of_2
-from .logprob import _scaled
+from .logprob import _online, _scaled
 
 __all__ = ["jsd_step", "jsd_step_ref"]
 
@@ -68,11 +69,24 @@ def jsd_step_ref(
 
 
 @triton.jit
-def _online_step(m, s, z, mask):
-    """The running (max, sum-exp) of a row after one block ``z``, moved once per block."""
-    z = tl.where(mask, z, -float("inf"))
-    m_new = tl.maximum(m, tl.max(z, 0))  # finite: every block holds a column < V
-    return m_new, s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
+def _divergence(a, b, beta, log_beta, log_1m_beta, MODE: tl.constexpr):
+    """Per element of a row block, from a = log S and b = log T: (jsd term, u = dL/da at fixed others, s)."""
+    p_s = tl.exp(a)
+    if MODE == 0:
+        p_t = tl.exp(b)
+        term = p_t * (b - a)
+        u = -p_t
+    elif MODE == 1:
+        term = p_s * (a - b)
+        u = term
+    else:
+        x1 = a + log_1m_beta
+        x2 = b + log_beta
+        hi = tl.maximum(x1, x2)
+        log_m = hi + tl.log(tl.exp(x1 - hi) + tl.exp(x2 - hi))
+        u = (1.0 - beta) * p_s * (a - log_m)
+        term = beta * tl.exp(b) * (b - log_m) + u
+    return term, u, p_s
 
 
 @triton.jit
@@ -90,13 +104,13 @@ def _jsd_step_kernel(
     beta,
     log_beta,  # log β (mixture only)
     log_1m_beta,  # log(1 - β) (mixture only)
-    inv_tau,
     w_soft,
     w_hard,
     S_SCALE: tl.constexpr,
     S_CAP: tl.constexpr,  # 0 for none
     T_SCALE: tl.constexpr,
     T_CAP: tl.constexpr,
+    TEMPERATURE: tl.constexpr,  # τ, in the divergence only
     MODE: tl.constexpr,  # 0: β = 0 (forward KL), 1: β = 1 (reverse KL), 2: the mixture
     HAS_HARD: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -106,93 +120,58 @@ def _jsd_step_kernel(
     t_base = XT + row * stride_t
     cols = tl.arange(0, BLOCK)
 
-    # Pass 1: lse of z_s/τ and z_t/τ (and of z_s for the hard loss).
-    m_s = -float("inf")
-    l_s = 0.0
-    m_t = -float("inf")
-    l_t = 0.0
-    m_h = -float("inf")
-    l_h = 0.0
-    start = 0
-    while start < V:  # a while loop: the interpreter cannot take range() over a runtime int
-        mask = start + cols < V
-        zs, _ = _scaled(tl.load(s_base + start + cols, mask=mask, other=0.0), S_SCALE, S_CAP, 1.0)
-        zt, _ = _scaled(tl.load(t_base + start + cols, mask=mask, other=0.0), T_SCALE, T_CAP, 1.0)
-        m_s, l_s = _online_step(m_s, l_s, zs * inv_tau, mask)
-        m_t, l_t = _online_step(m_t, l_t, zt * inv_tau, mask)
-        if HAS_HARD:
-            m_h, l_h = _online_step(m_h, l_h, zs, mask)
-        start += BLOCK
+    # Pass 1: lse of z_s/τ and z_t/τ (and of z_s for the hard loss: one more read of the student's row).
+    m_s, l_s, _, _, _, _ = _online(s_base, V, S_SCALE, S_CAP, TEMPERATURE, False, False, False, False, BLOCK)
+    m_t, l_t, _, _, _, _ = _online(t_base, V, T_SCALE, T_CAP, TEMPERATURE, False, False, False, False, BLOCK)
     lse_s = m_s + tl.log(l_s)
     lse_t = m_t + tl.log(l_t)
+    y = 0
+    lse_h = 0.0
+    if HAS_HARD:
+        m_h, l_h, _, _, _, _ = _online(s_base, V, S_SCALE, S_CAP, 1.0, False, False, False, False, BLOCK)
+        lse_h = m_h + tl.log(l_h)
+        y = tl.load(Y + row).to(tl.int64)
+        z_y, dz_y = _scaled(tl.load(s_base + y), S_SCALE, S_CAP, 1.0)  # (dz_y unused)
+        tl.store(HARD + row, lse_h - z_y)
 
     # Pass 2: jsd, Σ u and the entropy.
     soft = 0.0
     u_sum = 0.0
     ent = 0.0
     start = 0
-    while start < V:
+    while start < V:  # a while loop: the interpreter cannot take range() over a runtime int
         mask = start + cols < V
-        zs, _ = _scaled(tl.load(s_base + start + cols, mask=mask, other=0.0), S_SCALE, S_CAP, 1.0)
-        zt, _ = _scaled(tl.load(t_base + start + cols, mask=mask, other=0.0), T_SCALE, T_CAP, 1.0)
-        a = zs * inv_tau - lse_s
-        b = zt * inv_tau - lse_t
-        p_s = tl.exp(a)
-        p_t = tl.exp(b)
-        if MODE == 0:
-            term = p_t * (b - a)
-            u = -p_t
-        elif MODE == 1:
-            term = p_s * (a - b)
-            u = term
-        else:
-            x1 = a + log_1m_beta
-            x2 = b + log_beta
-            hi = tl.maximum(x1, x2)
-            log_m = hi + tl.log(tl.exp(x1 - hi) + tl.exp(x2 - hi))
-            u = (1.0 - beta) * p_s * (a - log_m)
-            term = beta * p_t * (b - log_m) + u
+        zs, dzs = _scaled(tl.load(s_base + start + cols, mask=mask, other=0.0), S_SCALE, S_CAP, TEMPERATURE)
+        zt, dzt = _scaled(tl.load(t_base + start + cols, mask=mask, other=0.0), T_SCALE, T_CAP, TEMPERATURE)
+        a = zs - lse_s
+        term, u, p_s = _divergence(a, zt - lse_t, beta, log_beta, log_1m_beta, MODE)
         soft += tl.sum(tl.where(mask, term, 0.0), 0)
         u_sum += tl.sum(tl.where(mask, u, 0.0), 0)
         ent -= tl.sum(tl.where(mask, p_s * a, 0.0), 0)
         start += BLOCK
     tl.store(SOFT + row, soft)
     tl.store(ENT + row, ent)
-    y = 0
-    lse_h = 0.0
-    if HAS_HARD:
-        y = tl.load(Y + row).to(tl.int64)
-        # Named, not `_`: the loops assign `_` a block, and Triton 3.6 keeps a loop-carried name's type.
-        z_y, dz_y = _scaled(tl.load(s_base + y), S_SCALE, S_CAP, 1.0)
-        lse_h = m_h + tl.log(l_h)
-        tl.store(HARD + row, lse_h - z_y)
 
     # Pass 3: the gradient over the student's logits, last block first (the likeliest to be still in L2).
+    # dz/dx from _scaled holds 1/τ; the hard loss's logits are the untempered ones.
     norm = tl.load(NORM)
-    c_soft = w_soft * inv_tau / norm
+    c_soft = w_soft / norm
     c_hard = w_hard / norm
     start = (V - 1) // BLOCK * BLOCK
     while start >= 0:
         idx = start + cols
         mask = idx < V
-        zs, dzs = _scaled(tl.load(s_base + idx, mask=mask, other=0.0), S_SCALE, S_CAP, 1.0)
-        zt, _ = _scaled(tl.load(t_base + idx, mask=mask, other=0.0), T_SCALE, T_CAP, 1.0)
-        a = zs * inv_tau - lse_s
-        p_s = tl.exp(a)
-        if MODE == 0:
-            u = -tl.exp(zt * inv_tau - lse_t)
-        elif MODE == 1:
-            u = p_s * (a - (zt * inv_tau - lse_t))
-        else:
-            x1 = a + log_1m_beta
-            x2 = zt * inv_tau - lse_t + log_beta
-            hi = tl.maximum(x1, x2)
-            log_m = hi + tl.log(tl.exp(x1 - hi) + tl.exp(x2 - hi))
-            u = (1.0 - beta) * p_s * (a - log_m)
-        g = c_soft * (u - p_s * u_sum)
+        xs = tl.load(s_base + idx, mask=mask, other=0.0)
+        zs, dzs = _scaled(xs, S_SCALE, S_CAP, TEMPERATURE)
+        zt, dzt = _scaled(tl.load(t_base + idx, mask=mask, other=0.0), T_SCALE, T_CAP, TEMPERATURE)
+        # (term, not `_`: Triton 3.6 keeps the type a name had before a loop, and `_` is a scalar here)
+        term, u, p_s = _divergence(zs - lse_s, zt - lse_t, beta, log_beta, log_1m_beta, MODE)
+        g = c_soft * (u - p_s * u_sum) * dzs
         if HAS_HARD:
-            g += c_hard * tl.where(idx == y, tl.exp(zs - lse_h) - 1.0, tl.exp(zs - lse_h))
-        tl.store(s_base + idx, (g * dzs).to(XS.dtype.element_ty), mask=mask)
+            zh, dzh = _scaled(xs, S_SCALE, S_CAP, 1.0)
+            p_h = tl.exp(zh - lse_h)
+            g += c_hard * tl.where(idx == y, p_h - 1.0, p_h) * dzh
+        tl.store(s_base + idx, g.to(XS.dtype.element_ty), mask=mask)
         start -= BLOCK
 
 
@@ -243,13 +222,13 @@ def jsd_step(
         beta,
         math.log(beta) if mode == 2 else 0.0,
         math.log1p(-beta) if mode == 2 else 0.0,
-        1.0 / float(opts.temperature),
         float(opts.weight_soft_loss),
         float(opts.weight_hard_loss),
         S_SCALE=float(opts.student_logit_scale),
         S_CAP=float(opts.student_softcap or 0.0),
         T_SCALE=float(opts.teacher_logit_scale),
         T_CAP=float(opts.teacher_softcap or 0.0),
+        TEMPERATURE=float(opts.temperature),
         MODE=mode,
         HAS_HARD=has_hard,
         BLOCK=min(BLOCK_V, next_power_of_2(v)),
