@@ -33,12 +33,6 @@ def pick(z: Tensor, labels: Tensor) -> Tensor:
     return z.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
 
 
-def label_logprobs(z: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-    """``(log p(label), logsumexp)`` per row of fp32 logits ``z`` (N, V)."""
-    lse = torch.logsumexp(z, dim=-1)
-    return pick(z, labels) - lse, lse
-
-
 def scaled_label_logprob(
     logits: Tensor,
     labels: Tensor,
@@ -47,8 +41,9 @@ def scaled_label_logprob(
     temperature: float = 1.0,
 ) -> Tensor:
     """``log_softmax(scale_logits(logits.float()))[i, labels[i]]`` (C,) in fp32, in plain PyTorch."""
-    z = scale_logits(logits.float(), logit_scale, softcap, temperature)
-    return label_logprobs(z, labels.long())[0]
+    return row_statistics(logits, labels, logit_scale=logit_scale, softcap=softcap, temperature=temperature)[
+        "logp"
+    ]
 
 
 def row_statistics(

@@ -23,9 +23,7 @@ from chunkloss.base import Batch, FusedLinearBase, FusedOptions
 from chunkloss.losses.common import (
     check_head,
     check_labels,
-    entropy_from_logits,
-    pick,
-    scale_logits,
+    row_statistics,
     to_scalar,
 )
 
@@ -73,20 +71,30 @@ class CrossEntropyOptions(FusedOptions):
 def cross_entropy_rows(logits: Tensor, labels: Tensor, opts: CrossEntropyOptions) -> dict[str, Tensor]:
     """Per-row values of a chunk: ``loss`` ℓ_i and, as the options ask, ``z_loss``, ``correct`` (argmax is the
     label), ``entropy``; the one CE formula (the compiled step and the Triton kernel's reference use it)."""
-    z = scale_logits(logits.float(), opts.logit_scale, opts.softcap, opts.temperature)
-    lse = torch.logsumexp(z, dim=-1)
-    per_row = lse - pick(z, labels)
+    r = row_statistics(
+        logits,
+        labels,
+        logit_scale=opts.logit_scale,
+        softcap=opts.softcap,
+        temperature=opts.temperature,
+        lse=True,
+        mean=opts.label_smoothing > 0,
+        entropy=opts.return_entropy,
+        argmax=opts.return_token_accuracy,
+    )
+    lse = r["lse"]
+    per_row = -r["logp"]
     if opts.label_smoothing > 0:
-        per_row = (1 - opts.label_smoothing) * per_row + opts.label_smoothing * (lse - z.mean(-1))
+        per_row = (1 - opts.label_smoothing) * per_row + opts.label_smoothing * (lse - r["mean"])
     rows = {}
     if opts.lse_square_scale > 0:
         rows["z_loss"] = opts.lse_square_scale * lse.square()
         per_row = per_row + rows["z_loss"]
     rows["loss"] = per_row
     if opts.return_token_accuracy:
-        rows["correct"] = (z.argmax(-1) == labels).float()
+        rows["correct"] = (r["argmax"] == labels).float()
     if opts.return_entropy:
-        rows["entropy"] = entropy_from_logits(z, lse)
+        rows["entropy"] = r["entropy"]
     return rows
 
 
