@@ -190,14 +190,18 @@ def test_logit_transforms(loss_type, level, chunk):
     assert abs(plain[0] - ref[0]) > 1e-3
 
 
+# Entropy mask (two passes), mask with bonus on the sequence path, bonus alone (also in test_row_steps.py).
+ENTROPY_OPTIONS = [
+    dict(loss_type="dapo", top_entropy_quantile=0.3, beta=0.04),
+    dict(loss_type="grpo", top_entropy_quantile=0.5, entropy_coef=0.1, importance_sampling_level="sequence"),
+    dict(loss_type="dapo", entropy_coef=0.05),
+]
+
+
 @pytest.mark.parametrize(
     "opts",
     [
-        dict(loss_type="dapo", top_entropy_quantile=0.3, beta=0.04),
-        dict(
-            loss_type="grpo", top_entropy_quantile=0.5, entropy_coef=0.1, importance_sampling_level="sequence"
-        ),
-        dict(loss_type="dapo", entropy_coef=0.05),
+        *ENTROPY_OPTIONS,
         dict(loss_type="bnpo", entropy_coef=0.05, top_entropy_quantile=0.0),
         dict(loss_type="grpo", off_policy_mask_threshold=0.05, beta=0.04),
         dict(loss_type="dapo", off_policy_mask_threshold=0.05, importance_sampling_level="sequence"),

@@ -155,10 +155,11 @@ def test_sft_moe_router_aux_loss(tmp_path):
     assert ours._metrics["train"]["aux_loss"] == pytest.approx(ref._metrics["train"]["aux_loss"], rel=1e-5)
 
 
-def test_sft_compiled(tmp_path):
+def _compiled_pair(tmp_path, **cfg):
+    """TRL's trainer and ours with the chunk steps compiled (automatic chunks), on prompt-completion data."""
     ref_model, our_model = model_pair()
     ds = tiny_dataset("sft", n=8)
-    base = common_args(tmp_path, max_length=64)
+    base = common_args(tmp_path, max_length=64, **cfg)
     ref = SFTTrainer(ref_model, SFTConfig(**base), train_dataset=ds, processing_class=tokenizer())
     ours = ChunkedSFTTrainer(
         our_model,
@@ -166,7 +167,11 @@ def test_sft_compiled(tmp_path):
         train_dataset=ds,
         processing_class=tokenizer(),
     )
-    _check(ref, ours)
+    return ref, ours
+
+
+def test_sft_compiled(tmp_path):
+    _check(*_compiled_pair(tmp_path))
 
 
 def test_sft_lora_on_lm_head_trains(tmp_path):
