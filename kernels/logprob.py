@@ -29,6 +29,7 @@ from chunkloss.losses.common import row_statistics, scaled_label_logprob
 from ._utils import next_power_of_2
 
 __all__ = [
+    "row_grad_from_loss_",
     "label_logprob_ref",
     "label_logprob_triton",
     "row_grad_",
@@ -363,6 +364,28 @@ def row_grad_(
         num_warps=GRAD_NUM_WARPS,
     )
     return logits
+
+
+def row_grad_from_loss_(
+    logits: Tensor,
+    labels: Tensor,
+    rows: dict[str, Tensor],
+    loss: Tensor,
+    *,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    temperature: float = 1.0,
+) -> Tensor:
+    """:func:`row_grad_` for a loss evaluated with autograd on :func:`row_stats`'s output ``rows`` for these
+    logits: its leaves ``rows["logp"]`` and, when it requires grad, ``rows["entropy"]`` give the
+    coefficients."""
+    ent = rows.get("entropy")
+    leaves = [rows["logp"]] + ([ent] if ent is not None and ent.requires_grad else [])
+    coef = torch.autograd.grad(loss, leaves, allow_unused=True)
+    # Contiguous: the gradient of a sum reaches each row as a stride-0 expansion.
+    coef = [torch.zeros_like(leaves[0]) if c is None else c.contiguous() for c in coef]
+    return row_grad_(logits, labels, coef[0], coef_entropy=coef[1] if len(coef) > 1 else None, stats=rows,
+                     logit_scale=logit_scale, softcap=softcap, temperature=temperature)  # fmt: skip
 
 
 def row_grad_ref(

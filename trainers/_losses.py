@@ -48,15 +48,14 @@ def _dft_triton_step(opts: CrossEntropyOptions, logits, extra_logits, token, sca
     """The "token" step on CUDA: the rows' statistics from ``chunkloss.kernels.logprob`` (one read of the
     logits), the loss on them, and ``dL/dlogits = -sg(p_y)/n · (onehot - p)`` written in place (one more
     read)."""
-    from chunkloss.kernels.logprob import row_grad_, row_stats  # Triton is imported only on CUDA
+    from chunkloss.kernels.logprob import row_grad_from_loss_, row_stats  # Triton is imported only on CUDA
 
     rows = row_stats(logits, token["labels"], **_row_kw(opts))
     with torch.enable_grad():
-        logp = rows["logp"].requires_grad_(True)
+        rows["logp"].requires_grad_(True)
         loss, metrics = _dft_sums(rows, token, scalars, opts)
-        (coef,) = torch.autograd.grad(loss, logp)
     scalings = dict(logit_scale=opts.logit_scale, softcap=opts.softcap, temperature=opts.temperature)
-    row_grad_(logits, token["labels"], coef.contiguous(), stats=rows, **scalings)
+    row_grad_from_loss_(logits, token["labels"], rows, loss, **scalings)
     return logits, loss.detach(), metrics
 
 

@@ -303,7 +303,7 @@ def grpo_token_stats(logits, extra_logits, token, opts: GRPOOptions):
 # grad_and_value step reads them three or four times (1.76 ms per 3584-row chunk at V=128256 on an H100).
 def _triton_token_step(opts: GRPOOptions, logits, extra_logits, token, scalars, grad: bool = True):
     """The token path's "token" step (``grad``) or "token_value" step: ``grad_and_value(grpo_chunk)``."""
-    from chunkloss.kernels.logprob import row_grad_, row_stats  # Triton is imported only on CUDA
+    from chunkloss.kernels.logprob import row_grad_from_loss_, row_stats  # Triton is imported only on CUDA
 
     logp, ent, ref, rows = _row_logprobs(logits, extra_logits, token, opts, row_stats)
     with torch.enable_grad():
@@ -311,15 +311,10 @@ def _triton_token_step(opts: GRPOOptions, logits, extra_logits, token, scalars, 
         ent.requires_grad_(grad and opts.entropy_coef != 0)
         old = token["old_logps"] if "old_logps" in token else logp.detach()
         loss, m = _row_loss(logp, ent, ref, logp - old, token, scalars, opts)
-        metrics = _token_shaped_metrics(m, token, scalars)
-        if not grad:
-            return None, loss, metrics
-        inputs = [logp, ent] if ent.requires_grad else [logp]
-        coef = torch.autograd.grad(loss, inputs, allow_unused=True)
-    # Contiguous: the gradient of a sum reaches each row as a stride-0 expansion.
-    coef = [torch.zeros_like(logp) if c is None else c.contiguous() for c in coef]
-    row_grad_(logits, token["ids"], coef[0], coef_entropy=coef[1] if len(coef) > 1 else None, stats=rows,
-              **_scalings(opts))  # fmt: skip
+    metrics = _token_shaped_metrics(m, token, scalars)
+    if not grad:
+        return None, loss, metrics
+    row_grad_from_loss_(logits, token["ids"], rows, loss, **_scalings(opts))
     return logits, loss.detach(), metrics
 
 
