@@ -315,6 +315,11 @@ class FusedLinearBase(nn.Module):
         defines ``sequence_loss``; a loss with both forms (GRPO) decides from its options."""
         return type(self).sequence_loss is not FusedLinearBase.sequence_loss
 
+    def _step_upcasts_extra(self, device_type: str) -> bool:
+        """Whether the compiled step holds an fp32 copy of the extra heads' logits (inductor upcasts bf16
+        inputs of a reduction); a loss whose step on ``device_type`` reads them in place says False."""
+        return True
+
     # ----------------------------------------------------------------------------------------------
     def _step_fn(self, kind: str, device_type: str = "cuda"):
         """The per-chunk step of ``kind``, compiled when asked: once per loss class, options (those the step
@@ -376,7 +381,8 @@ class FusedLinearBase(nn.Module):
         With an fp32 weight-gradient accumulator (``fp32_grad_w``) the backward holds the accumulator and its
         cast to the weight's dtype at once, so a chunk whose logits take no more than that cast's V·H bytes
         leaves the step's peak where it is; the loss then takes that larger budget, with the logits of
-        extra heads (a teacher) counted twice for their fp32 copy in the step. Larger chunks run the GEMMs
+        extra heads (a teacher) counted twice where the step makes an fp32 copy of them
+        (``_step_upcasts_extra``). Larger chunks run the GEMMs
         faster (``benchmarks/chunk_sweep.py``, H200, all at 1.96 GiB beyond the gradients unless noted): CE
         at N=8192 39.4 ms at 1792 rows, 38.3 at 4096; GRPO dapo 2x16384 165.4 ms at 1792, 158.5 at 3072;
         JSD at N=8192 70.7 ms at 896, 66.7 at 1280 (2.20 GiB), 63.2 at 2048 (2.94 GiB, hence the fp32
@@ -395,7 +401,8 @@ class FusedLinearBase(nn.Module):
         v, itemsize = weight.shape[0], hidden.element_size()
         if fp32_grad_w and opts.compile:
             budget = max(budget, weight.numel() * weight.element_size() // 2**20)
-            extra_vocab *= 2
+            if self._step_upcasts_extra(hidden.device.type):
+                extra_vocab *= 2
         return default_chunk_size(v, itemsize, budget, extra_vocab, grad_in_place=opts.compile)
 
 

@@ -161,12 +161,18 @@ class FusedLinearJSDLoss(FusedLinearBase):
     options: JSDOptions
     chunk_loss = staticmethod(jsd_chunk)
 
+    def _uses_kernel(self, kind: str, opts: JSDOptions, device_type: str) -> bool:
+        own = type(self).chunk_loss is jsd_chunk  # the kernel computes this class's own loss
+        return own and kind == "token" and device_type == "cuda" and opts.compile
+
     def _build_step(self, kind: str, opts: JSDOptions, device_type: str):
         """On CUDA the chunk step with grad is the Triton kernel (no torch.compile graph)."""
-        own = type(self).chunk_loss is jsd_chunk  # the kernel computes this class's own loss
-        if own and kind == "token" and device_type == "cuda" and opts.compile:
+        if self._uses_kernel(kind, opts, device_type):
             return functools.partial(_triton_step, opts)
         return super()._build_step(kind, opts, device_type)
+
+    def _step_upcasts_extra(self, device_type: str) -> bool:
+        return not self._uses_kernel("token", self.options, device_type)
 
     def forward(
         self,

@@ -206,6 +206,15 @@ def test_automatic_chunk_rows():
     jsd = FusedLinearJSDLoss()
     assert jsd.chunk_rows(weight, hidden, teacher) == 896  # 448 MiB over student and teacher logits
     assert jsd.chunk_rows(weight, hidden, teacher, True) == 1280  # 1002 MiB, teacher counted in fp32
+    # On CUDA the JSD kernel reads the teacher's bf16 logits in place (no fp32 copy): 2048 rows in 1002 MiB;
+    # a subclass with its own math keeps the compiled step and its fp32 copy.
+    assert not jsd._step_upcasts_extra("cuda") and jsd._step_upcasts_extra("cpu")
+
+    class OtherJSD(FusedLinearJSDLoss):
+        chunk_loss = staticmethod(lambda *a: None)
+
+    assert OtherJSD()._step_upcasts_extra("cuda")
+    assert FusedLinearJSDLoss(compile=False)._step_upcasts_extra("cuda")  # eager step: no kernel
     from chunkloss.losses.dpo import FusedLinearDPOLoss
 
     dpo = FusedLinearDPOLoss()  # automatic chunks: two passes, one [C, V] tensor live, ref head reduced first
