@@ -3,6 +3,7 @@ N tokens with 1/7 ignored (``benchmarks/cases_ce.py``), or GRPO dapo at B x T (`
 
 python -m benchmarks.profile_ce [--chunk-size C] [--n 8192]
 python -m benchmarks.profile_ce --loss grpo [--b 16 --t 1024]
+python -m benchmarks.profile_ce --case "jsd N=8192"   # any bench_losses case, its chunkloss impl
 """
 
 import argparse
@@ -41,6 +42,16 @@ def host_overhead(f) -> None:
         print("  ", str(c.message)[:100], c.filename.split("/")[-1], c.lineno)
 
 
+def _case(name: str):
+    from benchmarks import cases_jsd, cases_preference
+
+    for mod in (cases_ce, cases_grpo, cases_jsd, cases_preference):
+        for c in mod.cases():
+            if c.name == name:
+                return c
+    raise SystemExit(f"no benchmark case named {name!r}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--chunk-size", type=int, default=None)
@@ -48,8 +59,19 @@ def main(argv=None):
     p.add_argument("--loss", choices=("ce", "grpo"), default="ce")
     p.add_argument("--b", type=int, default=16)
     p.add_argument("--t", type=int, default=1024)
+    p.add_argument("--case", default=None, help="a bench_losses case by name, e.g. 'jsd N=8192'")
     a = p.parse_args(argv)
-    if a.loss == "ce":
+    if a.case is not None:
+        case = _case(a.case)
+        inp = case.make_inputs(torch.device("cuda"))
+        f = None
+        impl = case.impls["chunkloss"]
+
+        def call():
+            return impl(inp)
+
+        args = ()
+    elif a.loss == "ce":
         inp = cases_ce._inputs(a.n)(torch.device("cuda"))
         f = FusedLinearCrossEntropyLoss(chunk_size=a.chunk_size)
         call = f
@@ -64,7 +86,9 @@ def main(argv=None):
         args = (inp["hidden"], inp["weight"], inp["ids"], inp["mask"], inp["adv"])
 
     def step():
-        inp["hidden"].grad = inp["weight"].grad = None
+        for t in inp.values():
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.grad = None
         call(*args).backward()
 
     for _ in range(3):
@@ -86,7 +110,7 @@ def main(argv=None):
         end = max(end, prev.time_range.end)
         if gap > 30:
             print(f"  idle {gap / 1e3:.3f} ms  after {prev.name[:50]}  before {e.name[:50]}")
-    if a.loss == "ce":
+    if f is not None and a.loss == "ce":
         host_overhead(f)
     else:
         import warnings
