@@ -38,6 +38,7 @@ import functools
 import inspect
 import re
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -168,12 +169,16 @@ def sequence_batch(
     sequence: dict[str, Tensor] | None = None,  # (S, ...) per-sequence tensors
     scalars: dict[str, Tensor] | None = None,
     extra: list[Head] | None = None,
+    host_checks: list[tuple[Tensor, Callable[[int], None]]] = (),
 ) -> tuple[Batch, Tensor]:
     """A :class:`Batch` for a sequence loss over S sequences of T positions (flattened row = s·T + t).
 
     Sequences are reordered by group (stable), so each group's rows are contiguous in ``rows``;
     ``sequence`` tensors and ``seq_id`` follow that order. Returns the batch and ``order`` (S,), the
     original index of each reordered sequence (e.g. pairs (g, B+g) come out as [0, B, 1, B+1, ...]).
+    ``host_checks`` are ``(0-d integer tensor, check)`` pairs from input validation (``check_labels(...,
+    defer=...)``): their values come to the host in this function's one sync, and each ``check(value)``
+    runs (and may raise) before anything reads the batch.
     """
     n_seq, t = keep.shape
     order = torch.argsort(group_of_seq, stable=True)
@@ -188,7 +193,11 @@ def sequence_batch(
     per_group[1].index_add_(0, group_idx, torch.ones_like(group_idx))  # sequences of each group
     n_groups = group_idx[-1:] + 1 if n_seq else group_idx.new_zeros(1)
     # The one host sync: rows in all, groups, and per group its rows and sequences (chunk planning).
-    host = torch.cat([rows_per_seq.sum().reshape(1), n_groups, per_group.reshape(-1)]).tolist()
+    checks = [c.reshape(1).long() for c, _ in host_checks]
+    host = torch.cat([*checks, rows_per_seq.sum().reshape(1), n_groups, per_group.reshape(-1)]).tolist()
+    for (_, check), value in zip(host_checks, host):
+        check(value)
+    host = host[len(checks) :]
     n_rows, n_groups = host[0], host[1]
     width = max(n_seq, 1)
     rows = torch.nonzero_static(keep.reshape(-1), size=n_rows).squeeze(1)

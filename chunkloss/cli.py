@@ -48,19 +48,48 @@ class TrainerSpec:
 
 
 TRAINERS: dict[str, TrainerSpec] = {
-    "sft": TrainerSpec("chunkloss.trainers.sft", "ChunkedSFTTrainer", "ChunkedSFTConfig", "sft",
-                       "supervised fine-tuning (chunked cross-entropy / DFT)"),
-    "grpo": TrainerSpec("chunkloss.trainers.grpo", "ChunkedGRPOTrainer", "ChunkedGRPOConfig", "grpo",
-                        "online RL with group-relative advantages (needs reward_funcs)"),
-    "dpo": TrainerSpec("chunkloss.trainers.dpo", "ChunkedDPOTrainer", "ChunkedDPOConfig", "dpo",
-                       "direct preference optimisation (prompt/chosen/rejected)"),
-    "orpo": TrainerSpec("chunkloss.trainers.orpo", "ChunkedORPOTrainer", "ChunkedORPOConfig", "orpo",
-                        "odds-ratio preference optimisation, no reference model"),
-    "gkd": TrainerSpec("chunkloss.trainers.gkd", "ChunkedGKDTrainer", "ChunkedGKDConfig", "gkd",
-                       "generalised knowledge distillation (needs a teacher)"),
-    "distillation": TrainerSpec("chunkloss.trainers.distillation", "ChunkedDistillationTrainer",
-                                "ChunkedDistillationConfig", "distillation",
-                                "on-policy distillation (needs a teacher)"),
+    "sft": TrainerSpec(
+        "chunkloss.trainers.sft",
+        "ChunkedSFTTrainer",
+        "ChunkedSFTConfig",
+        "sft",
+        "supervised fine-tuning (chunked cross-entropy / DFT)",
+    ),
+    "grpo": TrainerSpec(
+        "chunkloss.trainers.grpo",
+        "ChunkedGRPOTrainer",
+        "ChunkedGRPOConfig",
+        "grpo",
+        "online RL with group-relative advantages (needs reward_funcs)",
+    ),
+    "dpo": TrainerSpec(
+        "chunkloss.trainers.dpo",
+        "ChunkedDPOTrainer",
+        "ChunkedDPOConfig",
+        "dpo",
+        "direct preference optimisation (prompt/chosen/rejected)",
+    ),
+    "orpo": TrainerSpec(
+        "chunkloss.trainers.orpo",
+        "ChunkedORPOTrainer",
+        "ChunkedORPOConfig",
+        "orpo",
+        "odds-ratio preference optimisation, no reference model",
+    ),
+    "gkd": TrainerSpec(
+        "chunkloss.trainers.gkd",
+        "ChunkedGKDTrainer",
+        "ChunkedGKDConfig",
+        "gkd",
+        "generalised knowledge distillation (needs a teacher)",
+    ),
+    "distillation": TrainerSpec(
+        "chunkloss.trainers.distillation",
+        "ChunkedDistillationTrainer",
+        "ChunkedDistillationConfig",
+        "distillation",
+        "on-policy distillation (needs a teacher)",
+    ),
 }
 
 TINY_MODEL_KEYS = ("family", "hidden_size", "num_layers")
@@ -75,35 +104,45 @@ class RunArguments:
     )
     tiny_model: dict | None = field(
         default=None,
-        metadata={"help": "Build a randomly initialised model instead of loading one: a mapping with keys "
-                  "family (e.g. qwen3, llama), hidden_size, num_layers. Uses the built-in tokenizer."},
+        metadata={
+            "help": "Build a randomly initialised model instead of loading one: a mapping with keys "
+            "family (e.g. qwen3, llama), hidden_size, num_layers. Uses the built-in tokenizer."
+        },
     )
     teacher_tiny_model: dict | None = field(
         default=None,
-        metadata={"help": "gkd/distillation: a random teacher of this shape (keys as tiny_model) instead of "
-                  "teacher_model_name_or_path."},
+        metadata={
+            "help": "gkd/distillation: a random teacher of this shape (keys as tiny_model) instead of "
+            "teacher_model_name_or_path."
+        },
     )
     tokenizer_name_or_path: str | None = field(
         default=None, metadata={"help": "Tokenizer hub id or path (default: model_name_or_path)."}
     )
     dataset: str = field(
         default="tiny",
-        metadata={"help": "'tiny' (the built-in counting task), a hub dataset id, or a local path: a "
-                  "save_to_disk folder, a .json/.jsonl/.csv/.parquet file, or anything load_dataset reads."},
+        metadata={
+            "help": "'tiny' (the built-in counting task), a hub dataset id, or a local path: a "
+            "save_to_disk folder, a .json/.jsonl/.csv/.parquet file, or anything load_dataset reads."
+        },
     )
     dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name."})
     dataset_split: str = field(default="train", metadata={"help": "Dataset split to train on."})
     dataset_size: int = field(default=256, metadata={"help": "Rows of the tiny dataset."})
     cpu_threads: int | None = field(
         default=None,
-        metadata={"help": "torch.set_num_threads for the run (restored after). The tiny configs use 1: a "
-                  "64-wide model's ops are too small to split, and threads that wait on a busy machine cost "
-                  "far more than they save."},
+        metadata={
+            "help": "torch.set_num_threads for the run (restored after). The tiny configs use 1: a "
+            "64-wide model's ops are too small to split, and threads that wait on a busy machine cost "
+            "far more than they save."
+        },
     )
     reward_funcs: list[str] = field(
         default_factory=lambda: ["count"],
-        metadata={"help": "grpo: reward functions: 'count' (the tiny task's reward), 'module:function', or a "
-                  "reward model hub id / path."},
+        metadata={
+            "help": "grpo: reward functions: 'count' (the tiny task's reward), 'module:function', or a "
+            "reward model hub id / path."
+        },
     )
 
 
@@ -121,13 +160,16 @@ def _trainer_classes(name: str) -> tuple[type, type]:
     except ModuleNotFoundError as exc:
         if exc.name != spec.module:
             raise
-        raise ConfigError(f"trainer: {name!r} is not available in this version of chunkloss "
-                          f"({spec.module} is missing)") from None
+        raise ConfigError(
+            f"trainer: {name!r} is not available in this version of chunkloss ({spec.module} is missing)"
+        ) from None
     try:
         return getattr(mod, spec.trainer), getattr(mod, spec.config)
     except AttributeError:
-        raise ConfigError(f"trainer: {name!r} is not available: {spec.module} does not define "
-                          f"{spec.trainer} and {spec.config}") from None
+        raise ConfigError(
+            f"trainer: {name!r} is not available: {spec.module} does not define "
+            f"{spec.trainer} and {spec.config}"
+        ) from None
 
 
 def _available(name: str) -> bool:
@@ -176,8 +218,14 @@ def _describe(tp) -> str:
         return f"a {origin.__name__}{inner}"
     if _enum_values(tp):
         return "one of " + ", ".join(map(repr, _enum_values(tp)))
-    return {bool: "true/false", int: "an integer", float: "a number", str: "a string", dict: "a mapping",
-            list: "a list"}.get(tp, getattr(tp, "__name__", str(tp)))
+    return {
+        bool: "true/false",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        dict: "a mapping",
+        list: "a list",
+    }.get(tp, getattr(tp, "__name__", str(tp)))
 
 
 def _matches(value, tp) -> bool:
@@ -197,8 +245,10 @@ def _matches(value, tp) -> bool:
     if _enum_values(tp):
         return value in _enum_values(tp) or isinstance(value, tp)
     if tp is bool:
-        return isinstance(value, bool) or (isinstance(value, str) and value.lower() in
-                                           ("true", "false", "yes", "no", "t", "f", "y", "n", "1", "0"))
+        return isinstance(value, bool) or (
+            isinstance(value, str)
+            and value.lower() in ("true", "false", "yes", "no", "t", "f", "y", "n", "1", "0")
+        )
     if tp is int:
         if isinstance(value, str):
             try:
@@ -236,18 +286,23 @@ def _check_keys(config: dict, name: str, where: str) -> None:
         if key not in hints:
             close = difflib.get_close_matches(key, list(hints), n=3)
             hint = f"; did you mean {' or '.join(close)}?" if close else ""
-            raise ConfigError(f"{where}: unknown key {key!r} for trainer {name!r}{hint} "
-                              f"(see `chunkloss train --trainer {name} --help`)")
+            raise ConfigError(
+                f"{where}: unknown key {key!r} for trainer {name!r}{hint} "
+                f"(see `chunkloss train --trainer {name} --help`)"
+            )
         if not _matches(value, hints[key]):
-            raise ConfigError(f"{where}: key {key!r} must be {_describe(hints[key])}, got {value!r} "
-                              f"({type(value).__name__})")
+            raise ConfigError(
+                f"{where}: key {key!r} must be {_describe(hints[key])}, got {value!r} "
+                f"({type(value).__name__})"
+            )
     for key in ("tiny_model", "teacher_tiny_model"):
         block = config.get(key)
         if isinstance(block, dict):
             for k, v in block.items():
                 if k not in TINY_MODEL_KEYS:
                     raise ConfigError(
-                        f"{where}: unknown key {key}.{k}; expected {', '.join(TINY_MODEL_KEYS)}")
+                        f"{where}: unknown key {key}.{k}; expected {', '.join(TINY_MODEL_KEYS)}"
+                    )
                 if k == "family":
                     ok = isinstance(v, str)
                 else:
@@ -307,13 +362,15 @@ def load_config(path: str, overrides: list[str] | None = None):
         raise ConfigError(f"{path}: {exc}") from None
     if run_args.tiny_model is None and model_args.model_name_or_path is None:
         raise ConfigError(
-            f"{path}: set either model_name_or_path (hub id or local path) or a tiny_model block")
+            f"{path}: set either model_name_or_path (hub id or local path) or a tiny_model block"
+        )
     if run_args.tiny_model is not None and model_args.model_name_or_path is not None:
         raise ConfigError(f"{path}: set only one of model_name_or_path and tiny_model")
     if name in ("gkd", "distillation"):
         if run_args.teacher_tiny_model is None and training_args.teacher_model_name_or_path is None:
             raise ConfigError(
-                f"{path}: {name} needs a teacher: set teacher_model_name_or_path or teacher_tiny_model")
+                f"{path}: {name} needs a teacher: set teacher_model_name_or_path or teacher_tiny_model"
+            )
     return run_args, model_args, training_args
 
 
@@ -379,19 +436,25 @@ def _build(name: str, run_args, model_args, training_args):
     else:
         tokenizer = transformers.AutoTokenizer.from_pretrained(
             run_args.tokenizer_name_or_path or model_args.model_name_or_path,
-            revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code,
+            revision=model_args.model_revision,
+            trust_remote_code=training_args.trust_remote_code,
         )
         # The trainer loads the model with model_init_kwargs, as TRL's own scripts do.
         model = model_args.model_name_or_path
-        init = dict(revision=model_args.model_revision, attn_implementation=model_args.attn_implementation,
-                    dtype=model_args.dtype)
+        init = dict(
+            revision=model_args.model_revision,
+            attn_implementation=model_args.attn_implementation,
+            dtype=model_args.dtype,
+        )
         init.update(training_args.model_init_kwargs or {})
         training_args.model_init_kwargs = {k: v for k, v in init.items() if v is not None}
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
 
     kwargs: dict[str, Any] = dict(
-        model=model, args=training_args, processing_class=tokenizer,
+        model=model,
+        args=training_args,
+        processing_class=tokenizer,
         train_dataset=_load_dataset(run_args, spec.data, training_args.seed),
     )
     peft_config = get_peft_config(model_args)
@@ -516,11 +579,15 @@ def _field_help(cls) -> list[str]:
     hints = typing.get_type_hints(cls)
     out = []
     for f in dataclasses.fields(cls):
-        default = f.default if f.default is not dataclasses.MISSING else (
-            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        default = (
+            f.default
+            if f.default is not dataclasses.MISSING
+            else (f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        )
         text = f"{f.metadata.get('help', '')} ({_describe(hints[f.name])}; default {default!r})"
-        out.append(textwrap.fill(text, width=108, initial_indent=f"  {f.name:<23} ",
-                                 subsequent_indent=" " * 26))
+        out.append(
+            textwrap.fill(text, width=108, initial_indent=f"  {f.name:<23} ", subsequent_indent=" " * 26)
+        )
     return out
 
 
@@ -547,9 +614,12 @@ def _train_overview() -> str:
         lines += ["", "chunk options (every trainer):", *_field_help(ChunkedArguments)]
     except ImportError:
         pass
-    lines += ["", "model keys (TRL ModelConfig): model_name_or_path, model_revision, dtype,",
-              "  attn_implementation, use_peft, lora_r, lora_alpha, lora_dropout, lora_target_modules, ...",
-              "  (`chunkloss train --trainer NAME --help` lists every key of a trainer)"]
+    lines += [
+        "",
+        "model keys (TRL ModelConfig): model_name_or_path, model_revision, dtype,",
+        "  attn_implementation, use_peft, lora_r, lora_alpha, lora_dropout, lora_target_modules, ...",
+        "  (`chunkloss train --trainer NAME --help` lists every key of a trainer)",
+    ]
     return "\n".join(lines)
 
 
@@ -583,32 +653,45 @@ def _call_main(fn, prog: str, argv: list[str]):
 def bench(argv: list[str]) -> int:
     """``chunkloss bench [losses|kernels|e2e|all] [args...]``: dispatch to ``benchmarks/bench_<name>.py``."""
     if argv and argv[0] in ("-h", "--help"):
-        print("usage: chunkloss bench [losses|kernels|e2e|all] [args...]\n\n"
-              "Runs benchmarks/bench_<name>.py of the checkout against every installed peer and writes a\n"
-              "markdown table and PNG plots under its results folder. Without a name: losses, then kernels\n"
-              "(end-to-end only when asked: `e2e` or `all`). Arguments after the name go to that script;\n"
-              "`chunkloss bench losses --help` shows them. Needs a CUDA GPU.")
+        print(
+            "usage: chunkloss bench [losses|kernels|e2e|all] [args...]\n\n"
+            "Runs benchmarks/bench_<name>.py of the checkout against every installed peer and writes a\n"
+            "markdown table and PNG plots under its results folder. Without a name: losses, then kernels\n"
+            "(end-to-end only when asked: `e2e` or `all`). Arguments after the name go to that script;\n"
+            "`chunkloss bench losses --help` shows them. Needs a CUDA GPU."
+        )
         return 0
-    targets, rest = (["losses", "kernels"], []) if not argv else (
-        (list(BENCHES), argv[1:]) if argv[0] == "all" else ([argv[0]], argv[1:]))
+    targets, rest = (
+        (["losses", "kernels"], [])
+        if not argv
+        else ((list(BENCHES), argv[1:]) if argv[0] == "all" else ([argv[0]], argv[1:]))
+    )
     for t in targets:
         if t not in BENCHES:
-            print(f"chunkloss bench: unknown benchmark {t!r}; choose losses, kernels, e2e or all",
-                  file=sys.stderr)
+            print(
+                f"chunkloss bench: unknown benchmark {t!r}; choose losses, kernels, e2e or all",
+                file=sys.stderr,
+            )
             return 2
     import torch
 
     wants_help = any(a in ("-h", "--help") for a in rest)
     if not torch.cuda.is_available() and not wants_help:
-        print("chunkloss bench: no CUDA device found. The benchmarks time GPU kernels and GPU memory; "
-              "they do not print CPU numbers. Run this on a machine with a CUDA GPU.", file=sys.stderr)
+        print(
+            "chunkloss bench: no CUDA device found. The benchmarks time GPU kernels and GPU memory; "
+            "they do not print CPU numbers. Run this on a machine with a CUDA GPU.",
+            file=sys.stderr,
+        )
         return 1
     root = _benchmarks_dir()
     for t in targets:
         script = root / f"bench_{t}.py"
         if not script.is_file():
-            print(f"chunkloss bench: {script} not found. `chunkloss bench` runs the benchmark scripts of a "
-                  "source checkout (git clone the repository and `pip install -e .`).", file=sys.stderr)
+            print(
+                f"chunkloss bench: {script} not found. `chunkloss bench` runs the benchmark scripts of a "
+                "source checkout (git clone the repository and `pip install -e .`).",
+                file=sys.stderr,
+            )
             return 2
     if str(root.parent) not in sys.path:  # the scripts import benchmarks.harness and benchmarks.cases_*
         sys.path.insert(0, str(root.parent))

@@ -69,23 +69,32 @@ def jsd_step_ref(
 
 
 @triton.jit
-def _divergence(a, b, beta, log_beta, log_1m_beta, MODE: tl.constexpr):
+def _divergence(a, b, beta, log_beta, log_1m_beta, inv_1m_beta, MODE: tl.constexpr):
     """Per element of a row block, from a = log S and b = log T: (jsd term, u = dL/da at fixed others, s)."""
-    p_s = tl.exp(a)
     if MODE == 0:
+        p_s = tl.exp(a)
         p_t = tl.exp(b)
         term = p_t * (b - a)
         u = -p_t
     elif MODE == 1:
+        p_s = tl.exp(a)
         term = p_s * (a - b)
         u = term
     else:
+        # x1 = log((1-β)·s), x2 = log(β·t), m = e^x1 + e^x2: three exp/log per element instead of five, from
+        # e^hi and r = e^-|x1 - x2| (the smaller of the two mixture parts is e^hi·r).
         x1 = a + log_1m_beta
         x2 = b + log_beta
         hi = tl.maximum(x1, x2)
-        log_m = hi + tl.log(tl.exp(x1 - hi) + tl.exp(x2 - hi))
-        u = (1.0 - beta) * p_s * (a - log_m)
-        term = beta * tl.exp(b) * (b - log_m) + u
+        e_hi = tl.exp(hi)
+        r = tl.exp(-tl.abs(x1 - x2))
+        log_m = hi + tl.log(1.0 + r)
+        first = x1 >= x2
+        p1 = tl.where(first, e_hi, e_hi * r)  # (1-β)·s
+        p2 = tl.where(first, e_hi * r, e_hi)  # β·t
+        u = p1 * (a - log_m)
+        term = p2 * (b - log_m) + u
+        p_s = p1 * inv_1m_beta
     return term, u, p_s
 
 
@@ -104,6 +113,7 @@ def _jsd_step_kernel(
     beta,
     log_beta,  # log β (mixture only)
     log_1m_beta,  # log(1 - β) (mixture only)
+    inv_1m_beta,  # 1 / (1 - β) (mixture only)
     w_soft,
     w_hard,
     S_SCALE: tl.constexpr,
@@ -134,23 +144,24 @@ def _jsd_step_kernel(
         z_y, dz_y = _scaled(tl.load(s_base + y), S_SCALE, S_CAP, 1.0)  # (dz_y unused)
         tl.store(HARD + row, lse_h - z_y)
 
-    # Pass 2: jsd, Σ u and the entropy.
-    soft = 0.0
-    u_sum = 0.0
-    ent = 0.0
+    # Pass 2: jsd, Σ u and the entropy, summed per lane and reduced once after the loop.
+    soft_v = tl.zeros([BLOCK], dtype=tl.float32)
+    u_v = tl.zeros([BLOCK], dtype=tl.float32)
+    ent_v = tl.zeros([BLOCK], dtype=tl.float32)
     start = 0
     while start < V:  # a while loop: the interpreter cannot take range() over a runtime int
         mask = start + cols < V
         zs, dzs = _scaled(tl.load(s_base + start + cols, mask=mask, other=0.0), S_SCALE, S_CAP, TEMPERATURE)
         zt, dzt = _scaled(tl.load(t_base + start + cols, mask=mask, other=0.0), T_SCALE, T_CAP, TEMPERATURE)
         a = zs - lse_s
-        term, u, p_s = _divergence(a, zt - lse_t, beta, log_beta, log_1m_beta, MODE)
-        soft += tl.sum(tl.where(mask, term, 0.0), 0)
-        u_sum += tl.sum(tl.where(mask, u, 0.0), 0)
-        ent -= tl.sum(tl.where(mask, p_s * a, 0.0), 0)
+        term, u, p_s = _divergence(a, zt - lse_t, beta, log_beta, log_1m_beta, inv_1m_beta, MODE)
+        soft_v += tl.where(mask, term, 0.0)
+        u_v += tl.where(mask, u, 0.0)
+        ent_v -= tl.where(mask, p_s * a, 0.0)
         start += BLOCK
-    tl.store(SOFT + row, soft)
-    tl.store(ENT + row, ent)
+    u_sum = tl.sum(u_v, 0)
+    tl.store(SOFT + row, tl.sum(soft_v, 0))
+    tl.store(ENT + row, tl.sum(ent_v, 0))
 
     # Pass 3: the gradient over the student's logits, last block first (the likeliest to be still in L2).
     # dz/dx from _scaled holds 1/τ; the hard loss's logits are the untempered ones.
@@ -165,7 +176,7 @@ def _jsd_step_kernel(
         zs, dzs = _scaled(xs, S_SCALE, S_CAP, TEMPERATURE)
         zt, dzt = _scaled(tl.load(t_base + idx, mask=mask, other=0.0), T_SCALE, T_CAP, TEMPERATURE)
         # (term, not `_`: Triton 3.6 keeps the type a name had before a loop, and `_` is a scalar here)
-        term, u, p_s = _divergence(zs - lse_s, zt - lse_t, beta, log_beta, log_1m_beta, MODE)
+        term, u, p_s = _divergence(zs - lse_s, zt - lse_t, beta, log_beta, log_1m_beta, inv_1m_beta, MODE)
         g = c_soft * (u - p_s * u_sum) * dzs
         if HAS_HARD:
             zh, dzh = _scaled(xs, S_SCALE, S_CAP, 1.0)
@@ -222,6 +233,7 @@ def jsd_step(
         beta,
         math.log(beta) if mode == 2 else 0.0,
         math.log1p(-beta) if mode == 2 else 0.0,
+        1.0 / (1.0 - beta) if mode == 2 else 0.0,
         float(opts.weight_soft_loss),
         float(opts.weight_hard_loss),
         S_SCALE=float(opts.student_logit_scale),

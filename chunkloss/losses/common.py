@@ -149,11 +149,15 @@ def check_labels(
     ignore_index: int,
     name: str = "labels",
     rows: bool = False,
+    defer: list | None = None,
 ) -> Tensor | None:
     """Integer labels of the hidden's leading shape, each in [0, V) or ``ignore_index``.
 
     With ``rows``, returns the flat indices of the labels that are not ignored, found with the range check's
-    one host sync (``nonzero`` alone would need a second).
+    one host sync (``nonzero`` alone would need a second). With ``defer`` (a list), the range check does not
+    sync: it appends ``(count, check)`` for ``chunkloss.base.sequence_batch``'s ``host_checks``, which fetches
+    the count of bad labels in its own sync and calls ``check(count)`` (raising) before the batch is built.
+    Nothing may index with the labels in between.
     """
     if not isinstance(labels, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(labels).__name__}")
@@ -166,10 +170,21 @@ def check_labels(
     flat = labels.reshape(-1)
     keep = flat != ignore_index
     bad = keep & ((flat < 0) | (flat >= vocab))
+
+    def check(n_bad: int) -> None:
+        if n_bad:
+            first = flat[bad][0].item()
+            raise ValueError(
+                f"{name} holds {first}, outside [0, {vocab}) and not ignore_index={ignore_index}"
+            )
+
+    if defer is not None:
+        if rows:
+            raise ValueError("check_labels: rows=True needs its own sync; it cannot be deferred")
+        defer.append((bad.sum(), check))
+        return None
     n_keep, n_bad = torch.stack([keep.sum(), bad.sum()]).tolist()  # the one host sync
-    if n_bad:
-        first = flat[bad][0].item()
-        raise ValueError(f"{name} holds {first}, outside [0, {vocab}) and not ignore_index={ignore_index}")
+    check(n_bad)
     if not rows:
         return None
     if n_keep == flat.numel():

@@ -496,13 +496,15 @@ class FusedLinearGRPOLoss(FusedLinearBase):
         mask = _check_bt(completion_mask, (b, t), "completion_mask").bool()
         if tool_mask is not None:
             mask = mask & _check_bt(tool_mask, (b, t), "tool_mask").bool()
-        # Padding ids outside the mask are never read.
+        # Padding ids outside the mask are never read. The range check syncs in sequence_batch's one sync.
+        label_checks = []
         check_labels(
             completion_ids.masked_fill(~mask, -1),
             (b, t),
             weight.shape[0],
             ignore_index=-1,
             name="completion_ids",
+            defer=label_checks,
         )
         if not isinstance(advantages, Tensor) or advantages.shape not in ((b,), (b, t)):
             raise ValueError(
@@ -604,7 +606,13 @@ class FusedLinearGRPOLoss(FusedLinearBase):
             "seq_zeros": torch.zeros(b + 1, device=dev),
         }
         batch, _ = sequence_batch(
-            mask, torch.arange(b, device=dev), token=token, sequence=sequence, scalars=scalars, extra=extra
+            mask,
+            torch.arange(b, device=dev),
+            token=token,
+            sequence=sequence,
+            scalars=scalars,
+            extra=extra,
+            host_checks=label_checks,
         )
         x = hidden.reshape(b * t, h)
         loss = self.run(x, weight, bias, batch)

@@ -292,12 +292,15 @@ class FusedLinearPreferenceLoss(FusedLinearBase):
             )
         n_pairs, t = hidden.shape[0] // 2, hidden.shape[1]
         vocab = weight.shape[0]
-        check_labels(chosen, torch.Size((n_pairs, t)), vocab, opts.ignore_index, "chosen")
-        check_labels(rejected, torch.Size((n_pairs, t)), vocab, opts.ignore_index, "rejected")
+        # The range checks sync with the host in sequence_batch's one sync (raising there, before any use).
+        label_checks = []
+        shape = torch.Size((n_pairs, t))
+        check_labels(chosen, shape, vocab, opts.ignore_index, "chosen", defer=label_checks)
+        check_labels(rejected, shape, vocab, opts.ignore_index, "rejected", defer=label_checks)
         if nll_labels is not None:
             if not (self.uses_nll and opts.nll_coef != 0):
                 raise ValueError(f"{name} has no NLL term with these options: nll_labels must be None")
-            check_labels(nll_labels, torch.Size((n_pairs, t)), vocab, opts.ignore_index, "nll_labels")
+            check_labels(nll_labels, shape, vocab, opts.ignore_index, "nll_labels", defer=label_checks)
         has_ref_head = ref_hidden is not None or ref_weight is not None or ref_bias is not None
         has_ref_logps = ref_chosen_logps is not None or ref_rejected_logps is not None
         if (has_ref_head or has_ref_logps) and not self.uses_reference:
@@ -378,5 +381,13 @@ class FusedLinearPreferenceLoss(FusedLinearBase):
         scalars["n_chosen_logit_rows"] = n_logit[:n_pairs].sum().clamp(min=1)
         scalars["n_rejected_logit_rows"] = n_logit[n_pairs:].sum().clamp(min=1)
         group = torch.arange(2 * n_pairs, device=dev) % max(n_pairs, 1)
-        batch, _ = sequence_batch(keep, group, token=token, sequence=sequence, scalars=scalars, extra=extra)
+        batch, _ = sequence_batch(
+            keep,
+            group,
+            token=token,
+            sequence=sequence,
+            scalars=scalars,
+            extra=extra,
+            host_checks=label_checks,
+        )
         return self.run(hidden.reshape(-1, hidden.shape[-1]), weight, bias, batch)

@@ -384,6 +384,15 @@ def test_bad_inputs():
         dpo(x, w, c[:, :-1], r)
     with pytest.raises(ValueError, match="rejected shape"):
         dpo(x, w, c, r[:-1])
+    # Out-of-range labels: the deferred range checks raise in sequence_batch's sync, before any chunk runs.
+    for bad in (V, -2):
+        for loss in (dpo, orpo):
+            with pytest.raises(ValueError, match=f"chosen holds {bad}, outside"):
+                loss(x, w, c.masked_fill(c == c.max(), bad), r)
+            with pytest.raises(ValueError, match=f"rejected holds {bad}, outside"):
+                loss(x, w, c, r.masked_fill(r == r.max(), bad))
+        with pytest.raises(ValueError, match=f"nll_labels holds {bad}, outside"):
+            orpo(x, w, c, r, nll_labels=c.masked_fill(c == c.max(), bad))
     with pytest.raises(ValueError, match=r"\(2B, T, H\)"):
         dpo(x[:-1], w, c, r)
     with pytest.raises(ValueError, match=r"\(2B, T, H\)"):
