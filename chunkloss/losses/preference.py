@@ -352,7 +352,8 @@ class FusedLinearPreferenceLoss(FusedLinearBase):
             "pref_mask": pref_mask.float(),
             "pref_weight": self.token_weights(pref_mask[:n_pairs], pref_mask[n_pairs:]),
         }
-        scalars = {"n_pairs": to_scalar(n_pairs, dev)}
+        # Means over pairs; a batch of no pairs gives loss and metrics 0 (sums of nothing), not 0/0.
+        scalars = {"n_pairs": to_scalar(max(n_pairs, 1), dev)}
         if self.uses_nll and opts.nll_coef != 0:
             nll = (chosen if nll_labels is None else nll_labels.to(dev)).long()
             nll = torch.cat([nll, torch.full_like(nll, opts.ignore_index)])

@@ -376,6 +376,20 @@ def test_long_sequence_logps_are_summed_to_fp32_precision(chunk):
 
 
 # --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cls", [FusedLinearDPOLoss, FusedLinearORPOLoss, FusedLinearSimPOLoss, FusedLinearCPOLoss])
+def test_no_pairs(cls):
+    """A batch of zero pairs: loss and every metric 0 (a mean over no pairs was 0/0 = NaN), zero gradients."""
+    w = torch.randn(V, H, requires_grad=True)
+    x = torch.randn(0, T, H, requires_grad=True)
+    y = torch.zeros(0, T, dtype=torch.long)
+    mod = cls(compile=False)
+    loss = mod(x, w, y, y)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert mod.metrics and all(v.item() == 0.0 for v in mod.metrics.values()), mod.metrics
+    assert w.grad.abs().sum().item() == 0.0 and x.grad.shape == x.shape
+
+
 def test_bad_inputs():
     d = _inputs()
     dpo, orpo = FusedLinearDPOLoss(compile=False), FusedLinearORPOLoss(compile=False)
