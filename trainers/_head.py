@@ -80,6 +80,16 @@ def _base_linear(lm_head: nn.Module) -> nn.Module:
     return lm_head.get_base_layer() if hasattr(lm_head, "get_base_layer") else lm_head
 
 
+def has_lm_head_lora(model) -> bool:
+    """Whether ``model`` (a module or a name) is a PEFT model with a LoRA adapter on its ``lm_head``."""
+    from accelerate.utils import is_peft_model
+
+    lora = _lora_layer_type()
+    if lora is None or not isinstance(model, nn.Module) or not is_peft_model(model):
+        return False
+    return isinstance(model.get_output_embeddings(), lora)
+
+
 def check_head_supported(model: nn.Module) -> None:
     """Raise a clear error for LM heads the chunked losses cannot take exactly."""
     lm_head = model.get_output_embeddings()

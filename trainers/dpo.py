@@ -18,7 +18,13 @@ from trl import DPOConfig, DPOTrainer
 from chunkloss.losses.dpo import FusedLinearDPOLoss
 
 from ._common import ChunkedArguments, apply_chunk_kernels, chunk_options, peft_base, refuse
-from ._head import add_chunked_head, allow_lm_head_adapter, check_head_supported, head_transforms
+from ._head import (
+    add_chunked_head,
+    allow_lm_head_adapter,
+    check_head_supported,
+    has_lm_head_lora,
+    head_transforms,
+)
 
 __all__ = ["ChunkedDPOConfig", "ChunkedDPOTrainer"]
 
@@ -31,8 +37,10 @@ class ChunkedDPOConfig(DPOConfig, ChunkedArguments):
 class ChunkedDPOTrainer(DPOTrainer):
     """``trl.DPOTrainer`` whose loss never materialises the logits.
 
-    Refused at construction: adapters on ``lm_head`` other than plain LoRA. Multimodal inputs are refused when
-    they arrive.
+    Refused at construction: adapters on ``lm_head`` other than plain LoRA, and a ``PeftModel`` whose adapter
+    has LoRA on ``lm_head`` given without ``ref_model`` (TRL scores the reference through a "ref" copy of the
+    adapter with its fused head, which reads ``lm_head.weight`` alone: the reference would silently lose the
+    adapter's ``lm_head``). Multimodal inputs are refused when they arrive.
     """
 
     _tag_names = ["trl", "dpo", "chunkloss"]
@@ -40,6 +48,14 @@ class ChunkedDPOTrainer(DPOTrainer):
     def __init__(self, model, ref_model=None, args: DPOConfig | None = None, *pos, **kwargs):
         if args is not None:
             chunk_options(args)
+        if ref_model is None and has_lm_head_lora(model):
+            refuse(
+                type(self).__name__,
+                "a PeftModel with LoRA on lm_head and ref_model=None",
+                "TRL scores the reference through a copy of the adapter with its fused head, which reads "
+                "lm_head.weight alone and would leave the adapter's lm_head out; pass ref_model, or pass the "
+                "base model with peft_config (the reference is then the model with the adapter disabled)",
+            )
         with allow_lm_head_adapter(model):
             super().__init__(model, ref_model, args, *pos, **kwargs)
         apply_chunk_kernels(self)

@@ -7,7 +7,9 @@ equals ``GKDTrainer.compute_loss``:
 ``generalized_jsd_loss(student[:, :-1], teacher[:, :-1], labels[:, 1:], beta)`` with the function's default
 temperature 1 (``args.temperature`` is GKD's *sampling* temperature and never reaches the loss),
 ``reduction="batchmean"`` over labelled tokens, or ``/ num_items_in_batch`` under gradient accumulation.
-Each head's ``logit_scale`` and final softcapping are applied as the models' own forwards apply them.
+Each head's ``logit_scale`` and final softcapping are applied as the models' own forwards apply them. The loss
+fields GKDConfig inherits from SFTConfig (``loss_type``, ``label_smoothing_factor``, ``router_aux_loss_coef``)
+reach neither ``GKDTrainer.compute_loss`` nor this one.
 
 The student's backbone runs inside the student's forward (FSDP / ZeRO-3 hooks fire, the head is gathered), the
 teacher's backbone runs without grad inside the teacher's forward, and the loss runs inside both, with the

@@ -4,7 +4,8 @@ Generation, rewards, advantages, vLLM, the reference and old log-probs (TRL's ow
 are TRL's. Only ``_compute_loss`` changes: the policy's hidden states at the completion positions go to the
 chunked GRPO loss with the LM head's weight, so the ``[B, T, V]`` logits never exist. Every loss type and
 importance-sampling level of TRL 1.16 is covered, with the KL term, two-sided clipping, the off-policy mask,
-the entropy mask and the static entropy bonus; metrics are logged under TRL's names with TRL's values.
+the entropy mask, the static entropy bonus, vLLM's importance-sampling ratio (per token or per sequence) and
+``cast_lm_head_to_fp32``; metrics are logged under TRL's names with TRL's values.
 """
 
 from __future__ import annotations

@@ -30,17 +30,31 @@ class ChunkedORPOConfig(ORPOConfig, ChunkedArguments):
 class ChunkedORPOTrainer(ORPOTrainer):
     """``ORPOTrainer`` whose loss never materialises the logits.
 
-    Refused at construction: encoder-decoder models and adapters on ``lm_head`` other than plain LoRA.
+    Refused at construction: encoder-decoder models, adapters on ``lm_head`` other than plain LoRA, and
+    ``use_liger_kernel=True`` with Liger's fused linear cross-entropy on (its default): Liger replaces the
+    model's forward with its own when training starts, which drops the chunked head (TRL's fused-head trainers
+    turn it off for the same reason). ``liger_kernel_config={"fused_linear_cross_entropy": False}`` keeps
+    Liger's layer kernels, which TRL's ORPO and this trainer then run alike.
     """
 
     _tag_names = ["trl", "orpo", "chunkloss"]
 
     def __init__(self, model=None, args: ORPOConfig | None = None, *pos, **kwargs):
+        name = type(self).__name__
         if args is not None:
             chunk_options(args)
+            liger = args.liger_kernel_config or {}
+            flce_off = isinstance(liger, dict) and not liger.get("fused_linear_cross_entropy", True)
+            if args.use_liger_kernel and not flce_off:
+                refuse(
+                    name,
+                    f"use_liger_kernel=True with liger_kernel_config={args.liger_kernel_config!r}",
+                    "Liger's fused linear cross-entropy (on unless that dict sets it False) replaces the "
+                    "model's forward, which this trainer patches with the chunked head; pass "
+                    "liger_kernel_config={'fused_linear_cross_entropy': False} to keep Liger's layer kernels",
+                )
         with allow_lm_head_adapter(model):
             super().__init__(model, args, *pos, **kwargs)
-        name = type(self).__name__
         if self.is_encoder_decoder:  # before the kernels patch anything
             refuse(name, "encoder-decoder models", "the chunked head covers causal LMs")
         apply_chunk_kernels(self)

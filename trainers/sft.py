@@ -3,7 +3,9 @@
 Same constructor, same config (``ChunkedSFTConfig`` adds the chunkloss fields), same metrics under the same
 names. The loss equals ``SFTTrainer.compute_loss`` for ``loss_type`` ``"nll"`` and ``"dft"``, with
 ``label_smoothing_factor`` (which TRL computes from materialised logits), completion-only and assistant-only
-labels, padding-free batches, ``num_items_in_batch`` under gradient accumulation and the MoE router loss.
+labels, padding-free and packed batches, ``num_items_in_batch`` under gradient accumulation (label smoothing
+included) and the MoE router loss. With ``loss_type="dft"``, ``label_smoothing_factor`` is left out, as TRL
+leaves it out.
 """
 
 from __future__ import annotations

@@ -89,8 +89,20 @@ def test_dpo_loss_types(tmp_path, loss_type):
         {"ld_alpha": 0.5},
         {"use_weighting": True},
         {"loss_type": ["discopop"], "discopop_tau": 0.2},
+        {"label_smoothing": 0.1},  # TRL 1.16's "sigmoid" takes no ε (no cDPO): only robust/exo_pair/aot do
+        {"padding_free": True},  # TRL 1.16 turns it off with a warning: padded batches, as without it
     ],
-    ids=["mixture", "forward_kl", "js", "alpha", "ld_alpha", "wpo", "discopop_tau"],
+    ids=[
+        "mixture",
+        "forward_kl",
+        "js",
+        "alpha",
+        "ld_alpha",
+        "wpo",
+        "discopop_tau",
+        "sigmoid_label_smoothing",
+        "padding_free",
+    ],
 )
 def test_dpo_options(tmp_path, cfg):
     _check(*_pair(tmp_path, **cfg))

@@ -111,6 +111,36 @@ def test_gkd_temperature_does_not_reach_loss(tmp_path):
     _check(ref, ours)
 
 
+# A tiny Qwen3-MoE: every layer sparse, 4 experts, top-2.
+MOE = dict(
+    family="qwen3_moe",
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+)
+
+
+@pytest.mark.parametrize(
+    "cfg,model_kw",
+    [
+        ({"loss_type": "dft"}, {}),
+        ({"label_smoothing_factor": 0.1}, {}),
+        ({"router_aux_loss_coef": 0.5}, MOE),
+    ],
+    ids=["dft", "label_smoothing", "moe_router_aux_loss"],
+)
+def test_gkd_sft_loss_fields(tmp_path, cfg, model_kw):
+    """GKDConfig inherits SFTConfig's loss fields, and GKDTrainer.compute_loss reads none of them: the loss
+    is the generalized JSD, without DFT, label smoothing or the MoE router loss (the student's config asks for
+    its router logits, the loss leaves them out). Ours reads none either."""
+    ref, ours = _pair(tmp_path, models=model_pair(**model_kw) if model_kw else None, **cfg)
+    if model_kw:
+        assert ours.aux_loss_enabled and ours.model.config.output_router_logits
+    _check(ref, ours)
+
+
 @pytest.mark.parametrize(
     "family,overrides",
     [("gemma2", {"final_logit_softcapping": 3.0}), ("cohere", {"logit_scale": 0.5})],

@@ -162,11 +162,46 @@ def test_grpo_kl(pair, bias_correction):
             ("old_per_token_logps",),
             {"sapo_temperature_pos": 0.7, "sapo_temperature_neg": 1.3},
         ),
+        (
+            "vespo_params",
+            {"loss_type": "vespo"},
+            ("old_per_token_logps",),
+            {"vespo_k_pos": 1.5, "vespo_lambda_pos": 2.0, "vespo_k_neg": 2.5, "vespo_lambda_neg": 1.0},
+        ),
     ],
     ids=lambda v: v if isinstance(v, str) else "",
 )
 def test_grpo_options(pair, name, settings, use, args):
     _run(pair, settings, use=use, args=args)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_grpo_vllm_sequence_is_ratio(pair, loss_type):
+    """vLLM's importance-sampling ratio of TRL's default ``vllm_importance_sampling_mode="sequence_mask"``
+    (and "sequence_truncate"): one ratio per sequence, shape (B, 1), 0 where the mask drops the sequence."""
+    ref, ours, inputs, extra = pair
+    b = inputs["completion_ids"].size(0)
+    ratio = torch.exp(0.3 * torch.randn(b, 1, generator=torch.Generator().manual_seed(3)))
+    ratio[1] = 0.0
+    _run(
+        (ref, ours, inputs, {**extra, "importance_sampling_ratio": ratio}),
+        {"loss_type": loss_type, "use_vllm": True, "vllm_importance_sampling_correction": True},
+        use=("old_per_token_logps", "importance_sampling_ratio"),
+    )
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_grpo_cast_lm_head_to_fp32(tmp_path, tie):
+    """``cast_lm_head_to_fp32`` on a bf16 model: TRL casts ``lm_head`` to fp32 at construction (with tied
+    embeddings, the shared weight too) and projects fp32 hidden states outside autocast; ours casts the
+    chunk's inputs the same way. Measured: the backbone's bf16 gradients agree exactly, the head's to 2e-7.
+    Ours without the cast would fail (bf16 hidden states against the fp32 head)."""
+    models = tuple(m.to(torch.bfloat16) for m in model_pair(tie_word_embeddings=tie))
+    p = _make_pair(tmp_path, models=models, cast_lm_head_to_fp32=True)
+    ours = p[1]
+    assert ours.model.lm_head.weight.dtype == torch.float32
+    assert ours.model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+    _run(p, {"beta": 0.04}, use=("old_per_token_logps", "ref_per_token_logps"))
 
 
 def test_grpo_eval_mode(pair):

@@ -71,7 +71,12 @@ def _check(ref, ours, num_items_in_batch=None):
         ("gkd", {}),
         ("sft", {"label_smoothing_factor": 0.1}),  # TRL materialises the logits here; we do not
         ("sft", {"loss_type": "dft"}),
+        ("sft", {"loss_type": "dft", "label_smoothing_factor": 0.1}),  # TRL smooths only "nll"
         ("sft", {"padding_free": True, "max_length": None}),
+        # Packed rows of 16 tokens: "bfd" turns padding-free on (position_ids restart per sequence), "wrapped"
+        # cuts sequences across rows under a full attention mask.
+        ("sft", {"packing": True, "max_length": 16}),
+        ("sft", {"packing": True, "packing_strategy": "wrapped", "max_length": 16}),
     ],
     ids=[
         "completion_only",
@@ -80,7 +85,10 @@ def _check(ref, ours, num_items_in_batch=None):
         "conversational",
         "label_smoothing",
         "dft",
+        "dft_label_smoothing",
         "padding_free",
+        "packing_bfd",
+        "packing_wrapped",
     ],
 )
 def test_sft_parity(tmp_path, kind, cfg):
@@ -89,8 +97,11 @@ def test_sft_parity(tmp_path, kind, cfg):
     assert loss.item() > 0
 
 
-def test_sft_num_items_in_batch(tmp_path):
-    ref, ours = _pair(tmp_path)
+@pytest.mark.parametrize("cfg", [{}, {"label_smoothing_factor": 0.1}], ids=["nll", "label_smoothing"])
+def test_sft_num_items_in_batch(tmp_path, cfg):
+    """The loss divided by the window's token count; with label smoothing TRL's LabelSmoother takes the count
+    too (transformers >= 5.15), for both of its terms."""
+    ref, ours = _pair(tmp_path, **cfg)
     _check(ref, ours, num_items_in_batch=torch.tensor(37))
 
 
