@@ -42,8 +42,8 @@ from .logprob import _online, _scaled
 
 __all__ = ["jsd_step", "jsd_step_ref"]
 
-# Columns per step and warps per row, from `benchmarks/tune_jsd.py` on an H100 at 2048 x 128256 bf16: 1.75 ms at
-# β=0.5 and 1.45 ms at β=0 (4096 x 16, the CE step's shape: 1.84 and 1.47; 32 warps: 2.6-2.8 and 1.56-2.30).
+# Columns per step and warps per row, from `benchmarks/tune_jsd.py` on an H100 at 2048 x 128256 bf16: 1.75 ms
+# at β=0.5 and 1.45 ms at β=0 (4096 x 16, the CE step's shape: 1.84 and 1.47; 32 warps: 2.6-2.8, 1.56-2.30).
 BLOCK_V = 2048
 NUM_WARPS = 8
 

@@ -40,7 +40,8 @@ class ChunkedDPOTrainer(DPOTrainer):
     Refused at construction: adapters on ``lm_head`` other than plain LoRA, and a ``PeftModel`` whose adapter
     has LoRA on ``lm_head`` given without ``ref_model`` (TRL scores the reference through a "ref" copy of the
     adapter with its fused head, which reads ``lm_head.weight`` alone: the reference would silently lose the
-    adapter's ``lm_head``). Multimodal inputs are refused when they arrive.
+    adapter's ``lm_head``), and ``use_weighting`` with an ``"sft"`` term (TRL 1.16's own path fails on it).
+    Multimodal inputs are refused when they arrive.
     """
 
     _tag_names = ["trl", "dpo", "chunkloss"]
@@ -58,6 +59,13 @@ class ChunkedDPOTrainer(DPOTrainer):
             )
         with allow_lm_head_adapter(model):
             super().__init__(model, ref_model, args, *pos, **kwargs)
+        if self.use_weighting and "sft" in self.loss_types:
+            refuse(
+                type(self).__name__,
+                "use_weighting=True with an 'sft' loss_type",
+                "TRL 1.16's own DPOTrainer fails on it (a per-pair weight times the scalar SFT term), so "
+                "there is no objective to match",
+            )
         apply_chunk_kernels(self)
         base = peft_base(self.model)
         check_head_supported(base)

@@ -376,7 +376,9 @@ def test_long_sequence_logps_are_summed_to_fp32_precision(chunk):
 
 
 # --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("cls", [FusedLinearDPOLoss, FusedLinearORPOLoss, FusedLinearSimPOLoss, FusedLinearCPOLoss])
+@pytest.mark.parametrize(
+    "cls", [FusedLinearDPOLoss, FusedLinearORPOLoss, FusedLinearSimPOLoss, FusedLinearCPOLoss]
+)
 def test_no_pairs(cls):
     """A batch of zero pairs: loss and every metric 0 (a mean over no pairs was 0/0 = NaN), zero gradients."""
     w = torch.randn(V, H, requires_grad=True)

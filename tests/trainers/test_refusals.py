@@ -152,6 +152,42 @@ def test_dpo_refuses_peft_model_with_lm_head_lora_without_ref_model(tmp_path):
     assert "ref" in build(["q_proj"]).model.peft_config  # TRL's own reference adapter, without lm_head
 
 
+def test_dpo_refuses_weighting_with_sft_term(tmp_path):
+    """WPO weighting with an "sft" loss term: TRL 1.16's own DPOTrainer fails in its first step, so there is
+    no objective to match and ours refuses it when built (weighting with the other terms stays accepted)."""
+    from trl import DPOConfig, DPOTrainer
+
+    def args(cls, loss_type):
+        return cls(**common_args(tmp_path, max_length=48), loss_type=loss_type, use_weighting=True)
+
+    trl = DPOTrainer(
+        model_pair()[0],
+        model_pair(seed=1)[0],
+        args=args(DPOConfig, ["sigmoid", "sft"]),
+        train_dataset=tiny_dataset("dpo", 8),
+        processing_class=tokenizer(),
+    )
+    batch = trl._prepare_inputs(trl.data_collator([trl.train_dataset[i] for i in range(4)]))
+    with pytest.raises(RuntimeError):
+        trl.compute_loss(trl.model, batch)
+    trl.use_weighting = False  # the same batch and terms without the weighting: TRL computes a loss
+    assert torch.isfinite(trl.compute_loss(trl.model, batch))
+
+    def ours(loss_type):
+        return ChunkedDPOTrainer(
+            model_pair()[0],
+            model_pair(seed=1)[0],
+            args=args(lambda **kw: ChunkedDPOConfig(**kw, chunk_compile=False), loss_type),
+            train_dataset=tiny_dataset("dpo", 8),
+            processing_class=tokenizer(),
+        )
+
+    message = "ChunkedDPOTrainer does not support use_weighting=True with an 'sft'"
+    with pytest.raises(ValueError, match=message):
+        ours(["sigmoid", "sft"])
+    assert ours(["sigmoid"]).use_weighting
+
+
 def test_gkd_refuses_preprocess_logits_for_metrics(tmp_path):
     model, teacher = model_pair()
     with pytest.raises(ValueError, match="ChunkedGKDTrainer does not support preprocess_logits_for_metrics"):
