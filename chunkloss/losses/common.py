@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 from torch import Tensor
@@ -119,27 +120,36 @@ def entropy_from_logits(z: Tensor, lse: Tensor | None = None) -> Tensor:
 
 
 def check_head(hidden: Tensor, weight: Tensor, bias: Tensor | None, name: str = "hidden") -> None:
-    """Shapes and dtypes of one linear head: hidden (..., H), weight (V, H), bias (V,)."""
-    for arg, t in ((name, hidden), ("weight", weight)):
+    """Shapes, dtypes and devices of one linear head: hidden (..., H), weight (V, H), bias (V,), V ≥ 1 and
+    H ≥ 1. ``name`` is the hidden argument's name; its prefix names the others (``ref_hidden``:
+    ``ref_weight``, ``ref_bias``)."""
+    prefix = name[: -len("hidden")] if name.endswith("hidden") else ""
+    w_name, b_name = f"{prefix}weight", f"{prefix}bias"
+    for arg, t in ((name, hidden), (w_name, weight), (b_name, bias)):
+        if t is None and arg == b_name:
+            continue
         if not isinstance(t, Tensor):
             raise TypeError(f"{arg} must be a torch.Tensor, got {type(t).__name__}")
         if not t.is_floating_point():
             raise TypeError(f"{arg} must be a floating-point tensor, got {t.dtype}")
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be (V, H), got shape {tuple(weight.shape)}")
+    if weight.dim() != 2 or 0 in weight.shape:
+        # An empty vocabulary or hidden size has no logits to normalise (and no chunk size to plan).
+        raise ValueError(f"{w_name} must be (V, H) with V ≥ 1 and H ≥ 1, got shape {tuple(weight.shape)}")
     if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(
-            f"{name} last dim ({tuple(hidden.shape)}) must equal weight's hidden size H={weight.shape[1]}"
+            f"{name} last dim ({tuple(hidden.shape)}) must equal {w_name}'s hidden size H={weight.shape[1]}"
         )
     if hidden.dtype != weight.dtype:
-        raise TypeError(f"{name} dtype {hidden.dtype} differs from weight dtype {weight.dtype}")
+        raise TypeError(f"{name} dtype {hidden.dtype} differs from {w_name} dtype {weight.dtype}")
     if hidden.device != weight.device:
-        raise ValueError(f"{name} is on {hidden.device} but weight is on {weight.device}")
+        raise ValueError(f"{name} is on {hidden.device} but {w_name} is on {weight.device}")
     if bias is not None:
         if bias.shape != (weight.shape[0],):
-            raise ValueError(f"bias must be (V,)=({weight.shape[0]},), got {tuple(bias.shape)}")
+            raise ValueError(f"{b_name} must be (V,)=({weight.shape[0]},), got {tuple(bias.shape)}")
         if bias.dtype != weight.dtype:
-            raise TypeError(f"bias dtype {bias.dtype} differs from weight dtype {weight.dtype}")
+            raise TypeError(f"{b_name} dtype {bias.dtype} differs from {w_name} dtype {weight.dtype}")
+        if bias.device != weight.device:
+            raise ValueError(f"{b_name} is on {bias.device} but {w_name} is on {weight.device}")
 
 
 def check_labels(
@@ -150,8 +160,10 @@ def check_labels(
     name: str = "labels",
     rows: bool = False,
     defer: list | None = None,
+    device: torch.device | None = None,
 ) -> Tensor | None:
-    """Integer labels of the hidden's leading shape, each in [0, V) or ``ignore_index``.
+    """Integer labels of the hidden's leading shape on the hidden's ``device`` (if given), each in [0, V) or
+    ``ignore_index``.
 
     With ``rows``, returns the flat indices of the labels that are not ignored, found with the range check's
     one host sync (``nonzero`` alone would need a second). With ``defer`` (a list), the range check does not
@@ -167,6 +179,8 @@ def check_labels(
         raise ValueError(
             f"{name} shape {tuple(labels.shape)} must equal hidden's leading shape {tuple(rows_shape)}"
         )
+    if device is not None and labels.device != device:
+        raise ValueError(f"{name} is on {labels.device} but hidden is on {device}")
     flat = labels.reshape(-1)
     keep = flat != ignore_index
     bad = keep & ((flat < 0) | (flat >= vocab))
@@ -198,6 +212,25 @@ def to_scalar(x, device, dtype=torch.float32) -> Tensor:
     if isinstance(x, Tensor):
         return x.detach().to(device=device, dtype=dtype).reshape(())
     return torch.full((), float(x), device=device, dtype=dtype)
+
+
+def item_count(num_items_in_batch, device, name: str = "num_items_in_batch") -> Tensor:
+    """A token count given as the loss's normaliser (transformers' ``num_items_in_batch``), checked, as a 0-d
+    fp32 tensor on ``device``, at least 1: a global count of 0 means no token of the whole batch has a label,
+    so the summed loss is 0 and stays 0 (dividing by 0 gave inf or NaN). No host sync for a tensor."""
+    if isinstance(num_items_in_batch, Tensor):
+        if num_items_in_batch.numel() != 1:
+            shape = tuple(num_items_in_batch.shape)
+            raise ValueError(f"{name} must be a number or a one-element tensor, got shape {shape}")
+        if num_items_in_batch.dtype == torch.bool or num_items_in_batch.is_complex():
+            raise TypeError(f"{name} must be a real count, got a {num_items_in_batch.dtype} tensor")
+    elif isinstance(num_items_in_batch, bool) or not isinstance(num_items_in_batch, numbers.Real):
+        raise TypeError(
+            f"{name} must be a number or a one-element tensor, got {type(num_items_in_batch).__name__}"
+        )
+    elif not num_items_in_batch >= 0:
+        raise ValueError(f"{name} must be a count ≥ 0, got {num_items_in_batch}")
+    return to_scalar(num_items_in_batch, device).clamp(min=1.0)
 
 
 def log1mexp(x: Tensor) -> Tensor:

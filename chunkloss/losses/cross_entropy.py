@@ -8,7 +8,8 @@ Equals ``torch.nn.functional.cross_entropy(scale(hidden @ weight.T + bias), labe
 where ``z = scale(logits)`` applies ``logit_scale``, Gemma's ``softcap·tanh(z/softcap)`` and
 ``/ temperature``, and ``λ·lse²`` is the z-loss of PaLM (arXiv:2204.02311), reported separately as
 ``z_loss``. ``num_items_in_batch`` divides the summed loss, as transformers' ``ForCausalLMLoss``
-does under gradient accumulation. With every label ignored, 'mean' gives 0 (torch gives NaN).
+does under gradient accumulation. With every label ignored, 'mean' gives 0 (torch gives NaN), and so does
+``num_items_in_batch=0`` (a count below 1 divides by 1).
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from chunkloss.base import Batch, FusedLinearBase, FusedOptions
 from chunkloss.losses.common import (
     check_head,
     check_labels,
+    item_count,
     row_statistics,
-    to_scalar,
 )
 
 __all__ = ["CrossEntropyOptions", "FusedLinearCrossEntropyLoss", "cross_entropy_rows"]
@@ -179,12 +180,14 @@ class FusedLinearCrossEntropyLoss(FusedLinearBase):
     ) -> Tensor:
         opts = self.options
         check_head(hidden, weight, bias)
-        rows = check_labels(labels, hidden.shape[:-1], weight.shape[0], opts.ignore_index, rows=True)
+        rows = check_labels(
+            labels, hidden.shape[:-1], weight.shape[0], opts.ignore_index, rows=True, device=hidden.device
+        )
         x = hidden.reshape(-1, hidden.shape[-1])
         y = labels.reshape(-1)
         n_valid = torch.full((), float(max(rows.numel(), 1)), device=x.device)
         if num_items_in_batch is not None and opts.reduction != "none":
-            normaliser = to_scalar(num_items_in_batch, x.device)
+            normaliser = item_count(num_items_in_batch, x.device)
         elif opts.reduction == "mean":
             normaliser = n_valid
         else:

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +65,7 @@ from chunkloss.base import FusedLinearBase, FusedOptions, Head, segment_sum, seq
 from chunkloss.losses.common import (
     check_head,
     check_labels,
+    item_count,
     nograd_label_logprob,
     row_statistics,
     to_scalar,
@@ -490,12 +492,20 @@ class FusedLinearGRPOLoss(FusedLinearBase):
         check_head(hidden, weight, bias)
         if hidden.dim() != 3:
             raise ValueError(f"hidden must be (B, T, H), got shape {tuple(hidden.shape)}")
+        # Trainer state divides the normaliser: 0 (or less) would make the loss inf, NaN or silently 0.
+        for arg, v in (
+            ("num_processes", num_processes),
+            ("gradient_accumulation_steps", gradient_accumulation_steps),
+            ("steps_per_generation", 1 if steps_per_generation is None else steps_per_generation),
+        ):
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not v > 0:
+                raise ValueError(f"{arg} must be a positive number, got {v!r}")
         b, t, h = hidden.shape
         dev = hidden.device
-        _check_bt(completion_ids, (b, t), "completion_ids")
-        mask = _check_bt(completion_mask, (b, t), "completion_mask").bool()
+        _check_bt(completion_ids, (b, t), "completion_ids", dev)
+        mask = _check_bt(completion_mask, (b, t), "completion_mask", dev).bool()
         if tool_mask is not None:
-            mask = mask & _check_bt(tool_mask, (b, t), "tool_mask").bool()
+            mask = mask & _check_bt(tool_mask, (b, t), "tool_mask", dev).bool()
         # Padding ids outside the mask are never read. The range check syncs in sequence_batch's one sync.
         label_checks = []
         check_labels(
@@ -511,6 +521,8 @@ class FusedLinearGRPOLoss(FusedLinearBase):
                 f"advantages must be (B,)=({b},) or (B, T)=({b}, {t}), got "
                 f"{tuple(advantages.shape) if isinstance(advantages, Tensor) else type(advantages).__name__}"
             )
+        if advantages.device != dev:
+            raise ValueError(f"advantages is on {advantages.device} but hidden is on {dev}")
         extra = []
         if opts.beta != 0.0:
             if ref_logps is not None and ref_hidden is not None:
@@ -526,6 +538,8 @@ class FusedLinearGRPOLoss(FusedLinearBase):
                         f"reference head must give (B, T, V)=({b}, {t}, {weight.shape[0]}) logits, "
                         f"got ref_hidden {tuple(ref_hidden.shape)} and ref_weight {tuple(ref_weight.shape)}"
                     )
+                if ref_hidden.device != dev:
+                    raise ValueError(f"ref_hidden is on {ref_hidden.device} but hidden is on {dev}")
                 extra = [
                     Head(
                         ref_hidden.detach().reshape(b * t, -1),
@@ -537,6 +551,17 @@ class FusedLinearGRPOLoss(FusedLinearBase):
                 raise ValueError(
                     f"beta={opts.beta} needs ref_logps or a reference head (ref_hidden, ref_weight)"
                 )
+        isr = importance_sampling_ratio
+        if isr is not None:
+            if not isinstance(isr, Tensor):
+                raise TypeError(f"importance_sampling_ratio must be a torch.Tensor, got {type(isr).__name__}")
+            if isr.shape not in ((b, t), (b, 1), (b,)):
+                raise ValueError(
+                    f"importance_sampling_ratio must be (B, T)=({b}, {t}), (B, 1) or (B,), "
+                    f"got {tuple(isr.shape)}"
+                )
+            if isr.device != dev:
+                raise ValueError(f"importance_sampling_ratio is on {isr.device} but hidden is on {dev}")
         if (
             opts.loss_type == "vespo"
             and importance_sampling_ratio is not None
@@ -562,7 +587,7 @@ class FusedLinearGRPOLoss(FusedLinearBase):
             elif lt == "luspo":
                 norm = to_scalar(float(b) * ga, dev)
             else:
-                items = n_local if num_items_in_batch is None else to_scalar(num_items_in_batch, dev)
+                items = n_local if num_items_in_batch is None else item_count(num_items_in_batch, dev)
                 spg = gradient_accumulation_steps if steps_per_generation is None else steps_per_generation
                 norm = items.to(f32).clamp(min=1.0) / num_processes * ga / spg
             row_w = (1.0 / norm).expand(b, t)
@@ -580,12 +605,12 @@ class FusedLinearGRPOLoss(FusedLinearBase):
             ("sampling_logps", sampling_logps),
         ):
             if v is not None:
-                token[name] = _check_bt(v, (b, t), name).to(f32)
+                token[name] = _check_bt(v, (b, t), name, dev).to(f32)
         if importance_sampling_ratio is not None:
             isr = importance_sampling_ratio.to(f32)
             if isr.shape in ((b,), (b, 1)):
                 isr = isr.reshape(b, 1).expand(b, t)
-            token["is_ratio"] = _check_bt(isr, (b, t), "importance_sampling_ratio")
+            token["is_ratio"] = isr
         sequence = {"len": len_s, "index": torch.arange(b, device=dev)}
         if adv.dim() == 1:
             sequence["adv"] = adv
@@ -651,9 +676,11 @@ def _finish_metrics(raw: dict, len_s: Tensor, seq_shaped: bool) -> dict:
     return out
 
 
-def _check_bt(x, shape, name: str) -> Tensor:
+def _check_bt(x, shape, name: str, device: torch.device) -> Tensor:
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if tuple(x.shape) != tuple(shape):
         raise ValueError(f"{name} must be (B, T)={tuple(shape)}, got {tuple(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device} but hidden is on {device}")
     return x

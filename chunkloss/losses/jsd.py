@@ -16,7 +16,8 @@ free of ``log 0``. Each KL is summed over the vocabulary; the loss is::
 
     loss = weight_soft·Σ_i jsd_i / D + weight_hard·Σ_i CE(z_s,i, y_i) / D
 
-where D is ``num_items_in_batch`` when given (gradient accumulation, as both TRL trainers do), else
+where D is ``num_items_in_batch`` when given (gradient accumulation, as both TRL trainers do; a count of 0
+divides by 1), else
 the number of rows with a label (``reduction='batchmean'``, both trainers' default), 1 for 'sum',
 or rows·V for 'mean' (GKD's ``jsd.mean()`` over elements). The hard-label cross-entropy is the one
 Liger's ``LigerFusedLinearJSDLoss`` adds: on the student's scaled logits *without* the temperature.
@@ -40,7 +41,7 @@ import torch
 from torch import Tensor
 
 from chunkloss.base import Batch, FusedLinearBase, FusedOptions, Head
-from chunkloss.losses.common import check_head, check_labels, pick, scale_logits, to_scalar
+from chunkloss.losses.common import check_head, check_labels, item_count, pick, scale_logits
 
 __all__ = ["FusedLinearJSDLoss", "JSDOptions", "jsd_chunk", "jsd_rows"]
 
@@ -206,14 +207,19 @@ class FusedLinearJSDLoss(FusedLinearBase):
                 f"teacher_hidden is on {teacher_hidden.device}, student_hidden on {student_hidden.device}"
             )
         rows = check_labels(
-            labels, student_hidden.shape[:-1], student_weight.shape[0], opts.ignore_index, rows=True
+            labels,
+            student_hidden.shape[:-1],
+            student_weight.shape[0],
+            opts.ignore_index,
+            rows=True,
+            device=student_hidden.device,
         )
         x = student_hidden.reshape(-1, student_hidden.shape[-1])
         x_t = teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1])
         y = labels.reshape(-1)
         n_valid = torch.full((), float(max(rows.numel(), 1)), device=x.device)
         if num_items_in_batch is not None:
-            normaliser = to_scalar(num_items_in_batch, x.device)
+            normaliser = item_count(num_items_in_batch, x.device)
         elif opts.reduction == "batchmean":
             normaliser = n_valid
         elif opts.reduction == "mean":

@@ -295,12 +295,15 @@ class FusedLinearPreferenceLoss(FusedLinearBase):
         # The range checks sync with the host in sequence_batch's one sync (raising there, before any use).
         label_checks = []
         shape = torch.Size((n_pairs, t))
-        check_labels(chosen, shape, vocab, opts.ignore_index, "chosen", defer=label_checks)
-        check_labels(rejected, shape, vocab, opts.ignore_index, "rejected", defer=label_checks)
+        dev = hidden.device
+        check_labels(chosen, shape, vocab, opts.ignore_index, "chosen", defer=label_checks, device=dev)
+        check_labels(rejected, shape, vocab, opts.ignore_index, "rejected", defer=label_checks, device=dev)
         if nll_labels is not None:
             if not (self.uses_nll and opts.nll_coef != 0):
                 raise ValueError(f"{name} has no NLL term with these options: nll_labels must be None")
-            check_labels(nll_labels, shape, vocab, opts.ignore_index, "nll_labels", defer=label_checks)
+            check_labels(
+                nll_labels, shape, vocab, opts.ignore_index, "nll_labels", defer=label_checks, device=dev
+            )
         has_ref_head = ref_hidden is not None or ref_weight is not None or ref_bias is not None
         has_ref_logps = ref_chosen_logps is not None or ref_rejected_logps is not None
         if (has_ref_head or has_ref_logps) and not self.uses_reference:
@@ -340,10 +343,10 @@ class FusedLinearPreferenceLoss(FusedLinearBase):
                     raise ValueError(
                         f"{arg} must be a ({n_pairs},) tensor, got {getattr(v, 'shape', type(v))}"
                     )
+                if v.device != dev:
+                    raise ValueError(f"{arg} is on {v.device} but hidden is on {dev}")
             sequence["ref_logps"] = torch.cat([ref_chosen_logps, ref_rejected_logps]).detach().float()
 
-        dev = hidden.device
-        chosen, rejected = chosen.to(dev), rejected.to(dev)
         labels = torch.cat([chosen, rejected]).long()  # (2B, T)
         pref_mask = labels != opts.ignore_index
         keep = pref_mask
@@ -355,7 +358,7 @@ class FusedLinearPreferenceLoss(FusedLinearBase):
         # Means over pairs; a batch of no pairs gives loss and metrics 0 (sums of nothing), not 0/0.
         scalars = {"n_pairs": to_scalar(max(n_pairs, 1), dev)}
         if self.uses_nll and opts.nll_coef != 0:
-            nll = (chosen if nll_labels is None else nll_labels.to(dev)).long()
+            nll = (chosen if nll_labels is None else nll_labels).long()
             nll = torch.cat([nll, torch.full_like(nll, opts.ignore_index)])
             nll_mask = nll != opts.ignore_index
             keep = keep | nll_mask
