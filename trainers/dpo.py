@@ -11,10 +11,12 @@ smoothing of TRL 1.16 is covered, with the model's final logit softcapping (Gemm
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 from trl import DPOConfig, DPOTrainer
 
+from chunkloss.losses.cross_entropy import FusedLinearCrossEntropyLoss
 from chunkloss.losses.dpo import FusedLinearDPOLoss
 
 from ._common import ChunkedArguments, apply_chunk_kernels, chunk_options, peft_base, refuse
@@ -37,11 +39,11 @@ class ChunkedDPOConfig(DPOConfig, ChunkedArguments):
 class ChunkedDPOTrainer(DPOTrainer):
     """``trl.DPOTrainer`` whose loss never materialises the logits.
 
-    Refused at construction: adapters on ``lm_head`` other than plain LoRA, and a ``PeftModel`` whose adapter
-    has LoRA on ``lm_head`` given without ``ref_model`` (TRL scores the reference through a "ref" copy of the
-    adapter with its fused head, which reads ``lm_head.weight`` alone: the reference would silently lose the
-    adapter's ``lm_head``), and ``use_weighting`` with an ``"sft"`` term (TRL 1.16's own path fails on it).
-    Multimodal inputs are refused when they arrive.
+    A ``PeftModel`` whose adapter has LoRA on ``lm_head``, given without ``ref_model``, is scored as TRL
+    scores it (through a "ref" copy of the adapter), with the adapter's ``lm_head`` included: see
+    :meth:`compute_ref_log_probs`. Refused at construction: adapters on ``lm_head`` other than plain LoRA, and
+    ``use_weighting`` with an ``"sft"`` term (TRL 1.16's own path fails on it). Multimodal inputs are refused
+    when they arrive.
     """
 
     _tag_names = ["trl", "dpo", "chunkloss"]
@@ -49,14 +51,6 @@ class ChunkedDPOTrainer(DPOTrainer):
     def __init__(self, model, ref_model=None, args: DPOConfig | None = None, *pos, **kwargs):
         if args is not None:
             chunk_options(args)
-        if ref_model is None and has_lm_head_lora(model):
-            refuse(
-                type(self).__name__,
-                "a PeftModel with LoRA on lm_head and ref_model=None",
-                "TRL scores the reference through a copy of the adapter with its fused head, which reads "
-                "lm_head.weight alone and would leave the adapter's lm_head out; pass ref_model, or pass the "
-                "base model with peft_config (the reference is then the model with the adapter disabled)",
-            )
         with allow_lm_head_adapter(model):
             super().__init__(model, ref_model, args, *pos, **kwargs)
         if self.use_weighting and "sft" in self.loss_types:
@@ -88,6 +82,33 @@ class ChunkedDPOTrainer(DPOTrainer):
             return_token_metrics=True,
             **opts,
         )
+
+    def compute_ref_log_probs(self, model, inputs):
+        """TRL's, except when the reference is a "ref" copy of a LoRA adapter on ``lm_head`` (a ``PeftModel``
+        given without ``ref_model``): TRL's fused head reads ``lm_head.weight`` alone and would leave that
+        adapter's ``lm_head`` out, so its per-token log-probs come from the chunked head instead, under the
+        adapter TRL selects; TRL's own code still picks the adapter and sums (or ``ld_alpha``-weights)
+        them."""
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        if self.ref_model is not None or not has_lm_head_lora(unwrapped):
+            return super().compute_ref_log_probs(model, inputs)
+        softcap, logit_scale = head_transforms(peft_base(unwrapped).config)
+        logp_loss = FusedLinearCrossEntropyLoss(
+            reduction="none", softcap=softcap, logit_scale=logit_scale, **chunk_options(self.args)
+        )
+
+        def fused_head_call(*, labels, fused_lm_head, **kwargs):
+            # TRL's `model(..., labels=labels, fused_lm_head=True).log_probs`: log-probs of the next tokens,
+            # (B, T - 1), 0 where the label is -100.
+            targets = labels[:, 1:]
+
+            def head_fn(hidden, head):
+                x, w, b = head.features(hidden[:, :-1]), head.weight, head.bias
+                return -logp_loss(x, w, targets, bias=b)
+
+            return SimpleNamespace(log_probs=model(**kwargs, chunked_head=head_fn).result)
+
+        return super().compute_ref_log_probs(fused_head_call, inputs)
 
     def _compute_loss(self, model, inputs, return_outputs):
         mode = "train" if self.model.training else "eval"

@@ -253,3 +253,46 @@ def test_dpo_gradient_accumulation(tmp_path, cfg, exact):
         _assert_grads(g_ref, g_big)
         assert_close_loss(l_our, l_big)
         _assert_grads(g_our, g_big)
+
+
+@pytest.mark.parametrize("ld_alpha", [None, 0.5])
+def test_dpo_peft_model_with_lm_head_lora_without_ref_model(tmp_path, ld_alpha):
+    """Given a PeftModel and no ref_model, TRL scores the reference through a "ref" copy of the adapter with
+    its fused head, which reads lm_head.weight alone (measured: sequence log-probs 0.2 to 3.2 nats off the
+    PEFT model's own under the "ref" adapter). Ours scores it with the adapter's lm_head: equal to the "ref"
+    adapter's materialised log-probs summed over the completion (or ld_alpha-weighted, TRL's own code), with
+    the trained "default" adapter moved away from it first."""
+    peft = pytest.importorskip("peft")
+    from trl.trainer.utils import use_adapter
+
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], init_lora_weights=False)
+    ours = ChunkedDPOTrainer(
+        peft.get_peft_model(model_pair()[0], cfg),
+        None,
+        ChunkedDPOConfig(**common_args(tmp_path, max_length=48), ld_alpha=ld_alpha, chunk_compile=False),
+        train_dataset=tiny_dataset("dpo", 8),
+        processing_class=tokenizer(),
+    )
+    model = ours.model
+    assert "ref" in model.peft_config
+    with torch.no_grad():  # the policy's adapter moves on in training; the reference must not follow it
+        for name, p in model.named_parameters():
+            if "lora_B.default" in name:
+                p.add_(0.5 * torch.randn_like(p))
+    batch = ours._prepare_inputs(ours.data_collator([ours.train_dataset[i] for i in range(4)]))
+    got = torch.cat(ours.compute_ref_log_probs(model, batch))
+
+    with torch.no_grad(), use_adapter(model, "ref"):
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+    tok = logits[:, :-1].log_softmax(-1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
+    tok = tok * batch["completion_mask"][:, 1:]
+    if ld_alpha is None:  # TRL's combination of the per-token log-probs
+        want = tok.sum(1)
+    else:
+        mask = batch["completion_mask"][:, 1:]
+        pos, lens = mask.cumsum(1), mask.sum(1)
+        shared = torch.minimum(*lens.chunk(2)).repeat(2)[:, None]
+        want = (tok * ((pos > 0) & (pos <= shared))).sum(1) + ld_alpha * (tok * (pos > shared)).sum(1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    trl_own = torch.cat(DPOTrainer.compute_ref_log_probs(ours, model, batch))
+    assert (trl_own - want).abs().max() > 1e-2  # TRL's head leaves the adapter's lm_head out

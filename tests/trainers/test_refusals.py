@@ -129,29 +129,6 @@ def test_orpo_refuses_liger_fused_linear_cross_entropy(tmp_path, liger_config):
     assert _orpo(tmp_path, use_liger_kernel=True, liger_kernel_config=off).args.use_liger_kernel
 
 
-def test_dpo_refuses_peft_model_with_lm_head_lora_without_ref_model(tmp_path):
-    """Given a PeftModel and no ref_model, TRL scores the reference through a "ref" copy of the adapter with
-    its fused head, which reads lm_head.weight alone (measured: sequence log-probs 0.2 to 3.2 nats off the
-    PEFT model's own under the "ref" adapter). With a ref_model, or LoRA elsewhere only, it is accepted."""
-    peft = pytest.importorskip("peft")
-
-    def build(target_modules, ref_model=None):
-        cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=target_modules, init_lora_weights=False)
-        return ChunkedDPOTrainer(
-            peft.get_peft_model(model_pair()[0], cfg),
-            ref_model,
-            ChunkedDPOConfig(**common_args(tmp_path, max_length=48), chunk_compile=False),
-            train_dataset=tiny_dataset("dpo", 8),
-            processing_class=tokenizer(),
-        )
-
-    message = "ChunkedDPOTrainer does not support a PeftModel with LoRA on lm_head and ref_model=None"
-    with pytest.raises(ValueError, match=message):
-        build(["q_proj", "lm_head"])
-    assert build(["q_proj", "lm_head"], ref_model=model_pair(seed=1)[0]).ref_model is not None
-    assert "ref" in build(["q_proj"]).model.peft_config  # TRL's own reference adapter, without lm_head
-
-
 def test_dpo_refuses_weighting_with_sft_term(tmp_path):
     """WPO weighting with an "sft" loss term: TRL 1.16's own DPOTrainer fails in its first step, so there is
     no objective to match and ours refuses it when built (weighting with the other terms stays accepted)."""
