@@ -38,6 +38,7 @@ import functools
 import inspect
 import re
 import types
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -474,19 +475,35 @@ class _RowDynamic:
 
     A chunk of one row runs the step eagerly instead: dynamo specialises sizes 0 and 1, so it would
     compile a graph of its own (one more per step kind, which a batch with a single valid token or a
-    rounding tail of one row meets), for a chunk whose eager cost is a few small kernels."""
+    rounding tail of one row meets), for a chunk whose eager cost is a few small kernels.
+
+    If the compiler fails to build the step (``BackendCompilerFailed``: a bug of the backend, e.g. torch
+    2.13's CPU inductor raising ``KeyError: 'buf9'`` in its outer-loop fusion for GRPO with both ``beta`` and
+    ``entropy_coef``), the step runs eagerly from then on, with a warning: the same math, slower. The failure
+    comes before the graph runs, so nothing was written yet."""
 
     def __init__(self, fn):
         self.eager = fn
         self.fn = torch.compile(fn)
 
     def __call__(self, logits, *args):
-        if logits.shape[0] <= 1:
+        if logits.shape[0] <= 1 or self.fn is None:
             return self.eager(logits, *args)
         for t in _tensors((logits, args)):
             if t.dim() > 0:
                 torch._dynamo.maybe_mark_dynamic(t, 0)
-        return self.fn(logits, *args)
+        try:
+            return self.fn(logits, *args)
+        except torch._dynamo.exc.BackendCompilerFailed as exc:
+            warnings.warn(
+                f"chunkloss: torch.compile could not build a per-chunk step ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0][:200]}); this step runs eagerly from now on (same result, "
+                "slower)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            self.fn = None
+            return self.eager(logits, *args)
 
 
 def _tensors(obj):

@@ -87,3 +87,27 @@ def test_backward_twice_is_refused():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="twice"):
         loss.backward()
+
+
+def test_compiler_failure_falls_back_to_eager(monkeypatch):
+    """A step the compiler cannot build runs eagerly from then on, with a RuntimeWarning, and gives the eager
+    result; the compiler is not asked again."""
+    from chunkloss import base
+
+    calls = []
+
+    def failing_compile(fn):
+        def compiled(*args):
+            calls.append(1)
+            raise torch._dynamo.exc.BackendCompilerFailed(None, KeyError("buf9"), None)
+
+        return compiled
+
+    monkeypatch.setattr(base.torch, "compile", failing_compile)
+    step = base._RowDynamic(lambda logits, k: logits * k)
+    x = torch.arange(6.0).reshape(3, 2)
+    with pytest.warns(RuntimeWarning, match="runs eagerly from now on"):
+        out = step(x, 2.0)
+    torch.testing.assert_close(out, x * 2.0)
+    torch.testing.assert_close(step(x, 3.0), x * 3.0)
+    assert len(calls) == 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import types
+import warnings
 from collections import defaultdict
 
 import pytest
@@ -465,6 +466,19 @@ def test_compiled(case):
     ref = run_ref(inp, kw, opts)
     opts["compile"] = True
     assert_close_fp32(run_ours(inp, kw, chunk_size=40, **opts), ref)
+
+
+def test_compiled_kl_with_entropy_bonus():
+    """beta and entropy_coef together in the compiled token step: torch 2.13's CPU inductor fails to build it
+    (``KeyError: 'buf9'`` in its outer-loop fusion, every input), so the step falls back to eager with a
+    RuntimeWarning (``base._RowDynamic``) and still equals the reference."""
+    inp, kw = make_inputs()
+    opts = grid_opts("dapo", "token", beta=0.04, entropy_coef=0.05)
+    ref = run_ref(inp, kw, opts)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the fallback's, where the compiler fails
+        got = run_ours(inp, kw, chunk_size=3, **dict(opts, compile=True))
+    assert_close_fp32(got, ref)
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
