@@ -92,8 +92,9 @@ def apply_chunk_kernels(trainer) -> None:
 
     Called by every chunked trainer once TRL's constructor has built and placed its models. The trained model
     is patched (a PEFT model's base model; LoRA layers stay as they are), or the trainer is refused with a
-    ``ValueError`` naming ``chunk_kernels`` when its type is not in ``SUPPORTED_MODEL_TYPES`` or its
-    parameters are not on CUDA (without ``TRITON_INTERPRET=1``). The causal-LM loss is left alone: the trainer
+    ``ValueError`` naming ``chunk_kernels`` when its type is not in ``SUPPORTED_MODEL_TYPES``, its
+    parameters are not on CUDA (without ``TRITON_INTERPRET=1``) or ``use_liger_kernel`` is on too (Liger
+    patches the same modules). The causal-LM loss is left alone: the trainer
     already computes it chunked. A reference model (DPO, GRPO) or teacher (GKD, distillation) is patched too
     when its type is supported, since its no-grad forwards get faster as well; one of another type keeps
     transformers' modules (warned). The kernels' in-place choices (rotary on fresh q/k projections, MLP and
@@ -109,6 +110,9 @@ def apply_chunk_kernels(trainer) -> None:
     from chunkloss.kernels.patch import SUPPORTED_MODEL_TYPES, patch
 
     name = type(trainer).__name__
+    if getattr(trainer.args, "use_liger_kernel", False):
+        refuse(name, "chunk_kernels=True with use_liger_kernel=True",
+               "both replace the model's norms, rotary embedding and MLPs; choose one")  # fmt: skip
     supported = ", ".join(SUPPORTED_MODEL_TYPES)
     unwrap = trainer.accelerator.unwrap_model
     model = peft_base(unwrap(trainer.model))

@@ -307,3 +307,14 @@ def test_unpatch_rotary_restores_transformers_function(tmp_path):
     assert qwen3_mod.apply_rotary_pos_emb is _ORIGINAL[qwen3_mod.__name__]
     # The restored function is transformers' own again: the model's forward builds no Triton rotary node.
     assert "RoPEFunctionBackward" not in grad_fn_counts(llama(input_ids=ids, labels=ids).loss)
+
+
+def test_liger_kernels_with_chunk_kernels_refused(tmp_path):
+    """use_liger_kernel patches the same norms, rotary embedding and MLPs: the two together are refused before
+    anything is patched."""
+    model, _ = model_pair()
+    args = dict(common_args(tmp_path, max_length=64), chunk_size=7, chunk_compile=False, chunk_kernels=True)
+    with pytest.raises(ValueError, match="chunk_kernels=True with use_liger_kernel=True"):
+        ChunkedSFTTrainer(model, ChunkedSFTConfig(**args, use_liger_kernel=True),
+                          train_dataset=tiny_dataset("sft", n=4), processing_class=tokenizer())  # fmt: skip
+    assert sys.modules[type(model).__module__].apply_rotary_pos_emb is not _rotary_fn
