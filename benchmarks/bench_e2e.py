@@ -470,10 +470,11 @@ def run_task(task, shape, a, tokenizer, results, deadline, t_start):
             record("sweep", r)
             print(f"[sweep] {task} {impl} bs={bs}: {_fmt(r)}", flush=True)
 
-    # Curves: the full --curve-steps unless the sweep's step times at the curve batch say they would overrun.
+    # Curves: the full --curve-steps unless the sweep's step times at the curve batch say they would overrun;
+    # none with --curve-steps 0 (a sweep-only run).
     steps = a.curve_steps
     ref = [r for r in results["sweep"] if r["task"] == task and not r["oom"]]
-    if ref:
+    if ref and steps > 0:
         near = min(ref, key=lambda r: (abs(math.log(r["batch"] / a.curve_batch)), -r["batch"]))
         at_near = max(r["step_time_s"] for r in ref if r["batch"] == near["batch"])
         per_step = at_near * a.curve_batch / near["batch"]
@@ -483,7 +484,7 @@ def run_task(task, shape, a, tokenizer, results, deadline, t_start):
         if fit < steps:
             steps = max(fit, min(a.min_curve_steps, a.curve_steps))
             print(f"[curve] {task}: {steps} steps fit the task's share (~{per_step:.2f} s/step)")
-    for impl in a.impls:
+    for impl in a.impls if steps > 0 else ():
         r = run_one(task, impl, shape, a.curve_batch, steps, a, tokenizer, ds, state, ref_state, shared)
         record("curves", r)
         print(f"[curve] {task} {impl} bs={a.curve_batch} steps={steps}: {_fmt(r)}; "
@@ -507,7 +508,7 @@ def main(argv=None):
     p.add_argument("--min-timed-s", type=float, default=3.0,
                    help="later sweep runs time at least this many seconds of steps (predicted)")  # fmt: skip
     p.add_argument("--max-timed-steps", type=int, default=40, help="timed steps of a sweep run, at most")
-    p.add_argument("--curve-steps", type=int, default=30)
+    p.add_argument("--curve-steps", type=int, default=30, help="0: no curves (a sweep-only run)")
     p.add_argument("--min-curve-steps", type=int, default=10, help="curves never get fewer steps than this")
     p.add_argument("--curve-batch", type=int, default=8)
     p.add_argument("--completion-len", type=int, default=128, help="GRPO max_completion_length")
@@ -538,7 +539,7 @@ def main(argv=None):
         grpo_shape = llama_shape = "tiny"
         a.layers, a.batch_sizes, a.sweep_steps, a.warmup = 1, "2,4", 2, 1
         a.min_timed_s, a.max_timed_steps = 0.05, 4
-        a.curve_steps, a.min_curve_steps, a.curve_batch = 3, 3, 2
+        a.curve_steps, a.min_curve_steps, a.curve_batch = min(a.curve_steps, 3), 3, 2
         a.completion_len, a.seq_len, a.words = 4, 48, 6
         a.no_compile = True
     os.makedirs(a.out, exist_ok=True)
