@@ -479,8 +479,9 @@ class _RowDynamic:
 
     If the compiler fails to build the step (``BackendCompilerFailed``: a bug of the backend, e.g. torch
     2.13's CPU inductor raising ``KeyError: 'buf9'`` in its outer-loop fusion for GRPO with both ``beta`` and
-    ``entropy_coef``), the step runs eagerly from then on, with a warning: the same math, slower. The failure
-    comes before the graph runs, so nothing was written yet."""
+    ``entropy_coef``), the step runs eagerly from then on, with a warning: the same math, slower. A step
+    writes the logits' gradient in place as its last operation, so a graph that fails to compile (that one or
+    any before it) fails before anything was written over its inputs."""
 
     def __init__(self, fn):
         self.eager = fn
