@@ -41,8 +41,9 @@ class ChunkedDPOTrainer(DPOTrainer):
 
     A ``PeftModel`` whose adapter has LoRA on ``lm_head``, given without ``ref_model``, is scored as TRL
     scores it (through a "ref" copy of the adapter), with the adapter's ``lm_head`` included: see
-    :meth:`compute_ref_log_probs`. Refused at construction: adapters on ``lm_head`` other than plain LoRA, and
-    ``use_weighting`` with an ``"sft"`` term (TRL 1.16's own path fails on it). Multimodal inputs are refused
+    :meth:`compute_ref_log_probs`. Refused at construction: adapters on ``lm_head`` other than plain LoRA,
+    that case with ``precompute_ref_log_probs`` (TRL precomputes in its constructor, without the adapter's
+    ``lm_head``), and ``use_weighting`` with an ``"sft"`` term (TRL 1.16's own path fails on it). Multimodal inputs are refused
     when they arrive.
     """
 
@@ -51,6 +52,15 @@ class ChunkedDPOTrainer(DPOTrainer):
     def __init__(self, model, ref_model=None, args: DPOConfig | None = None, *pos, **kwargs):
         if args is not None:
             chunk_options(args)
+            # TRL precomputes in its constructor, before the chunked head exists and while lm_head shows it
+            # the base layer: the "ref" adapter's lm_head LoRA would be left out (see compute_ref_log_probs).
+            if args.precompute_ref_log_probs and ref_model is None and has_lm_head_lora(model):
+                refuse(
+                    type(self).__name__,
+                    "precompute_ref_log_probs=True with LoRA on lm_head of a PeftModel and no ref_model",
+                    "TRL scores the reference in its constructor with a head that leaves the adapter's "
+                    "lm_head out; set precompute_ref_log_probs=False (the chunked head then scores it)",
+                )
         with allow_lm_head_adapter(model):
             super().__init__(model, ref_model, args, *pos, **kwargs)
         if self.use_weighting and "sft" in self.loss_types:

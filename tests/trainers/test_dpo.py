@@ -296,3 +296,28 @@ def test_dpo_peft_model_with_lm_head_lora_without_ref_model(tmp_path, ld_alpha):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     trl_own = torch.cat(DPOTrainer.compute_ref_log_probs(ours, model, batch))
     assert (trl_own - want).abs().max() > 1e-2  # TRL's head leaves the adapter's lm_head out
+
+
+def test_dpo_peft_model_with_lm_head_lora_precompute_refused(tmp_path):
+    """With precompute_ref_log_probs, TRL scores the reference inside its constructor, before the chunked head
+    exists (and while lm_head shows TRL its base layer): the "ref" adapter's lm_head LoRA would be left out of
+    the stored log-probs without a word. Refused before anything is computed."""
+    peft = pytest.importorskip("peft")
+    import chunkloss.trainers.dpo as dpo_mod
+
+    calls = []
+    spy = lambda self, model, inputs: calls.append(1)  # noqa: E731
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], init_lora_weights=False)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dpo_mod.DPOTrainer, "compute_ref_log_probs", spy)
+        with pytest.raises(ValueError, match="precompute_ref_log_probs"):
+            ChunkedDPOTrainer(
+                peft.get_peft_model(model_pair()[0], cfg),
+                None,
+                ChunkedDPOConfig(
+                    **common_args(tmp_path, max_length=48), precompute_ref_log_probs=True, chunk_compile=False
+                ),
+                train_dataset=tiny_dataset("dpo", 8),
+                processing_class=tokenizer(),
+            )
+    assert not calls  # refused before TRL's constructor computed anything
