@@ -43,8 +43,8 @@ class ChunkedDPOTrainer(DPOTrainer):
     scores it (through a "ref" copy of the adapter), with the adapter's ``lm_head`` included: see
     :meth:`compute_ref_log_probs`. Refused at construction: adapters on ``lm_head`` other than plain LoRA,
     that case with ``precompute_ref_log_probs`` (TRL precomputes in its constructor, without the adapter's
-    ``lm_head``), and ``use_weighting`` with an ``"sft"`` term (TRL 1.16's own path fails on it). Multimodal inputs are refused
-    when they arrive.
+    ``lm_head``), and ``use_weighting`` with an ``"sft"`` term (TRL 1.16's own path fails on it). Multimodal
+    inputs are refused when they arrive.
     """
 
     _tag_names = ["trl", "dpo", "chunkloss"]
