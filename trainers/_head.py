@@ -44,6 +44,25 @@ class Head:
     _features: Callable[[Tensor], Tensor] | None = None
 
 
+def label_logps_head(logp_loss, targets: Tensor, cast_fp32: bool = False) -> Callable:
+    """A ``chunked_head`` function: the per-token log-probs of ``targets`` (B, k), the next tokens of the
+    sequence's last k positions (0 where -100), from the hidden states just before them, through the head with
+    its active adapters. ``logp_loss`` is a ``FusedLinearCrossEntropyLoss(reduction="none")`` with the head's
+    transforms; ``cast_fp32`` runs the head in fp32 (TRL's ``cast_lm_head_to_fp32``)."""
+    k = targets.shape[1]
+
+    def head_fn(hidden: Tensor, head: Head) -> Tensor:
+        x, w, b = head.features(hidden[:, -k - 1 : -1]), head.weight, head.bias
+        ctx = contextlib.nullcontext()
+        if cast_fp32:
+            x, w, b = x.float(), w.float(), None if b is None else b.float()
+            ctx = torch.autocast(x.device.type, enabled=False)
+        with ctx:
+            return -logp_loss(x, w, targets, bias=b)
+
+    return head_fn
+
+
 @dataclass
 class ChunkedHeadOutput:
     """What ``model(..., chunked_head=fn)`` returns: ``fn``'s result and the MoE load-balancing loss."""

@@ -26,6 +26,7 @@ from ._head import (
     check_head_supported,
     has_lm_head_lora,
     head_transforms,
+    label_logps_head,
 )
 
 __all__ = ["ChunkedDPOConfig", "ChunkedDPOTrainer"]
@@ -92,6 +93,10 @@ class ChunkedDPOTrainer(DPOTrainer):
             return_token_metrics=True,
             **opts,
         )
+        # The reference's per-token log-probs through a LoRA adapter on lm_head (compute_ref_log_probs).
+        self._ref_logp_loss = FusedLinearCrossEntropyLoss(
+            reduction="none", softcap=softcap, logit_scale=logit_scale, **opts
+        )
 
     def compute_ref_log_probs(self, model, inputs):
         """TRL's, except when the reference is a "ref" copy of a LoRA adapter on ``lm_head`` (a ``PeftModel``
@@ -102,20 +107,11 @@ class ChunkedDPOTrainer(DPOTrainer):
         unwrapped = self.accelerator.unwrap_model(self.model)
         if self.ref_model is not None or not has_lm_head_lora(unwrapped):
             return super().compute_ref_log_probs(model, inputs)
-        softcap, logit_scale = head_transforms(peft_base(unwrapped).config)
-        logp_loss = FusedLinearCrossEntropyLoss(
-            reduction="none", softcap=softcap, logit_scale=logit_scale, **chunk_options(self.args)
-        )
 
         def fused_head_call(*, labels, fused_lm_head, **kwargs):
             # TRL's `model(..., labels=labels, fused_lm_head=True).log_probs`: log-probs of the next tokens,
             # (B, T - 1), 0 where the label is -100.
-            targets = labels[:, 1:]
-
-            def head_fn(hidden, head):
-                x, w, b = head.features(hidden[:, :-1]), head.weight, head.bias
-                return -logp_loss(x, w, targets, bias=b)
-
+            head_fn = label_logps_head(self._ref_logp_loss, labels[:, 1:])
             return SimpleNamespace(log_probs=model(**kwargs, chunked_head=head_fn).result)
 
         return super().compute_ref_log_probs(fused_head_call, inputs)

@@ -20,7 +20,14 @@ from chunkloss.losses.cross_entropy import FusedLinearCrossEntropyLoss
 from chunkloss.losses.grpo import FusedLinearGRPOLoss
 
 from ._common import ChunkedArguments, apply_chunk_kernels, chunk_options, peft_base, refuse
-from ._head import _head_of, add_chunked_head, allow_lm_head_adapter, check_head_supported, head_transforms
+from ._head import (
+    _head_of,
+    add_chunked_head,
+    allow_lm_head_adapter,
+    check_head_supported,
+    head_transforms,
+    label_logps_head,
+)
 
 __all__ = ["ChunkedGRPOConfig", "ChunkedGRPOTrainer"]
 
@@ -138,9 +145,12 @@ class ChunkedGRPOTrainer(GRPOTrainer):
                 "the chunked head scores text log-probs only",
             )
         k = logits_to_keep
-        logp_loss = FusedLinearCrossEntropyLoss(
-            reduction="none", temperature=float(self.temperature), **self._head_transforms, **self._chunk_opts
-        )
+        key = ("logps", float(self.temperature))
+        logp_loss = self._chunk_losses.get(key)
+        if logp_loss is None:
+            logp_loss = self._chunk_losses[key] = FusedLinearCrossEntropyLoss(
+                reduction="none", temperature=key[1], **self._head_transforms, **self._chunk_opts
+            )
         cast = bool(getattr(self.args, "cast_lm_head_to_fp32", False))
         batch_size = batch_size or input_ids.size(0)
         logps, aux = [], []
@@ -148,21 +158,11 @@ class ChunkedGRPOTrainer(GRPOTrainer):
             ids = input_ids[start : start + batch_size]
             att = attention_mask[start : start + batch_size]
             targets = ids[:, -k:].masked_fill(att[:, -k:] == 0, -100)
-
-            def head_fn(hidden, head, targets=targets):
-                x, w, b = head.features(hidden[:, -k - 1 : -1]), head.weight, head.bias
-                ctx = contextlib.nullcontext()
-                if cast:
-                    x, w, b = x.float(), w.float(), None if b is None else b.float()
-                    ctx = torch.autocast(x.device.type, enabled=False)
-                with ctx:
-                    return -logp_loss(x, w, targets, bias=b)
-
             inputs = {"input_ids": ids, "attention_mask": att}
             if compute_aux_loss:
                 inputs["output_router_logits"] = True
             with self.accelerator.autocast():
-                out = model(**inputs, chunked_head=head_fn)
+                out = model(**inputs, chunked_head=label_logps_head(logp_loss, targets, cast))
             logps.append(out.result)
             if compute_aux_loss:
                 aux.append(out.aux_loss)
