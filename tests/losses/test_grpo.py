@@ -197,17 +197,23 @@ ENTROPY_OPTIONS = [
     dict(loss_type="grpo", top_entropy_quantile=0.5, entropy_coef=0.1, importance_sampling_level="sequence"),
     dict(loss_type="dapo", entropy_coef=0.05),
 ]
+# Masks, clipping and transform options, by id (also run on the CUDA steps: tests/losses/test_row_steps.py).
+MORE_OPTIONS = {
+    "bonus-quantile0": dict(loss_type="bnpo", entropy_coef=0.05, top_entropy_quantile=0.0),
+    "offpolicy-token": dict(loss_type="grpo", off_policy_mask_threshold=0.05, beta=0.04),
+    "offpolicy-seq": dict(
+        loss_type="dapo", off_policy_mask_threshold=0.05, importance_sampling_level="sequence"
+    ),
+    "delta": dict(loss_type="dapo", delta=1.1, temperature=0.7, beta=0.04, use_bias_correction_kl=False),
+    "sapo-temps": dict(loss_type="sapo", sapo_temperature_pos=0.5, sapo_temperature_neg=2.0, temperature=1.3),
+}
 
 
 @pytest.mark.parametrize(
     "opts",
     [
         *ENTROPY_OPTIONS,
-        dict(loss_type="bnpo", entropy_coef=0.05, top_entropy_quantile=0.0),
-        dict(loss_type="grpo", off_policy_mask_threshold=0.05, beta=0.04),
-        dict(loss_type="dapo", off_policy_mask_threshold=0.05, importance_sampling_level="sequence"),
-        dict(loss_type="dapo", delta=1.1, temperature=0.7, beta=0.04, use_bias_correction_kl=False),
-        dict(loss_type="sapo", sapo_temperature_pos=0.5, sapo_temperature_neg=2.0, temperature=1.3),
+        *MORE_OPTIONS.values(),
         dict(loss_type="vespo", vespo_k_pos=1.5, vespo_lambda_neg=1.0),
         dict(loss_type="dapo", softcap=2.0, logit_scale=0.6, beta=0.04, importance_sampling_level="sequence"),
     ],

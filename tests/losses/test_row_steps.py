@@ -111,17 +111,7 @@ def test_grpo_no_grad(level, chunk, cuda_steps):
     assert abs(float(loss) - float(tg.run_ref(inp, kw, opts)[0])) <= tg.FP32_ATOL["loss"]
 
 
-@pytest.mark.parametrize(
-    "opts",
-    [
-        dict(loss_type="bnpo", entropy_coef=0.05, top_entropy_quantile=0.0),
-        dict(loss_type="grpo", off_policy_mask_threshold=0.05, beta=0.04),
-        dict(loss_type="dapo", off_policy_mask_threshold=0.05, importance_sampling_level="sequence"),
-        dict(loss_type="dapo", delta=1.1, temperature=0.7, beta=0.04, use_bias_correction_kl=False),
-        dict(loss_type="sapo", sapo_temperature_pos=0.5, sapo_temperature_neg=2.0, temperature=1.3),
-    ],
-    ids=["bonus-quantile0", "offpolicy-token", "offpolicy-seq", "delta", "sapo-temps"],
-)
+@pytest.mark.parametrize("opts", list(tg.MORE_OPTIONS.values()), ids=list(tg.MORE_OPTIONS))
 def test_grpo_more_options(opts, cuda_steps):
     """test_grpo.py's remaining options (off-policy mask, delta, SAPO temperatures, an entropy quantile of 0)
     through the Triton steps; chunks of 3 (two passes on the sequence path) and 1000."""

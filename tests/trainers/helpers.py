@@ -14,6 +14,16 @@ from chunkloss.data import tiny_model, tiny_tokenizer
 RTOL = 1e-5
 ATOL = 1e-7
 
+# A tiny Qwen3-MoE: every layer sparse, 4 experts, top-2.
+MOE = dict(
+    family="qwen3_moe",
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+)
+
 _TOKENIZER = None
 
 

@@ -13,6 +13,7 @@ from trl.experimental.gkd import GKDConfig, GKDTrainer
 
 from chunkloss.data import tiny_dataset
 from tests.trainers.helpers import (
+    MOE,
     assert_close_loss,
     assert_same_grads,
     common_args,
@@ -109,17 +110,6 @@ def test_gkd_temperature_does_not_reach_loss(tmp_path):
     """GKD's args.temperature only samples: TRL's loss call passes none, so at 0.5 the losses still agree."""
     ref, ours = _pair(tmp_path, temperature=0.5)
     _check(ref, ours)
-
-
-# A tiny Qwen3-MoE: every layer sparse, 4 experts, top-2.
-MOE = dict(
-    family="qwen3_moe",
-    num_experts=4,
-    num_experts_per_tok=2,
-    moe_intermediate_size=16,
-    decoder_sparse_step=1,
-    mlp_only_layers=[],
-)
 
 
 @pytest.mark.parametrize(

@@ -20,17 +20,15 @@ from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer
 from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
 from chunkloss.data import count_reward, tiny_dataset
-from tests.trainers.helpers import assert_close_loss, assert_same_grads, common_args, model_pair, tokenizer
-
-# A tiny Qwen3-MoE: every layer sparse, 4 experts, top-2.
-MOE = dict(
-    family="qwen3_moe",
-    num_experts=4,
-    num_experts_per_tok=2,
-    moe_intermediate_size=16,
-    decoder_sparse_step=1,
-    mlp_only_layers=[],
+from tests.trainers.helpers import (
+    MOE,
+    assert_close_loss,
+    assert_same_grads,
+    common_args,
+    model_pair,
+    tokenizer,
 )
+
 # Large enough that the aux term's share of the router's gradient stands far above the parity tolerances.
 COEF = 0.5
 GATE = "model.layers.0.mlp.gate.weight"

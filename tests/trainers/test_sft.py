@@ -10,7 +10,14 @@ from chunkloss.trainers.sft import ChunkedSFTConfig, ChunkedSFTTrainer
 from trl import SFTConfig, SFTTrainer
 
 from chunkloss.data import tiny_dataset
-from tests.trainers.helpers import assert_close_loss, assert_same_grads, common_args, model_pair, tokenizer
+from tests.trainers.helpers import (
+    MOE,
+    assert_close_loss,
+    assert_same_grads,
+    common_args,
+    model_pair,
+    tokenizer,
+)
 
 
 def _pair(tmp_path, kind="sft", model_kw=None, models=None, peft_config=None, **cfg):
@@ -151,14 +158,7 @@ def test_sft_lm_head_bias(tmp_path):
 def test_sft_moe_router_aux_loss(tmp_path):
     ref, ours = _pair(
         tmp_path,
-        model_kw=dict(
-            family="qwen3_moe",
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=16,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-        ),
+        model_kw=MOE,
         router_aux_loss_coef=0.01,
     )
     assert ours.aux_loss_enabled
