@@ -300,7 +300,7 @@ class FusedLinearBase(nn.Module):
         """Sequence losses: differentiable per-row statistics ``(N_c, K)`` in fp32.
 
         Heads without grad reach it through ``token["extra_stats"]`` (see ``extra_token_stats``),
-        computed once in the first pass and reused in the second. A loss's own "stats" step (``_build_step``)
+        computed once in the first pass and reused in the second. A loss's own "stats" step (``kernel_steps``)
         may return ``(statistics, carry)``; in one pass ``carry`` reaches its "seq_pass2" step on the same
         logits as a last argument (``_stats_and_carry``).
         """
@@ -324,6 +324,25 @@ class FusedLinearBase(nn.Module):
         """Run ``token_stats`` + ``sequence_loss`` rather than ``chunk_loss``. By default: the class
         defines ``sequence_loss``; a loss with both forms (GRPO) decides from its options."""
         return type(self).sequence_loss is not FusedLinearBase.sequence_loss
+
+    #: Triton steps for this class's own per-chunk math, by step kind (``"token"``, ``"token_value"``,
+    #: ``"stats"``, ``"seq_pass2"``): ``fn(opts, *step_args)``, run instead of the compiled step on CUDA when
+    #: ``compile`` is on. ``kernel_math`` names the class attributes whose functions they compute: a subclass
+    #: that replaces one of them keeps the compiled steps (the kernels would compute its parent's loss), and
+    #: one that declares ``kernel_steps`` of its own gets those instead of its parent's.
+    kernel_steps: dict[str, Callable] = {}
+    kernel_math: tuple[str, ...] = ()
+
+    def _kernel_step(self, kind: str, opts: FusedOptions, device_type: str):
+        """The Triton step of ``kind`` for this loss on ``device_type``, or None (see ``kernel_steps``)."""
+        if device_type != "cuda" or not opts.compile:
+            return None
+        cls = type(self)
+        owner = next(c for c in cls.__mro__ if "kernel_steps" in c.__dict__)
+        fn = owner.kernel_steps.get(kind)
+        if fn is None or any(getattr(cls, name) is not getattr(owner, name) for name in owner.kernel_math):
+            return None
+        return functools.partial(fn, opts)
 
     def _step_upcasts_extra(self, device_type: str) -> bool:
         """Whether the compiled step holds an fp32 copy of the extra heads' logits (inductor upcasts bf16
@@ -358,6 +377,9 @@ class FusedLinearBase(nn.Module):
         return fn
 
     def _build_step(self, kind: str, opts: FusedOptions, device_type: str):
+        kernel = self._kernel_step(kind, opts, device_type)
+        if kernel is not None:
+            return kernel
         cls = type(self)
         if kind == "token":
             fn = _bind(_token_step, cls.chunk_loss, opts)

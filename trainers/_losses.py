@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from chunkloss.base import FusedLinearBase
 from chunkloss.losses.common import row_statistics
 from chunkloss.losses.cross_entropy import CrossEntropyOptions, FusedLinearCrossEntropyLoss
 
@@ -67,6 +64,8 @@ class FusedLinearDFTLoss(FusedLinearCrossEntropyLoss):
     """
 
     chunk_loss = staticmethod(dft_chunk)
+    # On CUDA the step with grad runs on the row kernels (never the cross-entropy kernel of the parent class).
+    kernel_steps = {"token": _dft_triton_step}
 
     def __init__(self, **options):
         super().__init__(**options)
@@ -74,10 +73,3 @@ class FusedLinearDFTLoss(FusedLinearCrossEntropyLoss):
             raise ValueError(
                 "FusedLinearDFTLoss takes no label_smoothing, lse_square_scale or reduction='none'"
             )
-
-    def _build_step(self, kind: str, opts: CrossEntropyOptions, device_type: str):
-        """On CUDA the step with grad runs on the row kernels; elsewhere the compiled ``grad_and_value`` of
-        ``dft_chunk`` (never the cross-entropy kernel of the parent class)."""
-        if kind == "token" and device_type == "cuda" and opts.compile:
-            return functools.partial(_dft_triton_step, opts)
-        return FusedLinearBase._build_step(self, kind, opts, device_type)

@@ -14,7 +14,6 @@ does under gradient accumulation. With every label ignored, 'mean' gives 0 (torc
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -155,20 +154,15 @@ class FusedLinearCrossEntropyLoss(FusedLinearBase):
     options_cls = CrossEntropyOptions
     options: CrossEntropyOptions
     chunk_loss = staticmethod(cross_entropy_chunk)
+    # On CUDA the chunk step with grad is the Triton kernel (no torch.compile graph); it computes this class's
+    # cross-entropy, so a subclass with its own ``chunk_loss`` keeps the compiled step.
+    kernel_steps = {"token": _triton_step}
+    kernel_math = ("chunk_loss",)
 
     def __init__(self, **options):
         super().__init__(**options)
         if self.options.reduction == "none":
             self.token_outputs = ("loss",)
-
-    def _build_step(self, kind: str, opts: CrossEntropyOptions, device_type: str):
-        """On CUDA the compiled chunk step with grad is the Triton kernel (no torch.compile graph). The kernel
-        computes this class's cross-entropy: a subclass with its own ``chunk_loss`` keeps the compiled step
-        unless it builds its own."""
-        own = type(self).chunk_loss is cross_entropy_chunk
-        if own and kind == "token" and device_type == "cuda" and opts.compile:
-            return functools.partial(_triton_step, opts)
-        return super()._build_step(kind, opts, device_type)
 
     def forward(
         self,

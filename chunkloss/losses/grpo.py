@@ -446,19 +446,15 @@ class FusedLinearGRPOLoss(FusedLinearBase):
     token_stats = staticmethod(grpo_token_stats)
     sequence_loss = staticmethod(grpo_sequence_loss)
     extra_token_stats = staticmethod(grpo_ref_stats)
+    # On CUDA the per-chunk steps are the Triton row kernels with the loss on (C,) tensors in between (no
+    # torch.compile graph), for this class's own per-row math.
+    kernel_steps = _TRITON_STEPS
+    kernel_math = ("chunk_loss", "token_stats")
 
     def __init__(self, **options):
         super().__init__(**options)
         # Entropy masking needs every token's entropy before the quantile is known: two passes.
         self.needs_global_stats = self.options.top_entropy_quantile < 1.0
-
-    def _build_step(self, kind: str, opts: GRPOOptions, device_type: str):
-        """On CUDA the per-chunk steps are the Triton row kernels with the loss on (C,) tensors in between (no
-        torch.compile graph)."""
-        own = type(self).chunk_loss is grpo_chunk and type(self).token_stats is grpo_token_stats
-        if own and device_type == "cuda" and opts.compile:  # the kernels compute this class's own math
-            return functools.partial(_TRITON_STEPS[kind], opts)
-        return super()._build_step(kind, opts, device_type)
 
     @property
     def is_sequence_loss(self) -> bool:

@@ -33,7 +33,6 @@ projected without grad chunk by chunk in the same pass; it receives no gradient.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -161,19 +160,12 @@ class FusedLinearJSDLoss(FusedLinearBase):
     options_cls = JSDOptions
     options: JSDOptions
     chunk_loss = staticmethod(jsd_chunk)
-
-    def _uses_kernel(self, kind: str, opts: JSDOptions, device_type: str) -> bool:
-        own = type(self).chunk_loss is jsd_chunk  # the kernel computes this class's own loss
-        return own and kind == "token" and device_type == "cuda" and opts.compile
-
-    def _build_step(self, kind: str, opts: JSDOptions, device_type: str):
-        """On CUDA the chunk step with grad is the Triton kernel (no torch.compile graph)."""
-        if self._uses_kernel(kind, opts, device_type):
-            return functools.partial(_triton_step, opts)
-        return super()._build_step(kind, opts, device_type)
+    # On CUDA the chunk step with grad is the Triton kernel (no torch.compile graph, no fp32 copies).
+    kernel_steps = {"token": _triton_step}
+    kernel_math = ("chunk_loss",)
 
     def _step_upcasts_extra(self, device_type: str) -> bool:
-        return not self._uses_kernel("token", self.options, device_type)
+        return self._kernel_step("token", self.options, device_type) is None
 
     def forward(
         self,

@@ -240,6 +240,10 @@ class FusedLinearPreferenceLoss(FusedLinearBase):
     options: PreferenceOptions
     token_stats = staticmethod(preference_token_stats)
     extra_token_stats = staticmethod(preference_ref_stats)
+    # On CUDA the per-chunk steps are the Triton row kernels (no torch.compile graph); they compute this
+    # class's statistics, so a subclass with its own token_stats keeps the compiled steps.
+    kernel_steps = _TRITON_STEPS
+    kernel_math = ("token_stats",)
     #: the loss takes a reference (model head or precomputed log-probs).
     uses_reference: bool = False
     #: the loss has an NLL term over the chosen rows that may take its own targets.
@@ -253,14 +257,6 @@ class FusedLinearPreferenceLoss(FusedLinearBase):
     @staticmethod
     def pair_loss(pair, scalars, opts):  # pragma: no cover - interface
         raise NotImplementedError
-
-    def _build_step(self, kind: str, opts: PreferenceOptions, device_type: str):
-        """On CUDA the per-chunk steps are the Triton row kernels (no torch.compile graph)."""
-        # The kernels compute this module's statistics: a subclass with its own token_stats keeps the compiled
-        # steps.
-        if type(self).token_stats is preference_token_stats and device_type == "cuda" and opts.compile:
-            return functools.partial(_TRITON_STEPS[kind], opts)
-        return super()._build_step(kind, opts, device_type)
 
     def token_weights(self, chosen_mask: Tensor, rejected_mask: Tensor) -> Tensor:
         """Weights (2B, T) of each completion token in the sequence log-prob (DPO's ld_alpha)."""
