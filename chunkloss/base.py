@@ -345,9 +345,9 @@ class FusedLinearBase(nn.Module):
         return functools.partial(fn, opts)
 
     def _step_upcasts_extra(self, device_type: str) -> bool:
-        """Whether the compiled step holds an fp32 copy of the extra heads' logits (inductor upcasts bf16
-        inputs of a reduction); a loss whose step on ``device_type`` reads them in place says False."""
-        return True
+        """Whether the chunk step holds an fp32 copy of the extra heads' logits: the compiled step does
+        (inductor upcasts bf16 inputs of a reduction), a Triton kernel step reads them in place."""
+        return self._kernel_step("token", self.options, device_type) is None
 
     # ----------------------------------------------------------------------------------------------
     def _step_fn(self, kind: str, device_type: str = "cuda"):

@@ -164,9 +164,6 @@ class FusedLinearJSDLoss(FusedLinearBase):
     kernel_steps = {"token": _triton_step}
     kernel_math = ("chunk_loss",)
 
-    def _step_upcasts_extra(self, device_type: str) -> bool:
-        return self._kernel_step("token", self.options, device_type) is None
-
     def forward(
         self,
         student_hidden: Tensor,  # (..., H_s)
