@@ -267,7 +267,4 @@ def _check(logits, labels, normaliser, grad_scale, label_smoothing, lse_square_s
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     if lse_square_scale < 0:
         raise ValueError(f"lse_square_scale must be >= 0, got {lse_square_scale}")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be positive, got {temperature}")
-    if softcap is not None and softcap <= 0:
-        raise ValueError(f"softcap must be positive or None, got {softcap}")
+    _scalings(1.0, softcap, temperature)  # temperature and softcap, checked as the row kernels check them
