@@ -44,12 +44,12 @@ def square(rows: list[dict]) -> None:
             print(f"square {n} {layout}: {ms:.3f} ms, {tflops(flop, ms):.0f} TFLOP/s", flush=True)
 
 
-def chunk_gemms(rows: list[dict]) -> None:
+def chunk_gemms(rows: list[dict], chunk_rows=(2048, 4096, 8192)) -> None:
     w = (torch.randn(V, H, device="cuda") * 0.02).bfloat16()
     acc32 = torch.zeros(V, H, device="cuda")
     acc32_t = torch.zeros(H, V, device="cuda")
     acc16 = torch.zeros(V, H, device="cuda", dtype=torch.bfloat16)
-    for c in (2048, 4096, 8192):
+    for c in chunk_rows:
         x = (torch.randn(c, H, device="cuda") * 0.5).bfloat16()
         logits = x @ w.t()
         y = torch.randint(0, V, (c,), device="cuda")
@@ -142,14 +142,19 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--pipeline-only", action="store_true", help="only the whole-chunk layout comparison")
+    p.add_argument("--chunk-rows", default="2048,4096,8192", help="chunk sizes of the per-chunk GEMMs")
+    p.add_argument("--chunks-only", action="store_true", help="only the per-chunk GEMMs")
     a = p.parse_args(argv)
+    chunk_rows = [int(c) for c in a.chunk_rows.split(",") if c]
     rows: list[dict] = []
     gpu = torch.cuda.get_device_name()
     print(gpu, flush=True)
-    if not a.pipeline_only:
+    if not (a.pipeline_only or a.chunks_only):
         square(rows)
-        chunk_gemms(rows)
-    chunk_pipeline(rows)
+    if not a.pipeline_only:
+        chunk_gemms(rows, chunk_rows)
+    if not a.chunks_only:
+        chunk_pipeline(rows)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "gemm_ceiling.json"), "w") as f:
         json.dump({"gpu": gpu, "torch": torch.__version__, "peak_flops": PEAK, "rows": rows}, f, indent=1)
