@@ -20,8 +20,9 @@ Two kinds of loss run on the loop:
 * **sequence losses** (DPO, ORPO, SimPO, CPO, sequence-level GRPO) define ``token_stats`` (a few
   differentiable numbers per row, e.g. the label log-prob) and ``sequence_loss`` (the loss from those
   numbers, grouped by sequence). Either way the statistics are computed without grad, ``sequence_loss``
-  runs on those small tensors and autograd gives ``dL/dstats``, and a pointwise step pulls that
-  coefficient back to ``dL/dlogits`` in place. When whole groups of sequences (a chosen/rejected pair)
+  runs on those small tensors and autograd gives ``dL/dstats`` (compiled where the other steps are Triton
+  kernels, see ``_build_step``'s "seq_coef"), and a pointwise step pulls that coefficient back to
+  ``dL/dlogits`` in place. When whole groups of sequences (a chosen/rejected pair)
   fit in a chunk, chunks are aligned to groups and all of this happens on the chunk's logits in **one
   pass** (3 GEMMs). Otherwise (or when the loss needs batch-wide statistics such as an entropy
   quantile) it takes **two passes**: pass 1 projects every chunk and stores its statistics, then the
@@ -351,8 +352,10 @@ class FusedLinearBase(nn.Module):
 
     # ----------------------------------------------------------------------------------------------
     def _step_fn(self, kind: str, device_type: str = "cuda"):
-        """The per-chunk step of ``kind``, compiled when asked: once per loss class, options (those the step
-        reads) and device type, and shared by every instance with those (see ``_bind``)."""
+        """The per-chunk step of ``kind`` (``"token"``, ``"token_value"``, ``"stats"``, ``"seq_pass2"``, or
+        ``"seq_coef"``: ``sequence_loss`` and its ``dL/dstats``), compiled when asked: once per loss class,
+        options (those the step reads) and device type, and shared by every instance with those (see
+        ``_bind``)."""
         key = (kind, device_type)
         fn = self._compiled.get(key)
         if fn is None:
@@ -389,6 +392,13 @@ class FusedLinearBase(nn.Module):
             fn = _bind(_stats_value, cls.token_stats, opts)
         elif kind == "seq_pass2":
             fn = _bind(_sequence_pass2_step, cls.token_stats, opts)
+        elif kind == "seq_coef":
+            # ``sequence_loss`` on a chunk's statistics is a few hundred tiny kernels (~4.5 ms of an 80 ms DPO
+            # step on an H100). Beside compiled "stats"/"seq_pass2" steps it runs eagerly, keeping the loss at
+            # two graphs; Triton steps compile none, so beside them it is the loss's one compiled step.
+            if self._kernel_step("stats", opts, device_type) is None:
+                return functools.partial(_sequence_coef_eager, cls.sequence_loss, opts)
+            return _SequenceDynamic(_bind(_sequence_coef, cls.sequence_loss, opts))
         else:  # pragma: no cover
             raise KeyError(kind)
         if not opts.compile:
@@ -482,6 +492,25 @@ def _sequence_pass2_step(token_stats, opts, logits, extra_logits, token, coef):
     return _grad_out(g, logits, opts)
 
 
+# Sequence coefficient steps: ``sequence_loss`` on the rows' statistics of whole sequences. Each returns
+# (dL/dstats or None, loss, metrics).
+def _sequence_coef_eager(sequence_loss, opts, stats, seq_id, num_seqs, token, sequence, scalars, need_grad):
+    with torch.enable_grad():
+        stats = stats.detach().requires_grad_(need_grad)
+        loss, metrics = sequence_loss(stats, seq_id, num_seqs, token, sequence, scalars, opts)
+        coef = torch.autograd.grad(loss, stats, allow_unused=True)[0] if need_grad else None
+    return coef, loss.detach(), {k: v.detach() for k, v in metrics.items()}
+
+
+def _sequence_coef(sequence_loss, opts, stats, seq_id, seqs, token, sequence, scalars):
+    """``_sequence_coef_eager`` for torch.compile; ``seqs`` (S, 0) carries the number of sequences S."""
+    num_seqs = seqs.shape[0]
+    coef, (loss, metrics) = torch.func.grad_and_value(
+        lambda s: _with_aux(sequence_loss(s, seq_id, num_seqs, token, sequence, scalars, opts)), has_aux=True
+    )(stats)
+    return coef, loss, metrics
+
+
 def _grad_out(g, logits, opts):
     """The logits gradient in the logits' dtype; compiled, it overwrites the logits in place so inductor
     writes it straight into their buffer and a chunk costs one [C, V] buffer instead of two."""
@@ -527,6 +556,24 @@ class _RowDynamic:
             )
             self.fn = None
             return self.eager(logits, *args)
+
+
+class _SequenceDynamic(_RowDynamic):
+    """The compiled sequence coefficient step, called as ``(stats, seq_id, num_seqs, token, sequence, scalars,
+    need_grad=)`` like ``_sequence_coef_eager``.
+
+    The number of sequences, a Python int that changes from chunk to chunk, reaches the graph as dim 0 of an
+    empty (S, 0) tensor, marked dynamic with the rows: as an int, dynamo would specialise its first value and
+    compile another graph for the next. One sequence runs eagerly, as one row does (dynamo specialises size
+    1). The preference losses still compile a second graph for chunks of one pair: their (S/2, 2, K) view
+    of the pairs specialises S/2 = 1. Without ``need_grad`` the same graph runs and its gradient is dropped:
+    a value-only graph would be one more per loss."""
+
+    def __call__(self, stats, seq_id, num_seqs, token, sequence, scalars, need_grad):
+        seqs = stats.new_empty(num_seqs, 0)
+        args = (stats, seq_id, seqs, token, sequence, scalars)
+        coef, loss, metrics = self.eager(*args) if num_seqs <= 1 else super().__call__(*args)
+        return coef if need_grad else None, loss, metrics
 
 
 def _tensors(obj):
@@ -754,13 +801,11 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
         """Run ``sequence_loss`` on the rows' statistics (adding its loss and metrics) and return
         ``dL/dstats``, the per-row coefficient the pointwise step pulls back to the logits (None without
         grads)."""
-        with torch.enable_grad():
-            stats = stats.detach().requires_grad_(any_grad)
-            seq_loss = type(loss_mod).sequence_loss
-            l_c, m = seq_loss(stats, seq_id, num_seqs, token, sequence, batch.scalars, opts)
-            coef = torch.autograd.grad(l_c, stats, allow_unused=True)[0] if any_grad else None
-        loss.add_(l_c.detach())
-        add_metrics({k: v.detach() for k, v in m.items()})
+        coef, l_c, m = loss_mod._step_fn("seq_coef", dev)(
+            stats, seq_id, num_seqs, token, sequence, batch.scalars, need_grad=any_grad
+        )
+        loss.add_(l_c)
+        add_metrics(m)
         return coef
 
     def add_metrics(m):

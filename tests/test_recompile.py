@@ -6,6 +6,10 @@ pull-back to the logits). Rows are marked dynamic and the vocabulary is static, 
 shapes reuse those graphs. A no-grad reference head is reduced to its label log-prob outside the compiled
 steps (``chunkloss.losses.common.nograd_label_logprob``: a Triton kernel on CUDA), so it adds no graph; a
 chunk of a single row runs its step eagerly (dynamo would specialise size 1 into a graph of its own).
+
+Where the steps are Triton kernels (CUDA; here the ``cuda_steps`` fixture) they compile no graph, and a
+sequence loss compiles its "seq_coef" step instead: ``sequence_loss`` and its gradient on the rows'
+statistics.
 """
 
 from __future__ import annotations
@@ -44,9 +48,9 @@ LATER = [
 ONE_PASS = {21: False, 34: False, 40: False, 12: True, 10: True, 17: False}  # by T
 
 
-def _grpo(mod, b, t, g, ref_head=False):
-    hidden = torch.randn(b, t, H, generator=g, requires_grad=True)
-    weight = torch.randn(V, H, generator=g, requires_grad=True)
+def _grpo(mod, b, t, g, ref_head=False, grad=True):
+    hidden = torch.randn(b, t, H, generator=g, requires_grad=grad)
+    weight = torch.randn(V, H, generator=g, requires_grad=grad)
     ids = torch.randint(0, V, (b, t), generator=g)
     # Completion i is padded after T - i tokens: lengths differ within the batch.
     mask = (torch.arange(t) < (t - torch.arange(b))[:, None].clamp(min=1)).long()
@@ -61,9 +65,9 @@ def _grpo(mod, b, t, g, ref_head=False):
     return mod(hidden, weight, ids, mask, advantages, **kw)
 
 
-def _preference(mod, b, t, g, ref=None):
-    hidden = torch.randn(2 * b, t, H, generator=g, requires_grad=True)
-    weight = torch.randn(V, H, generator=g, requires_grad=True)
+def _preference(mod, b, t, g, ref=None, grad=True):
+    hidden = torch.randn(2 * b, t, H, generator=g, requires_grad=grad)
+    weight = torch.randn(V, H, generator=g, requires_grad=grad)
     labels = torch.randint(0, V, (2 * b, t), generator=g)
     labels[:, : t // 3] = -100  # prompt
     kw = {}
@@ -129,12 +133,14 @@ CASES = {
 
 
 def _graphs_per_step(mod) -> dict[str, int]:
-    """Compiled graphs held by each step ``mod`` has run, by kind: the dynamo cache entries of the step's
-    code object (each step has one of its own, see ``chunkloss.base._bind``)."""
+    """Compiled graphs held by each compiled step ``mod`` has run, by kind: the dynamo cache entries of the
+    step's code object (each step has one of its own, see ``chunkloss.base._bind``). Triton steps and an eager
+    "seq_coef" step hold none and are not listed."""
     out = {}
     for (kind, _), step in mod._compiled.items():
-        code = step.fn._torchdynamo_orig_callable.__code__
-        out[kind] = len(_debug_get_cache_entry_list(code))
+        if isinstance(step, base._RowDynamic):
+            code = step.fn._torchdynamo_orig_callable.__code__
+            out[kind] = len(_debug_get_cache_entry_list(code))
     return out
 
 
@@ -209,3 +215,33 @@ def test_one_row_chunk_adds_no_graph(case, plans):
     assert _graphs_per_step(mod) == dict.fromkeys(kinds, 1), _graphs_per_step(mod)
     assert counters["stats"]["unique_graphs"] == len(kinds), counters["stats"]
     assert counters["frames"]["ok"] == counters["frames"]["total"], counters["frames"]
+
+
+SEQUENCE_CASES = [case for case, (*_, kinds) in CASES.items() if "stats" in kinds]
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the cuda_steps fixture runs Triton on CPU tensors (TRITON_INTERPRET=1)"
+)
+@pytest.mark.parametrize("case", SEQUENCE_CASES)
+def test_sequence_coef_beside_triton_steps(case, plans, cuda_steps):
+    """With Triton "stats" and "seq_pass2" steps a sequence loss's graphs are those of its compiled "seq_coef"
+    step: 1, or 2 for a preference loss that also meets chunks of a single pair (its (S/2, 2, K) view of the
+    pairs specialises S/2 = 1), across both modes, several pair / sequence counts per chunk and batch shapes;
+    a call without gradients runs the same graph."""
+    cls, opts, build, build_kw, _ = CASES[case]
+    torch._dynamo.reset()
+    counters.clear()
+    g = torch.Generator().manual_seed(0)
+    mod = cls(chunk_size=CHUNK, **opts)
+    for b, t in [FIRST, *LATER]:
+        build(mod, b, t, g, **build_kw).backward()
+    assert not build(mod, 3, 10, g, grad=False, **build_kw).requires_grad  # no gradient asked for
+    graphs = _graphs_per_step(mod)
+    assert set(graphs) == {"seq_coef"} and 1 <= graphs["seq_coef"] <= 2, graphs
+    if cls is FusedLinearGRPOLoss:
+        assert graphs["seq_coef"] == 1, graphs
+    assert counters["stats"]["unique_graphs"] == graphs["seq_coef"], counters["stats"]
+    assert counters["frames"]["ok"] == counters["frames"]["total"], counters["frames"]
+    assert [one_pass for one_pass, _ in plans[: 1 + len(LATER)]] == [ONE_PASS[t] for _, t in [FIRST, *LATER]]
+

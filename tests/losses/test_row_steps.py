@@ -15,9 +15,14 @@ gradients, tests/kernels/test_logprob.py).
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
+import chunkloss.base as base
 from chunkloss.losses import grpo, jsd
 from chunkloss.losses.cpo import FusedLinearCPOLoss
 from chunkloss.losses.dpo import FusedLinearDPOLoss
@@ -269,3 +274,70 @@ def test_one_pass_hands_statistics_to_pass_2(loss, cuda_steps, monkeypatch):
             ours = tg.run_ours(inp, kw, chunk_size=chunk, **dict(opts, compile=True))
             tg.assert_close_fp32(ours, tg.run_ref(inp, kw, opts))
         assert handed and all(h == one_pass for h in handed), (chunk, handed)
+
+
+# --------------------------------------------------------------------------------------------------
+# Beside the Triton steps, "seq_coef" (sequence_loss and dL/dstats) is compiled (base._SequenceDynamic).
+def _run_seq_case(case, chunk, grad=True):
+    """(loss, gradients, metrics) of one sequence loss on test_preference.py's / test_grpo.py's inputs."""
+    if case == "grpo-sequence":
+        inp, kw = tg.make_inputs(adv_2d=False, ref_head=True)
+        opts = tg.grid_opts("dapo", "sequence", beta=0.04, entropy_coef=0.1)
+        if grad:
+            return tg.run_ours(inp, kw, chunk_size=chunk, **dict(opts, compile=True))
+        inp = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in inp.items()}
+        mod = FusedLinearGRPOLoss(**dict(opts, compile=True, chunk_size=chunk))
+        return mod(**inp, **kw), None, mod.metrics
+    d = tp._inputs(ref=case == "dpo-ref-head")
+    if case == "dpo-ref-head":
+        cls, kw, opts = FusedLinearDPOLoss, tp._ref_kwargs(d, "model"), dict(use_weighting=True, ld_alpha=0.4)
+    else:
+        cls, kw, opts = FusedLinearORPOLoss, dict(nll_labels=d["nll"]), dict(beta=0.2, softcap=2.0)
+    if grad:
+        return tp._run(cls, d, kw, chunk_size=chunk, compile=True, **opts)
+    mod = cls(chunk_size=chunk, compile=True, **opts)
+    loss = mod(d["x"].detach(), d["w"].detach(), d["chosen"], d["rejected"], d["b"].detach(), **kw)
+    return loss, None, mod.metrics
+
+
+@pytest.mark.parametrize("chunk", [tp.TWO_PASS, tp.ONE_PASS])
+@pytest.mark.parametrize("case", ["dpo-ref-head", "orpo", "grpo-sequence"])
+def test_compiled_sequence_coef_equals_eager(case, chunk, cuda_steps, monkeypatch):
+    """The compiled "seq_coef" step gives the loss, metrics and gradients of the eager one (``sequence_loss``
+    with ``torch.autograd.grad``) beside the same Triton steps, with and without gradients; test_preference.py
+    and test_grpo.py's fp32 tolerances. Its graph compiled (no fallback to eager) and ran."""
+    torch._dynamo.reset()
+    counters.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = _run_seq_case(case, chunk)
+        ours_value = _run_seq_case(case, chunk, grad=False)
+    assert not [w for w in caught if "could not build" in str(w.message)], [str(w.message) for w in caught]
+    steps = [v for (kind, *_), v in base._SHARED_STEPS.items() if kind == "seq_coef"]
+    assert len(steps) == 1 and isinstance(steps[0], base._SequenceDynamic) and steps[0].fn is not None
+    assert counters["stats"]["unique_graphs"] >= 1 and counters["frames"]["ok"] == counters["frames"]["total"]
+
+    real = base.FusedLinearBase._build_step
+
+    def build_eager_seq_coef(self, kind, opts, device_type):
+        if kind == "seq_coef":
+            return functools.partial(base._sequence_coef_eager, type(self).sequence_loss, opts)
+        return real(self, kind, opts, device_type)
+
+    monkeypatch.setattr(base.FusedLinearBase, "_build_step", build_eager_seq_coef)
+    monkeypatch.setattr(base, "_SHARED_STEPS", {})
+    eager = _run_seq_case(case, chunk)
+    eager_value = _run_seq_case(case, chunk, grad=False)
+    assert all(callable(v) and not isinstance(v, base._RowDynamic) for v in base._SHARED_STEPS.values())
+    for (loss, grads, metrics), (e_loss, e_grads, e_metrics) in ((ours, eager), (ours_value, eager_value)):
+        if case == "grpo-sequence":
+            tg.assert_close_fp32((loss, grads or [], metrics), (e_loss, e_grads or [], e_metrics))
+            continue
+        torch.testing.assert_close(loss, e_loss, **tp.FP32)
+        assert set(metrics) == set(e_metrics)
+        for k in e_metrics:
+            torch.testing.assert_close(metrics[k], e_metrics[k], **tp.FP32, msg=k)
+        for g, e_g in zip(grads or [], e_grads or [], strict=True):
+            assert (g is None) == (e_g is None)
+            if g is not None:
+                torch.testing.assert_close(g, e_g, **tp.FP32)
