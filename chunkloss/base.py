@@ -532,10 +532,11 @@ class _RowDynamic:
     2.13's CPU inductor raising ``KeyError: 'buf9'`` in its outer-loop fusion for GRPO with both ``beta`` and
     ``entropy_coef``; or ``InternalTorchDynamoError``: a bug of dynamo, e.g. torch 2.11's guard builder
     raising ``AttributeError`` while formatting a shape guard without a source location, met on an H100 by
-    the compiled "seq_coef" of DPO, SimPO and GRPO's entropy quantile and fixed in 2.13), the step runs
-    eagerly from then on, with a warning: the same math, slower. A step writes the logits' gradient in place
-    as its last operation, so a graph that fails to compile (that one or any before it) fails before anything
-    was written over its inputs."""
+    the compiled "seq_coef" of DPO and SimPO in one pass and fixed in 2.13; or any other dynamo error, as
+    the same torch raised for GRPO's entropy quantile there), the step runs eagerly from then on, with a
+    warning: the same math, slower (an error of the inputs themselves is then raised by the eager step). A
+    step writes the logits' gradient in place as its last operation, so a graph that fails to compile (that
+    one or any before it) fails before anything was written over its inputs."""
 
     def __init__(self, fn):
         self.eager = fn
@@ -549,7 +550,7 @@ class _RowDynamic:
                 torch._dynamo.maybe_mark_dynamic(t, 0)
         try:
             return self.fn(logits, *args)
-        except (torch._dynamo.exc.BackendCompilerFailed, torch._dynamo.exc.InternalTorchDynamoError) as exc:
+        except torch._dynamo.exc.TorchDynamoException as exc:
             warnings.warn(
                 f"chunkloss: torch.compile could not build a per-chunk step ({type(exc).__name__}: "
                 f"{str(exc).splitlines()[0][:200]}); this step runs eagerly from now on (same result, "
