@@ -17,8 +17,8 @@ from chunkloss.data import tiny_tokenizer
 class _Profile(e2e.TrainerCallback):
     """Profiles steps ``start`` .. ``start + n`` (after compilation and warm-up)."""
 
-    def __init__(self, start: int, n: int):
-        self.start, self.n, self.prof = start, n, None
+    def __init__(self, start: int, n: int, host: bool = False):
+        self.start, self.n, self.prof, self.host = start, n, None, host
 
     def on_step_begin(self, args, state, control, **kw):
         if state.global_step == self.start:
@@ -28,6 +28,8 @@ class _Profile(e2e.TrainerCallback):
                 if torch.cuda.is_available()
                 else torch.profiler.ProfilerActivity.CPU
             ]
+            if self.host and torch.profiler.ProfilerActivity.CPU not in acts:
+                acts.append(torch.profiler.ProfilerActivity.CPU)
             self.prof = torch.profiler.profile(activities=acts)
             self.prof.__enter__()
 
@@ -43,6 +45,7 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--impls", default="trl,chunkloss")
     p.add_argument("--rows", type=int, default=22)
+    p.add_argument("--host", action="store_true", help="also record host (CPU) ops; tables by host time too")
     p.add_argument(
         "--shape", default=None, help="bench_e2e shape (default: the task's; 'tiny' for a CPU check)"
     )
@@ -63,7 +66,7 @@ def main(argv=None):
             ref.requires_grad_(False)
         trainer = e2e.make_trainer(args.task, impl, model, ref, tokenizer, ds, f"/tmp/profile_e2e/{impl}",
                                    args.batch, 9, a)  # fmt: skip
-        prof, timer = _Profile(start=3, n=2), e2e.StepTimer()
+        prof, timer = _Profile(start=3, n=2, host=args.host), e2e.StepTimer()
         trainer.add_callback(prof)
         trainer.add_callback(timer)
         trainer.train()
@@ -73,6 +76,9 @@ def main(argv=None):
         print(f"\n=== {args.task} {impl} batch {args.batch}: {total:.1f} ms of kernels per step, "
               f"{wall:.1f} ms wall (median of 3 unprofiled steps) ===\n{table}",
               flush=True)  # fmt: skip
+        if args.host:
+            by_host = prof.prof.key_averages().table(sort_by="cpu_time_total", row_limit=args.rows)
+            print(f"--- {impl}: by host time (2 steps) ---\n{by_host}", flush=True)
         del trainer, model, ref
         e2e._cleanup()
 
