@@ -80,6 +80,8 @@ E2E_KERNELS_RUNS = (
 E2E_FULL_DEPTH_RUNS = (
     "e2e/e2e_grpo_28l_run7.json",
     "e2e/e2e_dpo_orpo_16l_run8.json",
+    "e2e/run9_grpo_28l/e2e.json",
+    "e2e/run9_dpo_orpo_16l_small/e2e.json",
 )
 
 
@@ -101,12 +103,13 @@ def e2e_table() -> list[str]:
 
 
 def e2e_full_depth_table() -> list[str]:
-    """The runs at the real models' depth (``E2E_FULL_DEPTH_RUNS``), each task from its latest run."""
+    """The runs at the real models' depth (``E2E_FULL_DEPTH_RUNS``), each task and batch from its latest run
+    (every implementation of a row's task and batch ran in the same call, so its ratios come from one run)."""
     rows, layers, device = [], {}, ""
     for name in E2E_FULL_DEPTH_RUNS:
         run = _load(name)
-        tasks = {r["task"] for r in run["sweep"]}
-        rows = [r for r in rows if r["task"] not in tasks] + run["sweep"]
+        keys = {(r["task"], r["batch"]) for r in run["sweep"]}
+        rows = [r for r in rows if (r["task"], r["batch"]) not in keys] + run["sweep"]
         layers.update({r["task"]: r["layers"] for r in run["sweep"]})
         device = run["device"]
     return _e2e_rows_table(rows, device, layers, " at the real models' depth")
