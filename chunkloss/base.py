@@ -104,6 +104,7 @@ class Batch:
         tokens_per_group: host list of rows per group (one-pass chunk planning).
         seqs_per_group: host list of sequences per group (one-pass chunk planning).
         num_seqs: S, number of sequences (sequence losses).
+        last_seq_rows: host count of the rows of the last sequence in row order (sequence losses).
         num_rows: N, rows of the flattened hidden (for the per-row output of reduction='none').
         all_rows: ``rows`` is ``arange(N)``: chunks are plain slices (no gather/scatter copies).
     """
@@ -120,6 +121,7 @@ class Batch:
     num_rows: int = 0
     all_rows: bool = False
     num_seqs: int = 0
+    last_seq_rows: int = 0
 
 
 def default_chunk_size(
@@ -194,12 +196,17 @@ def sequence_batch(
     per_group[0].index_add_(0, group_idx, rows_per_seq[order])  # rows of each group
     per_group[1].index_add_(0, group_idx, torch.ones_like(group_idx))  # sequences of each group
     n_groups = group_idx[-1:] + 1 if n_seq else group_idx.new_zeros(1)
-    # The one host sync: rows in all, groups, and per group its rows and sequences (chunk planning).
+    # The one host sync: rows in all, rows of the last sequence, groups, and per group its rows and sequences
+    # (chunk planning).
     checks = [c.reshape(1).long() for c, _ in host_checks]
-    host = torch.cat([*checks, rows_per_seq.sum().reshape(1), n_groups, per_group.reshape(-1)]).tolist()
+    last_rows = rows_per_seq[order[-1:]] if n_seq else rows_per_seq.new_zeros(1)
+    host = torch.cat(
+        [*checks, rows_per_seq.sum().reshape(1), last_rows, n_groups, per_group.reshape(-1)]
+    ).tolist()
     for (_, check), value in zip(host_checks, host):
         check(value)
     host = host[len(checks) :]
+    last_seq_rows = host.pop(1)
     n_rows, n_groups = host[0], host[1]
     width = max(n_seq, 1)
     rows = torch.nonzero_static(keep.reshape(-1), size=n_rows).squeeze(1)
@@ -220,6 +227,7 @@ def sequence_batch(
         num_rows=n_seq * t,
         all_rows=False,
         num_seqs=n_seq,
+        last_seq_rows=last_seq_rows,
     )
     return batch, order
 
@@ -319,6 +327,14 @@ class FusedLinearBase(nn.Module):
     #: It runs uncompiled (a loss keeps its compiled graphs to the two of its own steps) and so must not
     #: build [C, V] temporaries: ``chunkloss.losses.common.nograd_label_logprob`` reads the logits once.
     extra_token_stats = None
+
+    #: Sequence losses: the statistics column through which the batch's last sequence gets its whole gradient,
+    #: i.e. ``dL/dstats`` of each of its rows is ``λ·e_k`` for one scalar λ in the columns that depend on the
+    #: logits (the preference losses: the last pair's rejected sequence reaches the loss through its summed
+    #: log-prob alone). In two passes its rows
+    #: then run their backward in pass 1 with λ = 1, and their gradients are scaled by λ once the loss is
+    #: known, so pass 2 projects only the other rows again. None: every row waits for pass 2.
+    last_sequence_column: int | None = None
 
     @property
     def is_sequence_loss(self) -> bool:
@@ -846,28 +862,55 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
                     backprop(step(logits, extra, token, *args), x, rows_all, a, b)
                 del x, logits, extra, carry  # free this chunk's [C, V] buffer before the next is projected
         else:
-            stats_fn = loss_mod._step_fn("stats", dev)
+            stats_fn, step = loss_mod._step_fn("stats", dev), loss_mod._step_fn("seq_pass2", dev)
+            col = loss_mod.last_sequence_column
+            # The last sequence's rows [n_rest, n_rows) run their backward in pass 1 with coefficient e_col
+            # (see ``last_sequence_column``); pass 2 then covers rows [0, n_rest) only.
+            n_def = batch.last_seq_rows if col is not None and any_grad else 0
+            n_rest = n_rows - n_def
             parts = []
-            for a, b in plan.bounds:
+            for a, b in _even_bounds(n_rest, chunk):
                 _, logits, extra, token = project(rows_all, a, b, _slice_rows(batch.token, a, b))
                 parts.append(_stats_and_carry(stats_fn(logits, extra, token))[0])  # no carry: other logits
                 del logits, extra
+            # Its per-row tensors start at offset 0, as pass 2's do: a compiled step specialises on it.
+            token_def = {k: v[n_rest:].clone() for k, v in batch.token.items()}
+            for a, b in _even_bounds(n_def, chunk):
+                token = _slice_rows(token_def, a, b)
+                a, b = n_rest + a, n_rest + b
+                x, logits, extra, token = project(rows_all, a, b, token)
+                chunk_stats, carry = _stats_and_carry(stats_fn(logits, extra, token))
+                parts.append(chunk_stats)
+                unit = torch.zeros_like(chunk_stats)
+                unit[:, col] = 1.0
+                args = (unit,) if carry is None else (unit, carry)
+                backprop(step(logits, extra, token, *args), x, rows_all, a, b)
+                del x, logits, extra, carry
             stats = torch.cat(parts) if parts else _empty_stats(loss_mod, hidden, weight, batch)
             extra_stats = torch.cat(extra_stats_parts) if extra_stats_parts else None
             coef = sequence_coef(stats, batch.seq_id, batch.num_seqs, batch.token, batch.sequence)
+            if coef is not None and n_def:
+                # Every row of the last sequence has coefficient λ·e_col: its gradients so far are λ = 1's.
+                lam = coef[n_rows - 1, col]
+                _scale_rows(grad_h, rows_all, n_rest, n_rows, lam)
+                if need_w:
+                    grad_w.mul_(lam)
+                if need_b:
+                    grad_b.mul_(lam)
+                coef = coef[:n_rest]
+                extra_stats = None if extra_stats is None else extra_stats[:n_rest]
             if coef is not None:
                 rows, token_all = rows_all, batch.token
                 # Pass 2 re-projects only the rows with a gradient: a row whose coefficients are all 0 (an
                 # entropy mask keeping the top 20% of tokens drops the other 80%) contributes exactly 0.
                 idx = coef.ne(0).any(1).nonzero().squeeze(1)  # the one host sync of the second pass
                 n_live = idx.numel()
-                if n_live < n_rows:
+                if n_live < n_rest:
                     rows, coef = batch.rows[idx], coef[idx]
                     token_all = {k: v[idx] for k, v in batch.token.items()}
                     extra_stats = None if extra_stats is None else extra_stats[idx]
                     if need_h and batch.all_rows:
-                        grad_h.zero_()  # the skipped rows are not written
-                step = loss_mod._step_fn("seq_pass2", dev)
+                        grad_h[:n_rest].zero_()  # the skipped rows are not written
                 for a, b in _even_bounds(n_live, chunk):
                     # Heads without grad are not projected again: their reduced statistics from pass 1
                     # come in as token["extra_stats"].
@@ -879,6 +922,17 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
         grad_w.zero_()  # no rows took part
     out = next(iter(token_out.values())) if token_out else loss
     return out, (grad_h, grad_w, grad_b), token_out, metrics
+
+
+def _scale_rows(grad_h: Tensor | None, rows: Tensor | None, a: int, b: int, lam: Tensor) -> None:
+    """``grad_h`` of positions [a, b) (hidden rows ``rows[a:b]``, or rows a..b with ``rows`` None) times λ."""
+    if grad_h is None or a == b:
+        return
+    if rows is None:
+        grad_h[a:b].mul_(lam)
+    else:
+        r = rows[a:b]
+        grad_h.index_copy_(0, r, grad_h.index_select(0, r).mul_(lam))
 
 
 def _stats_and_carry(out) -> tuple[Tensor, object]:

@@ -244,6 +244,11 @@ class FusedLinearPreferenceLoss(FusedLinearBase):
     # class's statistics, so a subclass with its own token_stats keeps the compiled steps.
     kernel_steps = _TRITON_STEPS
     kernel_math = ("token_stats",)
+    #: The last pair's rejected sequence (the batch's last sequence) reaches the loss through its summed
+    #: log-prob alone (``pair["rejected"]``; its NLL and raw log-prob columns are not read), so its rows'
+    #: ``dL/dstats`` is λ·e_LOGP and two passes run its backward in pass 1 (``FusedLinearBase``). A subclass
+    #: with a ``token_stats`` or ``sequence_loss`` of its own loses this unless it declares it again.
+    last_sequence_column = LOGP
     #: the loss takes a reference (model head or precomputed log-probs).
     uses_reference: bool = False
     #: the loss has an NLL term over the chosen rows that may take its own targets.
@@ -253,6 +258,11 @@ class FusedLinearPreferenceLoss(FusedLinearBase):
         super().__init_subclass__(**kwargs)
         if "pair_loss" in cls.__dict__:
             cls.sequence_loss = staticmethod(functools.partial(preference_sequence_loss, cls.pair_loss))
+        own_math = "token_stats" in cls.__dict__ or (
+            "sequence_loss" in cls.__dict__ and "pair_loss" not in cls.__dict__
+        )
+        if own_math and "last_sequence_column" not in cls.__dict__:
+            cls.last_sequence_column = None
 
     @staticmethod
     def pair_loss(pair, scalars, opts):  # pragma: no cover - interface

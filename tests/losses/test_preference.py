@@ -537,3 +537,74 @@ def test_transform_bad_inputs():
         FusedLinearORPOLoss(compile=False)(
             d["x"], d["w"], d["chosen"], d["rejected"], d["b"], logit_rows=torch.ones(B, T, dtype=torch.bool)
         )
+
+
+# --------------------------------------------------------------------------------------------------
+# Two passes run the batch's last sequence (the last pair's rejected one) in pass 1 with coefficient e_LOGP
+# and scale its gradients by λ afterwards (FusedLinearBase.last_sequence_column); the references above check
+# the result, these check the premise for every loss form and that pass 2 skips those rows.
+_LAST_SEQUENCE_CASES = [
+    *[(FusedLinearDPOLoss, _loss_opts(t), "model") for t in DPO_LOSS_TYPES],
+    (FusedLinearDPOLoss, dict(ld_alpha=0.4, use_weighting=True), "logps"),
+    (FusedLinearDPOLoss, dict(loss_type=("sigmoid", "sft"), loss_weights=(1.0, 0.3)), "none"),
+    (FusedLinearORPOLoss, dict(beta=0.2), None),
+    (FusedLinearCPOLoss, dict(loss_type="ipo", cpo_alpha=0.5), None),
+    (FusedLinearSimPOLoss, dict(), None),
+]
+
+
+@pytest.mark.parametrize(
+    "cls,opts,ref_mode",
+    _LAST_SEQUENCE_CASES,
+    ids=[f"{c.__name__}-{o.get('loss_type', '')}-{i}" for i, (c, o, _) in enumerate(_LAST_SEQUENCE_CASES)],
+)
+def test_last_sequence_gets_one_column_of_gradient(cls, opts, ref_mode, monkeypatch):
+    from chunkloss import base
+    from chunkloss.losses.preference import LOGP, LOGP_RAW, NLL
+
+    assert cls.last_sequence_column == LOGP
+    monkeypatch.setattr(base, "_SHARED_STEPS", {})
+    coefs, projected = [], []
+    real_coef, real_project = base._sequence_coef_eager, base._project
+
+    def spy_coef(*args, **kwargs):
+        out = real_coef(*args, **kwargs)
+        coefs.append((out[0], args[3], args[4]))  # dL/dstats, seq_id, num_seqs
+        return out
+
+    def spy_project(x, weight, bias):
+        if weight is d["w"]:
+            projected.append(x.shape[0])
+        return real_project(x, weight, bias)
+
+    monkeypatch.setattr(base, "_sequence_coef_eager", spy_coef)
+    monkeypatch.setattr(base, "_project", spy_project)
+    d = _inputs()
+    call_kw = _ref_kwargs(d, ref_mode) if ref_mode else {}
+    _run(cls, d, call_kw, chunk_size=TWO_PASS, compile=False, **opts)
+    ((coef, seq_id, num_seqs),) = coefs
+    last = coef[seq_id == num_seqs - 1]
+    assert last.shape[0] > 0  # λ itself may be 0 (loss_type "sft" trains the chosen rows only)
+    assert torch.equal(last[:, LOGP], last[:1, LOGP].expand(last.shape[0]))
+    # The other columns with a logits gradient are 0 (REF_LOGP, MEAN_LOGIT, WPO, ... are the reference's or
+    # detached: the pass-2 step reads LOGP, LOGP_RAW and NLL only).
+    assert not last[:, [LOGP_RAW, NLL]].any()
+    # Pass 1 projects every row, pass 2 the rows with a gradient but the last sequence's.
+    n_rest = seq_id.numel() - last.shape[0]
+    assert sum(projected) == seq_id.numel() + int(coef[:n_rest].ne(0).any(1).sum())
+    assert int(coef[:n_rest].ne(0).any(1).sum()) > 0
+
+
+def test_last_sequence_column_is_dropped_by_subclasses_with_their_own_math():
+    class OwnLoss(FusedLinearDPOLoss):
+        @staticmethod
+        def sequence_loss(stats, seq_id, num_seqs, token, sequence, scalars, opts):
+            return stats[:, 1].sum(), {}
+
+    class OwnPairLoss(FusedLinearDPOLoss):
+        @staticmethod
+        def pair_loss(pair, scalars, opts):
+            return -pair["chosen"], pair["chosen"], pair["rejected"], {}
+
+    assert OwnLoss.last_sequence_column is None
+    assert OwnPairLoss.last_sequence_column == FusedLinearDPOLoss.last_sequence_column
