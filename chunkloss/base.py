@@ -874,7 +874,7 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
                 parts.append(_stats_and_carry(stats_fn(logits, extra, token))[0])  # no carry: other logits
                 del logits, extra
             # Its per-row tensors start at offset 0, as pass 2's do: a compiled step specialises on it.
-            token_def = {k: v[n_rest:].clone() for k, v in batch.token.items()}
+            token_def = {k: v[n_rest:].clone() for k, v in batch.token.items()} if n_def else {}
             for a, b in _even_bounds(n_def, chunk):
                 token = _slice_rows(token_def, a, b)
                 a, b = n_rest + a, n_rest + b
