@@ -328,13 +328,16 @@ class FusedLinearBase(nn.Module):
     #: build [C, V] temporaries: ``chunkloss.losses.common.nograd_label_logprob`` reads the logits once.
     extra_token_stats = None
 
-    #: Sequence losses: the statistics column through which the batch's last sequence gets its whole gradient,
-    #: i.e. ``dL/dstats`` of each of its rows is ``λ·e_k`` for one scalar λ in the columns that depend on the
-    #: logits (the preference losses: the last pair's rejected sequence reaches the loss through its summed
-    #: log-prob alone). In two passes its rows
-    #: then run their backward in pass 1 with λ = 1, and their gradients are scaled by λ once the loss is
-    #: known, so pass 2 projects only the other rows again. None: every row waits for pass 2.
-    last_sequence_column: int | None = None
+    def rows_in_pass_1(self, batch: Batch) -> tuple[int, int, Tensor] | None:
+        """Two passes: ``(k, n, m)`` when the batch's last ``n`` rows get their whole gradient through
+        statistics column ``k``, as ``dL/dstats[row] = λ·m[row]·e_k`` (in the columns that depend on the
+        logits) for one scalar λ and multipliers ``m`` (n,) known before the loss is (e.g. the preference
+        losses: the last pair's rejected sequence, whose summed log-prob alone reaches the loss, with m = 1).
+        Those rows then run their backward in pass 1 with coefficient ``m·e_k``, their gradients are scaled by
+        λ once the loss is known, and pass 2 projects only the other rows again. None (the default): every
+        row waits for pass 2.
+        """
+        return None
 
     @property
     def is_sequence_loss(self) -> bool:
@@ -863,10 +866,10 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
                 del x, logits, extra, carry  # free this chunk's [C, V] buffer before the next is projected
         else:
             stats_fn, step = loss_mod._step_fn("stats", dev), loss_mod._step_fn("seq_pass2", dev)
-            col = loss_mod.last_sequence_column
-            # The last sequence's rows [n_rest, n_rows) run their backward in pass 1 with coefficient e_col
-            # (see ``last_sequence_column``); pass 2 then covers rows [0, n_rest) only.
-            n_def = batch.last_seq_rows if col is not None and any_grad else 0
+            # The last rows [n_rest, n_rows) may run their backward in pass 1 with coefficient m·e_col (see
+            # ``rows_in_pass_1``); pass 2 then covers rows [0, n_rest) only.
+            deferred = loss_mod.rows_in_pass_1(batch) if any_grad else None
+            col, n_def, mult = deferred if deferred is not None else (None, 0, None)
             n_rest = n_rows - n_def
             parts = []
             for a, b in _even_bounds(n_rest, chunk):
@@ -882,7 +885,7 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
                 chunk_stats, carry = _stats_and_carry(stats_fn(logits, extra, token))
                 parts.append(chunk_stats)
                 unit = torch.zeros_like(chunk_stats)
-                unit[:, col] = 1.0
+                unit[:, col] = mult[a - n_rest : b - n_rest]
                 args = (unit,) if carry is None else (unit, carry)
                 backprop(step(logits, extra, token, *args), x, rows_all, a, b)
                 del x, logits, extra, carry
@@ -890,8 +893,8 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
             extra_stats = torch.cat(extra_stats_parts) if extra_stats_parts else None
             coef = sequence_coef(stats, batch.seq_id, batch.num_seqs, batch.token, batch.sequence)
             if coef is not None and n_def:
-                # Every row of the last sequence has coefficient λ·e_col: its gradients so far are λ = 1's.
-                lam = coef[n_rows - 1, col]
+                # Each deferred row's coefficient is λ·m·e_col: its gradients so far are λ = 1's.
+                lam = coef[n_rows - 1, col] / mult[-1]
                 _scale_rows(grad_h, rows_all, n_rest, n_rows, lam)
                 if need_w:
                     grad_w.mul_(lam)

@@ -85,3 +85,11 @@ class FusedLinearCPOLoss(FusedLinearPreferenceLoss):
     options: CPOOptions
     uses_nll = True
     pair_loss = staticmethod(cpo_pair_loss)
+
+    @staticmethod
+    def margin_power(opts: CPOOptions) -> int | None:
+        """Every CPO loss type is a function of ``chosen - rejected`` (means for ipo/simpo), unless AlphaPO
+        transforms each side or an NLL term trains the chosen rows on their own."""
+        if opts.alpha != 0.0 or opts.cpo_alpha != 0.0:
+            return None
+        return int(opts.avg_logps)

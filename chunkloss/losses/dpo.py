@@ -210,6 +210,24 @@ def dpo_pair_loss(pair, scalars, opts: DPOOptions):
     return loss, beta * chosen_logratios, beta * rejected_logratios, {}
 
 
+# Loss types that are functions of the pair's margin alone (``FusedLinearPreferenceLoss.margin_power``):
+# of the scores' difference, or of the difference of the scores over the completion lengths.
+_MARGIN_TYPES = ({"sigmoid", "hinge", "exo_pair", "robust", "discopop"}, {"ipo", "sigmoid_norm"})
+
+
+def dpo_margin_power(opts: DPOOptions) -> int | None:
+    """``margin_power`` of ``dpo_pair_loss``: with the identity f-divergence scores (reverse KL, or α = 1), a
+    loss of margin-only types of one kind; averaged log-probs divide by n once more."""
+    kind, a = opts.f_divergence_type, opts.f_alpha_divergence_coef
+    if not (kind == "reverse_kl" or (kind == "alpha_divergence" and abs(a - 1.0) < 1e-6)):
+        return None
+    types = set(opts.loss_type)
+    for p, group in enumerate(_MARGIN_TYPES):
+        if types <= group:
+            return p + int(opts.avg_logps)
+    return None
+
+
 class FusedLinearDPOLoss(FusedLinearPreferenceLoss):
     """DPO family of ``trl.DPOTrainer`` (TRL 1.16) over the chunked LM head.
 
@@ -225,6 +243,7 @@ class FusedLinearDPOLoss(FusedLinearPreferenceLoss):
     options: DPOOptions
     uses_reference = True
     pair_loss = staticmethod(dpo_pair_loss)
+    margin_power = staticmethod(dpo_margin_power)
 
     def __init__(self, **options):
         super().__init__(**options)

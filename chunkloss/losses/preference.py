@@ -244,11 +244,10 @@ class FusedLinearPreferenceLoss(FusedLinearBase):
     # class's statistics, so a subclass with its own token_stats keeps the compiled steps.
     kernel_steps = _TRITON_STEPS
     kernel_math = ("token_stats",)
-    #: The last pair's rejected sequence (the batch's last sequence) reaches the loss through its summed
-    #: log-prob alone (``pair["rejected"]``; its NLL and raw log-prob columns are not read), so its rows'
-    #: ``dL/dstats`` is λ·e_LOGP and two passes run its backward in pass 1 (``FusedLinearBase``). A subclass
-    #: with a ``token_stats`` or ``sequence_loss`` of its own loses this unless it declares it again.
-    last_sequence_column = LOGP
+    #: ``rows_in_pass_1`` holds for this class's own statistics and sequence loss; a subclass with a
+    #: ``token_stats`` or ``sequence_loss`` of its own (not from ``pair_loss``) loses it unless it sets it
+    #: again.
+    own_math_rows_in_pass_1: bool = True
     #: the loss takes a reference (model head or precomputed log-probs).
     uses_reference: bool = False
     #: the loss has an NLL term over the chosen rows that may take its own targets.
@@ -261,12 +260,35 @@ class FusedLinearPreferenceLoss(FusedLinearBase):
         own_math = "token_stats" in cls.__dict__ or (
             "sequence_loss" in cls.__dict__ and "pair_loss" not in cls.__dict__
         )
-        if own_math and "last_sequence_column" not in cls.__dict__:
-            cls.last_sequence_column = None
+        if own_math and "own_math_rows_in_pass_1" not in cls.__dict__:
+            cls.own_math_rows_in_pass_1 = False
 
     @staticmethod
     def pair_loss(pair, scalars, opts):  # pragma: no cover - interface
         raise NotImplementedError
+
+    @staticmethod
+    def margin_power(opts) -> int | None:
+        """``p`` when ``pair_loss`` depends on the pair's summed log-probs S only through the margin
+        ``S_c/n_c^p - S_r/n_r^p`` (n: completion tokens, at least 1), i.e. ``dL/dS_c = λ·n_c^-p`` and
+        ``dL/dS_r = -λ·n_r^-p`` for one λ; None otherwise (the default)."""
+        return None
+
+    def rows_in_pass_1(self, batch):
+        """The last pair's rows when its loss is a function of its margin (``margin_power``): multipliers
+        ``n_c^-p`` on the chosen rows and ``-n_r^-p`` on the rejected ones. Otherwise the last sequence's rows
+        (the last pair's rejected one, which reaches the loss through ``pair["rejected"]`` alone; its NLL and
+        raw log-prob columns are not read), multiplier 1. See ``FusedLinearBase.rows_in_pass_1``."""
+        if not self.own_math_rows_in_pass_1 or not batch.tokens_per_group:
+            return None
+        p = type(self).margin_power(self.options)
+        if p is None or batch.seqs_per_group[-1] != 2:
+            n = batch.last_seq_rows
+            return LOGP, n, torch.ones(n, device=batch.rows.device)
+        n = batch.tokens_per_group[-1]
+        n_tok = batch.sequence["n_tokens"][-2:].float().clamp(min=1.0)
+        per_seq = torch.stack([n_tok[0] ** -p, -(n_tok[1] ** -p)])
+        return LOGP, n, per_seq[batch.seq_id[-n:] - (batch.num_seqs - 2)] if n else per_seq[:0]
 
     def token_weights(self, chosen_mask: Tensor, rejected_mask: Tensor) -> Tensor:
         """Weights (2B, T) of each completion token in the sequence log-prob (DPO's ld_alpha)."""

@@ -540,32 +540,39 @@ def test_transform_bad_inputs():
 
 
 # --------------------------------------------------------------------------------------------------
-# Two passes run the batch's last sequence (the last pair's rejected one) in pass 1 with coefficient e_LOGP
-# and scale its gradients by λ afterwards (FusedLinearBase.last_sequence_column); the references above check
-# the result, these check the premise for every loss form and that pass 2 skips those rows.
-_LAST_SEQUENCE_CASES = [
+# Two passes run the batch's last rows in pass 1 (the last pair when its loss depends on its margin alone,
+# else its rejected sequence) with coefficient m·e_LOGP and scale their gradients by λ afterwards
+# (``rows_in_pass_1``); the references above check the result, these check the premise for every loss form
+# and that pass 2 skips those rows.
+_LAST_ROWS_CASES = [
     *[(FusedLinearDPOLoss, _loss_opts(t), "model") for t in DPO_LOSS_TYPES],
     (FusedLinearDPOLoss, dict(ld_alpha=0.4, use_weighting=True), "logps"),
     (FusedLinearDPOLoss, dict(loss_type=("sigmoid", "sft"), loss_weights=(1.0, 0.3)), "none"),
+    (FusedLinearDPOLoss, dict(loss_type=("sigmoid", "hinge"), average_log_prob=True), "model"),
+    (FusedLinearDPOLoss, dict(loss_type=("sigmoid", "ipo")), "model"),
+    (FusedLinearDPOLoss, dict(f_divergence_type="js_divergence"), "model"),
+    (FusedLinearDPOLoss, dict(f_divergence_type="alpha_divergence", f_alpha_divergence_coef=1.0), "model"),
     (FusedLinearORPOLoss, dict(beta=0.2), None),
     (FusedLinearCPOLoss, dict(loss_type="ipo", cpo_alpha=0.5), None),
+    (FusedLinearCPOLoss, dict(loss_type="hinge", cpo_alpha=0.0), None),
+    (FusedLinearCPOLoss, dict(loss_type="simpo", cpo_alpha=0.0, alpha=0.25), None),
     (FusedLinearSimPOLoss, dict(), None),
 ]
+# Those whose whole last pair runs in pass 1 (a function of the margin alone), with their ``margin_power``.
+_MARGIN = {0: 0, 1: 0, 2: 1, 3: 0, 5: 0, 12: 0, 14: 1, 15: 0, 17: 1, 20: 0, 23: 0, 25: 1}
 
 
 @pytest.mark.parametrize(
-    "cls,opts,ref_mode",
-    _LAST_SEQUENCE_CASES,
-    ids=[f"{c.__name__}-{o.get('loss_type', '')}-{i}" for i, (c, o, _) in enumerate(_LAST_SEQUENCE_CASES)],
+    "case", range(len(_LAST_ROWS_CASES)), ids=lambda i: f"{i}-{_LAST_ROWS_CASES[i][0].__name__}"
 )
-def test_last_sequence_gets_one_column_of_gradient(cls, opts, ref_mode, monkeypatch):
+def test_last_rows_get_one_column_of_gradient(case, monkeypatch):
     from chunkloss import base
     from chunkloss.losses.preference import LOGP, LOGP_RAW, NLL
 
-    assert cls.last_sequence_column == LOGP
+    cls, opts, ref_mode = _LAST_ROWS_CASES[case]
     monkeypatch.setattr(base, "_SHARED_STEPS", {})
-    coefs, projected = [], []
-    real_coef, real_project = base._sequence_coef_eager, base._project
+    coefs, projected, deferred = [], [], []
+    real_coef, real_project, real_rows = base._sequence_coef_eager, base._project, cls.rows_in_pass_1
 
     def spy_coef(*args, **kwargs):
         out = real_coef(*args, **kwargs)
@@ -577,25 +584,34 @@ def test_last_sequence_gets_one_column_of_gradient(cls, opts, ref_mode, monkeypa
             projected.append(x.shape[0])
         return real_project(x, weight, bias)
 
+    def spy_rows(self, batch):
+        deferred.append(real_rows(self, batch))
+        return deferred[-1]
+
     monkeypatch.setattr(base, "_sequence_coef_eager", spy_coef)
     monkeypatch.setattr(base, "_project", spy_project)
+    monkeypatch.setattr(cls, "rows_in_pass_1", spy_rows)
     d = _inputs()
     call_kw = _ref_kwargs(d, ref_mode) if ref_mode else {}
     _run(cls, d, call_kw, chunk_size=TWO_PASS, compile=False, **opts)
     ((coef, seq_id, num_seqs),) = coefs
-    last = coef[seq_id == num_seqs - 1]
-    assert last.shape[0] > 0  # λ itself may be 0 (loss_type "sft" trains the chosen rows only)
-    assert torch.equal(last[:, LOGP], last[:1, LOGP].expand(last.shape[0]))
+    ((col, n, m),) = deferred
+    assert col == LOGP and m.shape == (n,)
+    assert cls.margin_power(cls(**opts).options) == _MARGIN.get(case)
+    last_seqs = 2 if case in _MARGIN else 1  # the whole last pair, or its rejected sequence
+    assert n == int((seq_id >= num_seqs - last_seqs).sum()) > 0
+    tail = coef[-n:]
+    lam = tail[-1, LOGP] / m[-1]  # may be 0 (loss_type "sft" trains the chosen rows only)
+    torch.testing.assert_close(tail[:, LOGP], lam * m, rtol=1e-6, atol=0)
     # The other columns with a logits gradient are 0 (REF_LOGP, MEAN_LOGIT, WPO, ... are the reference's or
     # detached: the pass-2 step reads LOGP, LOGP_RAW and NLL only).
-    assert not last[:, [LOGP_RAW, NLL]].any()
-    # Pass 1 projects every row, pass 2 the rows with a gradient but the last sequence's.
-    n_rest = seq_id.numel() - last.shape[0]
-    assert sum(projected) == seq_id.numel() + int(coef[:n_rest].ne(0).any(1).sum())
-    assert int(coef[:n_rest].ne(0).any(1).sum()) > 0
+    assert not tail[:, [LOGP_RAW, NLL]].any()
+    # Pass 1 projects every row, pass 2 the rows with a gradient but the last ones.
+    live = int(coef[:-n].ne(0).any(1).sum())
+    assert live > 0 and sum(projected) == seq_id.numel() + live
 
 
-def test_last_sequence_column_is_dropped_by_subclasses_with_their_own_math():
+def test_rows_in_pass_1_is_dropped_by_subclasses_with_their_own_math():
     class OwnLoss(FusedLinearDPOLoss):
         @staticmethod
         def sequence_loss(stats, seq_id, num_seqs, token, sequence, scalars, opts):
@@ -606,5 +622,5 @@ def test_last_sequence_column_is_dropped_by_subclasses_with_their_own_math():
         def pair_loss(pair, scalars, opts):
             return -pair["chosen"], pair["chosen"], pair["rejected"], {}
 
-    assert OwnLoss.last_sequence_column is None
-    assert OwnPairLoss.last_sequence_column == FusedLinearDPOLoss.last_sequence_column
+    assert not OwnLoss.own_math_rows_in_pass_1
+    assert OwnPairLoss.own_math_rows_in_pass_1 and OwnPairLoss.margin_power(OwnPairLoss().options) is not None

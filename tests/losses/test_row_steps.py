@@ -250,7 +250,7 @@ def test_jsd_accumulation_and_no_grad(cuda_steps):
 
 # --------------------------------------------------------------------------------------------------
 # One pass hands the statistics of a chunk's logits from its "stats" step to its "seq_pass2" step; so do two
-# passes for the chunks of a last sequence that runs its backward in pass 1 (DPO's; ``last_sequence_column``),
+# passes for the chunks of the last rows that run their backward in pass 1 (DPO's; ``rows_in_pass_1``),
 # and for no chunk of pass 2.
 @pytest.mark.parametrize("loss", ["grpo-sequence", "dpo"])
 def test_one_pass_hands_statistics_to_pass_2(loss, cuda_steps, monkeypatch):
