@@ -902,7 +902,7 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
                     grad_b.mul_(lam)
                 coef = coef[:n_rest]
                 extra_stats = None if extra_stats is None else extra_stats[:n_rest]
-            if coef is not None:
+            if coef is not None and n_rest:  # none left when the last rows were all of them (one long pair)
                 rows, token_all = rows_all, batch.token
                 # Pass 2 re-projects only the rows with a gradient: a row whose coefficients are all 0 (an
                 # entropy mask keeping the top 20% of tokens drops the other 80%) contributes exactly 0.
