@@ -832,6 +832,19 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
         add_metrics(m)
         return coef
 
+    def one_pass_chunk(a, b, token, coef_of):
+        """Positions [a, b) in one pass: project, the "stats" step, the coefficient ``coef_of(stats, token)``
+        (None without grads), and the "seq_pass2" step on the same logits with what the stats step carried
+        over (e.g. their logsumexp); returns the chunk's statistics."""
+        x, logits, extra, token = project(rows_all, a, b, token)
+        stats, carry = _stats_and_carry(loss_mod._step_fn("stats", dev)(logits, extra, token))
+        coef = coef_of(stats, token)
+        if coef is not None:
+            args = (coef,) if carry is None else (coef, carry)
+            backprop(loss_mod._step_fn("seq_pass2", dev)(logits, extra, token, *args), x, rows_all, a, b)
+        del x, logits, extra, carry  # free this chunk's [C, V] buffer before the next is projected
+        return stats
+
     def add_metrics(m):
         for k, v in m.items():
             if k in token_out:
@@ -852,18 +865,13 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
                     backprop(g, x, rows_all, a, b)
                 del x, logits, extra, g  # free this chunk's [C, V] buffer before the next is projected
         elif one_pass:
-            stats_fn, step = loss_mod._step_fn("stats", dev), loss_mod._step_fn("seq_pass2", dev)
             for (a, b), (s0, s1) in zip(plan.bounds, plan.seq_bounds):
-                x, logits, extra, token = project(rows_all, a, b, _slice_rows(batch.token, a, b))
-                stats, carry = _stats_and_carry(stats_fn(logits, extra, token))
-                coef = sequence_coef(
-                    stats, batch.seq_id[a:b] - s0, s1 - s0, token, _slice_rows(batch.sequence, s0, s1)
-                )
-                if coef is not None:
-                    # The same logits: what the stats step carried over (e.g. their logsumexp) still holds.
-                    args = (coef,) if carry is None else (coef, carry)
-                    backprop(step(logits, extra, token, *args), x, rows_all, a, b)
-                del x, logits, extra, carry  # free this chunk's [C, V] buffer before the next is projected
+                one_pass_chunk(
+                    a, b, _slice_rows(batch.token, a, b),
+                    lambda stats, token, a=a, b=b, s0=s0, s1=s1: sequence_coef(
+                        stats, batch.seq_id[a:b] - s0, s1 - s0, token, _slice_rows(batch.sequence, s0, s1)
+                    ),
+                )  # fmt: skip
         else:
             stats_fn, step = loss_mod._step_fn("stats", dev), loss_mod._step_fn("seq_pass2", dev)
             # The last rows [n_rest, n_rows) may run their backward in pass 1 with coefficient m·e_col (see
@@ -879,16 +887,13 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
             # Its per-row tensors start at offset 0, as pass 2's do: a compiled step specialises on it.
             token_def = {k: v[n_rest:].clone() for k, v in batch.token.items()} if n_def else {}
             for a, b in _even_bounds(n_def, chunk):
-                token = _slice_rows(token_def, a, b)
-                a, b = n_rest + a, n_rest + b
-                x, logits, extra, token = project(rows_all, a, b, token)
-                chunk_stats, carry = _stats_and_carry(stats_fn(logits, extra, token))
-                parts.append(chunk_stats)
-                unit = torch.zeros_like(chunk_stats)
-                unit[:, col] = mult[a - n_rest : b - n_rest]
-                args = (unit,) if carry is None else (unit, carry)
-                backprop(step(logits, extra, token, *args), x, rows_all, a, b)
-                del x, logits, extra, carry
+
+                def unit(stats, token, a=a, b=b):
+                    coef = torch.zeros_like(stats)
+                    coef[:, col] = mult[a:b]
+                    return coef
+
+                parts.append(one_pass_chunk(n_rest + a, n_rest + b, _slice_rows(token_def, a, b), unit))
             stats = torch.cat(parts) if parts else _empty_stats(loss_mod, hidden, weight, batch)
             extra_stats = torch.cat(extra_stats_parts) if extra_stats_parts else None
             coef = sequence_coef(stats, batch.seq_id, batch.num_seqs, batch.token, batch.sequence)
