@@ -339,6 +339,19 @@ class FusedLinearBase(nn.Module):
         """
         return None
 
+    def pass_1_estimates(self, batch: Batch) -> Callable[[list[Tensor]], dict[str, Tensor]] | None:
+        """Two passes: for a loss whose rows' coefficients ``dL/dstats`` depend on the rest of the batch only
+        through a few scalars of its statistics (GRPO's entropy threshold), a function from statistics (a
+        list of (C, K) tensors) to those scalars, which ``sequence_loss`` then reads from ``scalars`` instead
+        of computing them. Every chunk runs its backward in pass 1 with the coefficient ``sequence_loss``
+        gives on the chunk alone with the scalars estimated from the statistics seen so far (this chunk's
+        included); once every row is seen, the coefficients are evaluated again chunk by chunk with the
+        final scalars, and pass 2 projects only the rows whose coefficient changed, adding the difference
+        (the logits gradient is linear in the coefficient). Rows on the same side of the final threshold
+        need no second projection. None (the default): rows wait for pass 2 (or ``rows_in_pass_1``).
+        """
+        return None
+
     @property
     def is_sequence_loss(self) -> bool:
         """Run ``token_stats`` + ``sequence_loss`` rather than ``chunk_loss``. By default: the class
@@ -809,10 +822,17 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
         x = gather(hidden, rows, a, b)
         return x, _project(x, weight, bias), extra, token
 
-    def backprop(g, x, rows, a, b):
+    def backprop(g, x, rows, a, b, add=False):
+        """Gradients of positions [a, b) from their logits gradient ``g``; ``add``: onto the hidden rows'
+        gradient from pass 1 rather than over it."""
         if need_h:
             if rows is None:
-                torch.mm(g, weight, out=grad_h[a:b])
+                if add:
+                    grad_h[a:b].addmm_(g, weight)
+                else:
+                    torch.mm(g, weight, out=grad_h[a:b])
+            elif add:
+                grad_h.index_add_(0, rows[a:b], g @ weight)
             else:
                 grad_h.index_copy_(0, rows[a:b], g @ weight)
         if need_w:
@@ -874,13 +894,32 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
                 )  # fmt: skip
         else:
             stats_fn, step = loss_mod._step_fn("stats", dev), loss_mod._step_fn("seq_pass2", dev)
-            # The last rows [n_rest, n_rows) may run their backward in pass 1 with coefficient m·e_col (see
-            # ``rows_in_pass_1``); pass 2 then covers rows [0, n_rest) only.
-            deferred = loss_mod.rows_in_pass_1(batch) if any_grad else None
+            # Either every chunk runs its backward in pass 1 with estimated scalars (``pass_1_estimates``), or
+            # the last rows [n_rest, n_rows) do with coefficient m·e_col (``rows_in_pass_1``) and pass 2
+            # covers rows [0, n_rest) only.
+            estimate = loss_mod.pass_1_estimates(batch) if any_grad else None
+            deferred = loss_mod.rows_in_pass_1(batch) if any_grad and estimate is None else None
             col, n_def, mult = deferred if deferred is not None else (None, 0, None)
             n_rest = n_rows - n_def
             parts = []
-            for a, b in _even_bounds(n_rest, chunk):
+            guess_bounds = _even_bounds(n_rows, chunk) if estimate is not None else []
+            guesses = []  # pass 1's coefficients of those chunks
+
+            def chunk_coef(stats, a, b, token, scalars):
+                """``dL/dstats`` of positions [a, b) from ``sequence_loss`` on them alone with ``scalars``."""
+                return _sequence_coef_eager(
+                    type(loss_mod).sequence_loss, opts, stats, batch.seq_id[a:b], batch.num_seqs, token,
+                    batch.sequence, {**batch.scalars, **scalars}, True,
+                )[0]  # fmt: skip
+
+            for a, b in guess_bounds:
+
+                def guess(stats, token, a=a, b=b):
+                    guesses.append(chunk_coef(stats, a, b, token, estimate([*parts, stats])))
+                    return guesses[-1]
+
+                parts.append(one_pass_chunk(a, b, _slice_rows(batch.token, a, b), guess))
+            for a, b in _even_bounds(n_rest, chunk) if estimate is None else []:
                 _, logits, extra, token = project(rows_all, a, b, _slice_rows(batch.token, a, b))
                 parts.append(_stats_and_carry(stats_fn(logits, extra, token))[0])  # no carry: other logits
                 del logits, extra
@@ -897,6 +936,19 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
             stats = torch.cat(parts) if parts else _empty_stats(loss_mod, hidden, weight, batch)
             extra_stats = torch.cat(extra_stats_parts) if extra_stats_parts else None
             coef = sequence_coef(stats, batch.seq_id, batch.num_seqs, batch.token, batch.sequence)
+            if coef is not None and guesses:
+                # The same chunk-wise evaluation with the final scalars: bit for bit the guess where a row's
+                # coefficient did not change, so only the changed rows are projected again.
+                final = estimate(parts)
+                token_all = {**batch.token}
+                if extra_stats is not None:
+                    token_all["extra_stats"] = extra_stats
+                coef = torch.cat(
+                    [
+                        chunk_coef(stats[a:b], a, b, _slice_rows(token_all, a, b), final) - g
+                        for (a, b), g in zip(guess_bounds, guesses)
+                    ]
+                )
             if coef is not None and n_def:
                 # Each deferred row's coefficient is λ·m·e_col: its gradients so far are λ = 1's.
                 lam = coef[n_rows - 1, col] / mult[-1]
@@ -913,17 +965,18 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
                 # entropy mask keeping the top 20% of tokens drops the other 80%) contributes exactly 0.
                 idx = coef.ne(0).any(1).nonzero().squeeze(1)  # the one host sync of the second pass
                 n_live = idx.numel()
+                add = bool(guesses)  # pass 2 adds the coefficients' change to pass 1's gradients
                 if n_live < n_rest:
                     rows, coef = batch.rows[idx], coef[idx]
                     token_all = {k: v[idx] for k, v in batch.token.items()}
                     extra_stats = None if extra_stats is None else extra_stats[idx]
-                    if need_h and batch.all_rows:
+                    if need_h and batch.all_rows and not add:
                         grad_h[:n_rest].zero_()  # the skipped rows are not written
                 for a, b in _even_bounds(n_live, chunk):
                     # Heads without grad are not projected again: their reduced statistics from pass 1
                     # come in as token["extra_stats"].
                     x, logits, extra, token = project(rows, a, b, _slice_rows(token_all, a, b), extra_stats)
-                    backprop(step(logits, extra, token, coef[a:b]), x, rows, a, b)
+                    backprop(step(logits, extra, token, coef[a:b]), x, rows, a, b, add)
                     del x, logits, extra  # free this chunk's [C, V] buffer before the next is projected
 
     if need_w and not w_started[0]:

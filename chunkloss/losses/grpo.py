@@ -380,7 +380,11 @@ def grpo_sequence_loss(stats, seq_id, num_seqs, token, sequence, scalars, opts: 
         # Two passes: every row of the batch is here.
         e = ent.detach()
         if e.numel():
-            thr = torch.quantile(e, 1 - opts.top_entropy_quantile)
+            # The engine may hand in the threshold (``pass_1_estimates``): the same quantile of the same rows,
+            # or, for pass 1's chunks, of the rows seen so far.
+            thr = scalars.get("entropy_threshold")
+            if thr is None:
+                thr = torch.quantile(e, 1 - opts.top_entropy_quantile)
             emask = (e >= thr).float()
         else:
             emask = e
@@ -455,6 +459,31 @@ class FusedLinearGRPOLoss(FusedLinearBase):
         super().__init__(**options)
         # Entropy masking needs every token's entropy before the quantile is known: two passes.
         self.needs_global_stats = self.options.top_entropy_quantile < 1.0
+
+    def pass_1_estimates(self, batch):
+        """With the entropy mask, every chunk runs its backward in pass 1 with the quantile of the entropies
+        seen so far (see ``FusedLinearBase.pass_1_estimates``), and pass 2 re-projects only the rows on the
+        other side of the final threshold: 3 GEMMs and a few rows instead of 4 GEMMs. Only where every row has
+        a gradient anyway (``beta != 0``: the KL term; at β = 0 pass 2 already projects only the kept rows)
+        and a row's coefficient depends on nothing of the batch but the threshold: token-level ratios, no
+        off-policy mask, not vespo (per-sequence statistics), no entropy bonus (normalised by the number of
+        kept rows)."""
+        o = self.options
+        if not (
+            o.top_entropy_quantile < 1.0
+            and o.beta != 0.0
+            and o.entropy_coef == 0.0
+            and o.importance_sampling_level == "token"
+            and o.off_policy_mask_threshold is None
+            and o.loss_type != "vespo"
+        ):
+            return None
+        q = 1 - o.top_entropy_quantile
+
+        def estimate(stats: list[Tensor]) -> dict[str, Tensor]:
+            return {"entropy_threshold": torch.quantile(torch.cat([s[:, 1] for s in stats]), q)}
+
+        return estimate
 
     @property
     def is_sequence_loss(self) -> bool:

@@ -588,3 +588,69 @@ def test_bad_inputs():
         FusedLinearGRPOLoss(epsilon=0.2)
     with pytest.raises(ValueError, match="token-level importance_sampling_ratio"):
         FusedLinearGRPOLoss(loss_type="vespo")(**inp, importance_sampling_ratio=torch.ones(B))
+
+
+# Entropy mask with β ≠ 0: every chunk runs its backward in pass 1 with the entropy quantile of the rows seen
+# so far (``FusedLinearGRPOLoss.pass_1_estimates``), pass 2 re-projects the rows on the other side of the
+# final threshold and adds the change. Besides the references (test_options_fp32), these check the premise:
+# how many rows each pass projects, and that a wrong estimate is corrected exactly.
+def _count_projections(monkeypatch, weight):
+    from chunkloss import base
+
+    projected, real = [], base._project
+
+    def spy(x, w, bias):
+        if w is weight:
+            projected.append(x.shape[0])
+        return real(x, w, bias)
+
+    monkeypatch.setattr(base, "_project", spy)
+    return projected
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "cispo", "sapo", "luspo"])
+@pytest.mark.parametrize("kl", ["precomputed", "head"])
+def test_entropy_mask_backward_in_pass_1(loss_type, kl, monkeypatch):
+    inp, kw = make_inputs(ref_head=kl == "head")
+    opts = grid_opts(loss_type, "token", beta=0.04, top_entropy_quantile=0.3)
+    ref = run_ref(inp, kw, opts)
+    n_valid = int(inp["completion_mask"].sum())
+    for chunk in (1, 3, 7, 1000):
+        projected = _count_projections(monkeypatch, inp["weight"])
+        assert_close_fp32(run_ours(inp, kw, chunk_size=chunk, **opts), ref)
+        # Pass 1 projects every row once; pass 2 only rows whose mask the estimate got wrong. With one chunk
+        # the estimate is the final threshold: no pass 2 at all.
+        assert sum(projected[: -(-n_valid // chunk)]) == n_valid
+        if chunk == 1000:
+            assert projected == [n_valid]
+
+
+def test_entropy_mask_wrong_estimate_is_corrected(monkeypatch):
+    """An estimate that drops every row in pass 1: pass 2 projects some of the rows the final mask keeps, and
+    the result is still the reference's. Without the hook, pass 2 projects every row again."""
+    inp, kw = make_inputs()
+    opts = grid_opts("dapo", "token", beta=0.04, top_entropy_quantile=0.3)
+    ref = run_ref(inp, kw, opts)
+    n_valid = int(inp["completion_mask"].sum())
+    real = FusedLinearGRPOLoss.pass_1_estimates
+
+    def wrong(self, batch):
+        estimate, calls = real(self, batch), []
+
+        def first_wrong(stats):  # one call per chunk of pass 1, then the final one
+            calls.append(1)
+            thr = estimate(stats)["entropy_threshold"]
+            return {"entropy_threshold": thr + float("inf") if len(calls) <= -(-n_valid // 4) else thr}
+
+        return first_wrong
+
+    monkeypatch.setattr(FusedLinearGRPOLoss, "pass_1_estimates", wrong)
+    projected = _count_projections(monkeypatch, inp["weight"])
+    assert_close_fp32(run_ours(inp, kw, chunk_size=4, **opts), ref)
+    n_kept = int(torch.tensor(n_valid * 0.7).ceil())  # rows at or above the 0.7 quantile of n_valid values
+    # Pass 2: the kept rows whose policy term has a gradient (a clipped ratio has none).
+    assert n_valid < sum(projected) <= n_valid + n_kept, (projected, n_valid, n_kept)
+    monkeypatch.setattr(FusedLinearGRPOLoss, "pass_1_estimates", lambda self, batch: None)
+    projected.clear()
+    assert_close_fp32(run_ours(inp, kw, chunk_size=4, **opts), ref)
+    assert sum(projected) == 2 * n_valid
