@@ -264,6 +264,10 @@ class FusedLinearBase(nn.Module):
     needs_global_stats: bool = False
     #: per-row outputs of ``chunk_loss``'s metrics dict (e.g. "loss" for reduction='none').
     token_outputs: tuple[str, ...] = ()
+    #: sequence losses: every group holds exactly this many sequences (2: the preference losses' pairs), so a
+    #: batch or chunk of S sequences holds S / ``seqs_per_group`` groups. The compiled "seq_coef" step takes
+    #: the number of groups as its dynamic size (see ``_SequenceDynamic``).
+    seqs_per_group: int = 1
 
     def __init__(self, **options):
         super().__init__()
@@ -431,7 +435,7 @@ class FusedLinearBase(nn.Module):
             # graphs; Triton steps compile none, so beside them it is the loss's one compiled step.
             if self._kernel_step("stats", opts, device_type) is None:
                 return functools.partial(_sequence_coef_eager, cls.sequence_loss, opts)
-            return _SequenceDynamic(_bind(_sequence_coef, cls.sequence_loss, opts))
+            return _SequenceDynamic(_bind(_sequence_coef, cls.sequence_loss, opts), cls.seqs_per_group)
         else:  # pragma: no cover
             raise KeyError(kind)
         if not opts.compile:
@@ -535,9 +539,11 @@ def _sequence_coef_eager(sequence_loss, opts, stats, seq_id, num_seqs, token, se
     return coef, loss.detach(), {k: v.detach() for k, v in metrics.items()}
 
 
-def _sequence_coef(sequence_loss, opts, stats, seq_id, seqs, token, sequence, scalars):
-    """``_sequence_coef_eager`` for torch.compile; ``seqs`` (S, 0) carries the number of sequences S."""
-    num_seqs = seqs.shape[0]
+def _sequence_coef(sequence_loss, opts, stats, seq_id, groups, token, sequence, scalars):
+    """``_sequence_coef_eager`` for torch.compile; ``groups`` (G, g, 0) carries the number of groups G and of
+    sequences per group g, and the per-sequence tensors come as (G, g, ...) (see ``_SequenceDynamic``)."""
+    num_seqs = groups.shape[0] * groups.shape[1]
+    sequence = {k: v.flatten(0, 1) for k, v in sequence.items()}
     coef, (loss, metrics) = torch.func.grad_and_value(
         lambda s: _with_aux(sequence_loss(s, seq_id, num_seqs, token, sequence, scalars, opts)), has_aux=True
     )(stats)
@@ -599,16 +605,30 @@ class _SequenceDynamic(_RowDynamic):
     """The compiled sequence coefficient step, called as ``(stats, seq_id, num_seqs, token, sequence, scalars,
     need_grad=)`` like ``_sequence_coef_eager``.
 
-    The number of sequences, a Python int that changes from chunk to chunk, reaches the graph as dim 0 of an
-    empty (S, 0) tensor, marked dynamic with the rows: as an int, dynamo would specialise its first value and
-    compile another graph for the next. One sequence runs eagerly, as one row does (dynamo specialises size
-    1). The preference losses still compile a second graph for chunks of one pair: their (S/2, 2, K) view
-    of the pairs specialises S/2 = 1. Without ``need_grad`` the same graph runs and its gradient is dropped:
-    a value-only graph would be one more per loss."""
+    The number of sequences, a Python int that changes from chunk to chunk, reaches the graph as the sizes of
+    an empty (G, g, 0) tensor: G groups of g sequences (S = G·g, g the loss's ``seqs_per_group``), G marked
+    dynamic with the rows (as an int, dynamo would specialise its first value and compile another graph for
+    the next); the per-sequence tensors come as (G, g, ...) too. S is then a multiple of g by construction,
+    so the preference losses' (P, 2, K) view of the pairs needs no shape guard: with S as the symbol that
+    view left guards such as ``Eq(Mod(s, (s//2)), 0)`` and, from its backward, ``Ne(s, (s//((s//2))))``,
+    and torch 2.11's guard builder failed on a shape guard without a source location (DPO and SimPO in one
+    pass, on an H100). One sequence runs eagerly, as one row does (dynamo specialises size 1); the
+    preference losses still compile a second graph for chunks of one pair (G = 1 specialises). Without
+    ``need_grad`` the same graph runs and its gradient is dropped: a value-only graph would be one more per
+    loss."""
+
+    def __init__(self, fn, seqs_per_group: int = 1):
+        super().__init__(fn)
+        self.seqs_per_group = seqs_per_group
 
     def __call__(self, stats, seq_id, num_seqs, token, sequence, scalars, need_grad):
-        seqs = stats.new_empty(num_seqs, 0)
-        args = (stats, seq_id, seqs, token, sequence, scalars)
+        g = self.seqs_per_group
+        n_groups, rest = divmod(num_seqs, g)
+        if rest:
+            raise ValueError(f"{num_seqs} sequences are not whole groups of {g}")
+        groups = stats.new_empty(n_groups, g, 0)
+        sequence = {k: v.unflatten(0, (n_groups, g)) for k, v in sequence.items()}
+        args = (stats, seq_id, groups, token, sequence, scalars)
         coef, loss, metrics = self.eager(*args) if num_seqs <= 1 else super().__call__(*args)
         return coef if need_grad else None, loss, metrics
 

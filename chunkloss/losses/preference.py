@@ -238,6 +238,7 @@ class FusedLinearPreferenceLoss(FusedLinearBase):
 
     options_cls = PreferenceOptions
     options: PreferenceOptions
+    seqs_per_group = 2  # a chosen/rejected pair
     token_stats = staticmethod(preference_token_stats)
     extra_token_stats = staticmethod(preference_ref_stats)
     # On CUDA the per-chunk steps are the Triton row kernels (no torch.compile graph); they compute this
