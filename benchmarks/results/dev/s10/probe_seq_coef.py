@@ -1,11 +1,15 @@
+"""Why the compiled seq_coef step falls back on torch 2.11 (session 10, helper's probe).
+
+Run on CUDA with case names, e.g. ``python3 probe_seq_coef.py dpo-logps dpo-head simpo orpo cpo grpo-q-beta``.
+Prints, per case, the compile fallbacks (with tracebacks) and every shape guard dynamo issued, with whether
+its source location is None (torch 2.11 fails to format such a guard).
+"""
+
 import os
 import sys
 import traceback
 import warnings
 
-# Run on CUDA with case names, e.g.: python3 probe_seq_coef.py dpo-logps dpo-head simpo orpo cpo grpo-q-beta
-# Prints, per case, the compile fallbacks (with tracebacks) and every shape guard dynamo issued, with whether
-# its source location is None (torch 2.11 fails to format such a guard).
 import torch
 from torch.fx.experimental import symbolic_shapes as ss
 
