@@ -559,6 +559,30 @@ def _grad_out(g, logits, opts):
     return g.to(logits.dtype)
 
 
+@functools.cache
+def _backport_guard_location_str() -> None:
+    """torch < 2.13 cannot print a shape guard without a source location (``SLoc.__str__`` calls
+    ``format_frame(None)``): building the guards of a compiled step then fails with ``AttributeError:
+    'NoneType' object has no attribute 'filename'`` (met on an H100 with torch 2.11 by the compiled "seq_coef"
+    step of DPO and SimPO in one pass). Where ``str(SLoc(None, None))`` raises, ``SLoc.__str__`` becomes torch
+    2.13's, which prints such a location as empty; a torch that prints it is left alone."""
+    from torch._guards import SLoc
+
+    try:
+        str(SLoc(None, None))
+        return
+    except AttributeError:
+        pass
+    from torch.utils._traceback import format_frame
+
+    def __str__(self) -> str:
+        loc = self.framework_loc
+        floc = loc if isinstance(loc, str) else "" if loc is None else format_frame(loc)
+        return f"{self.maybe_user_loc} ({floc})" if self.maybe_user_loc is not None else f"({floc})"
+
+    SLoc.__str__ = __str__
+
+
 class _RowDynamic:
     """Calls a compiled step after marking dim 0 of every tensor argument dynamic, so chunks of any
     row count share one graph.
@@ -578,6 +602,7 @@ class _RowDynamic:
     one or any before it) fails before anything was written over its inputs."""
 
     def __init__(self, fn):
+        _backport_guard_location_str()
         self.eager = fn
         self.fn = torch.compile(fn)
 

@@ -245,3 +245,26 @@ def test_sequence_coef_beside_triton_steps(case, plans, cuda_steps):
     assert counters["frames"]["ok"] == counters["frames"]["total"], counters["frames"]
     assert [one_pass for one_pass, _ in plans[: 1 + len(LATER)]] == [ONE_PASS[t] for _, t in [FIRST, *LATER]]
 
+
+def test_guard_location_backport(monkeypatch):
+    """torch < 2.13 fails to print a shape guard without a source location, so dynamo cannot build that step;
+    the backport gives ``SLoc`` torch 2.13's ``__str__`` only where the installed one fails."""
+    from torch._guards import SLoc
+    from torch.utils._traceback import format_frame
+
+    def str_2_11(self):  # torch 2.11's SLoc.__str__
+        floc = self.framework_loc if isinstance(self.framework_loc, str) else format_frame(self.framework_loc)
+        return f"{self.maybe_user_loc} ({floc})" if self.maybe_user_loc is not None else f"({floc})"
+
+    working = SLoc.__str__
+    base._backport_guard_location_str.cache_clear()
+    base._backport_guard_location_str()
+    assert SLoc.__str__ is working  # a torch that prints it is left alone
+    monkeypatch.setattr(SLoc, "__str__", str_2_11)
+    with pytest.raises(AttributeError):
+        str(SLoc(None, None))
+    base._backport_guard_location_str.cache_clear()
+    base._backport_guard_location_str()
+    assert str(SLoc(None, None)) == "()"
+    assert str(SLoc("base.py:10", "loss.py:3")) == "loss.py:3 (base.py:10)"
+    base._backport_guard_location_str.cache_clear()
