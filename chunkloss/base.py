@@ -349,8 +349,8 @@ class FusedLinearBase(nn.Module):
         list of (C, K) tensors) to those scalars, which ``sequence_loss`` then reads from ``scalars`` instead
         of computing them. Every chunk runs its backward in pass 1 with the coefficient ``sequence_loss``
         gives on the chunk alone with the scalars estimated from the statistics seen so far (this chunk's
-        included); once every row is seen, the coefficients are evaluated again chunk by chunk with the
-        final scalars, and pass 2 projects only the rows whose coefficient changed, adding the difference
+        included); once every row is seen, ``sequence_loss`` runs over all rows with the final scalars, and
+        pass 2 projects only the rows whose coefficient changed, adding the difference
         (the logits gradient is linear in the coefficient). Rows on the same side of the final threshold
         need no second projection. None (the default): rows wait for pass 2 (or ``rows_in_pass_1``).
         """
@@ -950,17 +950,17 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
             guess_bounds = _even_bounds(n_rows, chunk) if estimate is not None else []
             guesses = []  # pass 1's coefficients of those chunks
 
-            def chunk_coef(stats, a, b, token, scalars):
-                """``dL/dstats`` of positions [a, b) from ``sequence_loss`` on them alone with ``scalars``."""
-                return _sequence_coef_eager(
-                    type(loss_mod).sequence_loss, opts, stats, batch.seq_id[a:b], batch.num_seqs, token,
-                    batch.sequence, {**batch.scalars, **scalars}, True,
-                )[0]  # fmt: skip
-
             for a, b in guess_bounds:
 
                 def guess(stats, token, a=a, b=b):
-                    guesses.append(chunk_coef(stats, a, b, token, estimate([*parts, stats])))
+                    """``dL/dstats`` of positions [a, b) from ``sequence_loss`` on them alone with the scalars
+                    estimated from the statistics so far."""
+                    guesses.append(
+                        _sequence_coef_eager(
+                            type(loss_mod).sequence_loss, opts, stats, batch.seq_id[a:b], batch.num_seqs,
+                            token, batch.sequence, {**batch.scalars, **estimate([*parts, stats])}, True,
+                        )[0]
+                    )  # fmt: skip
                     return guesses[-1]
 
                 parts.append(one_pass_chunk(a, b, _slice_rows(batch.token, a, b), guess))
@@ -980,20 +980,21 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
                 parts.append(one_pass_chunk(n_rest + a, n_rest + b, _slice_rows(token_def, a, b), unit))
             stats = torch.cat(parts) if parts else _empty_stats(loss_mod, hidden, weight, batch)
             extra_stats = torch.cat(extra_stats_parts) if extra_stats_parts else None
-            coef = sequence_coef(stats, batch.seq_id, batch.num_seqs, batch.token, batch.sequence)
-            if coef is not None and guesses:
-                # The same chunk-wise evaluation with the final scalars: bit for bit the guess where a row's
-                # coefficient did not change, so only the changed rows are projected again.
-                final = estimate(parts)
-                token_all = {**batch.token}
-                if extra_stats is not None:
-                    token_all["extra_stats"] = extra_stats
-                coef = torch.cat(
-                    [
-                        chunk_coef(stats[a:b], a, b, _slice_rows(token_all, a, b), final) - g
-                        for (a, b), g in zip(guess_bounds, guesses)
-                    ]
-                )
+            if guesses:
+                # ``sequence_loss`` over every row with the final scalars (the same as without them) gives
+                # the loss, the metrics and the coefficients, by the same eager kernels as the guesses: bit
+                # for bit the guess where a row's coefficient did not change (coefficients are per row), so
+                # pass 2 projects only the changed rows. One eager call: after pass 1's last GEMM the GPU
+                # waits for these small kernels' launches.
+                coef, l_c, m = _sequence_coef_eager(
+                    type(loss_mod).sequence_loss, opts, stats, batch.seq_id, batch.num_seqs, batch.token,
+                    batch.sequence, {**batch.scalars, **estimate(parts)}, True,
+                )  # fmt: skip
+                loss.add_(l_c)
+                add_metrics(m)
+                coef = coef - torch.cat(guesses)
+            else:
+                coef = sequence_coef(stats, batch.seq_id, batch.num_seqs, batch.token, batch.sequence)
             if coef is not None and n_def:
                 # Each deferred row's coefficient is λ·m·e_col: its gradients so far are λ = 1's.
                 lam = coef[n_rows - 1, col] / mult[-1]
