@@ -119,6 +119,17 @@ def entropy_from_logits(z: Tensor, lse: Tensor | None = None) -> Tensor:
     return lse - (p * z).sum(-1)
 
 
+def quantile(values: Tensor, q: float) -> Tensor:
+    """``torch.quantile(values, q)`` (linear interpolation) bit for bit, for a 1-D ``values`` without NaN,
+    written so that torch.compile traces it with a symbolic length: torch 2.11's ``quantile`` calls
+    ``numel()`` on the symbolic sizes and dynamo cannot build the graph (GRPO's entropy mask on an H100)."""
+    ordered = torch.sort(values).values
+    rank = torch.full((1,), q, dtype=values.dtype, device=values.device) * (values.shape[0] - 1)
+    below = rank.floor().long()
+    above = rank.ceil().long()
+    return torch.lerp(ordered.gather(0, below), ordered.gather(0, above), rank - below.to(rank.dtype))[0]
+
+
 def check_head(hidden: Tensor, weight: Tensor, bias: Tensor | None, name: str = "hidden") -> None:
     """Shapes, dtypes and devices of one linear head: hidden (..., H), weight (V, H), bias (V,), V ≥ 1 and
     H ≥ 1. ``name`` is the hidden argument's name; its prefix names the others (``ref_hidden``:

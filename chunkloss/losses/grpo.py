@@ -67,6 +67,7 @@ from chunkloss.losses.common import (
     check_labels,
     item_count,
     nograd_label_logprob,
+    quantile,
     row_statistics,
     to_scalar,
 )
@@ -384,7 +385,7 @@ def grpo_sequence_loss(stats, seq_id, num_seqs, token, sequence, scalars, opts: 
             # or, for pass 1's chunks, of the rows seen so far.
             thr = scalars.get("entropy_threshold")
             if thr is None:
-                thr = torch.quantile(e, 1 - opts.top_entropy_quantile)
+                thr = quantile(e, 1 - opts.top_entropy_quantile)
             emask = (e >= thr).float()
         else:
             emask = e
@@ -481,7 +482,7 @@ class FusedLinearGRPOLoss(FusedLinearBase):
         q = 1 - o.top_entropy_quantile
 
         def estimate(stats: list[Tensor]) -> dict[str, Tensor]:
-            return {"entropy_threshold": torch.quantile(torch.cat([s[:, 1] for s in stats]), q)}
+            return {"entropy_threshold": quantile(torch.cat([s[:, 1] for s in stats]), q)}
 
         return estimate
 
