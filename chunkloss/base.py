@@ -949,17 +949,19 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
             parts = []
             guess_bounds = _even_bounds(n_rows, chunk) if estimate is not None else []
             guesses = []  # pass 1's coefficients of those chunks
+            seq_coef = loss_mod._step_fn("seq_coef", dev)
 
             for a, b in guess_bounds:
 
                 def guess(stats, token, a=a, b=b):
                     """``dL/dstats`` of positions [a, b) from ``sequence_loss`` on them alone with the scalars
-                    estimated from the statistics so far."""
+                    estimated from the statistics so far (the per-row tensors without the extra heads' reduced
+                    statistics, as in the final call below: one step, one graph)."""
+                    token = {k: v for k, v in token.items() if k != "extra_stats"}
+                    scalars = {**batch.scalars, **estimate([*parts, stats])}
                     guesses.append(
-                        _sequence_coef_eager(
-                            type(loss_mod).sequence_loss, opts, stats, batch.seq_id[a:b], batch.num_seqs,
-                            token, batch.sequence, {**batch.scalars, **estimate([*parts, stats])}, True,
-                        )[0]
+                        seq_coef(stats, batch.seq_id[a:b], batch.num_seqs, token, batch.sequence, scalars,
+                                 need_grad=True)[0]
                     )  # fmt: skip
                     return guesses[-1]
 
@@ -982,13 +984,13 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
             extra_stats = torch.cat(extra_stats_parts) if extra_stats_parts else None
             if guesses:
                 # ``sequence_loss`` over every row with the final scalars (the same as without them) gives
-                # the loss, the metrics and the coefficients, by the same eager kernels as the guesses: bit
-                # for bit the guess where a row's coefficient did not change (coefficients are per row), so
-                # pass 2 projects only the changed rows. One eager call: after pass 1's last GEMM the GPU
-                # waits for these small kernels' launches.
-                coef, l_c, m = _sequence_coef_eager(
-                    type(loss_mod).sequence_loss, opts, stats, batch.seq_id, batch.num_seqs, batch.token,
-                    batch.sequence, {**batch.scalars, **estimate(parts)}, True,
+                # the loss, the metrics and the coefficients, by the same step as the guesses (compiled beside
+                # Triton steps, one graph for rows of any count): bit for bit the guess where a row's
+                # coefficient did not change (coefficients are per row), so pass 2 projects only the changed
+                # rows.
+                coef, l_c, m = seq_coef(
+                    stats, batch.seq_id, batch.num_seqs, batch.token, batch.sequence,
+                    {**batch.scalars, **estimate(parts)}, need_grad=True,
                 )  # fmt: skip
                 loss.add_(l_c)
                 add_metrics(m)

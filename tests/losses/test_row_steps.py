@@ -348,3 +348,26 @@ def test_compiled_sequence_coef_equals_eager(case, chunk, cuda_steps, monkeypatc
             assert (g is None) == (e_g is None)
             if g is not None:
                 torch.testing.assert_close(g, e_g, **tp.FP32)
+
+
+@pytest.mark.parametrize("chunk", [4, 1000])
+def test_grpo_entropy_mask_estimates_compiled(chunk, cuda_steps, monkeypatch):
+    """The entropy mask's per-chunk estimates and final coefficients through the compiled "seq_coef" step beside
+    the Triton steps: the reference's result, one graph, and with one chunk no second projection (the guess and
+    the final coefficient come from the same graph on the same rows)."""
+    inp, kw = tg.make_inputs(ref_head=True)
+    opts = tg.grid_opts("dapo", "token", beta=0.04, top_entropy_quantile=0.3)
+    projected = tg._count_projections(monkeypatch, inp["weight"])
+    mod = FusedLinearGRPOLoss(chunk_size=chunk, **dict(opts, compile=True))
+    for x in tg.leaves(inp):
+        x.grad = None
+    loss = mod(**inp, **kw)
+    loss.backward()
+    ours = loss.detach().float(), [x.grad.float() for x in tg.leaves(inp)], mod.metrics
+    tg.assert_close_fp32(ours, tg.run_ref(inp, kw, opts))
+    n_valid = int(inp["completion_mask"].sum())
+    assert sum(projected[: -(-n_valid // chunk)]) == n_valid
+    if chunk == 1000:
+        assert projected == [n_valid]
+    step = mod._step_fn("seq_coef", "cuda")
+    assert isinstance(step, base._SequenceDynamic) and step.fn is not None  # compiled, no eager fallback
