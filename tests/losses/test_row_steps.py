@@ -352,9 +352,9 @@ def test_compiled_sequence_coef_equals_eager(case, chunk, cuda_steps, monkeypatc
 
 @pytest.mark.parametrize("chunk", [4, 1000])
 def test_grpo_entropy_mask_estimates_compiled(chunk, cuda_steps, monkeypatch):
-    """The entropy mask's per-chunk estimates and final coefficients through the compiled "seq_coef" step beside
-    the Triton steps: the reference's result, one graph, and with one chunk no second projection (the guess and
-    the final coefficient come from the same graph on the same rows)."""
+    """The entropy mask's per-chunk estimates and final coefficients through the compiled "seq_coef" step
+    beside the Triton steps: the reference's result, no eager fallback, and with one chunk no second
+    projection (the guess and the final coefficient come from the same graph on the same rows)."""
     inp, kw = tg.make_inputs(ref_head=True)
     opts = tg.grid_opts("dapo", "token", beta=0.04, top_entropy_quantile=0.3)
     projected = tg._count_projections(monkeypatch, inp["weight"])
