@@ -886,12 +886,12 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
         if need_b:
             grad_b.add_(g.sum(0, dtype=accum))
 
-    def sequence_coef(stats, seq_id, num_seqs, token, sequence):
+    def sequence_coef(stats, seq_id, num_seqs, token, sequence, scalars=batch.scalars):
         """Run ``sequence_loss`` on the rows' statistics (adding its loss and metrics) and return
         ``dL/dstats``, the per-row coefficient the pointwise step pulls back to the logits (None without
         grads)."""
         coef, l_c, m = loss_mod._step_fn("seq_coef", dev)(
-            stats, seq_id, num_seqs, token, sequence, batch.scalars, need_grad=any_grad
+            stats, seq_id, num_seqs, token, sequence, scalars, need_grad=any_grad
         )
         loss.add_(l_c)
         add_metrics(m)
@@ -949,7 +949,6 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
             parts = []
             guess_bounds = _even_bounds(n_rows, chunk) if estimate is not None else []
             guesses = []  # pass 1's coefficients of those chunks
-            seq_coef = loss_mod._step_fn("seq_coef", dev)
 
             for a, b in guess_bounds:
 
@@ -960,8 +959,10 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
                     token = {k: v for k, v in token.items() if k != "extra_stats"}
                     scalars = {**batch.scalars, **estimate([*parts, stats])}
                     guesses.append(
-                        seq_coef(stats, batch.seq_id[a:b], batch.num_seqs, token, batch.sequence, scalars,
-                                 need_grad=True)[0]
+                        loss_mod._step_fn("seq_coef", dev)(
+                            stats, batch.seq_id[a:b], batch.num_seqs, token, batch.sequence, scalars,
+                            need_grad=True,
+                        )[0]
                     )  # fmt: skip
                     return guesses[-1]
 
@@ -982,21 +983,13 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
                 parts.append(one_pass_chunk(n_rest + a, n_rest + b, _slice_rows(token_def, a, b), unit))
             stats = torch.cat(parts) if parts else _empty_stats(loss_mod, hidden, weight, batch)
             extra_stats = torch.cat(extra_stats_parts) if extra_stats_parts else None
+            # With guesses, the final scalars (the ones ``sequence_loss`` computes) go in too: the same step
+            # and graph as the guesses, so a row whose coefficient did not change gets the guess bit for bit
+            # (coefficients are per row) and pass 2 projects only the changed rows.
+            scalars = {**batch.scalars, **estimate(parts)} if guesses else batch.scalars
+            coef = sequence_coef(stats, batch.seq_id, batch.num_seqs, batch.token, batch.sequence, scalars)
             if guesses:
-                # ``sequence_loss`` over every row with the final scalars (the same as without them) gives
-                # the loss, the metrics and the coefficients, by the same step as the guesses (compiled beside
-                # Triton steps, one graph for rows of any count): bit for bit the guess where a row's
-                # coefficient did not change (coefficients are per row), so pass 2 projects only the changed
-                # rows.
-                coef, l_c, m = seq_coef(
-                    stats, batch.seq_id, batch.num_seqs, batch.token, batch.sequence,
-                    {**batch.scalars, **estimate(parts)}, need_grad=True,
-                )  # fmt: skip
-                loss.add_(l_c)
-                add_metrics(m)
                 coef = coef - torch.cat(guesses)
-            else:
-                coef = sequence_coef(stats, batch.seq_id, batch.num_seqs, batch.token, batch.sequence)
             if coef is not None and n_def:
                 # Each deferred row's coefficient is λ·m·e_col: its gradients so far are λ = 1's.
                 lam = coef[n_rows - 1, col] / mult[-1]
