@@ -197,7 +197,7 @@ class _WeightGrad:
             else:  # CPU: the accumulator's arithmetic, then one rounding
                 self.out = (g.t().to(self.accum) @ x.to(self.accum)).to(self.weight.dtype)
             return
-        if last and self._fusable() and g.shape[0] <= _weight_grad_kernels().MAX_ROWS:
+        if last and self._fusable() and g.shape[0] <= _weight_grad_kernels().MAX_ROWS and _unit_rows(g, x):
             self.out = _weight_grad_kernels().finish_weight_grad(self.acc, g, x, self.s, self.weight.dtype)
             self.acc = self.s = None
             return
@@ -227,6 +227,11 @@ class _WeightGrad:
                 return finish(self.acc, None, None, self.s, self.weight.dtype)
             self.acc.mul_(self.s)
         return self.acc.to(self.weight.dtype)
+
+
+def _unit_rows(*ts: Tensor) -> bool:
+    """Whether each 2-D tensor's rows are contiguous (unit column stride), as the Triton kernels read them."""
+    return all(t.stride(1) == 1 or t.shape[1] <= 1 for t in ts)
 
 
 def _weight_grad_kernels():

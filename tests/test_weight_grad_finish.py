@@ -114,6 +114,24 @@ def test_cross_entropy_last_chunk_fused(spy, chunk):
     assert_same_up_to_rounding(gw_f, gw_u, weight_terms_bound(hidden))
 
 
+def test_strided_hidden_is_not_fused(spy):
+    """Hidden rows with a non-unit column stride (a transposed buffer, sliced per chunk without a gather when
+    no row is dropped) go through cuBLAS's addmm, which takes any strides; the result is the contiguous
+    one's."""
+    hidden, weight, labels = ce_inputs()
+    labels = labels.clamp_min(0)  # every row takes part: chunks are slices of the hidden buffer
+    strided = hidden.t().contiguous().t()
+    assert strided.stride(1) != 1
+    spy["fuse"](True)
+    loss_mod = FusedLinearCrossEntropyLoss(chunk_size=16)
+    _, (gh_s, gw_s) = grads(lambda h, w: loss_mod(h, w, labels), strided, weight)
+    assert spy["finish"] == []
+    _, (gh_c, gw_c) = grads(lambda h, w: loss_mod(h, w, labels), hidden, weight)
+    assert len(spy["finish"]) == 1
+    torch.testing.assert_close(gh_s, gh_c, rtol=0, atol=0)
+    assert_same_up_to_rounding(gw_s, gw_c, weight_terms_bound(hidden))
+
+
 def grpo_inputs(b=4, t=9):
     g = torch.Generator().manual_seed(1)
     hidden = torch.randn(b, t, H, generator=g).to(DT)
