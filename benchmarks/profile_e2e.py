@@ -45,14 +45,15 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--impls", default="trl,chunkloss")
     p.add_argument("--rows", type=int, default=22)
+    p.add_argument("--layers", type=int, default=4, help="decoder layers (0: the real model's)")
     p.add_argument("--host", action="store_true", help="also record host (CPU) ops; tables by host time too")
     p.add_argument(
         "--shape", default=None, help="bench_e2e shape (default: the task's; 'tiny' for a CPU check)"
     )
     args = p.parse_args(argv)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    a = argparse.Namespace(device=dev, layers=4, no_compile=dev == "cpu", completion_len=128, seq_len=512,
-                           words=200, out="/tmp/profile_e2e")  # fmt: skip
+    a = argparse.Namespace(device=dev, layers=args.layers, no_compile=dev == "cpu", completion_len=128,
+                           seq_len=512, words=200, out="/tmp/profile_e2e")  # fmt: skip
     tokenizer = tiny_tokenizer()
     shape = args.shape or ("qwen3-0.6b" if args.task == "grpo" else "llama-3.2-1b")
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
@@ -69,6 +70,8 @@ def main(argv=None):
         prof, timer = _Profile(start=3, n=2, host=args.host), e2e.StepTimer()
         trainer.add_callback(prof)
         trainer.add_callback(timer)
+        if dev == "cuda":
+            torch.cuda.reset_accumulated_memory_stats()
         trainer.train()
         wall = statistics.median(timer.times[6:]) * 1e3  # unprofiled steps after the profiled ones
         table = prof.prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows)
@@ -76,6 +79,10 @@ def main(argv=None):
         print(f"\n=== {args.task} {impl} batch {args.batch}: {total:.1f} ms of kernels per step, "
               f"{wall:.1f} ms wall (median of 3 unprofiled steps) ===\n{table}",
               flush=True)  # fmt: skip
+        if dev == "cuda":  # cudaMalloc/cudaFree over the 9 steps: a step that keeps allocating waits on them
+            st = torch.cuda.memory_stats()
+            print(f"segments allocated {st['num_device_alloc']}, freed {st['num_device_free']}, "
+                  f"allocator retries {st['num_alloc_retries']}", flush=True)  # fmt: skip
         if args.host:
             by_host = prof.prof.key_averages().table(sort_by="cpu_time_total", row_limit=args.rows)
             print(f"--- {impl}: by host time (2 steps) ---\n{by_host}", flush=True)
