@@ -17,8 +17,8 @@ from chunkloss.data import tiny_tokenizer
 class _Profile(e2e.TrainerCallback):
     """Profiles steps ``start`` .. ``start + n`` (after compilation and warm-up)."""
 
-    def __init__(self, start: int, n: int, host: bool = False):
-        self.start, self.n, self.prof, self.host = start, n, None, host
+    def __init__(self, start: int, n: int, host: bool = False, stack: bool = False):
+        self.start, self.n, self.prof, self.host, self.stack = start, n, None, host, stack
 
     def on_step_begin(self, args, state, control, **kw):
         if state.global_step == self.start:
@@ -30,7 +30,7 @@ class _Profile(e2e.TrainerCallback):
             ]
             if self.host and torch.profiler.ProfilerActivity.CPU not in acts:
                 acts.append(torch.profiler.ProfilerActivity.CPU)
-            self.prof = torch.profiler.profile(activities=acts)
+            self.prof = torch.profiler.profile(activities=acts, with_stack=self.stack)
             self.prof.__enter__()
 
     def on_step_end(self, args, state, control, **kw):
@@ -46,6 +46,8 @@ def main(argv=None):
     p.add_argument("--impls", default="trl,chunkloss")
     p.add_argument("--rows", type=int, default=22)
     p.add_argument("--layers", type=int, default=4, help="decoder layers (0: the real model's)")
+    p.add_argument("--trace", default=None, help="folder for a Chrome trace of the profiled steps per impl")
+    p.add_argument("--stack", action="store_true", help="record Python frames (for --trace; large traces)")
     p.add_argument("--host", action="store_true", help="also record host (CPU) ops; tables by host time too")
     p.add_argument(
         "--shape", default=None, help="bench_e2e shape (default: the task's; 'tiny' for a CPU check)"
@@ -67,7 +69,7 @@ def main(argv=None):
             ref.requires_grad_(False)
         trainer = e2e.make_trainer(args.task, impl, model, ref, tokenizer, ds, f"/tmp/profile_e2e/{impl}",
                                    args.batch, 9, a)  # fmt: skip
-        prof, timer = _Profile(start=3, n=2, host=args.host), e2e.StepTimer()
+        prof, timer = _Profile(start=3, n=2, host=args.host, stack=args.stack), e2e.StepTimer()
         trainer.add_callback(prof)
         trainer.add_callback(timer)
         if dev == "cuda":
@@ -83,6 +85,8 @@ def main(argv=None):
             st = torch.cuda.memory_stats()
             print(f"segments allocated {st['num_device_alloc']}, freed {st['num_device_free']}, "
                   f"allocator retries {st['num_alloc_retries']}", flush=True)  # fmt: skip
+        if args.trace:
+            prof.prof.export_chrome_trace(f"{args.trace}/{args.task}_{impl}_bs{args.batch}.json")
         if args.host:
             by_host = prof.prof.key_averages().table(sort_by="cpu_time_total", row_limit=args.rows)
             print(f"--- {impl}: by host time (2 steps) ---\n{by_host}", flush=True)

@@ -8,7 +8,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["ChunkedArguments", "apply_chunk_kernels", "chunk_options", "refuse"]
+__all__ = [
+    "ChunkedArguments",
+    "DeferredMetrics",
+    "apply_chunk_kernels",
+    "chunk_options",
+    "fetch_metrics",
+    "mean_or_zero",
+    "refuse",
+]
 
 _ACCUM = {
     "float32": torch.float32,
@@ -72,6 +80,68 @@ def chunk_options(args) -> dict:
         "accum_dtype": _ACCUM[accum],
         "compile": bool(getattr(args, "chunk_compile", True)),
     }
+
+
+def mean_or_zero(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """``total / count``, or 0 where ``count`` is 0, on the device: TRL's ``(total / count).item() if
+    count > 0 else 0.0`` without its two host syncs (the value is the same once fetched)."""
+    return torch.where(
+        count > 0, total / count.clamp(min=1), torch.zeros((), dtype=total.dtype, device=total.device)
+    )
+
+
+def fetch_metrics(*stores: dict[str, list]) -> None:
+    """Replace the 0-d tensors in the lists of each ``store`` (TRL's ``self._metrics[mode]``) by Python
+    floats, with one host sync for all of them. ``tolist()`` of a tensor gives the floats its ``.item()``
+    gives."""
+    where = [
+        (vals, i)
+        for store in stores
+        for vals in store.values()
+        for i, v in enumerate(vals)
+        if isinstance(v, torch.Tensor)
+    ]
+    if not where:
+        return
+    values = torch.stack([vals[i].detach().reshape(()).double() for vals, i in where]).tolist()
+    for (vals, i), value in zip(where, values):
+        vals[i] = value
+
+
+class DeferredMetrics:
+    """Mixin of the chunked trainers: the metrics ``compute_loss`` stores stay on the device until the trainer
+    logs.
+
+    TRL's trainers call ``.item()`` on each metric inside ``compute_loss``, so the host waits there for the
+    step so far. With a chunked loss that includes the LM head's gradient GEMMs, which run in the forward
+    (TRL's head runs them in the backward, while the host is still launching it): the GPU then idles while
+    the host launches the backward. Here ``compute_loss`` stores 0-d tensors (``mean_or_zero`` for TRL's
+    guarded means) and the step's token count (``defer_tokens``), and ``log`` fetches them all in one sync
+    before TRL's ``log`` averages them, so the logged values are TRL's.
+    """
+
+    def defer_tokens(self, count: torch.Tensor) -> None:
+        """TRL's ``self._total_train_tokens += count.item() // self._tp_size``, fetched at the next log."""
+        self.__dict__.setdefault("_pending_tokens", []).append(count)
+
+    def fetch_deferred_metrics(self) -> None:
+        """Fetch the stored metrics and token counts (what ``log`` does first; an evaluation step calls it
+        too, since TRL's evaluation metrics read the running token count)."""
+        pending = self.__dict__.get("_pending_tokens")
+        if pending:
+            counts = torch.stack(pending).tolist()
+            pending.clear()
+            self._total_train_tokens += sum(c // self._tp_size for c in counts)
+        stores = []
+        for name in ("_metrics", "_stored_metrics"):  # ORPO's TRL trainer keeps ``_stored_metrics``
+            stores += list(getattr(self, name, {}).values())
+        if "num_tokens" in getattr(self, "_metrics", {}).get("train", {}):
+            self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
+        fetch_metrics(*stores)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        self.fetch_deferred_metrics()
+        super().log(logs, start_time)
 
 
 def refuse(trainer: str, option: str, why: str) -> None:

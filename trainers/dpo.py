@@ -19,7 +19,15 @@ from trl import DPOConfig, DPOTrainer
 from chunkloss.losses.cross_entropy import FusedLinearCrossEntropyLoss
 from chunkloss.losses.dpo import FusedLinearDPOLoss
 
-from ._common import ChunkedArguments, apply_chunk_kernels, chunk_options, peft_base, refuse
+from ._common import (
+    ChunkedArguments,
+    DeferredMetrics,
+    apply_chunk_kernels,
+    chunk_options,
+    mean_or_zero,
+    peft_base,
+    refuse,
+)
 from ._head import (
     add_chunked_head,
     allow_lm_head_adapter,
@@ -37,7 +45,7 @@ class ChunkedDPOConfig(DPOConfig, ChunkedArguments):
     """``trl.DPOConfig`` with the chunkloss fields of :class:`ChunkedArguments`."""
 
 
-class ChunkedDPOTrainer(DPOTrainer):
+class ChunkedDPOTrainer(DeferredMetrics, DPOTrainer):
     """``trl.DPOTrainer`` whose loss never materialises the logits.
 
     A ``PeftModel`` whose adapter has LoRA on ``lm_head``, given without ``ref_model``, is scored as TRL
@@ -155,26 +163,26 @@ class ChunkedDPOTrainer(DPOTrainer):
         n_tok = n_chosen + n_rej
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * out.aux_loss
-            self._metrics[mode]["aux_loss"].append(
-                self.accelerator.gather_for_metrics(out.aux_loss).mean().item()
-            )
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(out.aux_loss).mean())
 
+        # TRL's values, fetched when the trainer logs (``DeferredMetrics``), not with .item() here.
         gather = self.accelerator.gather_for_metrics
         # TRL's token-weighted means across processes: local means times local counts, summed.
         total = gather(n_tok).sum()
         entropy_sum = gather(metrics["entropy"] * n_tok).sum()
-        self._metrics[mode]["entropy"].append((entropy_sum / total).item() if total > 0 else 0.0)
+        self._metrics[mode]["entropy"].append(mean_or_zero(entropy_sum, total))
         if mode == "train":
-            num_tokens_in_batch = gather(inputs["attention_mask"].sum()).sum().item()
-            self._total_train_tokens += num_tokens_in_batch // self._tp_size
-        self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
+            self.defer_tokens(gather(inputs["attention_mask"].sum()).sum())
+        else:
+            self.fetch_deferred_metrics()
+        self._metrics[mode]["num_tokens"] = [self._total_train_tokens]  # replaced at log time in training
         for name, count in (("logits/chosen", n_chosen), ("logits/rejected", n_rej)):
-            tot = gather(count).sum().item()
-            s = gather(metrics[name] * count.clamp(min=1)).sum().item()
-            self._metrics[mode][name].append(s / tot if tot > 0 else 0.0)
+            # TRL divides the two fetched Python numbers: float64.
+            s = gather(metrics[name] * count.clamp(min=1)).sum().double()
+            self._metrics[mode][name].append(mean_or_zero(s, gather(count).sum()))
         tot_c = gather(n_chosen).sum()
         n_correct = gather(metrics["mean_token_accuracy"] * n_chosen).sum()
-        self._metrics[mode]["mean_token_accuracy"].append((n_correct / tot_c).item() if tot_c > 0 else 0.0)
+        self._metrics[mode]["mean_token_accuracy"].append(mean_or_zero(n_correct, tot_c))
         for name in (
             "rewards/chosen",
             "rewards/rejected",
@@ -183,7 +191,7 @@ class ChunkedDPOTrainer(DPOTrainer):
             "logps/chosen",
             "logps/rejected",
         ):
-            self._metrics[mode][name].append(self.accelerator.gather(metrics[name].reshape(1)).mean().item())
+            self._metrics[mode][name].append(self.accelerator.gather(metrics[name].reshape(1)).mean())
         if return_outputs:
             # Asked for by compute_metrics: the user wants the logits.
             with torch.no_grad():

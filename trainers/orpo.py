@@ -16,7 +16,7 @@ from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
 from chunkloss.losses.orpo import FusedLinearORPOLoss
 
-from ._common import ChunkedArguments, apply_chunk_kernels, chunk_options, peft_base, refuse
+from ._common import ChunkedArguments, DeferredMetrics, apply_chunk_kernels, chunk_options, peft_base, refuse
 from ._head import add_chunked_head, allow_lm_head_adapter, check_head_supported, head_transforms
 
 __all__ = ["ChunkedORPOConfig", "ChunkedORPOTrainer"]
@@ -27,7 +27,7 @@ class ChunkedORPOConfig(ORPOConfig, ChunkedArguments):
     """``trl.experimental.orpo.ORPOConfig`` with the chunkloss fields of :class:`ChunkedArguments`."""
 
 
-class ChunkedORPOTrainer(ORPOTrainer):
+class ChunkedORPOTrainer(DeferredMetrics, ORPOTrainer):
     """``ORPOTrainer`` whose loss never materialises the logits.
 
     Refused at construction: encoder-decoder models, adapters on ``lm_head`` other than plain LoRA, and
@@ -97,11 +97,14 @@ class ChunkedORPOTrainer(ORPOTrainer):
         (loss, m), aux_loss = self.concatenated_forward(model, batch)
         prefix = "eval_" if train_eval == "eval" else ""
         gather = self.accelerator.gather_for_metrics
-        metrics = {f"{prefix}{k}": gather(m[k].reshape(1)).mean().item() for k in (
+        # Training steps store the values on the device, fetched when the trainer logs (``DeferredMetrics``),
+        # not with .item() here. Evaluation hands some to ``prediction_step`` as numbers, as TRL does.
+        fetch = (lambda t: t) if train_eval == "train" else (lambda t: t.item())
+        metrics = {f"{prefix}{k}": fetch(gather(m[k].reshape(1)).mean()) for k in (
             "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/rejected",
             "logps/chosen", "logits/rejected", "logits/chosen")}  # fmt: skip
         for k in ("nll_loss", "log_odds_ratio", "log_odds_chosen"):
-            metrics[f"{prefix}{k}"] = gather(m[k].reshape(1)).mean().item()
+            metrics[f"{prefix}{k}"] = fetch(gather(m[k].reshape(1)).mean())
         if self.aux_loss_enabled:
             loss = loss + self.aux_loss_coef * aux_loss
         return loss, metrics

@@ -18,7 +18,15 @@ from trl import SFTConfig, SFTTrainer
 
 from chunkloss.losses.cross_entropy import FusedLinearCrossEntropyLoss
 
-from ._common import ChunkedArguments, apply_chunk_kernels, chunk_options, peft_base, refuse
+from ._common import (
+    ChunkedArguments,
+    DeferredMetrics,
+    apply_chunk_kernels,
+    chunk_options,
+    mean_or_zero,
+    peft_base,
+    refuse,
+)
 from ._head import add_chunked_head, allow_lm_head_adapter, check_head_supported
 from ._losses import FusedLinearDFTLoss
 
@@ -39,7 +47,7 @@ class ChunkedSFTConfig(SFTConfig, ChunkedArguments):
     """``trl.SFTConfig`` with the chunkloss fields of :class:`ChunkedArguments`."""
 
 
-class ChunkedSFTTrainer(SFTTrainer):
+class ChunkedSFTTrainer(DeferredMetrics, SFTTrainer):
     """``trl.SFTTrainer`` whose loss never materialises the ``[tokens, vocab]`` logits.
 
     Refused at construction (no silent fallback): ``compute_loss_func`` (an arbitrary function of the logits),
@@ -126,26 +134,26 @@ class ChunkedSFTTrainer(SFTTrainer):
         num_correct = self.accelerator.gather_for_metrics(
             metrics["mean_token_accuracy"] * num_valid_local
         ).sum()
-        self._metrics[mode]["entropy"].append((entropy_sum / num_valid).item() if num_valid > 0 else 0.0)
-        self._metrics[mode]["mean_token_accuracy"].append(
-            (num_correct / num_valid).item() if num_valid > 0 else 0.0
-        )
+        # TRL's values, fetched when the trainer logs (``DeferredMetrics``), not with .item() here.
+        self._metrics[mode]["entropy"].append(mean_or_zero(entropy_sum, num_valid))
+        self._metrics[mode]["mean_token_accuracy"].append(mean_or_zero(num_correct, num_valid))
 
         if mode == "train":
             if "attention_mask" in inputs:
-                num_tokens_in_batch = (
-                    self.accelerator.gather_for_metrics(inputs["attention_mask"].sum()).sum().item()
-                )
+                num_tokens_in_batch = self.accelerator.gather_for_metrics(
+                    inputs["attention_mask"].sum()
+                ).sum()
             elif "position_ids" in inputs:
                 local = torch.tensor(inputs["position_ids"].size(1), device=inputs["position_ids"].device)
-                num_tokens_in_batch = self.accelerator.gather_for_metrics(local).sum().item()
+                num_tokens_in_batch = self.accelerator.gather_for_metrics(local).sum()
             else:
                 raise ValueError("Expected 'attention_mask' or 'position_ids' in inputs.")
-            self._total_train_tokens += num_tokens_in_batch // self._tp_size
-        self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
+            self.defer_tokens(num_tokens_in_batch)
+        else:
+            self.fetch_deferred_metrics()
+        self._metrics[mode]["num_tokens"] = [self._total_train_tokens]  # replaced at log time in training
         if self.aux_loss_enabled:
-            aux = self.accelerator.gather_for_metrics(out.aux_loss).mean().item()
-            self._metrics[mode]["aux_loss"].append(aux)
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(out.aux_loss).mean())
 
         if return_outputs:
             # Asked for by compute_metrics / preprocess_logits_for_metrics: the user wants the logits.

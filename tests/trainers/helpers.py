@@ -96,6 +96,23 @@ def assert_same_grads(ref_model, our_model, rtol=RTOL, atol=ATOL):
         )
 
 
+def stored_metrics(trainer, store: str = "_metrics") -> dict:
+    """The training metrics a trainer stored (TRL's ``_metrics["train"]``, or ORPO's ``_stored_metrics``), as
+    its ``log`` reads them: the chunked trainers keep them on the device until then
+    (``DeferredMetrics.fetch_deferred_metrics``)."""
+    fetch = getattr(trainer, "fetch_deferred_metrics", None)
+    if fetch is not None:
+        fetch()
+    return getattr(trainer, store)["train"]
+
+
+def logged_metrics(trainer) -> dict:
+    """What the trainer logs for its steps so far: ``log`` averages the metrics ``compute_loss`` stored, as a
+    logging step in training does, and clears them."""
+    trainer.log({})
+    return {k: v for k, v in trainer.state.log_history[-1].items() if k not in ("step", "epoch")}
+
+
 def assert_close_loss(ours, ref, rtol=RTOL):
     torch.testing.assert_close(ours.detach().float(), ref.detach().float(), rtol=rtol, atol=1e-7)
 
@@ -113,7 +130,7 @@ def check_orpo_step(ref, ours):
         results.append(loss)
     assert_close_loss(results[1], results[0])
     assert_same_grads(ref.model, ours.model)
-    m_ref, m_our = ref._stored_metrics["train"], ours._stored_metrics["train"]
+    m_ref, m_our = stored_metrics(ref, "_stored_metrics"), stored_metrics(ours, "_stored_metrics")
     assert sorted(m_ref) == sorted(m_our)
     for key in m_ref:
         assert m_our[key] == pytest.approx(m_ref[key], rel=1e-5, abs=1e-6), key

@@ -19,6 +19,7 @@ from tests.trainers.helpers import (
     common_args,
     grads,
     model_pair,
+    stored_metrics,
     tokenizer,
 )
 
@@ -63,7 +64,7 @@ def _check(ref, ours):
     l_our.backward()
     assert_close_loss(l_our, l_ref)
     assert_same_grads(ref.model, ours.model)
-    m_ref, m_our = ref._metrics["train"], ours._metrics["train"]
+    m_ref, m_our = stored_metrics(ref), stored_metrics(ours)
     assert sorted(m_ref) == sorted(m_our)
     for key in m_ref:
         assert m_our[key] == pytest.approx(m_ref[key], rel=1e-5, abs=1e-6), key
@@ -204,7 +205,7 @@ def _accumulate(tr, batches, ga, num_items_in_batch=None):
     tr.model.zero_grad()
     tr._metrics["train"].clear()
     total = sum(tr.training_step(tr.model, dict(b), num_items_in_batch) for b in batches)
-    return total, grads(tr.model), {k: list(v) for k, v in tr._metrics["train"].items()}
+    return total, grads(tr.model), {k: list(v) for k, v in stored_metrics(tr).items()}
 
 
 def _assert_grads(g_our, g_ref):

@@ -26,6 +26,7 @@ from tests.trainers.helpers import (
     assert_same_grads,
     common_args,
     model_pair,
+    stored_metrics,
     tokenizer,
 )
 
@@ -126,7 +127,7 @@ def test_dpo_moe_aux_loss(tmp_path):
 
     aux = _model_aux(ref.model, batch["input_ids"], batch["attention_mask"])
     _check(ref, ours, loss_fn, "router_aux_loss_coef", aux)
-    m_ref, m_our = ref._metrics["train"], ours._metrics["train"]
+    m_ref, m_our = stored_metrics(ref), stored_metrics(ours)
     assert sorted(m_ref) == sorted(m_our)
     for key in m_ref:
         assert m_our[key] == pytest.approx(m_ref[key], rel=1e-5, abs=1e-6), key
@@ -152,7 +153,7 @@ def test_orpo_moe_aux_loss(tmp_path):
 
     aux = _model_aux(ref.model, cat["concatenated_input_ids"], cat["concatenated_attention_mask"])
     _check(ref, ours, loss_fn, "aux_loss_coef", aux)
-    m_ref, m_our = ref._stored_metrics["train"], ours._stored_metrics["train"]
+    m_ref, m_our = stored_metrics(ref, "_stored_metrics"), stored_metrics(ours, "_stored_metrics")
     assert sorted(m_ref) == sorted(m_our)
     for key in m_ref:
         assert m_our[key] == pytest.approx(m_ref[key], rel=1e-5, abs=1e-6), key

@@ -16,6 +16,7 @@ from tests.trainers.helpers import (
     common_args,
     grads,
     model_pair,
+    stored_metrics,
     tokenizer,
 )
 
@@ -96,7 +97,7 @@ def test_orpo_gradient_accumulation(tmp_path):
         l_our = _accumulate(ours, micro, 2)
         assert_close_loss(l_our, l_ref)
         assert_same_grads(ref.model, ours.model)
-        m_ref, m_our = ref._stored_metrics["train"], ours._stored_metrics["train"]
+        m_ref, m_our = stored_metrics(ref, "_stored_metrics"), stored_metrics(ours, "_stored_metrics")
         assert sorted(m_ref) == sorted(m_our) and len(m_ref["nll_loss"]) == 2
         for key in m_ref:
             assert m_our[key] == pytest.approx(m_ref[key], rel=1e-5, abs=1e-6), key
