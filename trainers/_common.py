@@ -135,7 +135,8 @@ class DeferredMetrics:
         stores = []
         for name in ("_metrics", "_stored_metrics"):  # ORPO's TRL trainer keeps ``_stored_metrics``
             stores += list(getattr(self, name, {}).values())
-        if "num_tokens" in getattr(self, "_metrics", {}).get("train", {}):
+        # Trainers that defer their token count (SFT, DPO) log the running total, as TRL's set it each step.
+        if pending is not None and "num_tokens" in self._metrics["train"]:
             self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
         fetch_metrics(*stores)
 

@@ -19,7 +19,7 @@ from trl import GRPOConfig, GRPOTrainer
 from chunkloss.losses.cross_entropy import FusedLinearCrossEntropyLoss
 from chunkloss.losses.grpo import FusedLinearGRPOLoss
 
-from ._common import ChunkedArguments, apply_chunk_kernels, chunk_options, peft_base, refuse
+from ._common import ChunkedArguments, DeferredMetrics, apply_chunk_kernels, chunk_options, peft_base, refuse
 from ._head import (
     _head_of,
     add_chunked_head,
@@ -47,7 +47,7 @@ class ChunkedGRPOConfig(GRPOConfig, ChunkedArguments):
     """``trl.GRPOConfig`` with the chunkloss fields of :class:`ChunkedArguments`."""
 
 
-class ChunkedGRPOTrainer(GRPOTrainer):
+class ChunkedGRPOTrainer(DeferredMetrics, GRPOTrainer):
     """``trl.GRPOTrainer`` whose policy loss never materialises the logits.
 
     The model's final logit softcapping (Gemma-2) and logit scale (Cohere) are applied by the loss, as TRL's
@@ -228,16 +228,15 @@ class ChunkedGRPOTrainer(GRPOTrainer):
 
         if self._entropy_bonus_enabled:
             self._metrics[mode]["policy_loss"].append(
-                self.accelerator.gather(metrics["policy_loss"]).nanmean().item()
+                self.accelerator.gather(metrics["policy_loss"]).nanmean()
             )
             if mode == "train" and self.accelerator.sync_gradients:
                 self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * out.aux_loss / ga
-            self._metrics[mode]["aux_loss"].append(
-                self.accelerator.gather_for_metrics(out.aux_loss).mean().item()
-            )
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(out.aux_loss).mean())
 
+        # TRL's values, fetched when the trainer logs (``DeferredMetrics``), not with .item() here.
         # TRL's global masked means: local means times local counts, summed over processes.
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
         n_tok = mask.sum().float()
@@ -248,7 +247,7 @@ class ChunkedGRPOTrainer(GRPOTrainer):
             totals = self.accelerator.reduce(
                 torch.stack([metrics[name].float() * count, count]), reduction="sum"
             )
-            return (totals[0] / totals[1].clamp(min=1.0)).item()
+            return totals[0] / totals[1].clamp(min=1.0)
 
         if self.beta != 0.0:
             self._metrics[mode]["kl"].append(global_mean("kl", n_tok))
@@ -259,8 +258,8 @@ class ChunkedGRPOTrainer(GRPOTrainer):
                 self._metrics[mode][name].append(global_mean(name, clip_count))
             low = self.accelerator.gather(metrics["clip_ratio/low_min"].reshape(1).float())
             high = self.accelerator.gather(metrics["clip_ratio/high_max"].reshape(1).float())
-            self._metrics[mode]["clip_ratio/low_min"].append(_nanreduce(low, torch.min))
-            self._metrics[mode]["clip_ratio/high_max"].append(_nanreduce(high, torch.max))
+            self._metrics[mode]["clip_ratio/low_min"].append(_nanreduce(low, torch.min, float("inf")))
+            self._metrics[mode]["clip_ratio/high_max"].append(_nanreduce(high, torch.max, float("-inf")))
         elif self.loss_type == "cispo":
             self._metrics[mode]["cispo_clip_ratio"].append(global_mean("cispo_clip_ratio", clip_count))
         elif self.loss_type == "vespo":
@@ -268,6 +267,9 @@ class ChunkedGRPOTrainer(GRPOTrainer):
         return loss
 
 
-def _nanreduce(x: torch.Tensor, fn) -> float:
+def _nanreduce(x: torch.Tensor, fn, neutral: float) -> torch.Tensor:
+    """TRL's ``fn(x[~isnan(x)]).item() if any are not NaN else nan`` on the device (no sync): NaNs replaced by
+    ``fn``'s neutral value (+inf for min, -inf for max)."""
     ok = ~torch.isnan(x)
-    return fn(x[ok]).item() if bool(ok.any()) else float("nan")
+    nan = torch.full((), float("nan"), dtype=x.dtype, device=x.device)
+    return torch.where(ok.any(), fn(torch.where(ok, x, neutral)), nan)

@@ -19,6 +19,7 @@ from tests.trainers.helpers import (
     common_args,
     grads,
     model_pair,
+    stored_metrics,
     tokenizer,
 )
 
@@ -102,7 +103,7 @@ def _run(pair, settings=None, use=(), args=None):
         l_our.backward()
         assert_close_loss(l_our, l_ref)
         assert_same_grads(ref.model, ours.model)
-        m_ref, m_our = ref._metrics["train"], ours._metrics["train"]
+        m_ref, m_our = stored_metrics(ref), stored_metrics(ours)
         assert sorted(m_ref) == sorted(m_our)
         for key in m_ref:
             for a, b in zip(m_our[key], m_ref[key]):
@@ -326,7 +327,7 @@ def _accumulate(tr, batches, loss_type, ga, old=None):
             if old is not None:
                 b["old_per_token_logps"] = old[i]
             total = total + tr.training_step(tr.model, b, b["num_items_in_batch"])
-        metrics = {k: list(v) for k, v in tr._metrics["train"].items() if k != "step_time"}
+        metrics = {k: list(v) for k, v in stored_metrics(tr).items() if k != "step_time"}
         return total, grads(tr.model), metrics
     finally:
         tr.loss_type, tr.current_gradient_accumulation_steps, tr.args.steps_per_generation = saved

@@ -103,7 +103,7 @@ def test_grpo_moe_aux_loss(tmp_path):
         return tr._compute_loss(tr.model, dict(inputs))
 
     _check(ref, ours, loss_fn, "router_aux_loss_coef", _model_aux(ref.model, ids, att), ga=2)
-    assert ours._metrics["train"]["aux_loss"] == pytest.approx(ref._metrics["train"]["aux_loss"], rel=1e-5)
+    assert stored_metrics(ours)["aux_loss"] == pytest.approx(stored_metrics(ref)["aux_loss"], rel=1e-5)
 
 
 def test_dpo_moe_aux_loss(tmp_path):
