@@ -191,6 +191,7 @@ class _WeightGrad:
 
     def add(self, g: Tensor, x: Tensor, last: bool = False) -> None:
         """``grad_W += g.T @ x``; ``last``: no contribution or scale follows."""
+        assert self.out is None, "a weight-gradient contribution after the one marked last"
         if last and self.acc is None:
             if g.dtype == self.weight.dtype and (g.is_cuda or g.dtype == self.accum):
                 self.out = g.t() @ x
