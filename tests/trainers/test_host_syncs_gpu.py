@@ -61,36 +61,28 @@ def _assert_no_sync_after_loss(events):
     assert "sync" not in events[last:], events
 
 
-def _args(tmp_path, **kw):
-    return {**common_args(tmp_path, **kw), "use_cpu": False}
+def _trainer(kind: str, tmp_path):
+    """A chunked trainer of ``kind`` on CUDA (a tiny fp32 model; DPO with a reference model), and a metric its
+    log must hold as a number."""
+    args = {**common_args(tmp_path, max_length=64 if kind == "sft" else 48), "use_cpu": False}
+    models = [m.cuda() for m in model_pair()]
+    if kind == "sft":
+        from chunkloss.trainers.sft import ChunkedSFTConfig as Config
+        from chunkloss.trainers.sft import ChunkedSFTTrainer as Trainer
+
+        models, metric = models[:1], "entropy"
+    else:
+        from chunkloss.trainers.dpo import ChunkedDPOConfig as Config
+        from chunkloss.trainers.dpo import ChunkedDPOTrainer as Trainer
+
+        metric = "rewards/margins"
+    data = tiny_dataset(kind, n=8)
+    return Trainer(*models, Config(**args), train_dataset=data, processing_class=tokenizer()), metric
 
 
-def test_sft_compute_loss_syncs_once(tmp_path):
-    from chunkloss.trainers.sft import ChunkedSFTConfig, ChunkedSFTTrainer
-
-    model = model_pair()[0].cuda()
-    trainer = ChunkedSFTTrainer(
-        model,
-        ChunkedSFTConfig(**_args(tmp_path, max_length=64)),
-        train_dataset=tiny_dataset("sft", n=8),
-        processing_class=tokenizer(),
-    )
+@pytest.mark.parametrize("kind", ["sft", "dpo"])
+def test_no_sync_in_compute_loss_after_the_loss(tmp_path, kind):
+    trainer, metric = _trainer(kind, tmp_path)
     _assert_no_sync_after_loss(_events(trainer))
     logged = trainer.log({}) or trainer.state.log_history[-1]
-    assert isinstance(logged["entropy"], float) and logged["num_tokens"] > 0
-
-
-def test_dpo_compute_loss_syncs_once(tmp_path):
-    from chunkloss.trainers.dpo import ChunkedDPOConfig, ChunkedDPOTrainer
-
-    model, ref = (m.cuda() for m in model_pair())
-    trainer = ChunkedDPOTrainer(
-        model,
-        ref,
-        ChunkedDPOConfig(**_args(tmp_path, max_length=48)),
-        train_dataset=tiny_dataset("dpo", n=8),
-        processing_class=tokenizer(),
-    )
-    _assert_no_sync_after_loss(_events(trainer))
-    logged = trainer.log({}) or trainer.state.log_history[-1]
-    assert isinstance(logged["rewards/margins"], float) and logged["num_tokens"] > 0
+    assert isinstance(logged[metric], float) and logged["num_tokens"] > 0
