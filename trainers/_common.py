@@ -116,13 +116,22 @@ class DeferredMetrics:
     step so far. With a chunked loss that includes the LM head's gradient GEMMs, which run in the forward
     (TRL's head runs them in the backward, while the host is still launching it): the GPU then idles while
     the host launches the backward. Here ``compute_loss`` stores 0-d tensors (``mean_or_zero`` for TRL's
-    guarded means) and the step's token count (``defer_tokens``), and ``log`` fetches them all in one sync
+    guarded means) and the step's token count (``record_tokens``), and ``log`` fetches them all in one sync
     before TRL's ``log`` averages them, so the logged values are TRL's.
     """
 
-    def defer_tokens(self, count: torch.Tensor) -> None:
-        """TRL's ``self._total_train_tokens += count.item() // self._tp_size``, fetched at the next log."""
-        self.__dict__.setdefault("_pending_tokens", []).append(count)
+    mean_or_zero = staticmethod(mean_or_zero)
+
+    def record_tokens(self, mode: str, count: torch.Tensor | None) -> None:
+        """TRL's ``num_tokens`` bookkeeping: in training ``self._total_train_tokens += count.item() //
+        self._tp_size``, with ``count`` fetched at the next log; in evaluation (``count`` None) the running
+        total now. Either way ``self._metrics[mode]["num_tokens"]`` holds the total (in training, replaced
+        by the fetched one when the trainer logs)."""
+        if mode == "train":
+            self.__dict__.setdefault("_pending_tokens", []).append(count)
+        else:
+            self.fetch_deferred_metrics()
+        self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
 
     def fetch_deferred_metrics(self) -> None:
         """Fetch the stored metrics and token counts (what ``log`` does first; an evaluation step calls it

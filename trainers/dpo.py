@@ -19,15 +19,7 @@ from trl import DPOConfig, DPOTrainer
 from chunkloss.losses.cross_entropy import FusedLinearCrossEntropyLoss
 from chunkloss.losses.dpo import FusedLinearDPOLoss
 
-from ._common import (
-    ChunkedArguments,
-    DeferredMetrics,
-    apply_chunk_kernels,
-    chunk_options,
-    mean_or_zero,
-    peft_base,
-    refuse,
-)
+from ._common import ChunkedArguments, DeferredMetrics, apply_chunk_kernels, chunk_options, peft_base, refuse
 from ._head import (
     add_chunked_head,
     allow_lm_head_adapter,
@@ -170,19 +162,15 @@ class ChunkedDPOTrainer(DeferredMetrics, DPOTrainer):
         # TRL's token-weighted means across processes: local means times local counts, summed.
         total = gather(n_tok).sum()
         entropy_sum = gather(metrics["entropy"] * n_tok).sum()
-        self._metrics[mode]["entropy"].append(mean_or_zero(entropy_sum, total))
-        if mode == "train":
-            self.defer_tokens(gather(inputs["attention_mask"].sum()).sum())
-        else:
-            self.fetch_deferred_metrics()
-        self._metrics[mode]["num_tokens"] = [self._total_train_tokens]  # replaced at log time in training
+        self._metrics[mode]["entropy"].append(self.mean_or_zero(entropy_sum, total))
+        self.record_tokens(mode, gather(inputs["attention_mask"].sum()).sum() if mode == "train" else None)
         for name, count in (("logits/chosen", n_chosen), ("logits/rejected", n_rej)):
             # TRL divides the two fetched Python numbers: float64.
             s = gather(metrics[name] * count.clamp(min=1)).sum().double()
-            self._metrics[mode][name].append(mean_or_zero(s, gather(count).sum()))
+            self._metrics[mode][name].append(self.mean_or_zero(s, gather(count).sum()))
         tot_c = gather(n_chosen).sum()
         n_correct = gather(metrics["mean_token_accuracy"] * n_chosen).sum()
-        self._metrics[mode]["mean_token_accuracy"].append(mean_or_zero(n_correct, tot_c))
+        self._metrics[mode]["mean_token_accuracy"].append(self.mean_or_zero(n_correct, tot_c))
         for name in (
             "rewards/chosen",
             "rewards/rejected",

@@ -18,15 +18,7 @@ from trl import SFTConfig, SFTTrainer
 
 from chunkloss.losses.cross_entropy import FusedLinearCrossEntropyLoss
 
-from ._common import (
-    ChunkedArguments,
-    DeferredMetrics,
-    apply_chunk_kernels,
-    chunk_options,
-    mean_or_zero,
-    peft_base,
-    refuse,
-)
+from ._common import ChunkedArguments, DeferredMetrics, apply_chunk_kernels, chunk_options, peft_base, refuse
 from ._head import add_chunked_head, allow_lm_head_adapter, check_head_supported
 from ._losses import FusedLinearDFTLoss
 
@@ -135,9 +127,10 @@ class ChunkedSFTTrainer(DeferredMetrics, SFTTrainer):
             metrics["mean_token_accuracy"] * num_valid_local
         ).sum()
         # TRL's values, fetched when the trainer logs (``DeferredMetrics``), not with .item() here.
-        self._metrics[mode]["entropy"].append(mean_or_zero(entropy_sum, num_valid))
-        self._metrics[mode]["mean_token_accuracy"].append(mean_or_zero(num_correct, num_valid))
+        self._metrics[mode]["entropy"].append(self.mean_or_zero(entropy_sum, num_valid))
+        self._metrics[mode]["mean_token_accuracy"].append(self.mean_or_zero(num_correct, num_valid))
 
+        num_tokens_in_batch = None
         if mode == "train":
             if "attention_mask" in inputs:
                 num_tokens_in_batch = self.accelerator.gather_for_metrics(
@@ -148,10 +141,7 @@ class ChunkedSFTTrainer(DeferredMetrics, SFTTrainer):
                 num_tokens_in_batch = self.accelerator.gather_for_metrics(local).sum()
             else:
                 raise ValueError("Expected 'attention_mask' or 'position_ids' in inputs.")
-            self.defer_tokens(num_tokens_in_batch)
-        else:
-            self.fetch_deferred_metrics()
-        self._metrics[mode]["num_tokens"] = [self._total_train_tokens]  # replaced at log time in training
+        self.record_tokens(mode, num_tokens_in_batch)
         if self.aux_loss_enabled:
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(out.aux_loss).mean())
 
