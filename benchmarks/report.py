@@ -82,6 +82,8 @@ E2E_FULL_DEPTH_RUNS = (
     "e2e/e2e_dpo_orpo_16l_run8.json",
     "e2e/run9_grpo_28l/e2e.json",
     "e2e/run9_dpo_orpo_16l_small/e2e.json",
+    "e2e/run11_dpo_orpo_16l/e2e.json",
+    "e2e/run11_sft_16l/e2e.json",
 )
 
 
