@@ -541,7 +541,12 @@ class FusedLinearBase(nn.Module):
         return loss
 
     def chunk_rows(
-        self, weight: Tensor, hidden: Tensor, extra: list[Head] = (), fp32_grad_w: bool = False
+        self,
+        weight: Tensor,
+        hidden: Tensor,
+        extra: list[Head] = (),
+        fp32_grad_w: bool = False,
+        whole: int = 0,
     ) -> int:
         """Rows per chunk: ``chunk_size``, or as many as ``logits_budget_mb`` holds.
 
@@ -555,6 +560,12 @@ class FusedLinearBase(nn.Module):
         JSD at N=8192 70.7 ms at 896, 66.7 at 1280 (2.20 GiB), 63.2 at 2048 (2.94 GiB, hence the fp32
         count). Sequence losses take it too: automatic chunks run them in two passes, each holding one
         [C, V] tensor (a no-grad projection reduced to per-row statistics, then a pointwise in-place step).
+
+        ``whole``: the call's rows, when one chunk of them all would be the loop's only weight-gradient
+        contribution (a token loss, or a sequence loss that then runs in one pass); 0 otherwise. One chunk
+        needs no fp32 accumulator of a bf16/fp16 weight: its GEMM writes the weight's dtype. So up to the
+        rows whose logits take the accumulator's 4·V·H bytes, one chunk holds no more memory than chunks of
+        the budget above plus the accumulator, and saves the accumulator's reads, writes and cast.
         """
         opts = self.options
         if opts.chunk_size is not None:
@@ -570,7 +581,12 @@ class FusedLinearBase(nn.Module):
             budget = max(budget, weight.numel() * weight.element_size() // 2**20)
             if self._step_upcasts_extra(hidden.device.type):
                 extra_vocab *= 2
-        return default_chunk_size(v, itemsize, budget, extra_vocab, grad_in_place=opts.compile)
+        rows = default_chunk_size(v, itemsize, budget, extra_vocab, grad_in_place=opts.compile)
+        if fp32_grad_w and opts.compile and weight.dtype != torch.float32 and whole > rows:
+            acc_mb = weight.numel() * 4 // 2**20
+            if whole <= default_chunk_size(v, itemsize, acc_mb, extra_vocab, grad_in_place=True):
+                return whole
+        return rows
 
 
 # --------------------------------------------------------------------------------------------------
@@ -911,7 +927,18 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
         if loss_mod.token_outputs
         else {}
     )
-    chunk = loss_mod.chunk_rows(weight, hidden, batch.extra, fp32_grad_w=need_w and accum == torch.float32)
+    # One chunk of every row is the loop's only weight-gradient contribution for a token loss and for a
+    # sequence loss that can run in one pass (``_plan_chunks``); two passes may contribute twice.
+    one_contribution = not loss_mod.is_sequence_loss or not (
+        loss_mod.needs_global_stats or batch.tokens_per_group is None or batch.seqs_per_group is None
+    )
+    chunk = loss_mod.chunk_rows(
+        weight,
+        hidden,
+        batch.extra,
+        fp32_grad_w=need_w and accum == torch.float32,
+        whole=n_rows if one_contribution else 0,
+    )
     dev = hidden.device.type
     plan, one_pass = _plan_chunks(loss_mod, batch, n_rows, chunk)
     # Rows in natural order with nothing dropped: chunks are slices (rows=None), no gather/scatter copies.

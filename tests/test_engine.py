@@ -121,3 +121,79 @@ def test_compiler_failure_falls_back_to_eager(monkeypatch, error):
     torch.testing.assert_close(out, x * 2.0)
     torch.testing.assert_close(step(x, 3.0), x * 3.0)
     assert len(calls) == 1
+
+
+
+@pytest.fixture
+def engine_calls(monkeypatch):
+    """Counts the engine's projections (``_project``) and fp32 weight-gradient accumulations."""
+    import chunkloss.base as base
+
+    calls = {"project": 0, "accumulate": 0}
+    real_project, real_acc = base._project, base._accumulate_weight_grad
+
+    def project(*a):
+        calls["project"] += 1
+        return real_project(*a)
+
+    def accumulate(*a, **kw):
+        calls["accumulate"] += 1
+        return real_acc(*a, **kw)
+
+    monkeypatch.setattr(base, "_project", project)
+    monkeypatch.setattr(base, "_accumulate_weight_grad", accumulate)
+    return calls
+
+
+def _bf16_head(n, v=1024, h=512, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g).to(torch.bfloat16)
+    weight = (torch.randn(v, h, generator=g) * 0.05).to(torch.bfloat16)
+    return hidden, weight, g
+
+
+@pytest.mark.parametrize("valid, chunks", [(900, 1), (1100, 3)])
+def test_rows_that_fit_the_accumulator_run_as_one_chunk(engine_calls, valid, chunks):
+    """Automatic chunks with an fp32 accumulator of a bf16 weight (V=1024, H=512): all the call's rows run as
+    one chunk (one GEMM in bf16, no accumulator) while their logits fit the accumulator's 4·V·H bytes, here
+    1024 rows; beyond that, chunks of the 1 MiB budget (512 rows) accumulate in fp32. The gradients are the
+    same."""
+    hidden, weight, g = _bf16_head(1200)
+    labels = torch.randint(0, weight.shape[0], (hidden.shape[0],), generator=g)
+    labels[valid:] = -100
+
+    def run(**opts):
+        x, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss = FusedLinearCrossEntropyLoss(**opts)(x, w, labels)
+        loss.backward()
+        return loss.detach(), x.grad, w.grad
+
+    loss, gh, gw = run(logits_budget_mb=1)
+    assert engine_calls == {"project": chunks, "accumulate": 0 if chunks == 1 else chunks}, engine_calls
+    ref_loss, ref_gh, ref_gw = run(chunk_size=256)  # chunks of 256 rows, accumulated in fp32
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+    torch.testing.assert_close(gh, ref_gh, rtol=0, atol=0)
+    # bf16 roundings of two fp32 sums of the same terms in another order: one bf16 ulp apart at most.
+    torch.testing.assert_close(gw.float(), ref_gw.float(), rtol=2**-7, atol=1e-7)
+
+
+def test_sequence_loss_one_chunk_only_in_one_pass(engine_calls):
+    """A sequence loss takes all its rows as one chunk only where it then runs in one pass (its one
+    weight-gradient contribution): DPO's 4 pairs of 112 completion rows do. GRPO's entropy mask needs every
+    row's entropy before any gradient (two passes, which may contribute twice) and keeps the budget's
+    512-row chunks in pass 1."""
+    from chunkloss import FusedLinearDPOLoss, FusedLinearGRPOLoss
+
+    hidden, weight, g = _bf16_head(8 * 128)
+    chosen, rejected = (torch.randint(0, 1024, (4, 128), generator=g) for _ in range(2))
+    chosen[:, :16] = rejected[:, :16] = -100
+    x, w = hidden.view(8, 128, -1).requires_grad_(), weight.clone().requires_grad_()
+    FusedLinearDPOLoss(logits_budget_mb=1)(x, w, chosen, rejected).backward()
+    assert engine_calls == {"project": 1, "accumulate": 0}, engine_calls
+
+    engine_calls.update(project=0, accumulate=0)
+    ids = torch.randint(0, 1024, (8, 112), generator=g)
+    mask, adv = torch.ones(8, 112), torch.randn(8, generator=g)
+    x = hidden.view(8, 128, -1)[:, :112].contiguous().requires_grad_()
+    FusedLinearGRPOLoss(top_entropy_quantile=0.2, logits_budget_mb=1)(x, w, ids, mask, adv).backward()
+    assert engine_calls["project"] >= 3, engine_calls  # pass 1: two chunks of 896 rows; then pass 2

@@ -202,10 +202,19 @@ def test_automatic_chunk_rows():
     assert ce.chunk_rows(weight, hidden, fp32_grad_w=True) == 4096  # V*H*2 bytes = 4096 rows of logits
     assert FusedLinearCrossEntropyLoss(compile=False).chunk_rows(weight, hidden, fp32_grad_w=True) == 896
     assert FusedLinearCrossEntropyLoss(chunk_size=300).chunk_rows(weight, hidden, fp32_grad_w=True) == 300
+    # All the call's rows in one chunk (no fp32 accumulator) while their logits fit the accumulator's
+    # 4·V·H bytes: 2·H = 8192 rows of bf16 logits here.
+    for whole, rows in [(8192, 8192), (7022, 7022), (8193, 4096), (3000, 4096), (0, 4096)]:
+        assert ce.chunk_rows(weight, hidden, fp32_grad_w=True, whole=whole) == rows, whole
+    assert ce.chunk_rows(weight, hidden, whole=7022) == 1792  # weight-dtype accumulation: no accumulator
+    assert FusedLinearCrossEntropyLoss(compile=False).chunk_rows(weight, hidden, [], True, whole=7022) == 896
     teacher = [Head(hidden, weight, None)]
     jsd = FusedLinearJSDLoss()
     assert jsd.chunk_rows(weight, hidden, teacher) == 896  # 448 MiB over student and teacher logits
     assert jsd.chunk_rows(weight, hidden, teacher, True) == 1280  # 1002 MiB, teacher counted in fp32
+    # One chunk: 4·V·H bytes over the student's bf16 logits and the teacher's counted in fp32 (2688 rows).
+    assert jsd.chunk_rows(weight, hidden, teacher, True, whole=2600) == 2600
+    assert jsd.chunk_rows(weight, hidden, teacher, True, whole=2700) == 1280
     # On CUDA the JSD kernel reads the teacher's bf16 logits in place (no fp32 copy): 2048 rows in 1002 MiB;
     # a subclass with its own math keeps the compiled step and its fp32 copy.
     assert not jsd._step_upcasts_extra("cuda") and jsd._step_upcasts_extra("cpu")
