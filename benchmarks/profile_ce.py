@@ -61,6 +61,8 @@ def main(argv=None):
     p.add_argument("--t", type=int, default=1024)
     p.add_argument("--case", default=None, help="a bench_losses case by name, e.g. 'jsd N=8192'")
     a = p.parse_args(argv)
+    if a.case is not None and a.chunk_size is not None:
+        p.error("--chunk-size applies to --loss; a --case runs its chunkloss impl as bench_losses builds it")
     if a.case is not None:
         case = _case(a.case)
         inp = case.make_inputs(torch.device("cuda"))
