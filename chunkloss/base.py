@@ -124,6 +124,12 @@ class Batch:
     last_seq_rows: int = 0
 
 
+#: Devices where one chunk's weight gradient is one GEMM into the weight's dtype (no fp32 copies), so that
+#: ``FusedLinearBase.chunk_rows`` may take a call's rows as one chunk in the fp32 accumulator's memory.
+#: "meta" for shape-only checks.
+ONE_CHUNK_DEVICES = ("cuda", "meta")
+
+
 def default_chunk_size(
     vocab: int, itemsize: int, budget_mb: int, extra_vocab: int = 0, grad_in_place: bool = False
 ) -> int:
@@ -563,9 +569,10 @@ class FusedLinearBase(nn.Module):
 
         ``whole``: the call's rows, when one chunk of them all would be the loop's only weight-gradient
         contribution (a token loss, or a sequence loss that then runs in one pass); 0 otherwise. One chunk
-        needs no fp32 accumulator of a bf16/fp16 weight: its GEMM writes the weight's dtype. So up to the
-        rows whose logits take the accumulator's 4·V·H bytes, one chunk holds no more memory than chunks of
-        the budget above plus the accumulator, and saves the accumulator's reads, writes and cast.
+        needs no fp32 accumulator of a bf16/fp16 weight: on CUDA its GEMM writes the weight's dtype. So up to
+        the rows whose logits take the accumulator's 4·V·H bytes, one chunk holds no more memory than chunks
+        of the budget above plus the accumulator, and saves the accumulator's reads, writes and cast
+        (``ONE_CHUNK_DEVICES``; on CPU that GEMM goes through fp32 copies of its operands: the rule is off).
         """
         opts = self.options
         if opts.chunk_size is not None:
@@ -582,7 +589,8 @@ class FusedLinearBase(nn.Module):
             if self._step_upcasts_extra(hidden.device.type):
                 extra_vocab *= 2
         rows = default_chunk_size(v, itemsize, budget, extra_vocab, grad_in_place=opts.compile)
-        if fp32_grad_w and opts.compile and weight.dtype != torch.float32 and whole > rows:
+        one_gemm = hidden.device.type in ONE_CHUNK_DEVICES and weight.dtype in (torch.bfloat16, torch.float16)
+        if fp32_grad_w and opts.compile and one_gemm and whole > rows:
             acc_mb = weight.numel() * 4 // 2**20
             if whole <= default_chunk_size(v, itemsize, acc_mb, extra_vocab, grad_in_place=True):
                 return whole

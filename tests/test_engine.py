@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import chunkloss.base as base
 from chunkloss import FusedLinearCrossEntropyLoss
 
 
@@ -123,12 +124,9 @@ def test_compiler_failure_falls_back_to_eager(monkeypatch, error):
     assert len(calls) == 1
 
 
-
 @pytest.fixture
 def engine_calls(monkeypatch):
     """Counts the engine's projections (``_project``) and fp32 weight-gradient accumulations."""
-    import chunkloss.base as base
-
     calls = {"project": 0, "accumulate": 0}
     real_project, real_acc = base._project, base._accumulate_weight_grad
 
@@ -152,12 +150,19 @@ def _bf16_head(n, v=1024, h=512, seed=0):
     return hidden, weight, g
 
 
-@pytest.mark.parametrize("valid, chunks", [(900, 1), (1100, 3)])
-def test_rows_that_fit_the_accumulator_run_as_one_chunk(engine_calls, valid, chunks):
+def one_chunk_on_cpu(monkeypatch):
+    """The one-chunk rule is for CUDA (one GEMM into bf16); on CPU tensors the engine takes it when asked."""
+    monkeypatch.setattr(base, "ONE_CHUNK_DEVICES", (*base.ONE_CHUNK_DEVICES, "cpu"))
+
+
+@pytest.mark.parametrize("valid, chunks, rule_on", [(900, 1, True), (1100, 3, True), (900, 2, False)])
+def test_rows_that_fit_the_accumulator_run_as_one_chunk(engine_calls, monkeypatch, valid, chunks, rule_on):
     """Automatic chunks with an fp32 accumulator of a bf16 weight (V=1024, H=512): all the call's rows run as
     one chunk (one GEMM in bf16, no accumulator) while their logits fit the accumulator's 4·V·H bytes, here
     1024 rows; beyond that, chunks of the 1 MiB budget (512 rows) accumulate in fp32. The gradients are the
-    same."""
+    same. CPU tensors keep the budget's chunks unless the rule is switched on for them."""
+    if rule_on:
+        one_chunk_on_cpu(monkeypatch)
     hidden, weight, g = _bf16_head(1200)
     labels = torch.randint(0, weight.shape[0], (hidden.shape[0],), generator=g)
     labels[valid:] = -100
@@ -177,13 +182,14 @@ def test_rows_that_fit_the_accumulator_run_as_one_chunk(engine_calls, valid, chu
     torch.testing.assert_close(gw.float(), ref_gw.float(), rtol=2**-7, atol=1e-7)
 
 
-def test_sequence_loss_one_chunk_only_in_one_pass(engine_calls):
+def test_sequence_loss_one_chunk_only_in_one_pass(engine_calls, monkeypatch):
     """A sequence loss takes all its rows as one chunk only where it then runs in one pass (its one
     weight-gradient contribution): DPO's 4 pairs of 112 completion rows do. GRPO's entropy mask needs every
     row's entropy before any gradient (two passes, which may contribute twice) and keeps the budget's
     512-row chunks in pass 1."""
     from chunkloss import FusedLinearDPOLoss, FusedLinearGRPOLoss
 
+    one_chunk_on_cpu(monkeypatch)
     hidden, weight, g = _bf16_head(8 * 128)
     chosen, rejected = (torch.randint(0, 1024, (4, 128), generator=g) for _ in range(2))
     chosen[:, :16] = rejected[:, :16] = -100

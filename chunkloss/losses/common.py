@@ -208,13 +208,12 @@ def check_labels(
             raise ValueError("check_labels: rows=True needs its own sync; it cannot be deferred")
         defer.append((bad.sum(), check))
         return None
+    # The kept rows' indices, padded to every row, are queued before the sync: after it the GPU would idle
+    # while the host launched nonzero's kernels. The first ``n_keep`` are the kept rows in order.
+    padded = torch.nonzero_static(keep, size=flat.numel()).squeeze(1) if rows else None
     n_keep, n_bad = torch.stack([keep.sum(), bad.sum()]).tolist()  # the one host sync
     check(n_bad)
-    if not rows:
-        return None
-    if n_keep == flat.numel():
-        return torch.arange(n_keep, device=flat.device)
-    return torch.nonzero_static(keep, size=n_keep).squeeze(1)
+    return padded[:n_keep] if rows else None
 
 
 def to_scalar(x, device, dtype=torch.float32) -> Tensor:
