@@ -290,15 +290,6 @@ def sequence_batch(
     per_group[0].index_add_(0, group_idx, rows_per_seq[order])  # rows of each group
     per_group[1].index_add_(0, group_idx, torch.ones_like(group_idx))  # sequences of each group
     n_groups = group_idx[-1:] + 1 if n_seq else group_idx.new_zeros(1)
-    # Queued before the sync, so that the GPU does not idle after it while the host launches them: the kept
-    # rows (padded to all n_seq·t rows with -1, which sorts last and is cut off after the sync) by (reordered
-    # sequence, position), and what is gathered with them.
-    total = n_seq * t
-    padded = torch.nonzero_static(keep.reshape(-1), size=total).squeeze(1)
-    key = torch.where(padded < 0, total, rank[padded // t] * t + padded % t)
-    rows_padded = padded[torch.argsort(key)]
-    seq_id_padded = rank[rows_padded // t]
-    token_padded = {k: v.reshape(total, *v.shape[2:])[rows_padded] for k, v in (token or {}).items()}
     # The one host sync: rows in all, rows of the last sequence, groups, and per group its rows and sequences
     # (chunk planning).
     checks = [c.reshape(1).long() for c, _ in host_checks]
@@ -312,12 +303,17 @@ def sequence_batch(
     last_seq_rows = host.pop(1)
     n_rows, n_groups = host[0], host[1]
     width = max(n_seq, 1)
+    rows = torch.nonzero_static(keep.reshape(-1), size=n_rows).squeeze(1)
+    seq_of_row = rows // t
+    perm = torch.argsort(rank[seq_of_row] * t + rows % t)  # rows by (reordered seq, position)
+    rows = rows[perm]
+    seq_id = rank[rows // t]
     batch = Batch(
-        rows=rows_padded[:n_rows],
-        token={k: v[:n_rows] for k, v in token_padded.items()},
+        rows=rows,
+        token={k: v.reshape(n_seq * t, *v.shape[2:])[rows] for k, v in (token or {}).items()},
         scalars=scalars or {},
         extra=extra or [],
-        seq_id=seq_id_padded[:n_rows],
+        seq_id=seq_id,
         sequence={k: v[order] for k, v in (sequence or {}).items()},
         group_of_seq=group_idx,
         tokens_per_group=host[2 : 2 + n_groups],
