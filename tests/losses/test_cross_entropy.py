@@ -231,6 +231,33 @@ def test_automatic_chunk_rows():
     assert dpo.chunk_rows(weight, hidden, teacher) == 1792
 
 
+@pytest.mark.parametrize("v, h", [(128256, 4096), (151936, 1024), (32000, 8192), (1000, 64)])
+@pytest.mark.parametrize("teacher", [False, True])
+def test_one_chunk_holds_no_more_than_chunks_and_accumulator(v, h, teacher):
+    """Whatever ``whole`` is, the chunk ``chunk_rows`` picks holds no more logits bytes (a teacher's counted
+    as the budget counts them: twice, for the compiled step's fp32 copy) than the budget's chunks plus the
+    fp32 accumulator they need; where it takes all the rows as one chunk, they fit in the accumulator's
+    4·V·H bytes alone."""
+    from chunkloss.base import Head
+    from chunkloss.losses.jsd import FusedLinearJSDLoss
+
+    weight = torch.empty(v, h, dtype=torch.bfloat16, device="meta")
+    hidden = torch.empty(8, h, dtype=torch.bfloat16, device="meta")
+    if teacher:
+        loss, extra, per_row = FusedLinearJSDLoss(), [Head(hidden, weight, None)], (v + 2 * v) * 2
+    else:
+        loss, extra, per_row = FusedLinearCrossEntropyLoss(), [], v * 2
+    budget_rows = loss.chunk_rows(weight, hidden, extra, True)
+    acc = 4 * v * h
+    fit = acc // per_row
+    for whole in (1, budget_rows, budget_rows + 1, 2 * budget_rows, fit, fit + 1, 10**6):
+        rows = loss.chunk_rows(weight, hidden, extra, True, whole=whole)
+        assert rows in (budget_rows, whole), (whole, rows)
+        if rows == whole and whole > budget_rows:
+            assert whole * per_row <= acc, (whole, per_row, acc)
+        assert min(rows, whole) * per_row <= budget_rows * per_row + acc
+
+
 def test_compiled_matches_eager():
     hidden, weight, b, labels = make(torch.float32)
     eager = run_ours(hidden, weight, b, labels, chunk_size=32, compile=False, label_smoothing=0.1)
