@@ -202,4 +202,4 @@ def test_sequence_loss_one_chunk_only_in_one_pass(engine_calls, monkeypatch):
     mask, adv = torch.ones(8, 112), torch.randn(8, generator=g)
     x = hidden.view(8, 128, -1)[:, :112].contiguous().requires_grad_()
     FusedLinearGRPOLoss(top_entropy_quantile=0.2, logits_budget_mb=1)(x, w, ids, mask, adv).backward()
-    assert engine_calls["project"] >= 3, engine_calls  # pass 1: two chunks of 896 rows; then pass 2
+    assert engine_calls["project"] >= 3, engine_calls  # pass 1: the 896 rows in two chunks; then pass 2
