@@ -155,8 +155,18 @@ def one_chunk_on_cpu(monkeypatch):
     monkeypatch.setattr(base, "ONE_CHUNK_DEVICES", (*base.ONE_CHUNK_DEVICES, "cpu"))
 
 
-@pytest.mark.parametrize("valid, chunks, rule_on", [(900, 1, True), (1100, 3, True), (900, 2, False)])
-def test_rows_that_fit_the_accumulator_run_as_one_chunk(engine_calls, monkeypatch, valid, chunks, rule_on):
+@pytest.mark.parametrize(
+    "valid, chunks, rule_on, bias, reduction",
+    [
+        (900, 1, True, False, "mean"),
+        (900, 1, True, True, "none"),  # the bias's own accumulator; per-row losses rerun the loop in backward
+        (1100, 3, True, False, "mean"),
+        (900, 2, False, False, "mean"),
+    ],
+)
+def test_rows_that_fit_the_accumulator_run_as_one_chunk(
+    engine_calls, monkeypatch, valid, chunks, rule_on, bias, reduction
+):
     """Automatic chunks with an fp32 accumulator of a bf16 weight (V=1024, H=512): all the call's rows run as
     one chunk (one GEMM in bf16, no accumulator) while their logits fit the accumulator's 4·V·H bytes, here
     1024 rows; beyond that, chunks of the 1 MiB budget (512 rows) accumulate in fp32. The gradients are the
@@ -164,22 +174,29 @@ def test_rows_that_fit_the_accumulator_run_as_one_chunk(engine_calls, monkeypatc
     if rule_on:
         one_chunk_on_cpu(monkeypatch)
     hidden, weight, g = _bf16_head(1200)
+    b = (torch.randn(weight.shape[0], generator=g) * 0.1).to(torch.bfloat16) if bias else None
     labels = torch.randint(0, weight.shape[0], (hidden.shape[0],), generator=g)
     labels[valid:] = -100
 
     def run(**opts):
-        x, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        loss = FusedLinearCrossEntropyLoss(**opts)(x, w, labels)
-        loss.backward()
-        return loss.detach(), x.grad, w.grad
+        leaves = [t.clone().requires_grad_() for t in (hidden, weight, b) if t is not None]
+        bias_leaf = leaves[2] if bias else None
+        out = FusedLinearCrossEntropyLoss(reduction=reduction, **opts)(*leaves[:2], labels, bias=bias_leaf)
+        out.sum().backward()
+        return out.detach(), [t.grad for t in leaves]
 
-    loss, gh, gw = run(logits_budget_mb=1)
-    assert engine_calls == {"project": chunks, "accumulate": 0 if chunks == 1 else chunks}, engine_calls
-    ref_loss, ref_gh, ref_gw = run(chunk_size=256)  # chunks of 256 rows, accumulated in fp32
+    loss, grads = run(logits_budget_mb=1)
+    # The per-row path evaluates in forward without gradients (no accumulator, so the budget's 512-row chunks:
+    # 2 projections) and reruns the loop with them in backward.
+    forward_only = 2 if reduction == "none" else 0
+    expected = {"project": forward_only + chunks, "accumulate": 0 if chunks == 1 else chunks}
+    assert engine_calls == expected, engine_calls
+    ref_loss, ref_grads = run(chunk_size=256)  # chunks of 256 rows, accumulated in fp32
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
-    torch.testing.assert_close(gh, ref_gh, rtol=0, atol=0)
+    torch.testing.assert_close(grads[0], ref_grads[0], rtol=0, atol=0)
     # bf16 roundings of two fp32 sums of the same terms in another order: one bf16 ulp apart at most.
-    torch.testing.assert_close(gw.float(), ref_gw.float(), rtol=2**-7, atol=1e-7)
+    for ours, ref in zip(grads[1:], ref_grads[1:]):
+        torch.testing.assert_close(ours.float(), ref.float(), rtol=2**-7, atol=1e-7)
 
 
 def test_sequence_loss_one_chunk_only_in_one_pass(engine_calls, monkeypatch):
