@@ -60,7 +60,8 @@ class FusedOptions:
             rows, per-row tensors) under 0.5 GiB beyond the gradients with weight-dtype accumulation
             (measured on an H100 at V=128256: 0.46 GiB at N=8192; 512 MiB measured 0.52 GiB at N=32768).
             Token losses without extra heads that accumulate the weight gradient in fp32 use at least the
-            weight gradient's own size (see ``FusedLinearBase.chunk_rows``).
+            weight gradient's own size, and on CUDA all of a call's rows as one chunk where their logits fit
+            the fp32 accumulator's bytes (see ``FusedLinearBase.chunk_rows``).
         accum_dtype: dtype of the weight/bias gradient accumulator across chunks; ``None`` uses the
             weight's own dtype (saves 4·V·H bytes at bf16, loses some precision).
         compile: run the per-chunk math under ``torch.compile``.
