@@ -797,6 +797,14 @@ class _Plan:
     seq_bounds: list[tuple[int, int]] | None = None  # sequences [s0, s1) of each chunk
 
 
+def _one_pass_possible(loss: FusedLinearBase, batch: Batch) -> bool:
+    """Whether the loss can run in one pass given chunks that hold whole groups: a token loss always; a
+    sequence loss when it needs no batch-wide statistics first and the batch carries its group sizes."""
+    if not loss.is_sequence_loss:
+        return True
+    return not (loss.needs_global_stats or batch.tokens_per_group is None or batch.seqs_per_group is None)
+
+
 def _plan_chunks(loss: FusedLinearBase, batch: Batch, n_rows: int, chunk: int) -> tuple[_Plan, bool]:
     """Chunk boundaries, and whether a sequence loss runs in one pass."""
     if not loss.is_sequence_loss:
@@ -806,13 +814,7 @@ def _plan_chunks(loss: FusedLinearBase, batch: Batch, n_rows: int, chunk: int) -
     # which outweighs the smaller chunks that group-aligned packing can leave: per row, an H100 ran the
     # 3 GEMMs of a 1024-row chunk faster than the 4 of a 4096-row one (H=4096, V=128256).
     seqs_per_group = batch.seqs_per_group
-    if (
-        loss.needs_global_stats
-        or counts is None
-        or seqs_per_group is None
-        or n_rows == 0
-        or max(counts) > chunk
-    ):
+    if not _one_pass_possible(loss, batch) or n_rows == 0 or max(counts) > chunk:
         return _Plan(_even_bounds(n_rows, chunk)), False
     # Pack whole groups greedily; each chunk ends on a group boundary.
     bounds, seq_bounds = [], []
@@ -936,17 +938,14 @@ def _run_loop(loss_mod: FusedLinearBase, hidden, weight, bias, batch: Batch, nee
         if loss_mod.token_outputs
         else {}
     )
-    # One chunk of every row is the loop's only weight-gradient contribution for a token loss and for a
-    # sequence loss that can run in one pass (``_plan_chunks``); two passes may contribute twice.
-    one_contribution = not loss_mod.is_sequence_loss or not (
-        loss_mod.needs_global_stats or batch.tokens_per_group is None or batch.seqs_per_group is None
-    )
+    # Where one pass is possible, one chunk of every row runs in one pass (``_plan_chunks``) and is the loop's
+    # only weight-gradient contribution; two passes may contribute twice.
     chunk = loss_mod.chunk_rows(
         weight,
         hidden,
         batch.extra,
         fp32_grad_w=need_w and accum == torch.float32,
-        whole=n_rows if one_contribution else 0,
+        whole=n_rows if _one_pass_possible(loss_mod, batch) else 0,
     )
     dev = hidden.device.type
     plan, one_pass = _plan_chunks(loss_mod, batch, n_rows, chunk)
