@@ -44,18 +44,23 @@ def square(rows: list[dict]) -> None:
             print(f"square {n} {layout}: {ms:.3f} ms, {tflops(flop, ms):.0f} TFLOP/s", flush=True)
 
 
+def chunk_operands(c: int, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk's hidden rows ``x`` (c, H) and a real logits gradient ``g`` (c, V): softmax minus one-hot of
+    ``x @ w.T`` over ``c`` rows, in bf16, as the loss writes it."""
+    x = (torch.randn(c, H, device="cuda") * 0.5).bfloat16()
+    y = torch.randint(0, V, (c,), device="cuda")
+    g = torch.softmax((x @ w.t()).float(), -1)
+    g[torch.arange(c, device="cuda"), y] -= 1
+    return x, (g / c).bfloat16()
+
+
 def chunk_gemms(rows: list[dict], chunk_rows=(2048, 4096, 8192)) -> None:
     w = (torch.randn(V, H, device="cuda") * 0.02).bfloat16()
     acc32 = torch.zeros(V, H, device="cuda")
     acc32_t = torch.zeros(H, V, device="cuda")
     acc16 = torch.zeros(V, H, device="cuda", dtype=torch.bfloat16)
     for c in chunk_rows:
-        x = (torch.randn(c, H, device="cuda") * 0.5).bfloat16()
-        logits = x @ w.t()
-        y = torch.randint(0, V, (c,), device="cuda")
-        g = torch.softmax(logits.float(), -1)
-        g[torch.arange(c, device="cuda"), y] -= 1
-        g = (g / c).bfloat16()
+        x, g = chunk_operands(c, w)
         out_logits = torch.empty(c, V, device="cuda", dtype=torch.bfloat16)
         out_logits_t = torch.empty(V, c, device="cuda", dtype=torch.bfloat16)
         out_h = torch.empty(c, H, device="cuda", dtype=torch.bfloat16)

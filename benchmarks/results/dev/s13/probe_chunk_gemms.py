@@ -16,7 +16,8 @@ import sys
 import torch
 import triton.testing
 
-H, V = 4096, 128256
+from benchmarks.gemm_ceiling import H, V, chunk_operands
+
 out = pathlib.Path(sys.argv[1])
 out.mkdir(parents=True, exist_ok=True)
 default = list(range(2048, 6145, 256)) + [3328, 3456, 3584, 3712, 3840, 3968, 7022, 8192]
@@ -31,13 +32,7 @@ w = (torch.randn(V, H, device="cuda") * 0.02).bfloat16()
 acc = torch.zeros(V, H, device="cuda")
 rows = []
 for c in sizes:
-    x = (torch.randn(c, H, device="cuda") * 0.5).bfloat16()
-    logits = x @ w.t()
-    y = torch.randint(0, V, (c,), device="cuda")
-    g = torch.softmax(logits.float(), -1)
-    g[torch.arange(c, device="cuda"), y] -= 1
-    g = (g / c).bfloat16()
-    del logits
+    x, g = chunk_operands(c, w)
     out_logits = torch.empty(c, V, device="cuda", dtype=torch.bfloat16)
     out_h = torch.empty(c, H, device="cuda", dtype=torch.bfloat16)
     ideal = 2 * c * H * V / 800e12 * 1e3

@@ -58,14 +58,11 @@ def tolist(self):
     return out
 
 
-base._project = project
-torch.Tensor.tolist = tolist
-for name, case in (("ce N=8192", cases_ce.cases()[0]), ("grpo dapo B=16 T=1024", cases_grpo.cases()[0])):
-    inp = case.make_inputs(torch.device("cuda"))
-    fn = case.impls["chunkloss"]
-    leaves = [t for t in inp.values() if isinstance(t, torch.Tensor) and t.requires_grad]
+def timed_steps(fn, inp, leaves, n=12, skip=2) -> list[float]:
+    """Medians over steps (after ``skip``) of the ms from a synced step's start to: the label check's sync
+    returning, the first projection, forward returning, backward returning, the GPU done."""
     rows = []
-    for i in range(12):
+    for i in range(n):
         for t in leaves:
             t.grad = None
         torch.cuda.synchronize()
@@ -77,33 +74,24 @@ for name, case in (("ce N=8192", cases_ce.cases()[0]), ("grpo dapo B=16 T=1024",
         t2 = time.perf_counter()
         torch.cuda.synchronize()
         t3 = time.perf_counter()
-        if i >= 2:
-            rows.append(
-                [
-                    (marks["sync"] - t0) * 1e3,
-                    (marks["project"] - t0) * 1e3,
-                    (t1 - t0) * 1e3,
-                    (t2 - t0) * 1e3,
-                    (t3 - t0) * 1e3,
-                ]
-            )
-    med = [statistics.median(r[k] for r in rows) for k in range(5)]
+        if i >= skip:
+            rows.append([marks["sync"] - t0, marks["project"] - t0, t1 - t0, t2 - t0, t3 - t0])
+    return [statistics.median(r[k] for r in rows) * 1e3 for k in range(5)]
+
+
+base._project = project
+torch.Tensor.tolist = tolist
+for name, case in (("ce N=8192", cases_ce.cases()[0]), ("grpo dapo B=16 T=1024", cases_grpo.cases()[0])):
+    inp = case.make_inputs(torch.device("cuda"))
+    fn = case.impls["chunkloss"]
+    leaves = [t for t in inp.values() if isinstance(t, torch.Tensor) and t.requires_grad]
+    on = timed_steps(fn, inp, leaves)
     print(
-        f"{name}: sync returns +{med[0]:.3f} ms, first projection +{med[1]:.3f}, "
-        f"forward returns +{med[2]:.3f}, backward returns +{med[3]:.3f}, GPU done +{med[4]:.3f}"
+        f"{name}: sync returns +{on[0]:.3f} ms, first projection +{on[1]:.3f}, "
+        f"forward returns +{on[2]:.3f}, backward returns +{on[3]:.3f}, GPU done +{on[4]:.3f}"
     )
     gc.disable()
-    rows = []
-    for i in range(12):
-        for t in leaves:
-            t.grad = None
-        torch.cuda.synchronize()
-        marks.clear()
-        t0 = time.perf_counter()
-        fn(inp).backward()
-        if i >= 2:
-            rows.append([(marks["sync"] - t0) * 1e3, (marks["project"] - t0) * 1e3])
+    off = timed_steps(fn, inp, leaves)
     gc.enable()
-    med = [statistics.median(r[k] for r in rows) for k in range(2)]
-    print(f"{name}, gc off: sync returns +{med[0]:.3f} ms, first projection +{med[1]:.3f}")
+    print(f"{name}, gc off: sync returns +{off[0]:.3f} ms, first projection +{off[1]:.3f}")
     torch.cuda.empty_cache()
