@@ -33,6 +33,12 @@ def _case_modules(only: list[str] | None):
     return names
 
 
+def cases_by_name(only: list[str] | None = None) -> dict:
+    """Every benchmark case (of the ``cases_*`` files named in ``only``, or all) by its name."""
+    modules = [importlib.import_module(f"benchmarks.{m}") for m in _case_modules(only)]
+    return {c.name: c for mod in modules for c in mod.cases()}
+
+
 def run(only=None, repeats=7, out_dir=HERE / "results", impl_filter=None) -> list[dict]:
     device = torch.device("cuda")
     rows = []

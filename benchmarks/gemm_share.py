@@ -10,7 +10,7 @@ device time of every kernel by class:
 
 ``gemm / floor`` is the GEMMs' own time over the case's GEMM floor (FLOPs at 800 TFLOP/s): the step can reach
 ``1.15x`` the floor only if that share plus the rest stays under it. A square 8192³ bf16 GEMM is timed before
-and after the cases, so the run records what this card's cuBLAS reaches that day.
+and after the cases (triton's do_bench median), so the run records what this card's cuBLAS reaches that day.
 
 python -m benchmarks.gemm_share --out DIR [--only "ce N=8192,jsd N=8192"] [--repeats 7]
 """
@@ -18,18 +18,17 @@ python -m benchmarks.gemm_share --out DIR [--only "ce N=8192,jsd N=8192"] [--rep
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import pathlib
 import re
-import statistics
 from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.bench_losses import _case_modules
-from benchmarks.harness import PEAK_TFLOPS, measure
+from benchmarks.bench_losses import cases_by_name
+from benchmarks.gemm_ceiling import bench
+from benchmarks.harness import PEAK_TFLOPS, _grad_leaves, measure
 
 GEMM = re.compile(r"gemm|nvjet|xmma|cutlass|_finish_kernel", re.IGNORECASE)
 ROW = re.compile(
@@ -56,27 +55,17 @@ def kernel_class(name: str) -> str:
 
 
 def square_gemm_tflops(n: int = 8192) -> float:
-    """cuBLAS's bf16 rate on an n³ GEMM of random data, median of 20 after warm-up, CUDA events."""
+    """cuBLAS's bf16 rate on an n³ GEMM of random data (``gemm_ceiling.bench``: do_bench's median)."""
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    for _ in range(5):
-        a @ b
-    times = []
-    for _ in range(20):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        a @ b
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    return 2 * n**3 / (statistics.median(times) * 1e-3) / 1e12
+    return 2 * n**3 / (bench(lambda: a @ b) * 1e-3) / 1e12
 
 
 def profile_case(case, repeats: int) -> dict:
     inputs = case.make_inputs(torch.device("cuda"))
     fn = case.impls["chunkloss"]
     timed = measure(fn, inputs, repeats=repeats)
-    leaves = [t for t in inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
+    leaves = _grad_leaves(inputs)
 
     def step():
         for t in leaves:
@@ -144,8 +133,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=7)
     a = ap.parse_args(argv)
     wanted = [s.strip() for s in a.only.split(",") if s.strip()]
-    modules = [importlib.import_module(f"benchmarks.{m}") for m in _case_modules(None)]
-    by_name = {c.name: c for mod in modules for c in mod.cases()}
+    by_name = cases_by_name()
     missing = [w for w in wanted if w not in by_name]
     if missing:
         raise SystemExit(f"no benchmark case named {missing}; known: {sorted(by_name)}")

@@ -43,13 +43,12 @@ def host_overhead(f) -> None:
 
 
 def _case(name: str):
-    from benchmarks import cases_jsd, cases_preference
+    from benchmarks.bench_losses import cases_by_name
 
-    for mod in (cases_ce, cases_grpo, cases_jsd, cases_preference):
-        for c in mod.cases():
-            if c.name == name:
-                return c
-    raise SystemExit(f"no benchmark case named {name!r}")
+    case = cases_by_name().get(name)
+    if case is None:
+        raise SystemExit(f"no benchmark case named {name!r}")
+    return case
 
 
 def main(argv=None):
