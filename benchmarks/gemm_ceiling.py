@@ -108,7 +108,7 @@ def chunk_pipeline(rows: list[dict]) -> None:
     """One whole CE chunk (logits GEMM, compiled loss step, grad_hidden and fp32 grad_weight GEMMs) with the
     logits computed as ``x @ W.T`` ([C, V] row-major) or as ``(W @ x.T).T`` (a [C, V] view of [V, C])."""
     from chunkloss import FusedLinearCrossEntropyLoss
-    from chunkloss.base import _accumulate_weight_grad
+    from chunkloss.engine._core import _accumulate_weight_grad
 
     w = (torch.randn(V, H, device="cuda") * 0.02).bfloat16()
     acc32 = torch.zeros(V, H, device="cuda")

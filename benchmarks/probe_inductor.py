@@ -8,7 +8,7 @@ import torch._inductor.config as inductor_config
 import triton.testing
 
 from chunkloss import FusedLinearCrossEntropyLoss
-from chunkloss.base import _bind, _token_step
+from chunkloss.engine._core import _bind, _token_step
 
 V, C = 128256, 3584
 SETTINGS = {

@@ -7,7 +7,7 @@ import torch
 import triton.testing
 
 from chunkloss import FusedLinearCrossEntropyLoss
-from chunkloss.base import _accumulate_weight_grad
+from chunkloss.engine._core import _accumulate_weight_grad
 
 H, V = 4096, 128256
 

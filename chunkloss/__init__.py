@@ -1,6 +1,6 @@
 """chunkloss: chunked fused LM-head losses for post-training without materialised logits."""
 
-from chunkloss.base import Batch, FusedLinearBase, FusedOptions, Head, segment_sum, sequence_batch
+from chunkloss.engine import Batch, FusedLinearBase, FusedOptions, Head, segment_sum, sequence_batch
 from chunkloss.losses import *  # noqa: F403
 from chunkloss.losses import __all__ as _losses_all
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import chunkloss.base as base
+import chunkloss.engine._core as base
 from chunkloss import FusedLinearCrossEntropyLoss
 
 

@@ -19,7 +19,7 @@ import torch
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch._dynamo.utils import counters
 
-import chunkloss.base as base
+import chunkloss.engine._core as base
 from chunkloss import (
     FusedLinearCPOLoss,
     FusedLinearCrossEntropyLoss,

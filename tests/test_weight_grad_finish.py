@@ -14,7 +14,7 @@ import chunkloss.kernels.weight_grad as wg
 import pytest
 import torch
 
-import chunkloss.base as base
+import chunkloss.engine._core as base
 from chunkloss import FusedLinearCrossEntropyLoss, FusedLinearDPOLoss, FusedLinearGRPOLoss
 
 V, H = 37, 24

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from chunkloss.base import Batch, FusedLinearBase, FusedOptions
+from chunkloss.engine import Batch, FusedLinearBase, FusedOptions
 from chunkloss.losses.common import (
     check_head,
     check_labels,

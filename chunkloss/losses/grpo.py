@@ -61,7 +61,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from chunkloss.base import FusedLinearBase, FusedOptions, Head, segment_sum, sequence_batch
+from chunkloss.engine import FusedLinearBase, FusedOptions, Head, segment_sum, sequence_batch
 from chunkloss.losses.common import (
     check_head,
     check_labels,

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from chunkloss.base import Batch, FusedLinearBase, FusedOptions, Head
+from chunkloss.engine import Batch, FusedLinearBase, FusedOptions, Head
 from chunkloss.losses.common import check_head, check_labels, item_count, pick, scale_logits
 
 __all__ = ["FusedLinearJSDLoss", "JSDOptions", "jsd_chunk", "jsd_rows"]

@@ -191,7 +191,7 @@ def test_chunk_sizes_agree():
 def test_automatic_chunk_rows():
     """The logits budget sets the rows; with an fp32 weight-gradient accumulator a token loss may use the
     weight gradient's own size (the backward's cast holds that much anyway)."""
-    from chunkloss.base import Head
+    from chunkloss.engine import Head
     from chunkloss.losses.jsd import FusedLinearJSDLoss
 
     v, h = 128256, 4096
@@ -238,7 +238,7 @@ def test_one_chunk_holds_no_more_than_chunks_and_accumulator(v, h, teacher):
     as the budget counts them: twice, for the compiled step's fp32 copy) than the budget's chunks plus the
     fp32 accumulator they need; where it takes all the rows as one chunk, they fit in the accumulator's
     4·V·H bytes alone."""
-    from chunkloss.base import Head
+    from chunkloss.engine import Head
     from chunkloss.losses.jsd import FusedLinearJSDLoss
 
     weight = torch.empty(v, h, dtype=torch.bfloat16, device="meta")

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from chunkloss.base import _plan_chunks
+from chunkloss.engine._core import _plan_chunks
 from chunkloss.losses.cpo import FusedLinearCPOLoss
 from chunkloss.losses.dpo import DPO_LOSS_TYPES, FusedLinearDPOLoss
 from chunkloss.losses.orpo import FusedLinearORPOLoss
@@ -111,7 +111,7 @@ def _dpo_ref_call(d, ref_mode, **opts):
 def test_one_and_two_pass_are_what_the_chunk_sizes_pick():
     d = _inputs()
     mod = FusedLinearDPOLoss(chunk_size=ONE_PASS)
-    from chunkloss.base import sequence_batch
+    from chunkloss.engine import sequence_batch
 
     keep = torch.cat([d["chosen"], d["rejected"]]) != -100
     batch, _ = sequence_batch(keep, torch.arange(2 * B) % B)

@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-import chunkloss.base as base
+import chunkloss.engine._core as base
 from chunkloss.losses import grpo, jsd
 from chunkloss.losses.cpo import FusedLinearCPOLoss
 from chunkloss.losses.dpo import FusedLinearDPOLoss

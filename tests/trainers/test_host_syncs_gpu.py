@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 
-from chunkloss.base import FusedLinearBase
+from chunkloss.engine import FusedLinearBase
 from chunkloss.data import tiny_dataset
 from tests.trainers.helpers import common_args, model_pair, tokenizer
 
