@@ -379,8 +379,9 @@ class FusedLinearBase(nn.Module):
     def __call__(self, *args, **kwargs):
         """Under ``torch.autocast`` the heads run in the autocast dtype, as ``nn.Linear`` would.
 
-        The heads' fp32 tensors (``hidden``, ``weight``, ``bias`` and their ``ref_``/``student_``/``teacher_``
-        forms) are cast to the autocast dtype before the loss sees them, and the loss runs with autocast off:
+        The heads' floating-point tensors (``hidden``, ``weight``, ``bias`` and their ``ref_``/``student_``/
+        ``teacher_`` forms, fp32, fp16 or bf16) are cast to the autocast dtype before the loss sees them, as
+        autocast casts a matmul's operands, and the loss runs with autocast off:
         inside the chunk loop every GEMM writes into buffers of the inputs' dtype. Autograd carries the
         gradients back through the casts to the fp32 tensors. Other tensors (labels, advantages,
         log-probs) are left as they are.
@@ -391,8 +392,8 @@ class FusedLinearBase(nn.Module):
         dtype = torch.get_autocast_dtype(device)
         bound = _forward_signature(type(self)).bind(self, *args, **kwargs)
         for name, value in bound.arguments.items():
-            if _HEAD_ARG.match(name) and isinstance(value, Tensor) and value.dtype == torch.float32:
-                bound.arguments[name] = value.to(dtype)
+            if _HEAD_ARG.match(name) and isinstance(value, Tensor) and value.is_floating_point():
+                bound.arguments[name] = value.to(dtype)  # a no-op where it already has the dtype
         with torch.autocast(device, enabled=False):
             return super().__call__(*bound.args[1:], **bound.kwargs)  # args[0] is self
 
