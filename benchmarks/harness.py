@@ -2,16 +2,15 @@
 
 A benchmark case builds its inputs once and offers one callable per implementation (ours and each
 installed peer). Each callable runs forward + backward of the LM-head step on those inputs. The
-harness times it with CUDA events after warm-up (median of ``repeats``) and measures the peak extra
-memory: ``max_memory_allocated`` during the step minus what was allocated before it, with every
-gradient set to ``None`` first so the step allocates its own outputs. ``extra_beyond_grads``
-subtracts the bytes of the gradients the step returns (hidden, weight, bias): the working memory an
-implementation needs on top of its outputs.
+harness times it with CUDA events after warm-up (median of ``repeats``) and measures its peak extra
+memory (``PEAK_EXTRA_MEMORY``). Every result file carries a :func:`stamp`: date, GPU and library versions.
 """
 
 from __future__ import annotations
 
+import datetime
 import gc
+import importlib.metadata
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,6 +18,41 @@ from dataclasses import dataclass, field
 import torch
 
 PEAK_TFLOPS = 800.0  # bf16 dense GEMM rate measured on the H100 (8192³: 798 TFLOP/s)
+# The one definition of memory used by every loss result, table and plot.
+PEAK_EXTRA_MEMORY = (
+    "peak extra memory: the highest memory allocated during the step minus the memory allocated before it, "
+    "not counting the gradients the step returns (the working memory the loss needs beyond its outputs)"
+)
+PACKAGES = (
+    "torch",
+    "triton",
+    "transformers",
+    "trl",
+    "accelerate",
+    "chunkloss",
+    "liger-kernel",
+    "cut-cross-entropy",
+)
+
+
+def stamp(gpu: str | None = None, command: str = "") -> dict:
+    """Date, GPU name and installed versions of the packages that shape a result (``None`` if absent).
+
+    Args:
+        gpu: device name; by default the current CUDA device's, or "cpu".
+        command: the command line that produced the result.
+    """
+    if gpu is None:
+        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    versions["torch"] = torch.__version__
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    return {"date": date, "gpu": gpu, "versions": versions, "command": command}
 
 
 @dataclass
@@ -49,13 +83,20 @@ class Case:
         return self.floor_flops / (PEAK_TFLOPS * 1e12) * 1e3
 
 
-def _grad_leaves(inputs: dict) -> list[torch.Tensor]:
+def grad_leaves(inputs: dict) -> list[torch.Tensor]:
+    """The tensors of ``inputs`` that require grad."""
     return [t for t in inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
 def measure(fn: Callable[[dict], torch.Tensor], inputs: dict, warmup: int = 2, repeats: int = 7) -> dict:
-    """Median time (ms) of forward+backward and peak extra memory (bytes) of one implementation."""
-    leaves = _grad_leaves(inputs)
+    """Median time (ms) of forward + backward and peak extra memory (bytes) of one implementation.
+
+    Returns:
+        ``ms`` (median), ``ms_all``, ``peak_extra_bytes`` (``PEAK_EXTRA_MEMORY``: every gradient is set to
+        ``None`` before the step, and the bytes of the gradients it returns are subtracted), ``grad_bytes``
+        and ``loss``.
+    """
+    leaves = grad_leaves(inputs)
 
     def step():
         for t in leaves:
@@ -92,8 +133,8 @@ def measure(fn: Callable[[dict], torch.Tensor], inputs: dict, warmup: int = 2, r
     out = {
         "ms": statistics.median(times),
         "ms_all": times,
-        "peak_extra_bytes": peak,
-        "extra_beyond_grads_bytes": peak - grad_bytes,
+        "peak_extra_bytes": peak - grad_bytes,
+        "grad_bytes": grad_bytes,
         "loss": float(loss.detach().float()),
     }
     for t in leaves:

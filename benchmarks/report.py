@@ -1,230 +1,256 @@
-"""Write the README's performance section from the committed results in benchmarks/results/.
+"""Regenerate every table, plot and page of benchmark results from the committed result files.
 
-    python -m benchmarks.report          # rewrites the block between <!-- PERF --> markers in README.md
+    python -m benchmarks.report
 
-Loss rows come from ``losses.json`` (CE, GRPO, JSD) and ``losses_preference.json`` (DPO, ORPO); kernel rows
-from ``kernels.json``; end-to-end rows (GRPO's also without generation, where a run timed it apart) from
-``e2e/``; GPU-scale config runs from ``gpu_configs/``.
+For each ``benchmarks/results/<name>.json`` this rewrites ``<name>.md`` and ``<name>.png``; then it writes
+``docs/benchmarks.md`` and the measured table of ``README.md`` (between the ``<!-- PERF -->`` markers). Needs
+no GPU: it only reads the result files, which the benchmarks write on a GPU.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import pathlib
 
+from benchmarks import render
+from benchmarks.render import (
+    GEMM_FLOOR,
+    MEMORY_DEFINITION,
+    MEMORY_LABEL,
+    MEMORY_MEANING,
+    GiB,
+    loss_cell,
+    stamp_line,
+)
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-GiB = 2**30
 MARK = "<!-- PERF -->"
+# The README's table: one representative case per loss, and the peers (TRL's two chunked paths as one column).
+README_CASES = (
+    "ce N=32768",
+    "grpo dapo B=16 T=1024",
+    "jsd N=8192",
+    "orpo 8x1024",
+    "dpo+ref 8x1024",
+    "dpo+ref 1x32768",
+)
+PEERS = {
+    "chunkloss": ("chunkloss",),
+    "torch": ("torch",),
+    "torch.compile": ("torch.compile",),
+    "TRL 1.16": ("trl 1.16 head", "trl 1.16 chunked divergence"),
+    "Liger": ("liger",),
+    "Cut Cross-Entropy": ("cce",),
+}
+E2E_TASKS = ("sft", "dpo", "orpo", "grpo", "gkd")
+# Each case's chunkloss step on the H100 split by kind of GPU work (torch profiler, kernel time per step).
+# Measured once with chunkloss 0.1.0, torch 2.11.0+cu130, 2026-11-25; the profiling script is not kept.
+STEP_BREAKDOWN = (
+    ("ce N=8192", 27.7, 32.7, 28.8, 1.77, 0.21),
+    ("ce N=32768", 110.7, 132.7, 121.3, 7.15, 1.81),
+    ("grpo dapo B=16 T=1024", 56.5, 75.9, 64.6, 4.36, 2.27),
+    ("grpo dapo B=2 T=16384", 113.0, 145.2, 125.3, 8.69, 3.00),
+    ("orpo 8x1024", 48.4, 61.7, 53.0, 3.50, 1.91),
+    ("dpo+ref 8x1024", 64.6, 79.4, 69.9, 4.63, 1.91),
+    ("jsd N=8192", 43.0, 58.5, 48.8, 8.09, 1.14),
+    ("jsd N=16384", 86.1, 115.4, 97.3, 16.14, 1.22),
+)
 
 
-def _load(name):
-    return json.loads((RESULTS / name).read_text())
+def load_sets(results: pathlib.Path = RESULTS) -> dict[str, dict]:
+    """Every result set under ``results`` by name (the json file's stem)."""
+    return {p.stem: json.loads(p.read_text()) for p in sorted(results.glob("*.json"))}
 
 
-def loss_table() -> list[str]:
-    main, pref = _load("losses.json"), _load("losses_preference.json")
-    rows = [r for r in main["rows"] if r["group"] not in ("dpo", "orpo")] + pref["rows"]
-    cases = list(dict.fromkeys(r["case"] for r in rows))
-    impls = ["chunkloss", "chunkloss (bf16 accum)", "torch", "torch.compile", "trl 1.16 head"]
-    impls += ["trl 1.16 chunked divergence", "liger", "cce"]
-    out = [
-        f"Losses, forward + backward, bf16, H=4096, V=128256, on one {main['meta']['device']} "
-        f"(torch {main['meta']['torch']}). Each cell: ms / peak extra GiB beyond the returned gradients; "
-        "the floor is the GEMMs at 800 TFLOP/s. From `benchmarks/results/losses*.json`.",
-        "",
-        "| case | floor ms | " + " | ".join(impls) + " |",
-        "|---|---|" + "---|" * len(impls),
-    ]
+def peer_table(losses: dict, cases=README_CASES) -> list[str]:
+    """Markdown rows: per case, ``ms / GiB`` of chunkloss and each peer."""
+    rows = losses["rows"]
+    out = ["| loss, case | " + " | ".join(PEERS) + " |", "|---|" + "---|" * len(PEERS)]
     for case in cases:
         by = {r["impl"]: r for r in rows if r["case"] == case}
-        floor = next(iter(by.values()))["floor_ms"]
-        cells = []
-        for impl in impls:
-            r = by.get(impl)
-            if r is None:
-                cells.append("–")
-            elif "error" in r:
-                cells.append("OOM" if r["error"] == "OOM" else "error")
-            else:
-                x = f" ({r['x_floor']:.2f}×)" if impl == "chunkloss" else ""
-                cells.append(f"{r['ms']:.1f}{x} / {r['extra_beyond_grads_bytes'] / GiB:.2f}")
-        out.append(f"| {case} | {floor:.1f} | " + " | ".join(cells) + " |")
+        if not by:
+            continue
+        cells = [loss_cell(next((by[i] for i in impls if i in by), None)) for impls in PEERS.values()]
+        out.append(f"| {case} | " + " | ".join(cells) + " |")
     return out
 
 
-def kernel_table() -> list[str]:
-    k = _load("kernels.json")
-    lines = (RESULTS / "kernels.md").read_text().splitlines()
-    table = [ln for ln in lines if ln.startswith("|")]
+def readme_block(losses: dict) -> list[str]:
     return [
-        f"Row kernels, forward + backward, bf16, on one {k['meta'].get('device', 'GPU')}. From "
-        "`benchmarks/results/kernels.md`: GPU = the step replayed from a CUDA graph (the kernels alone), "
-        "eager = launched from Python back to back (host-bound for the small cases).",
+        f"Forward + backward of the LM head and loss, bf16, Llama-3-8B head (4096 × 128256), one "
+        f"{losses['stamp']['gpu']} ({losses['stamp']['date']}). Each cell: milliseconds / {MEMORY_LABEL}, "
+        "lower is better; OOM: out of memory. " + MEMORY_DEFINITION,
+        "",
+        *peer_table(losses),
+        "",
+        "![losses](benchmarks/results/losses.png)",
+    ]
+
+
+def losses_section(losses: dict) -> list[str]:
+    cases = list(dict.fromkeys(r["case"] for r in losses["rows"]))
+    floor = {r["case"]: r["floor_ms"] for r in losses["rows"]}
+    return [
+        "## Losses",
+        "",
+        f"`python -m benchmarks.bench_losses` ({stamp_line(losses['stamp'])}). Forward + backward, bf16, "
+        "Llama-3-8B head (H=4096, V=128256), every implementation on the same inputs in one process. "
+        f"Each cell: milliseconds / {MEMORY_LABEL}. The GEMM floor column is in milliseconds.",
+        "",
+        *_with_floor(peer_table(losses, cases), floor),
+        "",
+        "Every implementation, with the loss it computed: [`losses.md`](../benchmarks/results/losses.md).",
+        "",
+        "![losses](../benchmarks/results/losses.png)",
+    ]
+
+
+def _with_floor(table: list[str], floor: dict) -> list[str]:
+    out = [table[0].replace("| loss, case |", "| loss, case | GEMM floor |"), table[1] + "---|"]
+    for line in table[2:]:
+        case = line.split("|")[1].strip()
+        out.append(line.replace(f"| {case} |", f"| {case} | {floor[case]:.1f} |", 1))
+    return out
+
+
+def breakdown_section() -> list[str]:
+    lines = [
+        "## Where a loss step's time goes",
+        "",
+        "Each case's chunkloss step (forward + backward) on an NVIDIA H100 80GB HBM3 with torch "
+        "2.11.0+cu130, 2026-11-25, split by the torch profiler into matrix multiplications (cuBLAS and "
+        "chunkloss's Triton weight-gradient kernel), chunkloss's row kernels (softmax, loss and gradient of "
+        "a chunk's logits), other kernels, and time the GPU sat idle between kernels, in milliseconds per "
+        "step. The matrix multiplications alone take 1.04-1.14x the GEMM floor: cuBLAS does not reach its "
+        "square-matrix rate on these shapes. The row kernels take 5-14% of the step, other kernels under 4% "
+        "and idle time 1-6%. So most of the distance between the step and the floor is in cuBLAS itself.",
+        "",
+        "| case | GEMM floor | step | matrix multiplications | row kernels | other kernels | idle |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for case, floor, step, gemm, row, other in STEP_BREAKDOWN:
+        idle = step - gemm - row - other
+        lines.append(
+            f"| {case} | {floor:.1f} | {step:.1f} ({step / floor:.2f}x) | {gemm:.1f} ({gemm / floor:.2f}x) "
+            f"| {row:.2f} | {other:.2f} | {idle:.2f} |"
+        )
+    return lines
+
+
+def kernels_section(kernels: dict) -> list[str]:
+    table = render.first_table(render.kernels_md(kernels))
+    return [
+        "## Row kernels",
+        "",
+        f"`python -m benchmarks.bench_kernels` ({stamp_line(kernels['stamp'])}). Forward + backward, bf16, "
+        "milliseconds. GPU: the step replayed from a CUDA graph (the kernels alone); eager: launched from "
+        "Python back to back (host-bound for the small cases). Bandwidth floor: the time to read and write "
+        "the bytes the op must move at the GPU's memory bandwidth (3.0 TB/s). Memory: MiB allocated during "
+        "one eager step, outputs and gradients included.",
         "",
         *table,
-    ]
-
-
-E2E_IMPLS = ("trl", "chunkloss", "chunkloss+kernels")
-E2E_TASKS = ("grpo", "sft", "dpo", "orpo", "gkd")  # table order
-# bench_e2e runs with chunkloss+kernels (`--impls` default), copied here from the GPU runs' e2e.json, oldest
-# first; each run's tasks replace the earlier runs' rows, so each row's ratios come from one run.
-E2E_KERNELS_RUNS = (
-    "e2e/e2e_kernels_run3.json",
-    "e2e/e2e_onepass_run4.json",
-    "e2e/e2e_sft_gkd_run5.json",
-)
-# Runs at the real models' depth (28 layers for Qwen3-0.6B, 16 for Llama-3.2-1B): fewer batch sizes fit the
-# device time than the trimmed runs above, which stay for the larger batches.
-E2E_FULL_DEPTH_RUNS = (
-    "e2e/e2e_grpo_28l_run7.json",
-    "e2e/e2e_dpo_orpo_16l_run8.json",
-    "e2e/run9_grpo_28l/e2e.json",
-    "e2e/run9_dpo_orpo_16l_small/e2e.json",
-    "e2e/run11_dpo_orpo_16l/e2e.json",
-    "e2e/run11_sft_16l/e2e.json",
-)
-
-
-def e2e_table() -> list[str]:
-    """GRPO from run 1; DPO and ORPO from run 2; any task in a later run with all three implementations
-    (``E2E_KERNELS_RUNS``) from the latest such run instead. Where the GRPO rows time generation apart
-    (``gen_time_s``, runs since bench_e2e recorded it), a second table gives the step time without it."""
-    run1, run2 = _load("e2e/e2e_all_run1.json"), _load("e2e/e2e_dpo_orpo_run2.json")
-    rows = [r for r in run1["sweep"] if r["task"] == "grpo"] + run2["sweep"]
-    device = run2["device"]
-    layers = {r["task"]: run["args"]["layers"] for run in (run1, run2) for r in run["sweep"]}
-    for name in E2E_KERNELS_RUNS:
-        run = _load(name)
-        tasks = {r["task"] for r in run["sweep"]}
-        rows = [r for r in rows if r["task"] not in tasks] + run["sweep"]
-        layers.update({t: _run_layers(run["args"], t) for t in tasks})
-        device = run["device"]
-    return _e2e_rows_table(rows, device, layers, "")
-
-
-def e2e_full_depth_table() -> list[str]:
-    """The runs at the real models' depth (``E2E_FULL_DEPTH_RUNS``), each task and batch from its latest run
-    (every implementation of a row's task and batch ran in the same call, so its ratios come from one run)."""
-    rows, layers, device = [], {}, ""
-    for name in E2E_FULL_DEPTH_RUNS:
-        run = _load(name)
-        keys = {(r["task"], r["batch"]) for r in run["sweep"]}
-        rows = [r for r in rows if (r["task"], r["batch"]) not in keys] + run["sweep"]
-        layers.update({r["task"]: r["layers"] for r in run["sweep"]})
-        device = run["device"]
-    return _e2e_rows_table(rows, device, layers, " at the real models' depth")
-
-
-def _e2e_rows_table(rows: list[dict], device: str, layers: dict, where: str) -> list[str]:
-    impls = [i for i in E2E_IMPLS if any(r["impl"] == i for r in rows)]
-    others = [i for i in impls if i != "trl"]
-    what = "chunkloss trainer" + (" (+kernels: `chunk_kernels=True`)" if "chunkloss+kernels" in impls else "")
-    ratio_cols, train_cols = [], []
-    for impl in others:
-        tag = f" ({impl})" if len(others) > 1 else ""
-        ratio_cols += [f"time ratio{tag}", f"memory ratio{tag}"]
-        train_cols.append(f"train-time ratio{tag}")
-    names = ["TRL" if i == "trl" else i for i in impls]
-    tasks = [t for t in E2E_TASKS if any(r["task"] == t for r in rows)]
-    llama = ", ".join(t.upper() for t in tasks if t != "grpo")
-    teacher = " (GKD's teacher: same shape, other weights; off-policy, `lmbda=0`)" if "gkd" in tasks else ""
-    depth = ", ".join(f"{t.upper()} {layers[t]}" for t in tasks)
-    out = [
-        f"End to end{where} (`benchmarks/bench_e2e.py`, one {device}, decoder layers {depth}, "
-        "full-size heads): "
-        f"step time in s / peak GiB, {what} vs TRL 1.16's. GRPO: Qwen3-0.6B shape; {llama}: "
-        f"Llama-3.2-1B shape{teacher}, 512 tokens. From `benchmarks/results/e2e/`.",
         "",
-        "| task | batch | " + " | ".join(names + ratio_cols) + " |",
-        "|---|---|" + "---|" * (len(names) + len(ratio_cols)),
+        "![kernels](../benchmarks/results/kernels.png)",
     ]
-    for task in tasks:
-        for batch in sorted({r["batch"] for r in rows if r["task"] == task}):
-            by = {r["impl"]: r for r in rows if r["task"] == task and r["batch"] == batch}
-            cells = _e2e_cells(by, impls, others, "step_time_s")
-            out.append(f"| {task} | {batch} | " + " | ".join(cells) + " |")
-    gen_rows = [r for r in rows if r.get("gen_time_s") is not None]
-    if gen_rows:
-        out += [
-            "",
-            "GRPO without generation: each cell is the median step time less the time in "
-            "`_generate_and_score_completions` (generation, rewards, TRL's no-grad log-probs: the same code "
-            "in both trainers) / the median time in it, in s; the ratios compare the first number, the loss "
-            "path's step.",
-            "",
-            "| task | batch | " + " | ".join(names + train_cols) + " |",
-            "|---|---|" + "---|" * (len(names) + len(others)),
-        ]
-        for task in [t for t in E2E_TASKS if any(r["task"] == t for r in gen_rows)]:
-            for batch in sorted({r["batch"] for r in gen_rows if r["task"] == task}):
-                by = {r["impl"]: r for r in rows if r["task"] == task and r["batch"] == batch}
-                cells = _e2e_cells(by, impls, others, "train_time_s")
-                out.append(f"| {task} | {batch} | " + " | ".join(cells) + " |")
-    return out
 
 
-def _run_layers(args: dict, task: str) -> int:
-    """Decoder layers of ``task`` in a run's args (a merged run keeps each call's args under its tasks)."""
-    if "layers" in args:
-        return args["layers"]
-    return next(a["layers"] for tasks, a in args.items() if task in tasks.split(","))
+def e2e_section(sets: dict) -> list[str]:
+    lines = [
+        "## End to end: chunkloss's trainers against TRL's",
+        "",
+        "`python -m benchmarks.bench_e2e --tasks TASK`: the same model, data and initial weights in TRL "
+        "1.16's trainer and in chunkloss's drop-in subclass. Each cell: median step time in seconds / peak "
+        "CUDA memory in GiB; ratios are chunkloss over TRL (below 1: faster / less). GRPO's steps are "
+        "mostly generation, the same code in both trainers; its table also gives the step time outside "
+        "generation.",
+    ]
+    for task in E2E_TASKS:
+        data = sets.get(f"e2e_{task}")
+        if data is None:
+            continue
+        lines += ["", f"### {task.upper()}", "", f"{data.get('model', '')} {stamp_line(data['stamp'])}.", ""]
+        lines += render.first_table(render.e2e_md(data))
+        lines += ["", f"![e2e {task}](../benchmarks/results/e2e_{task}.png)"]
+    return lines
 
 
-def _e2e_cells(by: dict, impls: list[str], others: list[str], key: str) -> list[str]:
-    """One row's cells from its runs ``by`` impl: per impl ``<key> / <second>`` (second: the peak GiB for
-    ``step_time_s``, the generation time for ``train_time_s``), then per other impl the ratio of ``key`` over
-    TRL's (and of the peak memory, for ``step_time_s``)."""
-    second, fmt = ("peak_mem_gib", ".2f") if key == "step_time_s" else ("gen_time_s", ".3f")
-    ratios = [key, "peak_mem_gib"] if key == "step_time_s" else [key]
-
-    def ok(r) -> bool:
-        return r is not None and not r.get("oom") and r.get(key) is not None
-
-    cells = []
-    for impl in impls:
-        r = by.get(impl)
-        if r is not None and r.get("oom"):
-            cells.append("OOM")
-        else:
-            cells.append(f"{r[key]:.3f} / {r[second]:{fmt}}" if ok(r) else "–")
-    t = by.get("trl")
-    for impl in others:
-        c = by.get(impl)
-        cells += [f"{c[k] / t[k]:.2f}" if ok(t) and ok(c) else "–" for k in ratios]
-    return cells
-
-
-def configs_table() -> list[str]:
-    lines = (RESULTS / "gpu_configs" / "gpu_configs.md").read_text().splitlines()
+def multigpu_section(data: dict) -> list[str]:
+    table = render.first_table(render.multigpu_md(data))
     return [
-        "GPU-scale configs (`python -m benchmarks.gpu_configs`), from `benchmarks/results/gpu_configs/`:",
+        "## Multi-GPU parity",
         "",
-        *[ln for ln in lines if ln.startswith("|")],
+        f"`bash benchmarks/multigpu_run.sh OUT` ({stamp_line(data['stamp'])}). The chunked SFT, DPO and GRPO "
+        "trainers under FSDP2 and DeepSpeed ZeRO-3 on 2 GPUs against the same accelerate config on 1 GPU "
+        "with the same global batch (tiny model, bf16): the largest difference of the first step's "
+        "gradients relative to each tensor's largest entry, and of a 20-step loss curve; step time and peak "
+        "memory per GPU.",
+        "",
+        *table,
+        "",
+        "![multigpu](../benchmarks/results/multigpu.png)",
     ]
 
 
-def main():
-    readme = ROOT / "README.md"
+def docs_page(sets: dict) -> str:
+    losses = sets["losses"]
+    lines = [
+        "# Benchmarks",
+        "",
+        "Generated by `python -m benchmarks.report` from the result files in `benchmarks/results/` (each "
+        "holds its date, GPU and library versions); do not edit by hand. Each benchmark writes its own "
+        "`<name>.json`, `.md` and `.png` there when run on a GPU (`python -m benchmarks.bench_losses`, "
+        "`bench_kernels`, `bench_e2e`, `bash benchmarks/multigpu_run.sh`).",
+        "",
+        "Two terms used below:",
+        "",
+        f"- **{MEMORY_LABEL}**: {MEMORY_MEANING}. It is the working memory a loss needs on top of its "
+        f"outputs; the gradients ({losses['rows'][0].get('grad_bytes', 0) / GiB:.2f} GiB for the first case "
+        "below) are the same for every implementation.",
+        "- **" + GEMM_FLOOR.format(tflops=losses.get("peak_tflops", 800)).replace(": ", "**: ", 1),
+        "",
+        *losses_section(losses),
+        "",
+        *breakdown_section(),
+    ]
+    if "kernels" in sets:
+        lines += ["", *kernels_section(sets["kernels"])]
+    lines += ["", *e2e_section(sets)]
+    if "multigpu" in sets:
+        lines += ["", *multigpu_section(sets["multigpu"])]
+    return "\n".join(lines) + "\n"
+
+
+def update_readme(readme: pathlib.Path, losses: dict) -> None:
+    """Replace the text between the two ``<!-- PERF -->`` markers of ``readme`` (if it has them)."""
     text = readme.read_text()
+    if text.count(MARK) != 2:
+        return
     head, _, rest = text.partition(MARK)
     _, _, tail = rest.partition(MARK)
-    body = "\n".join(
-        [
-            *loss_table(),
-            "",
-            *kernel_table(),
-            "",
-            *e2e_table(),
-            "",
-            *e2e_full_depth_table(),
-            "",
-            *configs_table(),
-        ]
-    )
-    readme.write_text(f"{head}{MARK}\n{body}\n{MARK}{tail}")
+    readme.write_text(f"{head}{MARK}\n" + "\n".join(readme_block(losses)) + f"\n{MARK}{tail}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--results", type=pathlib.Path, default=RESULTS, help="folder of the result json files")
+    p.add_argument("--docs", type=pathlib.Path, default=ROOT / "docs" / "benchmarks.md")
+    p.add_argument("--readme", type=pathlib.Path, default=ROOT / "README.md")
+    p.add_argument("--no-plots", action="store_true", help="tables only")
+    a = p.parse_args(argv)
+    sets = load_sets(a.results)
+    if "losses" not in sets:
+        p.error(f"no losses.json in {a.results}")
+    for name, data in sets.items():
+        render.render(a.results, name, data, plot=not a.no_plots)
+    a.docs.parent.mkdir(parents=True, exist_ok=True)
+    a.docs.write_text(docs_page(sets))
+    if a.readme.exists():
+        update_readme(a.readme, sets["losses"])
+    print(f"wrote {len(sets)} result sets' tables{'' if a.no_plots else ' and plots'}, {a.docs}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

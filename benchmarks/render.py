@@ -1,0 +1,427 @@
+"""Markdown tables and PNG plots of the benchmark result files, one renderer per benchmark.
+
+A result set is ``<name>.json`` (the measurements and a ``stamp``: date, GPU, library versions), ``<name>.md``
+and ``<name>.png``, all three written by :func:`write_set`. The benchmark of a set follows from its name:
+``losses``, ``kernels``, ``multigpu`` or ``e2e_<task>``. Runs on a CPU (matplotlib's Agg backend).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+
+GiB = 2**30
+MEMORY_LABEL = "peak extra memory (GiB)"
+MEMORY_DEFINITION = (
+    "Peak extra memory: the highest memory allocated during the step minus the memory allocated before it, "
+    "not counting the gradients the step returns."
+)
+GEMM_FLOOR = (
+    "GEMM floor: the time the step's unavoidable matrix multiplications (the logits and their two gradients) "
+    "would take at {tflops:.0f} TFLOP/s, the bf16 rate cuBLAS reaches on a large square matrix product on "
+    "this GPU; no implementation that computes the logits can be faster."
+)
+FAMILIES = ("cross_entropy", "grpo", "grpo_modes", "jsd", "dpo", "orpo")
+LOSS_IMPLS = (
+    "chunkloss",
+    "chunkloss (bf16 accum)",
+    "torch",
+    "torch.compile",
+    "trl 1.16 head",
+    "trl 1.16 chunked divergence",
+    "liger",
+    "cce",
+)
+E2E_IMPLS = ("trl", "chunkloss", "chunkloss+kernels")
+KERNEL_IMPLS = ("torch", "compile", "liger", "ours")
+
+
+def stamp_line(stamp: dict) -> str:
+    """One line naming a result's date, GPU and library versions."""
+    known = {k: v for k, v in stamp.get("versions", {}).items() if v and v != "unknown"}
+    versions = ", ".join(f"{k} {v}" for k, v in known.items())
+    if len(known) < len(stamp.get("versions", {})):
+        versions += " (other versions not recorded)"
+    return f"{stamp.get('gpu', 'unknown GPU')}, {stamp.get('date', 'unknown date')}; {versions}"
+
+
+def first_table(md: str) -> list[str]:
+    """The lines of the first markdown table in ``md``."""
+    lines = md.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("|"))
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return lines[start:end]
+
+
+def kind(name: str) -> str:
+    """The benchmark of a result set named ``name`` (``e2e_dpo`` -> ``e2e``)."""
+    return "e2e" if name.startswith("e2e") else name
+
+
+def write_set(out_dir: pathlib.Path | str, name: str, data: dict, plot: bool = True) -> None:
+    """Write ``<name>.json``, ``<name>.md`` and (if ``plot``) ``<name>.png`` under ``out_dir``."""
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
+    render(out_dir, name, data, plot)
+
+
+def render(out_dir: pathlib.Path, name: str, data: dict, plot: bool = True) -> None:
+    """Write ``<name>.md`` and (if ``plot``) ``<name>.png`` from a set's data."""
+    md, png = RENDERERS[kind(name)]
+    (out_dir / f"{name}.md").write_text(md(data))
+    if plot:
+        plt = _pyplot()
+        fig = png(data, plt)
+        fig.savefig(out_dir / f"{name}.png", dpi=100)
+        plt.close(fig)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _plain():
+    from matplotlib.ticker import FormatStrFormatter
+
+    return FormatStrFormatter("%g")
+
+
+def _log_axis(ax) -> None:
+    """Log scale with plain numbers (0.5, 2, 100) as tick labels."""
+    from matplotlib.ticker import FormatStrFormatter, NullFormatter
+
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
+def _colors(names) -> dict:
+    cmap = _pyplot().get_cmap("tab10")
+    return {n: cmap(i % 10) for i, n in enumerate(names)}
+
+
+# --- losses -----------------------------------------------------------------------------------------------
+
+
+def _ok(r: dict | None) -> bool:
+    return r is not None and "error" not in r
+
+
+def loss_cell(r: dict | None) -> str:
+    """``ms / GiB`` of one loss result, ``OOM``, ``error`` or ``–`` (not run)."""
+    if r is None:
+        return "–"
+    if "error" in r:
+        return "OOM" if r["error"] == "OOM" else "error"
+    return f"{r['ms']:.1f} / {r['peak_extra_bytes'] / GiB:.2f}"
+
+
+def losses_md(data: dict) -> str:
+    rows, stamp = data["rows"], data["stamp"]
+    lines = [
+        "# Loss benchmarks: forward + backward of the LM head and its loss",
+        "",
+        f"{stamp_line(stamp)}. bf16, Llama-3-8B head (H=4096, V=128256). Time: CUDA events, median after "
+        "warm-up. " + MEMORY_DEFINITION + " " + GEMM_FLOOR.format(tflops=data.get("peak_tflops", 800)),
+        "",
+        f"| case | implementation | ms | × GEMM floor | {MEMORY_LABEL} | loss |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['case']} | {r['impl']} | {r['error']} | | | |")
+            continue
+        lines.append(
+            f"| {r['case']} | {r['impl']} | {r['ms']:.2f} | {r['ms'] / r['floor_ms']:.2f} | "
+            f"{r['peak_extra_bytes'] / GiB:.2f} | {r['loss']:.5f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def losses_png(data: dict, plt):
+    rows = data["rows"]
+    families = [f for f in FAMILIES if any(r["group"] == f for r in rows)]
+    impls = [i for i in LOSS_IMPLS if any(r["impl"] == i for r in rows)]
+    colors = _colors(impls)
+    fig, axes = plt.subplots(2, len(families), figsize=(3.6 * len(families), 7.5), squeeze=False)
+    for j, family in enumerate(families):
+        g = [r for r in rows if r["group"] == family]
+        cases = list(dict.fromkeys(r["case"] for r in g))
+        here = [i for i in impls if any(r["impl"] == i for r in g)]
+        width = 0.8 / len(here)
+        for k, impl in enumerate(here):
+            by = {r["case"]: r for r in g if r["impl"] == impl}
+            xs = [c + (k - (len(here) - 1) / 2) * width for c in range(len(cases))]
+            ms = [by[c]["ms"] if _ok(by.get(c)) else 0 for c in cases]
+            mem = [by[c]["peak_extra_bytes"] / GiB if _ok(by.get(c)) else 0 for c in cases]
+            axes[0][j].bar(xs, ms, width, color=colors[impl], label=impl)
+            axes[1][j].bar(xs, [max(m, 1e-3) if m else 0 for m in mem], width, color=colors[impl])
+            for x, c in zip(xs, cases, strict=True):
+                if by.get(c) is not None and not _ok(by[c]):
+                    for ax in axes[:, j]:
+                        ax.text(
+                            x,
+                            0.02,
+                            "OOM" if by[c]["error"] == "OOM" else "error",
+                            rotation=90,
+                            fontsize=7,
+                            ha="center",
+                            va="bottom",
+                            transform=ax.get_xaxis_transform(),
+                        )
+        for c, case in enumerate(cases):
+            floor = next(r["floor_ms"] for r in g if r["case"] == case)
+            axes[0][j].hlines(
+                floor, c - 0.45, c + 0.45, colors="k", linestyles="--", label="GEMM floor" if c == 0 else None
+            )
+        labels = [c.removeprefix("grpo dapo ").removeprefix("dpo+ref ") for c in cases]
+        for ax in axes[:, j]:
+            ax.set_xticks(range(len(cases)), labels, rotation=20, ha="right", fontsize=7)
+            _log_axis(ax)
+        axes[0][j].set_title(f"{family}: time", fontsize=9)
+        axes[1][j].set_title(f"{family}: memory", fontsize=9)
+    axes[0][0].set_ylabel("ms, forward + backward")
+    axes[1][0].set_ylabel(MEMORY_LABEL)
+    handles = {}
+    for ax in axes[0]:
+        handles.update(zip(*reversed(ax.get_legend_handles_labels()), strict=True))
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=len(handles), fontsize=8)
+    fig.suptitle(f"Losses, bf16, H=4096, V=128256 ({data['stamp'].get('gpu')})", fontsize=10)
+    fig.tight_layout(rect=(0, 0.05, 1, 0.97))
+    return fig
+
+
+# --- kernels ----------------------------------------------------------------------------------------------
+
+
+def _kcell(row: dict, impl: str, key: str = "ms", fmt: str = "{:.3f}") -> str:
+    v = row.get(impl, {}).get(key)
+    return "n/a" if v is None else fmt.format(v)
+
+
+def kernels_md(data: dict) -> str:
+    bw = data.get("peak_bw", 3.0e12)
+    lines = [
+        "# Row kernels, forward + backward",
+        "",
+        f"{stamp_line(data['stamp'])}. bf16. Median ms of one step (forward, then `torch.autograd.grad`). "
+        "**GPU** = the step captured in a CUDA graph and replayed (GPU time alone, as in a model where the "
+        "host runs ahead); **eager** = launched back to back from Python (host-bound where launching costs "
+        f"more than the GPU work). Bandwidth floor: the time to read and write the bytes the op must move at "
+        f"{bw / 1e12:.1f} TB/s. Memory: the highest memory allocated during one eager step minus the memory "
+        "allocated before it, outputs and gradients included, in MiB.",
+        "",
+        "| case | floor | torch GPU / eager | compile GPU / eager | liger GPU / eager "
+        "| ours GPU / eager | ours GPU / floor | memory ours | memory liger |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in data["rows"]:
+        ours = row.get("ours", {}).get("graph_ms")
+        ratio = f"{ours / row['floor_ms']:.2f}x" if ours else "n/a"
+        times = " | ".join(f"{_kcell(row, i, 'graph_ms')} / {_kcell(row, i)}" for i in KERNEL_IMPLS)
+        peaks = " | ".join(_kcell(row, i, "peak_extra_mib", "{:.0f}") for i in ("ours", "liger"))
+        lines.append(f"| {row['case']} | {row['floor_ms']:.3f} | {times} | {ratio} | {peaks} |")
+    return "\n".join(lines) + "\n"
+
+
+def kernels_png(data: dict, plt):
+    rows = data["rows"]
+    colors = _colors(KERNEL_IMPLS)
+    fig, ax = plt.subplots(figsize=(12, 4.5))
+    width = 0.8 / len(KERNEL_IMPLS)
+    for k, impl in enumerate(KERNEL_IMPLS):
+        xs, ys = [], []
+        for c, row in enumerate(rows):
+            t = row.get(impl, {}).get("graph_ms")
+            if t is not None:
+                xs.append(c + (k - 1.5) * width)
+                ys.append(t / row["floor_ms"])
+        ax.bar(xs, ys, width, color=colors[impl], label=impl)
+    ax.axhline(1.0, color="k", linestyle="--", label="bandwidth floor")
+    ax.set_xticks(range(len(rows)), [r["case"] for r in rows], rotation=20, ha="right", fontsize=8)
+    _log_axis(ax)
+    ax.set_ylabel("GPU time / bandwidth floor")
+    ax.set_title(
+        f"Row kernels, forward + backward, bf16: GPU time over the bandwidth floor "
+        f"({data['stamp'].get('gpu')}; lower is better)",
+        fontsize=10,
+    )
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+# --- end to end -------------------------------------------------------------------------------------------
+
+
+def _ratio(a, b) -> str:
+    return "–" if a is None or b is None else f"{a / b:.2f}"
+
+
+def e2e_md(data: dict) -> str:
+    task, sweep = data["task"], data["sweep"]
+    has_gen = any(r.get("gen_time_s") is not None for r in sweep)
+    lines = [
+        f"# End to end: {task.upper()}, chunkloss trainer vs TRL's",
+        "",
+        f"{stamp_line(data['stamp'])}. {data.get('model', '')} Step time: median over the timed steps; peak "
+        "memory: the highest CUDA memory allocated during training. Ratios: the implementation's over TRL's "
+        "at the same batch (below 1: faster / less).",
+        "",
+    ]
+    cols = ["impl", "batch", "steps", "step time (s)"]
+    if has_gen:
+        cols += ["generation (s)", "step outside generation (s)", "outside generation / trl"]
+    cols += ["peak memory (GiB)", "time / trl", "memory / trl"]
+    lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    trl = {r["batch"]: r for r in sweep if r["impl"] == "trl" and not r["oom"]}
+    for r in sweep:
+        cells = [r["impl"], r["batch"], r["steps"]]
+        if r["oom"]:
+            cells += ["OOM"] + [""] * (len(cols) - 4)
+        else:
+            t = trl.get(r["batch"]) if r["impl"] != "trl" else None
+            cells.append(f"{r['step_time_s']:.3f}")
+            if has_gen:
+                tt = None if t is None else t.get("train_time_s")
+                cells += [f"{r['gen_time_s']:.3f}", f"{r['train_time_s']:.3f}", _ratio(r["train_time_s"], tt)]
+            cells += [
+                f"{r['peak_mem_gib']:.2f}",
+                _ratio(r["step_time_s"], None if t is None else t["step_time_s"]),
+                _ratio(r["peak_mem_gib"], None if t is None else t["peak_mem_gib"]),
+            ]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    for s in data.get("skipped", []):
+        lines.append(f"\nSweep stopped before batch {s['batch']} ({s['reason']}).")
+    curves = data.get("curves") or []
+    if curves:
+        rewards = any(r.get("rewards") for r in curves)
+        cols = ["impl", "batch", "steps", "first loss", "last loss"] + [
+            "first reward",
+            "last reward",
+        ] * rewards
+        lines += ["", "Training curves (first and last logged value):", ""]
+        lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        for r in curves:
+            ls, rw = r.get("losses") or [math.nan], r.get("rewards") or [math.nan]
+            vals = [ls[0], ls[-1]] + ([rw[0], rw[-1]] if rewards else [])
+            cells = [r["impl"], r["batch"], r["steps"], *(f"{v:.4f}" for v in vals)]
+            lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _e2e_panels(data: dict) -> list[tuple[str, str]]:
+    """(kind, title) of each panel that has data: sweeps always; generation split and curves if recorded."""
+    task, panels = data["task"], []
+    panels.append(("step_time_s", f"{task}: step time (s) vs batch"))
+    if any(r.get("train_time_s") is not None for r in data["sweep"]):
+        panels.append(("train_time_s", f"{task}: step time outside generation (s) vs batch"))
+    panels.append(("peak_mem_gib", f"{task}: peak memory (GiB) vs batch"))
+    curves = data.get("curves") or []
+    if any(r.get("rewards") for r in curves):
+        panels.append(("rewards", f"{task}: reward per step"))
+    elif any(r.get("losses") for r in curves):
+        panels.append(("losses", f"{task}: loss per step"))
+    return panels
+
+
+def e2e_png(data: dict, plt):
+    panels = _e2e_panels(data)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.8), squeeze=False)
+    # Equal curves overlap: the line styles tell them apart.
+    style = dict(zip(E2E_IMPLS, ("-", "--", ":"), strict=True))
+    for ax, (key, title) in zip(axes[0], panels, strict=True):
+        for impl in E2E_IMPLS:
+            if key in ("rewards", "losses"):
+                for r in data["curves"]:
+                    if r["impl"] == impl and r.get(key):
+                        ax.plot(range(1, len(r[key]) + 1), r[key], label=impl, linestyle=style[impl])
+                ax.set_xlabel(f"step (batch {data['curves'][0]['batch']})")
+                continue
+            pts = [
+                (r["batch"], r[key])
+                for r in data["sweep"]
+                if r["impl"] == impl and not r["oom"] and r.get(key) is not None
+            ]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=impl, linestyle=style[impl])
+            ax.set_xscale("log", base=2)
+            ax.xaxis.set_major_formatter(_plain())
+            ax.set_xlabel("per-device batch")
+        ax.set_title(title, fontsize=10)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.suptitle(f"{data.get('model', '')} ({data['stamp'].get('gpu')})", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+# --- multi-GPU --------------------------------------------------------------------------------------------
+
+
+def _mem(mem) -> str:
+    return "n/a" if not mem else " / ".join(f"{m['allocated']:.3f}" for m in mem)
+
+
+def multigpu_md(data: dict) -> str:
+    lines = [
+        "# Multi-GPU parity: chunked trainers on 2 GPUs vs 1 GPU, same accelerate config and global batch",
+        "",
+        f"{stamp_line(data['stamp'])}. Gradients of the first step (before clipping and the optimizer step), "
+        "fp32 copies of bf16 training; relative error = max |difference| / max |1-GPU entry| per tensor, max "
+        "over tensors. Curve: 20 logged losses, largest |difference| (and the same over the largest |1-GPU "
+        "loss|). Step time: median after the warm-up steps. Memory: peak allocated GiB per GPU.",
+        "",
+        "| trainer | backend | max abs grad err | max rel grad err | max abs curve diff | max rel curve diff "
+        "| step s (2 GPU / 1 GPU) | peak GiB per GPU (2 GPU; 1 GPU) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in data["comparisons"]:
+        m, s = r["multi"], r["single"]
+        lines.append(
+            f"| {r['trainer']} | {r['backend']} "
+            f"| {r['max_abs_grad_error']:.2e} | {r['max_rel_grad_error']:.2e} "
+            f"| {r['max_abs_curve_diff']:.2e} | {r['max_rel_curve_diff']:.2e} "
+            f"| {m['median_step_time_s']:.3f} / {s['median_step_time_s']:.3f} "
+            f"| {_mem(m['peak_memory_gib'])}; {_mem(s['peak_memory_gib'])} |"
+        )
+    if data.get("notes"):
+        lines += ["", "Runs without a comparison:", "", *[f"- {n}" for n in data["notes"]]]
+    return "\n".join(lines) + "\n"
+
+
+def multigpu_png(data: dict, plt):
+    comps = data["comparisons"]
+    labels = [f"{r['trainer']}\n{r['backend']}" for r in comps]
+    fig, (ax_e, ax_t) = plt.subplots(1, 2, figsize=(11, 4))
+    xs = range(len(comps))
+    grads, curves = [r["max_rel_grad_error"] for r in comps], [r["max_rel_curve_diff"] for r in comps]
+    ax_e.bar([x - 0.2 for x in xs], grads, 0.4, label="first-step gradients")
+    ax_e.bar([x + 0.2 for x in xs], curves, 0.4, label="20-step loss curve")
+    ax_e.axhline(2**-7, color="k", linestyle="--", label="one bf16 rounding step (2^-7)")
+    ax_e.set_title("2 GPUs vs 1 GPU: largest relative difference", fontsize=10)
+    _log_axis(ax_e)
+    ax_t.bar([x - 0.2 for x in xs], [r["multi"]["median_step_time_s"] for r in comps], 0.4, label="2 GPUs")
+    ax_t.bar([x + 0.2 for x in xs], [r["single"]["median_step_time_s"] for r in comps], 0.4, label="1 GPU")
+    ax_t.set_title("median step time (s), tiny model", fontsize=10)
+    for ax in (ax_e, ax_t):
+        ax.set_xticks(list(xs), labels, fontsize=8)
+        ax.legend(fontsize=8)
+    fig.suptitle(data["stamp"].get("gpu", ""), fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+RENDERERS = {
+    "losses": (losses_md, losses_png),
+    "kernels": (kernels_md, kernels_png),
+    "e2e": (e2e_md, e2e_png),
+    "multigpu": (multigpu_md, multigpu_png),
+}
