@@ -13,10 +13,11 @@ import pathlib
 
 GiB = 2**30
 MEMORY_LABEL = "peak extra memory (GiB)"
-MEMORY_DEFINITION = (
-    "Peak extra memory: the highest memory allocated during the step minus the memory allocated before it, "
-    "not counting the gradients the step returns."
+MEMORY_MEANING = (
+    "the highest memory allocated during the step minus the memory allocated before it, not counting the "
+    "gradients the step returns"
 )
+MEMORY_DEFINITION = f"Peak extra memory: {MEMORY_MEANING}."
 GEMM_FLOOR = (
     "GEMM floor: the time the step's unavoidable matrix multiplications (the logits and their two gradients) "
     "would take at {tflops:.0f} TFLOP/s, the bf16 rate cuBLAS reaches on a large square matrix product on "
