@@ -1,7 +1,8 @@
-"""Gated activations ``act(a) * b``: SwiGLU (``act = silu``) and GeGLU (``act = gelu_tanh``) in Triton.
+"""Gated activations ``act(a) * b``: SwiGLU (``act = silu``) and GeGLU (``act = gelu_tanh`` or ``gelu``).
 
 SwiGLU equals ``transformers``' ``ACT2FN["silu"](a) * b`` (Llama, Mistral, Qwen MLPs), GeGLU equals
-``ACT2FN["gelu_pytorch_tanh"](a) * b`` (Gemma MLPs). The activation is computed in fp32 and rounded once.
+``ACT2FN["gelu_pytorch_tanh"](a) * b`` (Gemma MLPs) or ``ACT2FN["gelu"](a) * b`` (exact, erf-based).
+The activation is computed in fp32 and rounded once.
 The forward saves only ``a`` and ``b``; the backward recomputes ``act(a)`` and ``act'(a)``.
 """
 
@@ -16,8 +17,8 @@ from torch import nn
 
 from ._utils import cdiv
 
-ACTIVATIONS = ("silu", "gelu_tanh")
-_ACT_ID = {"silu": 0, "gelu_tanh": 1}
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+_ACT_ID = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
 
 
 def swiglu_ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -28,6 +29,17 @@ def swiglu_ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def geglu_ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``F.gelu(a, approximate="tanh") * b`` ((..., I), (..., I) -> (..., I)), as GemmaMLP computes it."""
     return F.gelu(a, approximate="tanh") * b
+
+
+def glu_ref(a: torch.Tensor, b: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """``act(a) * b`` for ``activation`` in :data:`ACTIVATIONS` ("gelu" is the exact, erf-based GELU)."""
+    if activation == "silu":
+        return F.silu(a) * b
+    if activation == "gelu_tanh":
+        return F.gelu(a, approximate="tanh") * b
+    if activation == "gelu":
+        return F.gelu(a) * b
+    raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
 
 
 @dataclass(frozen=True)
@@ -42,18 +54,22 @@ _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 # act(a) and act'(a) in fp32, with s = sigmoid(a) and, for gelu_tanh, u = k0 * (a + 0.044715 a^3):
 #   silu(a) = a s,                 silu'(a) = s (1 + a (1 - s))
 #   gelu_tanh(a) = 0.5 a (1 + t),  gelu_tanh'(a) = 0.5 (1 + t) + 0.5 a (1 - t^2) k0 (1 + 3 0.044715 a^2)
-#   with t = tanh(u).
+#   with t = tanh(u);
+#   gelu(a) = a c,  gelu'(a) = c + a exp(-a^2 / 2) / sqrt(2 pi),  with c = 0.5 (1 + erf(a / sqrt 2)).
 # tanh(u) = 2 sigmoid(2u) - 1, which every backend (and the interpreter) provides and is stable for large |u|.
 @triton.jit
 def _act_and_grad(a, ACT: tl.constexpr, K0: tl.constexpr):
     if ACT == 0:
         s = tl.sigmoid(a)
         return a * s, s * (1.0 + a * (1.0 - s))
-    else:
+    elif ACT == 1:
         t = 2.0 * tl.sigmoid(2.0 * K0 * (a + 0.044715 * a * a * a)) - 1.0
         act = 0.5 * a * (1.0 + t)
         dact = 0.5 * (1.0 + t) + 0.5 * a * (1.0 - t * t) * K0 * (1.0 + 3.0 * 0.044715 * a * a)
         return act, dact
+    else:
+        cdf = 0.5 * (1.0 + tl.math.erf(a * 0.7071067811865476))  # 1 / sqrt(2); 0.3989... = 1 / sqrt(2 pi)
+        return a * cdf, cdf + a * tl.exp(-0.5 * a * a) * 0.3989422804014327
 
 
 @triton.jit
@@ -62,7 +78,7 @@ def _glu_fwd_kernel(
     B,  # (n,) up input, flat contiguous
     C,  # (n,) output act(a) * b
     n_elements,
-    ACT: tl.constexpr,  # 0 silu, 1 gelu_tanh
+    ACT: tl.constexpr,  # 0 silu, 1 gelu_tanh, 2 gelu (erf)
     K0: tl.constexpr,  # sqrt(2 / pi)
     BLOCK_SIZE: tl.constexpr,
 ):
