@@ -28,9 +28,9 @@ both trainers; each GRPO run also records the time spent per step in ``_generate
 ``step_time_s``. Then each implementation trains ``--curve-steps`` steps from the same initial weights at
 ``--curve-batch`` and their loss curves are recorded (fewer steps, at least ``--min-curve-steps``, when the
 sweep's step times say the full curves would overrun the task's share). ``--time-budget-s`` is split evenly
-over the tasks still to run, so time one task leaves over goes to the next. ``e2e.json`` and ``e2e.md`` in
-``--out`` are rewritten after every run, so a run that is cut off still leaves its results; ``e2e.png`` (with
-matplotlib) after every task.
+over the tasks still to run, so time one task leaves over goes to the next. Each task's result set,
+``e2e_<task>.json`` (stamped with date, GPU and versions) and ``e2e_<task>.md`` in ``--out``, is rewritten
+after every run, so a run that is cut off still leaves its results; ``e2e_<task>.png`` after every task.
 
 Every run starts from the same weights: each task's model is initialised once, directly on the device in
 its dtype, and each run builds its model on the device and loads that saved copy (kept in host memory, so it
@@ -44,8 +44,8 @@ nothing, so the large random vocabulary is harmless. The models keep their real 
 unless ``--layers`` trims them to fit a time budget (the LM head, where the implementations differ, keeps its
 full size either way); each result records its layer count.
 
-    python -m benchmarks.bench_e2e --out benchmarks/results/e2e                 # grpo,dpo,orpo; H100, ~7 min
-    python -m benchmarks.bench_e2e --out /tmp/e2e --tasks sft,gkd               # the other two
+    python -m benchmarks.bench_e2e --out benchmarks/results                     # grpo,dpo,orpo; H100, ~7 min
+    python -m benchmarks.bench_e2e --out benchmarks/results --tasks sft,gkd     # the other two
     python -m benchmarks.bench_e2e --out /tmp/e2e --tiny                        # CPU smoke run
     TRITON_INTERPRET=1 python -m benchmarks.bench_e2e --out /tmp/e2e --tiny     # ... with the kernels
 
@@ -57,16 +57,18 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import os
 import statistics
+import sys
 import time
 
 import torch
 from datasets import Dataset
 from transformers import AutoConfig, AutoModelForCausalLM, TrainerCallback
 
+from benchmarks.harness import stamp
+from benchmarks.render import write_set
 from chunkloss.data import count_reward, tiny_tokenizer
 
 SHAPES = {
@@ -499,8 +501,12 @@ def main(argv=None):
     p.add_argument("--out", required=True)
     p.add_argument("--tasks", default="grpo,dpo,orpo", help=f"comma-separated, from {', '.join(TASKS)}")
     p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated, from {', '.join(IMPLS)}")
-    p.add_argument("--layers", type=int, default=0,
-                   help="decoder layers; 0 (default): the real models' 28 (Qwen3-0.6B) / 16 (Llama-3.2-1B)")
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=0,
+        help="decoder layers; 0 (default): the real models' 28 (Qwen3-0.6B) / 16 (Llama-3.2-1B)",
+    )
     p.add_argument("--batch-sizes", default="2,4,8,16,32,64,128")
     p.add_argument("--sweep-steps", type=int, default=8,
                    help="steps of the first sweep run, --warmup untimed; later runs no fewer")  # fmt: skip
@@ -545,97 +551,46 @@ def main(argv=None):
     os.makedirs(a.out, exist_ok=True)
     t_start = time.perf_counter()
     tokenizer = tiny_tokenizer()
-    results = {"device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "args": vars(a),
-               "sweep": [], "curves": [], "skipped": []}  # fmt: skip
+    command = "python -m benchmarks.bench_e2e " + " ".join(argv if argv is not None else sys.argv[1:])
+    results = {"stamp": stamp(command=command.strip()), "args": vars(a), "models": {}, "sweep": [],
+               "curves": [], "skipped": []}  # fmt: skip
     _cleanup()
     for i, task in enumerate(tasks):
         share = (a.time_budget_s - (time.perf_counter() - t_start)) / (len(tasks) - i)
         shape = grpo_shape if task == "grpo" else llama_shape
+        results["models"][task] = model_description(shape, a.layers or SHAPES[shape]["layers"], task)
         run_task(task, shape, a, tokenizer, results, time.perf_counter() + max(share, 0.0), t_start)
         results["wall_s"] = time.perf_counter() - t_start
         write_outputs(results, a.out)
     print(f"wall {results['wall_s']:.0f} s; results in {a.out}")
 
 
-def write_outputs(results: dict, out: str, plot: bool = True) -> None:
-    with open(os.path.join(out, "e2e.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    lines = [f"# End-to-end: chunkloss trainers vs TRL ({results['device']})", "",
-             "Ratios: the implementation's over TRL's at the same task and batch (below 1: faster / less).",
-             "Step, generation and train times: medians over the timed steps; generation (GRPO only) is the "
-             "time in `_generate_and_score_completions`, train time the rest of the step (the loss path).",
-             "",
-             "| task | impl | batch | steps | step time (s) | gen time (s) | train time (s) | tokens/s "
-             "| peak mem (GiB) | time / trl | train time / trl | mem / trl |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    trl = {(r["task"], r["batch"]): r for r in results["sweep"] if r["impl"] == "trl" and not r["oom"]}
-    for r in results["sweep"]:
-        if r["oom"]:
-            lines.append(f"| {r['task']} | {r['impl']} | {r['batch']} | {r['steps']} | OOM | | | | | | | |")
-            continue
-        mem = "" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.2f}"
-        tps = r.get("tokens_per_s")
-        t = trl.get((r["task"], r["batch"])) if r["impl"] != "trl" else None
-        t_ratio = "–" if t is None else f"{r['step_time_s'] / t['step_time_s']:.2f}"
-        gen, train = r.get("gen_time_s"), r.get("train_time_s")
-        has_train = t is not None and train is not None and t.get("train_time_s") is not None
-        tr_ratio = f"{train / t['train_time_s']:.2f}" if has_train else ("–" if train is not None else "")
-        has_mem = t is not None and r["peak_mem_gib"] is not None and t["peak_mem_gib"] is not None
-        m_ratio = f"{r['peak_mem_gib'] / t['peak_mem_gib']:.2f}" if has_mem else "–"
-        cells = [r["task"], r["impl"], r["batch"], r["steps"], f"{r['step_time_s']:.3f}",
-                 "" if gen is None else f"{gen:.3f}", "" if train is None else f"{train:.3f}",
-                 "" if tps is None else f"{tps:.0f}", mem, t_ratio, tr_ratio, m_ratio]  # fmt: skip
-        lines.append("| " + " | ".join(map(str, cells)) + " |")
-    for s in results.get("skipped", []):
-        lines.append(f"\n{s['task']}: sweep stopped before batch {s['batch']} ({s['reason']}).")
-    lines += ["", "## Curves (first and last logged loss, and reward where the trainer logs one)", "",
-              "| task | impl | batch | steps | first loss | last loss | first reward | last reward |",
-              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for r in results["curves"]:
-        ls = r.get("losses") or [math.nan]
-        rw = r.get("rewards") or [math.nan]
-        row = f"| {r['task']} | {r['impl']} | {r['batch']} | {r['steps']}"
-        lines.append(f"{row} | {ls[0]:.4f} | {ls[-1]:.4f} | {rw[0]:.4f} | {rw[-1]:.4f} |")
-    lines.append(f"\nWall time: {results.get('wall_s', math.nan):.0f} s")
-    with open(os.path.join(out, "e2e.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    if not plot:
-        return
-    try:
-        import matplotlib
+def model_description(shape: str, layers: int, task: str) -> str:
+    """One line naming the model shape a task ran on (recorded in its result set)."""
+    s = SHAPES[shape]
+    name = {"qwen3-0.6b": "Qwen3-0.6B", "qwen3-1.7b": "Qwen3-1.7B", "llama-3.2-1b": "Llama-3.2-1B"}.get(
+        shape, shape
+    )
+    text = f"{name} shape ({layers} decoder layers, hidden {s['hidden']}, vocab {s['vocab']}), random weights"
+    if task == "gkd":
+        text += "; teacher: the same shape, other weights; off-policy (lmbda=0)"
+    return text + "."
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    tasks = sorted({r["task"] for r in results["curves"] + results["sweep"]})
-    if not tasks:
-        return
-    fig, axes = plt.subplots(2, len(tasks), figsize=(5 * len(tasks), 8), squeeze=False)
-    style = {impl: ls for impl, ls in zip(IMPLS, ("-", "--", ":"), strict=True)}  # equal curves overlap
-    for j, task in enumerate(tasks):
-        key = "rewards" if any(r.get("rewards") for r in results["curves"] if r["task"] == task) else "losses"
-        for r in results["curves"]:
-            if r["task"] == task and r.get(key):
-                axes[0][j].plot(r[key], label=r["impl"], linestyle=style.get(r["impl"], "-"))
-        axes[0][j].set_title(f"{task}: {'reward' if key == 'rewards' else 'loss'}")
-        for impl in IMPLS:
-            pts = [
-                (r["batch"], r["peak_mem_gib"])
-                for r in results["sweep"]
-                if r["task"] == task and r["impl"] == impl and not r["oom"] and r["peak_mem_gib"] is not None
-            ]
-            if pts:
-                axes[1][j].plot(*zip(*pts), marker="o", label=impl, linestyle=style[impl])
-        axes[1][j].set_xscale("log", base=2)
-        axes[1][j].set_xlabel("per-device batch")
-        axes[1][j].set_title(f"{task}: peak memory (GiB)")
-        for ax in (axes[0][j], axes[1][j]):
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "e2e.png"), dpi=110)
-    plt.close(fig)
+
+def write_outputs(results: dict, out: str, plot: bool = True) -> None:
+    """Write each task's result set ``e2e_<task>`` (json, md and, if ``plot``, png) under ``out``."""
+    for task in dict.fromkeys(r["task"] for r in results["sweep"] + results["curves"]):
+        data = {
+            "stamp": results["stamp"],
+            "task": task,
+            "model": results["models"].get(task, ""),
+            "args": results["args"],
+            "sweep": [r for r in results["sweep"] if r["task"] == task],
+            "curves": [r for r in results["curves"] if r["task"] == task],
+            "skipped": [s for s in results["skipped"] if s["task"] == task],
+            "wall_s": results.get("wall_s"),
+        }
+        write_set(out, f"e2e_{task}", data, plot=plot)
 
 
 if __name__ == "__main__":

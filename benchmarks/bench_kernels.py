@@ -1,21 +1,23 @@
 """Forward + backward of the Triton row kernels vs PyTorch, torch.compile and Liger, on one CUDA GPU.
 
 For each case: median time of one autograd call (forward, then ``torch.autograd.grad``) after warm-up,
-peak extra memory of that call, the minimal bytes it must move, and the floor ``bytes / 3.0 TB/s`` (H100
-HBM3). ``floor / time`` is the fraction of that bandwidth achieved. Writes ``kernels.json`` and
-``kernels.md`` under ``--out``.
+the memory that call allocates (outputs and gradients included), the minimal bytes it must move, and the
+bandwidth floor ``bytes / 3.0 TB/s`` (H100 HBM3). Writes ``kernels.json`` (stamped with date, GPU and
+versions), ``kernels.md`` and ``kernels.png`` under ``--out``.
 
-    python benchmarks/bench_kernels.py [--out benchmarks/results] [--quick]
+    python -m benchmarks.bench_kernels [--out benchmarks/results] [--quick]
 """
 
 import argparse
 import functools
-import json
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from benchmarks.harness import stamp
+from benchmarks.render import write_set
 
 PEAK_BW = 3.0e12  # bytes/s, H100 SXM HBM3
 IMPLS = ("torch", "compile", "liger", "ours")
@@ -90,9 +92,14 @@ def make_cases(quick: bool):
     batch, seq, n_q, n_k, head_dim = 4, 4096, 32, 8, 128
 
     # fwd: read q, k, write q, k; bwd: the same on their gradients (cos/sin are O(B T D)).
-    cases.append((f"RoPE B={batch} T={seq} {n_q}/{n_k}x{head_dim}", "rope",
-                  functools.partial(rope_inputs, batch, seq, n_q, n_k, head_dim, dt),
-                  4 * batch * seq * (n_q + n_k) * head_dim * e))
+    cases.append(
+        (
+            f"RoPE B={batch} T={seq} {n_q}/{n_k}x{head_dim}",
+            "rope",
+            functools.partial(rope_inputs, batch, seq, n_q, n_k, head_dim, dt),
+            4 * batch * seq * (n_q + n_k) * head_dim * e,
+        )
+    )
     return cases
 
 
@@ -110,15 +117,21 @@ def implementations(liger):
         swiglu_ref,
     )
 
-    refs = {"rms_norm": lambda x, w: rms_norm_ref(x, w, 1e-6), "layer_norm": layer_norm_ref,
-            "swiglu": swiglu_ref, "geglu": geglu_ref,
-            "rope": lambda q, k, cos, sin: apply_rotary_pos_emb_ref(q, k, cos, sin)}
+    refs = {
+        "rms_norm": lambda x, w: rms_norm_ref(x, w, 1e-6),
+        "layer_norm": layer_norm_ref,
+        "swiglu": swiglu_ref,
+        "geglu": geglu_ref,
+        "rope": lambda q, k, cos, sin: apply_rotary_pos_emb_ref(q, k, cos, sin),
+    }
     # Ours as patch() uses them: gradients written over buffers nobody else reads (Liger does the same).
-    ours = {"rms_norm": lambda x, w: rms_norm(x, w, 1e-6, in_place=True),
-            "layer_norm": lambda x, w, b: layer_norm(x, w, b, in_place=True),
-            "swiglu": lambda a, b: swiglu(a, b, in_place=True),
-            "geglu": lambda a, b: geglu(a, b, in_place=True),
-            "rope": lambda q, k, cos, sin: apply_rotary_pos_emb(q, k, cos, sin, in_place=True)}
+    ours = {
+        "rms_norm": lambda x, w: rms_norm(x, w, 1e-6, in_place=True),
+        "layer_norm": lambda x, w, b: layer_norm(x, w, b, in_place=True),
+        "swiglu": lambda a, b: swiglu(a, b, in_place=True),
+        "geglu": lambda a, b: geglu(a, b, in_place=True),
+        "rope": lambda q, k, cos, sin: apply_rotary_pos_emb(q, k, cos, sin, in_place=True),
+    }
     compiled = {op: torch.compile(fn, dynamic=False) for op, fn in refs.items()}
     return {"torch": refs, "compile": compiled, "liger": liger, "ours": ours}
 
@@ -127,12 +140,15 @@ def step_fn(op, fn, inputs):
     """One forward + backward; RoPE inputs are (B, T, H, D) leaves handed over as (B, H, T, D) views."""
     if op == "rope":
         q, k, cos, sin = inputs
-        grads = [torch.randn(q.shape, device="cuda", dtype=q.dtype).transpose(1, 2),
-                 torch.randn(k.shape, device="cuda", dtype=k.dtype).transpose(1, 2)]
+        grads = [
+            torch.randn(q.shape, device="cuda", dtype=q.dtype).transpose(1, 2),
+            torch.randn(k.shape, device="cuda", dtype=k.dtype).transpose(1, 2),
+        ]
 
         def step():
             qe, ke = fn(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
             torch.autograd.grad((qe, ke), (q, k), grads)
+
         return step
     leaves = [t for t in inputs if t.requires_grad]
     probe = fn(*inputs)
@@ -141,6 +157,7 @@ def step_fn(op, fn, inputs):
 
     def step():
         torch.autograd.grad(fn(*inputs), leaves, grad)
+
     return step
 
 
@@ -187,13 +204,17 @@ def _fmt(ms):
     return "n/a" if ms is None else f"{ms:.3f}"
 
 
-def main():
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--quick", action="store_true", help="only hidden size 4096 for the norms")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        sys.exit("bench_kernels.py needs a CUDA GPU (none found); nothing was measured.")
+        print(
+            "bench_kernels: no CUDA device; CPU timings would mean nothing, so nothing was run.",
+            file=sys.stderr,
+        )
+        return 2
     torch._dynamo.config.cache_size_limit = 64
     torch.manual_seed(0)
     impls = implementations(_liger())
@@ -223,35 +244,16 @@ def main():
                 "graph_frac_of_floor": None if graph_ms is None else floor_ms / graph_ms,
             }
         rows.append(row)
-        timings = [f"{impl} {row[impl]['ms']:6.3f}/{_fmt(row[impl]['graph_ms'])} ms"
-                   for impl in IMPLS if impl in row]
+        timings = [
+            f"{impl} {row[impl]['ms']:6.3f}/{_fmt(row[impl]['graph_ms'])} ms" for impl in IMPLS if impl in row
+        ]
         print(" | ".join([f"{name:<34}", f"floor {floor_ms:6.3f} ms", *timings]), flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "peak_bw": PEAK_BW,
-            "dtype": "bfloat16", "seconds": time.time() - start}
-    (out / "kernels.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    lines = [f"# Row kernels, forward + backward ({meta['device']}, bf16, torch {meta['torch']})", "",
-             "Median ms of one step (forward, then `torch.autograd.grad`). **GPU** = the step captured in a "
-             "CUDA graph and replayed (GPU time alone, as in a model where the host runs ahead); **eager** = "
-             "launched back to back from Python (host-bound where launching costs more than the GPU work). "
-             "Floor = minimal bytes / 3.0 TB/s; peak = extra memory of one eager step in MiB.", "",
-             "| case | floor | torch GPU / eager | compile GPU / eager | liger GPU / eager "
-             "| ours GPU / eager | ours GPU / floor | peak ours | peak liger |",
-             "|---|---|---|---|---|---|---|---|---|"]
-
-    def cell(row, impl, key="ms", fmt="{:.3f}"):
-        return fmt.format(row[impl][key]) if impl in row and row[impl][key] is not None else "n/a"
-
-    for row in rows:
-        ours = row.get("ours", {}).get("graph_ms")
-        ratio = f"{ours / row['floor_ms']:.2f}x" if ours else "n/a"
-        times = " | ".join(f"{cell(row, impl, 'graph_ms')} / {cell(row, impl)}" for impl in IMPLS)
-        peaks = " | ".join(cell(row, impl, "peak_extra_mib", "{:.0f}") for impl in ("ours", "liger"))
-        lines.append(f"| {row['case']} | {row['floor_ms']:.3f} | {times} | {ratio} | {peaks} |")
-    (out / "kernels.md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {out / 'kernels.json'} and {out / 'kernels.md'} in {meta['seconds']:.0f} s")
+    command = "python -m benchmarks.bench_kernels " + " ".join(argv if argv is not None else sys.argv[1:])
+    data = {"stamp": stamp(command=command.strip()), "peak_bw": PEAK_BW, "dtype": "bfloat16", "rows": rows}
+    write_set(args.out, "kernels", data)
+    print(f"wrote {Path(args.out) / 'kernels'}.json, .md and .png in {time.time() - start:.0f} s")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -83,7 +83,12 @@ def impls(**mode) -> dict:
     with_ref = ours.options.beta != 0.0
     out = {
         "chunkloss": lambda i: ours(
-            i["hidden"], i["weight"], i["ids"], i["mask"], i["adv"], old_logps=i["old"],
+            i["hidden"],
+            i["weight"],
+            i["ids"],
+            i["mask"],
+            i["adv"],
+            old_logps=i["old"],
             ref_logps=i["ref"] if with_ref else None,
         ),  # fmt: skip
         "torch": lambda i: _torch(i, **mode),

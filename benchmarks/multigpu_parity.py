@@ -1,4 +1,4 @@
-"""Multi-GPU parity of the chunked trainers (issue 9): FSDP2 or DeepSpeed ZeRO-3 on 2 GPUs against 1 GPU.
+"""Multi-GPU parity of the chunked trainers: FSDP2 or DeepSpeed ZeRO-3 on 2 GPUs against 1 GPU.
 
 Under ``accelerate launch`` this trains a tiny random model from ``chunkloss.data`` for 20 steps, saving on
 rank 0 the full gradients of the first step (taken after the backward, before clipping and the optimizer
@@ -7,8 +7,9 @@ one process on the global batch (per-device batch x ``--world``). The reference 
 accelerate config on one GPU, so that both runs follow one precision recipe (FSDP2's bf16 parameters, ZeRO-3's
 bf16 module) and differ only in the sharding and in how the batch is split; without a launcher, ``--single``
 is a plain one-process Trainer run (bf16 autocast on CUDA, fp32 on CPU). ``--compare`` writes the errors of a
-2-process run against the reference as json, and ``--summary`` a markdown table of every comparison in a
-folder. ``benchmarks/multigpu_run.sh`` runs it all::
+2-process run against the reference as json, and ``--summary DIR`` gathers every comparison in DIR into the
+result set ``DIR/multigpu.json`` (stamped with date, GPUs and versions), ``.md`` and ``.png``, the files to
+copy into ``benchmarks/results/``. ``benchmarks/multigpu_run.sh`` runs it all::
 
     export NCCL_NVLS_ENABLE=0
     accelerate launch --config_file configs/accelerate/fsdp2.yaml --num_processes 2 \\
@@ -35,6 +36,7 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 import argparse  # noqa: E402
 import copy  # noqa: E402
+import importlib.metadata  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
 import re  # noqa: E402
@@ -289,14 +291,6 @@ def compare(multi: Path, single: Path, out: Path) -> dict:
     return result
 
 
-def _fmt(x, spec=".2e") -> str:
-    return "–" if x is None else format(x, spec)
-
-
-def _memory(mem) -> str:
-    return "–" if not mem else " / ".join(f"{m['allocated']:.3f}" for m in mem)
-
-
 def _reason(error_text: str) -> str:
     """Why a run failed, from its error file: a time-out or skip, else its first exception line, else its last
     line."""
@@ -308,56 +302,39 @@ def _reason(error_text: str) -> str:
     return lines[-1][:300] if lines else "?"
 
 
-def summary(folder: Path) -> str:
-    """A markdown report of every ``<trainer>_<backend>.json`` comparison in ``folder`` (and of the runs that
-    left none: their ``<trainer>_<backend>.error`` or the backend's ``<backend>.error``)."""
-    lines = [
-        "# Multi-GPU parity: chunked trainers on 2 GPUs vs 1 GPU, same accelerate config and global batch",
-        "",
-        "Gradients of the first step (before clipping and the optimizer step), fp32 copies of bf16",
-        "training; rel = max |difference| / max |1-GPU entry| per tensor, max over tensors. Curve: 20",
-        "logged losses, largest |difference| (and the same / largest |1-GPU loss|).",
-        f"Step time: median after {WARMUP_STEPS} warm-up steps. Memory: peak allocated GiB per GPU.",
-        "",
-        "| trainer | backend | max abs grad err | max rel grad err | max abs curve diff | max rel curve diff "
-        "| step s (2 GPU / 1 GPU) | peak GiB per GPU (2 GPU; 1 GPU) |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    notes = []
+def summary(folder: Path) -> dict:
+    """Gather every ``<trainer>_<backend>.json`` comparison in ``folder`` into the result set
+    ``folder/multigpu`` (json, md, png); a run that left none is named in ``notes`` with the reason from its
+    ``<trainer>_<backend>.error`` or the backend's ``<backend>.error``."""
+    from benchmarks.harness import stamp
+    from benchmarks.render import write_set
+
+    comparisons, notes = [], []
     for trainer in TRAINERS:
         for backend in BACKENDS:
             f = folder / f"{trainer}_{backend}.json"
             if not f.exists():
-                err = next(
-                    (
-                        e
-                        for e in (folder / f"{trainer}_{backend}.error", folder / f"{backend}.error")
-                        if e.exists()
-                    ),
-                    None,
-                )
-                why = _reason(err.read_text()) if err else "no result"
-                lines.append(f"| {trainer} | {backend} | – | – | – | – | – | – |")
-                notes.append(f"- {trainer} / {backend}: {why}")
+                errors = (folder / f"{trainer}_{backend}.error", folder / f"{backend}.error")
+                err = next((e for e in errors if e.exists()), None)
+                notes.append(f"{trainer} / {backend}: {_reason(err.read_text()) if err else 'no result'}")
                 continue
             r = json.loads(f.read_text())
-            m, s = r["multi"], r["single"]
-            lines.append(
-                f"| {trainer} | {backend} "
-                f"| {_fmt(r['max_abs_grad_error'])} | {_fmt(r['max_rel_grad_error'])} "
-                f"| {_fmt(r['max_abs_curve_diff'])} | {_fmt(r['max_rel_curve_diff'])} "
-                f"| {_fmt(m['median_step_time_s'], '.3f')} / {_fmt(s['median_step_time_s'], '.3f')} "
-                f"| {_memory(m['peak_memory_gib'])}; {_memory(s['peak_memory_gib'])} |"
+            comparisons.append(
+                {"trainer": trainer, "backend": backend, **{k: v for k, v in r.items() if k != "trainer"}}
             )
             if r["missing_grads"] or r["extra_grads"]:
-                notes.append(
-                    f"- {trainer} / {backend}: missing {r['missing_grads']}, extra {r['extra_grads']}"
-                )
-    if notes:
-        lines += ["", "Runs without a comparison or with unmatched gradients:", "", *notes]
-    text = "\n".join(lines) + "\n"
-    (folder / "summary.md").write_text(text)
-    return text
+                notes.append(f"{trainer} / {backend}: missing {r['missing_grads']}, extra {r['extra_grads']}")
+    gpus = torch.cuda.device_count()
+    gpu = f"{gpus} x {torch.cuda.get_device_name()}" if gpus else "cpu"
+    st = stamp(gpu=gpu, command="bash benchmarks/multigpu_run.sh OUT")
+    for name in ("datasets", "deepspeed"):
+        try:
+            st["versions"][name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            st["versions"][name] = None
+    data = {"stamp": st, "warmup_steps": WARMUP_STEPS, "comparisons": comparisons, "notes": notes}
+    write_set(folder, "multigpu", data)
+    return data
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -367,10 +344,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--single", action="store_true", help="the reference: one process on the global batch")
     p.add_argument("--world", type=int, default=2, help="with --single: the multi-process world size")
     p.add_argument("--compare", nargs=2, type=Path, metavar=("MULTI", "SINGLE"))
-    p.add_argument("--summary", type=Path, metavar="DIR", help="write DIR/summary.md from DIR's comparisons")
+    p.add_argument("--summary", type=Path, metavar="DIR", help="write DIR/multigpu.{json,md,png} from DIR")
     a = p.parse_args(argv)
     if a.summary:
-        print(summary(a.summary))
+        summary(a.summary)
+        print((a.summary / "multigpu.md").read_text())
         return
     if a.trainer is None or a.out is None:
         p.error("--trainer and --out are required (except with --summary)")

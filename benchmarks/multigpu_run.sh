@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue 9 on one host with two GPUs, in one command of under 9 minutes (from the repository root):
+# Multi-GPU parity of the chunked trainers on one host with two GPUs, in under 9 minutes (from the repository
+# root):
 #
 #     bash benchmarks/multigpu_run.sh OUT_DIR
 #
@@ -7,10 +8,10 @@
 # benchmarks/multigpu_parity.py under accelerate launch on 2 GPUs, and the reference with the same config on
 # 1 GPU and the global batch (the references of the two backends side by side, on GPU 0 and GPU 1); then each
 # 2-GPU run compared with its reference (OUT_DIR/<trainer>_<backend>.json: first-step gradient errors, 20-step
-# loss curves, step times, peak memory per GPU), the multigpu pytest reading those comparisons, and
-# OUT_DIR/summary.md. Logs: OUT_DIR/logs/.
+# loss curves, step times, peak memory per GPU), the multigpu pytest reading those comparisons, and the result
+# set OUT_DIR/multigpu.{json,md,png} (copy it into benchmarks/results/). Logs and a run report: OUT_DIR/logs/.
 #
-# Wheels in .whl/ (trl, datasets, ...; /work/shared/scripts/gpu-wheels) and .whl-ds/ (both git-ignored) are
+# Wheels in .whl/ (trl, datasets, ... for a host without network) and .whl-ds/ (both git-ignored) are
 # installed into $CHUNKLOSS_SITE (default /tmp/site) unless CHUNKLOSS_SKIP_INSTALL=1. .whl-ds/ holds DeepSpeed
 # built with its ops left to JIT-build on the host's nvcc, and the runtime dependencies the host lacks:
 #     pip download --no-deps --no-binary :all: deepspeed==0.19.8 -d /tmp/ds
@@ -232,24 +233,13 @@ fi
 
 timeout "$(left)" "$PY" -m benchmarks.multigpu_parity --summary "$OUT" > "$LOGS/summary.log" 2>&1
 {
-  echo
-  echo "## This run"
-  echo
   echo "pytest -m multigpu (exit $PYTEST_RC): $(grep -E '(passed|failed|skipped|error)' "$LOGS/pytest.log" | tail -n 1)"
-  echo
   echo "ZeRO-3 head on CPU, 2 gloo processes vs 1 (test_zero3_gloo_grads_equal_single_process): $CPU_TEST"
-  echo
-  echo '```'
   cat "$LOGS/env.log"
   [ "$HAVE_DS" = 1 ] && tail -n 1 "$LOGS/deepspeed_import.log" || head -n 5 "$OUT/zero3.error"
-  echo '```'
-  echo
-  echo "| run | exit | seconds |"
-  echo "|---|---|---|"
-  awk -F'\t' '{printf "| %s | %s | %s |\n", $1, $2, $3}' "$OUT/runs.tsv"
-  echo
+  awk -F'\t' '{printf "%s exit %s after %ss\n", $1, $2, $3}' "$OUT/runs.tsv"
   echo "Whole script: ${SECONDS}s; NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE."
-} >> "$OUT/summary.md"
-cat "$OUT/summary.md"
+} > "$LOGS/report.txt"
+cat "$OUT/multigpu.md" "$LOGS/report.txt" 2> /dev/null
 note "done in ${SECONDS}s; pytest exit $PYTEST_RC"
 exit "$PYTEST_RC"

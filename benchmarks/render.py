@@ -40,9 +40,9 @@ KERNEL_IMPLS = ("torch", "compile", "liger", "ours")
 
 def stamp_line(stamp: dict) -> str:
     """One line naming a result's date, GPU and library versions."""
-    known = {k: v for k, v in stamp.get("versions", {}).items() if v and v != "unknown"}
-    versions = ", ".join(f"{k} {v}" for k, v in known.items())
-    if len(known) < len(stamp.get("versions", {})):
+    recorded = stamp.get("versions", {})
+    versions = ", ".join(f"{k} {v}" for k, v in recorded.items() if v and v != "unknown")
+    if "unknown" in recorded.values():  # a version the run did not record (None: package not installed)
         versions += " (other versions not recorded)"
     return f"{stamp.get('gpu', 'unknown GPU')}, {stamp.get('date', 'unknown date')}; {versions}"
 
@@ -262,6 +262,10 @@ def kernels_png(data: dict, plt):
 # --- end to end -------------------------------------------------------------------------------------------
 
 
+def _num(v, spec: str = ".3f") -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
 def _ratio(a, b) -> str:
     return "–" if a is None or b is None else f"{a / b:.2f}"
 
@@ -289,12 +293,12 @@ def e2e_md(data: dict) -> str:
             cells += ["OOM"] + [""] * (len(cols) - 4)
         else:
             t = trl.get(r["batch"]) if r["impl"] != "trl" else None
-            cells.append(f"{r['step_time_s']:.3f}")
+            cells.append(_num(r["step_time_s"]))
             if has_gen:
                 tt = None if t is None else t.get("train_time_s")
-                cells += [f"{r['gen_time_s']:.3f}", f"{r['train_time_s']:.3f}", _ratio(r["train_time_s"], tt)]
+                cells += [_num(r["gen_time_s"]), _num(r["train_time_s"]), _ratio(r["train_time_s"], tt)]
             cells += [
-                f"{r['peak_mem_gib']:.2f}",
+                _num(r["peak_mem_gib"], ".2f"),
                 _ratio(r["step_time_s"], None if t is None else t["step_time_s"]),
                 _ratio(r["peak_mem_gib"], None if t is None else t["peak_mem_gib"]),
             ]
@@ -388,9 +392,9 @@ def multigpu_md(data: dict) -> str:
         m, s = r["multi"], r["single"]
         lines.append(
             f"| {r['trainer']} | {r['backend']} "
-            f"| {r['max_abs_grad_error']:.2e} | {r['max_rel_grad_error']:.2e} "
-            f"| {r['max_abs_curve_diff']:.2e} | {r['max_rel_curve_diff']:.2e} "
-            f"| {m['median_step_time_s']:.3f} / {s['median_step_time_s']:.3f} "
+            f"| {_num(r['max_abs_grad_error'], '.2e')} | {_num(r['max_rel_grad_error'], '.2e')} "
+            f"| {_num(r['max_abs_curve_diff'], '.2e')} | {_num(r['max_rel_curve_diff'], '.2e')} "
+            f"| {_num(m['median_step_time_s'])} / {_num(s['median_step_time_s'])} "
             f"| {_mem(m['peak_memory_gib'])}; {_mem(s['peak_memory_gib'])} |"
         )
     if data.get("notes"):
@@ -403,14 +407,16 @@ def multigpu_png(data: dict, plt):
     labels = [f"{r['trainer']}\n{r['backend']}" for r in comps]
     fig, (ax_e, ax_t) = plt.subplots(1, 2, figsize=(11, 4))
     xs = range(len(comps))
-    grads, curves = [r["max_rel_grad_error"] for r in comps], [r["max_rel_curve_diff"] for r in comps]
+    grads = [r["max_rel_grad_error"] or 0 for r in comps]
+    curves = [r["max_rel_curve_diff"] or 0 for r in comps]
     ax_e.bar([x - 0.2 for x in xs], grads, 0.4, label="first-step gradients")
     ax_e.bar([x + 0.2 for x in xs], curves, 0.4, label="20-step loss curve")
     ax_e.axhline(2**-7, color="k", linestyle="--", label="one bf16 rounding step (2^-7)")
     ax_e.set_title("2 GPUs vs 1 GPU: largest relative difference", fontsize=10)
     _log_axis(ax_e)
-    ax_t.bar([x - 0.2 for x in xs], [r["multi"]["median_step_time_s"] for r in comps], 0.4, label="2 GPUs")
-    ax_t.bar([x + 0.2 for x in xs], [r["single"]["median_step_time_s"] for r in comps], 0.4, label="1 GPU")
+    for shift, run, label in ((-0.2, "multi", "2 GPUs"), (0.2, "single", "1 GPU")):
+        times = [r[run]["median_step_time_s"] or 0 for r in comps]
+        ax_t.bar([x + shift for x in xs], times, 0.4, label=label)
     ax_t.set_title("median step time (s), tiny model", fontsize=10)
     for ax in (ax_e, ax_t):
         ax.set_xticks(list(xs), labels, fontsize=8)
