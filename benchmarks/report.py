@@ -81,7 +81,8 @@ def readme_block(losses: dict) -> list[str]:
     return [
         f"Forward + backward of the LM head and loss, bf16, Llama-3-8B head (4096 × 128256), one "
         f"{losses['stamp']['gpu']} ({losses['stamp']['date']}). Each cell: milliseconds / {MEMORY_LABEL}, "
-        "lower is better; OOM: out of memory. " + MEMORY_DEFINITION,
+        "lower is better; OOM: out of memory. " + MEMORY_DEFINITION + " Cases: N tokens; B sequences of T "
+        "tokens; pairs x tokens per sequence, with a reference model (+ref).",
         "",
         *peer_table(losses),
         "",
