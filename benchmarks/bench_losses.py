@@ -4,7 +4,7 @@
 
 Loads ``benchmarks/cases_*.py`` (each defines ``cases() -> list[Case]``), times forward + backward of
 each implementation with CUDA events (median after warm-up), measures its peak extra memory
-(``harness.PEAK_EXTRA_MEMORY``), and writes ``<name>.json`` (stamped with date, GPU and versions),
+(``render.MEMORY_DEFINITION``), and writes ``<name>.json`` (stamped with date, GPU and versions),
 ``<name>.md`` and ``<name>.png`` (time and memory per loss family) under ``--out``. A peer that fails or runs
 out of memory is recorded as such.
 """

@@ -3,7 +3,8 @@
 A benchmark case builds its inputs once and offers one callable per implementation (ours and each
 installed peer). Each callable runs forward + backward of the LM-head step on those inputs. The
 harness times it with CUDA events after warm-up (median of ``repeats``) and measures its peak extra
-memory (``PEAK_EXTRA_MEMORY``). Every result file carries a :func:`stamp`: date, GPU and library versions.
+memory (``render.MEMORY_DEFINITION``). Every result file carries a :func:`stamp`: date, GPU and library
+versions.
 """
 
 from __future__ import annotations
@@ -18,11 +19,6 @@ from dataclasses import dataclass, field
 import torch
 
 PEAK_TFLOPS = 800.0  # bf16 dense GEMM rate measured on the H100 (8192³: 798 TFLOP/s)
-# The one definition of memory used by every loss result, table and plot.
-PEAK_EXTRA_MEMORY = (
-    "peak extra memory: the highest memory allocated during the step minus the memory allocated before it, "
-    "not counting the gradients the step returns (the working memory the loss needs beyond its outputs)"
-)
 PACKAGES = (
     "torch",
     "triton",
@@ -92,9 +88,9 @@ def measure(fn: Callable[[dict], torch.Tensor], inputs: dict, warmup: int = 2, r
     """Median time (ms) of forward + backward and peak extra memory (bytes) of one implementation.
 
     Returns:
-        ``ms`` (median), ``ms_all``, ``peak_extra_bytes`` (``PEAK_EXTRA_MEMORY``: every gradient is set to
-        ``None`` before the step, and the bytes of the gradients it returns are subtracted), ``grad_bytes``
-        and ``loss``.
+        ``ms`` (median), ``ms_all``, ``peak_extra_bytes`` (``render.MEMORY_DEFINITION``: every gradient
+        is set to ``None`` before the step, and the bytes of the gradients it returns are subtracted),
+        ``grad_bytes`` and ``loss``.
     """
     leaves = grad_leaves(inputs)
 
