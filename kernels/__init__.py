@@ -1,4 +1,4 @@
-"""Triton row kernels (RMSNorm, LayerNorm, RoPE, SwiGLU, GeGLU) and one-call model patching.
+"""Triton kernels (RMSNorm, LayerNorm, RoPE, SwiGLU, GeGLU, the fused gated MLP) and one-call model patching.
 
 Every kernel has a pure-PyTorch ``*_ref`` beside it that matches the corresponding ``transformers`` module.
 
@@ -11,6 +11,7 @@ Example::
 
 from .glu import GeGLU, SwiGLU, geglu, geglu_ref, swiglu, swiglu_ref
 from .layer_norm import LayerNorm, layer_norm, layer_norm_ref
+from .mlp import FusedGatedMLP, gated_mlp, gated_mlp_ref
 from .patch import SUPPORTED_MODEL_TYPES, patch, unpatch_rotary
 from .rms_norm import RMSNorm, rms_norm, rms_norm_ref
 from .rope import ApplyRotaryPosEmb, apply_rotary_pos_emb, apply_rotary_pos_emb_ref
@@ -31,6 +32,9 @@ __all__ = [
     "swiglu_ref",
     "geglu",
     "geglu_ref",
+    "FusedGatedMLP",
+    "gated_mlp",
+    "gated_mlp_ref",
     "patch",
     "unpatch_rotary",
     "SUPPORTED_MODEL_TYPES",

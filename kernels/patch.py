@@ -4,7 +4,11 @@
 
 * every RMSNorm module's forward for :func:`~chunkloss.kernels.rms_norm` (Gemma: ``1 + w`` in fp32);
 * the family's ``apply_rotary_pos_emb`` for the Triton one (q and k rotated in place);
-* every MLP's ``act(gate) * up`` for :func:`~chunkloss.kernels.swiglu` / :func:`~chunkloss.kernels.geglu`;
+* every gated MLP for :func:`~chunkloss.kernels.mlp.gated_mlp`: the gate and up projections in one GEMM
+  whose epilogue applies the activation, the backward replaying that GEMM so only the MLP's input is saved.
+  An MLP whose projections are not plain ``nn.Linear`` modules (PEFT/LoRA layers, quantised linears, or
+  linears with forward hooks) keeps its projections, checked at every call, and only its
+  ``act(gate) * up`` runs on :func:`~chunkloss.kernels.swiglu` / :func:`~chunkloss.kernels.geglu`;
 * the causal-LM forward, when called with ``labels``, for one that feeds the final hidden states straight
   into ``chunkloss.FusedLinearCrossEntropyLoss``: the (tokens x vocab) logits are never materialised and the
   output's ``logits`` is ``None``. Without labels the original forward runs and returns logits as usual.
@@ -16,6 +20,7 @@ function back.
 """
 
 import functools
+import os
 import sys
 import types
 import warnings
@@ -23,6 +28,7 @@ import warnings
 from torch import nn
 
 from . import glu as _glu
+from . import mlp as _mlp
 from . import rms_norm as _rms
 from . import rope as _rope
 
@@ -55,10 +61,20 @@ def _norm_forward(module, x, *, eps, offset, casting, in_place):
     return _rms.rms_norm(x, module.weight, eps, offset, casting, in_place)
 
 
-def _mlp_forward(module, x, *, activation):
+def _plain_linear(module: nn.Module) -> bool:
+    """An ``nn.Linear`` whose forward is ``F.linear(x, weight, bias)``: not a subclass (LoRA, quantised),
+    and no hook (accelerate's offload, a user's) that a fused call would skip."""
+    return (type(module) is nn.Linear and not module._forward_hooks and not module._forward_pre_hooks
+            and not hasattr(module, "_hf_hook"))
+
+
+def _mlp_forward(module, x, *, activation, recompute):
+    gate, up, down = module.gate_proj, module.up_proj, module.down_proj
+    if _plain_linear(gate) and _plain_linear(up) and _plain_linear(down):
+        return _mlp.gated_mlp(x, gate.weight, up.weight, down.weight, b_gate=gate.bias, b_up=up.bias,
+                              b_down=down.bias, activation=activation, recompute=recompute)
     # gate_proj / up_proj outputs are read only here, so the backward may overwrite them with their grads.
-    gated = _glu._glu(module.gate_proj(x), module.up_proj(x), activation, True)
-    return module.down_proj(gated)
+    return down(_glu._glu(gate(x), up(x), activation, True))
 
 
 def _mlp_activation(mlp: nn.Module) -> str | None:
@@ -67,7 +83,21 @@ def _mlp_activation(mlp: nn.Module) -> str | None:
         return "silu"
     if name in ("GELUTanh", "PytorchGELUTanh", "NewGELUActivation", "FastGELUActivation"):
         return "gelu_tanh"
+    if name == "GELUActivation":
+        return "gelu"
     return None
+
+
+def _check_device(model: nn.Module) -> None:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    off = sorted({p.device.type for p in model.parameters()} - {"cuda", "meta"})
+    if off:
+        raise ValueError(
+            f"chunkloss.kernels.patch: the model's parameters are on {off}; the Triton kernels run on CUDA "
+            "tensors only (or on CPU with TRITON_INTERPRET=1 set before importing chunkloss). Move the model "
+            "to CUDA first."
+        )
 
 
 def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
@@ -110,7 +140,7 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
 
 
 def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, loss: bool = True,
-          loss_options: dict | None = None) -> nn.Module:
+          loss_options: dict | None = None, mlp_recompute: bool = True) -> nn.Module:
     """Make a transformers Llama / Mistral / Qwen2 / Qwen3 / Gemma / Gemma-2 model use chunkloss's kernels.
 
     Args:
@@ -118,17 +148,22 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, mlp: bo
             wrapping either (its base model is patched; LoRA layers stay as they are).
         rms_norm: patch every RMSNorm module (including Qwen3's per-head q/k norms).
         rope: replace the family's ``apply_rotary_pos_emb`` (process-wide, see the module docstring).
-        mlp: patch every gated MLP's activation.
+        mlp: patch every gated MLP (fused gate/up GEMM; see the module docstring for LoRA and other
+            projections, which keep their own forward). An MLP whose activation has no kernel keeps
+            transformers' code, with a warning naming it.
         loss: with ``labels``, compute the causal-LM loss through ``chunkloss.FusedLinearCrossEntropyLoss``
             without logits; the output's ``logits`` is then ``None``. Gemma-2's ``final_logit_softcapping``
             is passed to the loss as ``softcap``.
         loss_options: extra keyword options for ``FusedLinearCrossEntropyLoss`` (e.g. ``{"compile": False}``).
+        mlp_recompute: the fused MLP saves only its input and replays the gate/up GEMM in the backward;
+            False saves the gate and up pre-activations too (2·I more elements per token, no replayed GEMM).
 
     Returns:
         ``model`` (the object passed in), patched in place.
 
     Raises:
-        ValueError: the model's ``config.model_type`` is not one of ``SUPPORTED_MODEL_TYPES``.
+        ValueError: the model's ``config.model_type`` is not one of ``SUPPORTED_MODEL_TYPES``, or its
+            parameters are on a device other than CUDA while ``TRITON_INTERPRET=1`` is not set.
     """
     wrapper, model = model, model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
     config = getattr(model, "config", None)
@@ -138,6 +173,7 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, mlp: bo
             f"chunkloss.kernels.patch supports model types {', '.join(SUPPORTED_MODEL_TYPES)}; "
             f"got {model_type!r} ({type(model).__name__})."
         )
+    _check_device(model)
     gemma = model_type in _GEMMA_TYPES
     for name, module in model.named_modules():
         cls = type(module).__name__
@@ -153,7 +189,9 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, mlp: bo
                 act = type(module.act_fn).__name__
                 warnings.warn(f"chunkloss: {name} uses {act}, left unpatched", stacklevel=2)
                 continue
-            module.forward = types.MethodType(functools.partial(_mlp_forward, activation=activation), module)
+            module.forward = types.MethodType(
+                functools.partial(_mlp_forward, activation=activation, recompute=mlp_recompute), module
+            )
     if rope:
         modeling = sys.modules[type(model).__module__]
         if not hasattr(modeling, "apply_rotary_pos_emb"):

@@ -88,7 +88,7 @@ def test_patch_matches_unpatched(model_type, restore_rope):
     counts = grad_fn_counts(out2.loss)
     assert counts.get("RMSNormFunctionBackward") == expected_norms(model_type), counts
     assert counts.get("RoPEFunctionBackward") == N_LAYERS, counts
-    assert counts.get("GLUFunctionBackward") == N_LAYERS, counts
+    assert counts.get("GatedMLPFunctionBackward") == N_LAYERS and "GLUFunctionBackward" not in counts, counts
     assert not any("LogSoftmax" in k for k in counts), counts  # the loss went through the chunked CE
     out2.loss.backward()
     for name, p in patched.named_parameters():
@@ -119,7 +119,7 @@ def test_patch_parts_can_be_left_out(restore_rope):
     out = model(input_ids=input_ids, labels=input_ids)
     assert out.logits is not None  # loss=False keeps transformers' loss on logits
     counts = grad_fn_counts(out.loss)
-    assert "RoPEFunctionBackward" not in counts and counts.get("GLUFunctionBackward") == N_LAYERS
+    assert "RoPEFunctionBackward" not in counts and counts.get("GatedMLPFunctionBackward") == N_LAYERS
 
 
 def test_unsupported_architecture_lists_supported():
@@ -163,6 +163,8 @@ def test_patch_peft_model(restore_rope):
     assert patch(patched, loss_options={"compile": False}) is patched
     loss = patched(input_ids=input_ids, labels=input_ids).loss
     torch.testing.assert_close(loss, ref, atol=ATOL, rtol=RTOL)
+    counts = grad_fn_counts(loss)  # a LoRA gate_proj: its MLP keeps the projections, only the gating is fused
+    assert counts.get("GLUFunctionBackward") == N_LAYERS and "GatedMLPFunctionBackward" not in counts, counts
     loss.backward()
     for name, p in patched.named_parameters():
         if p.requires_grad:
@@ -184,3 +186,61 @@ def test_gemma2_final_logit_softcapping_reaches_the_loss(restore_rope):
     restore_rope(patched)
     patch(patched, loss_options={"compile": False})
     torch.testing.assert_close(patched(input_ids=input_ids, labels=input_ids).loss, ref, atol=ATOL, rtol=RTOL)
+
+
+def loss_and_grads(model, input_ids):
+    model.zero_grad()
+    loss = model(input_ids=input_ids, labels=input_ids).loss
+    loss.backward()
+    return loss, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("model_type,overrides", [
+    ("llama", {"mlp_bias": True}),  # biases on the three projections
+    ("gemma", {"hidden_activation": "gelu"}),  # exact GELU
+])
+def test_fused_mlp_variants_match(model_type, overrides, restore_rope):
+    """Both backward modes of the fused MLP give transformers' loss and gradients."""
+    model = tiny_model(model_type, **overrides)
+    input_ids = torch.randint(0, VOCAB, (2, 7))
+    ref_loss, ref_grads = loss_and_grads(model, input_ids)
+    for recompute in (True, False):
+        patched = copy.deepcopy(model)
+        restore_rope(patched)
+        patch(patched, loss_options={"compile": False}, mlp_recompute=recompute)
+        loss, grads = loss_and_grads(patched, input_ids)
+        torch.testing.assert_close(loss, ref_loss, atol=ATOL, rtol=RTOL)
+        for name, g in grads.items():
+            torch.testing.assert_close(g, ref_grads[name], atol=ATOL, rtol=RTOL, msg=f"{name} {recompute}")
+
+
+def test_hooked_projection_keeps_its_forward(restore_rope):
+    """A forward hook on a projection must still run, so that MLP is not fused (checked per call)."""
+    model = tiny_model("qwen3")
+    restore_rope(model)
+    patch(model, loss=False)
+    calls = []
+    model.model.layers[1].mlp.down_proj.register_forward_hook(lambda *args: calls.append(1))
+    input_ids = torch.randint(0, VOCAB, (1, 5))
+    counts = grad_fn_counts(model(input_ids=input_ids, labels=input_ids).loss)
+    assert calls == [1]
+    assert counts.get("GatedMLPFunctionBackward") == N_LAYERS - 1 and counts.get("GLUFunctionBackward") == 1
+
+
+def test_unsupported_activation_warns_and_keeps_transformers_mlp(restore_rope):
+    model = tiny_model("llama", hidden_act="relu")
+    restore_rope(model)
+    with pytest.warns(UserWarning, match=r"model\.layers\.0\.mlp uses ReLU"):
+        patch(model, loss=False)
+    input_ids = torch.randint(0, VOCAB, (1, 5))
+    counts = grad_fn_counts(model(input_ids=input_ids, labels=input_ids).loss)
+    assert "GatedMLPFunctionBackward" not in counts and "GLUFunctionBackward" not in counts
+
+
+def test_cpu_model_is_refused_without_the_interpreter(monkeypatch):
+    with torch.device("cpu"):
+        model = tiny_model("llama")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match=r"on \['cpu'\].*TRITON_INTERPRET=1"):
+        patch(model)
+    assert "forward" not in vars(model.model.layers[0].mlp)  # refused before any module was touched
