@@ -1,0 +1,80 @@
+"""The ``chunkloss`` command: ``chunkloss train CONFIG`` and ``chunkloss bench``.
+
+``chunkloss train configs/sft-tiny.yaml [--key value ...]`` reads a YAML file whose keys are the fields of
+the chosen trainer's config class (TRL's fields plus chunkloss's ``chunk_*`` fields), of TRL's
+``ModelConfig`` (``model_name_or_path``, ``dtype``, ``use_peft``, ...) and of :class:`RunArguments`
+(``trainer``, ``tiny_model``, ``dataset``, ``reward_funcs``, ...). Parsing is TRL's own ``TrlParser``;
+command-line ``--key value`` pairs override the file.
+
+Every mistake in a config or on the command line is reported in one line on stderr with exit status 2;
+any other error in one line with exit status 1. ``--debug`` (or ``CHUNKLOSS_DEBUG=1``) shows the traceback
+instead.
+
+``chunkloss bench losses|kernels|e2e|all [args]`` runs the benchmark scripts of a source checkout's
+``benchmarks/`` folder; it refuses to run without CUDA (CPU timings say nothing about the GPU).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from .bench import bench
+from .config import TRAINERS, ConfigError, RunArguments, load_config, make_parser, read_yaml, trainer_name
+from .help import USAGE, train_overview
+from .run import train
+
+__all__ = ["TRAINERS", "ConfigError", "RunArguments", "load_config", "main", "train"]
+
+
+def _train_command(argv: list[str]) -> int:
+    wants_help = any(a in ("-h", "--help") for a in argv)
+    rest = [a for a in argv if a not in ("-h", "--help")]
+    path = rest[0] if rest and not rest[0].startswith("-") else None
+    overrides = rest[1:] if path else rest
+    if wants_help:
+        if path is None and "--trainer" not in overrides:
+            print(train_overview())
+            return 0
+        make_parser(trainer_name({} if path is None else read_yaml(path), overrides)).print_help()
+        return 0
+    if path is None:
+        raise ConfigError("train needs a config file: chunkloss train CONFIG.yaml (chunkloss train --help)")
+    train(path, overrides)
+    return 0
+
+
+def _command(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "train":
+        return _train_command(rest)
+    if command == "bench":
+        return bench(rest)
+    raise ConfigError(f"unknown command {command!r}; choose train or bench (chunkloss --help)")
+
+
+def _one_line(text: str, limit: int = 600) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The console script; returns the exit status: 0 done, 2 a usage or config mistake, 1 any other error."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("CHUNKLOSS_DEBUG", "") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
+    try:
+        return _command(argv)
+    except Exception as exc:
+        if debug:
+            raise
+        if isinstance(exc, ConfigError):
+            print(f"chunkloss: error: {_one_line(str(exc))}", file=sys.stderr)
+            return 2
+        message = _one_line(f"{type(exc).__name__}: {exc}")
+        print(f"chunkloss: error: {message} (--debug or CHUNKLOSS_DEBUG=1 shows the traceback)",
+              file=sys.stderr)
+        return 1

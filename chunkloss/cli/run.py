@@ -1,0 +1,207 @@
+"""Running ``chunkloss train``: the model, tokenizer and dataset of a parsed config, the trainer, and the
+summary printed (and written to ``chunkloss_summary.json``) at the end."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .checks import DATA_FILES
+from .config import TRAINERS, ConfigError, load_config, trainer_classes
+from .rewards import reward_funcs
+
+__all__ = ["train"]
+
+
+def _load_dataset(run_args, kind: str, seed: int):
+    from chunkloss.data import tiny_dataset
+
+    if run_args.dataset == "tiny":
+        return tiny_dataset(kind, run_args.dataset_size, seed=seed)
+    import datasets
+
+    path = os.path.expanduser(run_args.dataset)
+    if os.path.isdir(path) and (Path(path) / "dataset_info.json").exists():
+        ds = datasets.load_from_disk(path)
+        return ds[run_args.dataset_split] if isinstance(ds, datasets.DatasetDict) else ds
+    builder = DATA_FILES.get(Path(path).suffix)
+    if builder is not None and os.path.isfile(path):
+        return datasets.load_dataset(builder, data_files=path, split="train")
+    return datasets.load_dataset(path, name=run_args.dataset_config, split=run_args.dataset_split)
+
+
+def build(path: str, run_args, model_args, training_args):
+    """The trainer of a parsed config, ready to train.
+
+    What TRL, transformers or datasets raise here for a value of the config (a model or dataset that cannot
+    be found or read, an option the trainer refuses) becomes a :class:`ConfigError` naming the file.
+    """
+    try:
+        return _build(run_args.trainer, run_args, model_args, training_args)
+    except ConfigError:
+        raise
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"{path}: cannot build the {run_args.trainer} trainer: {exc}") from exc
+
+
+def _build(name: str, run_args, model_args, training_args):
+    """The trainer of ``name`` with its model, tokenizer and dataset, ready to train."""
+    import transformers
+    from trl import get_peft_config
+
+    from chunkloss.data import tiny_model, tiny_tokenizer
+
+    trainer_cls, _ = trainer_classes(name)
+    spec = TRAINERS[name]
+    transformers.set_seed(training_args.seed)
+
+    if run_args.tiny_model is not None:
+        tokenizer = tiny_tokenizer()
+        # Saved and passed by path, like a hub model: TRL builds reference models (DPO, GRPO with beta > 0)
+        # by reloading the policy from its path.
+        model = os.path.join(os.path.abspath(training_args.output_dir), "tiny-init")
+        with training_args.main_process_first(desc="tiny model"):
+            if training_args.process_index == 0:
+                tiny_model(tokenizer, **run_args.tiny_model).save_pretrained(model)
+                tokenizer.save_pretrained(model)
+    else:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(
+            run_args.tokenizer_name_or_path or model_args.model_name_or_path,
+            revision=model_args.model_revision,
+            trust_remote_code=training_args.trust_remote_code,
+        )
+        # The trainer loads the model with model_init_kwargs, as TRL's own scripts do.
+        model = model_args.model_name_or_path
+        init = dict(
+            revision=model_args.model_revision,
+            attn_implementation=model_args.attn_implementation,
+            dtype=model_args.dtype,
+        )
+        init.update(training_args.model_init_kwargs or {})
+        training_args.model_init_kwargs = {k: v for k, v in init.items() if v is not None}
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+
+    kwargs: dict[str, Any] = dict(
+        model=model,
+        args=training_args,
+        processing_class=tokenizer,
+        train_dataset=_load_dataset(run_args, spec.data, training_args.seed),
+    )
+    peft_config = get_peft_config(model_args)
+    if peft_config is not None:
+        kwargs["peft_config"] = peft_config
+    if name == "grpo":
+        kwargs["reward_funcs"] = reward_funcs(run_args.reward_funcs)
+    if name in ("gkd", "distillation"):
+        if run_args.teacher_tiny_model is not None:
+            kwargs["teacher_model"] = tiny_model(tokenizer, **run_args.teacher_tiny_model)
+        else:
+            kwargs["teacher_model"] = training_args.teacher_model_name_or_path
+    return trainer_cls(**kwargs)
+
+
+class _TokenCounter:
+    """Counts non-padding tokens fed to ``training_step`` (every ``*attention_mask`` of the batch), for the
+    trainers that do not log TRL's ``num_tokens`` metric."""
+
+    def __init__(self, trainer):
+        self.tokens = 0
+        step = trainer.training_step
+
+        def counted(model, inputs, *args, **kwargs):
+            if isinstance(inputs, dict):  # GRPO passes raw rows (a list); it logs num_tokens itself
+                for key, value in inputs.items():
+                    if key.endswith("attention_mask") and hasattr(value, "sum"):
+                        self.tokens += int(value.sum())
+            return step(model, inputs, *args, **kwargs)
+
+        trainer.training_step = counted
+
+
+def _peak_memory() -> tuple[float, str]:
+    """(MiB, what was measured)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.max_memory_allocated() > 0:
+        return torch.cuda.max_memory_allocated() / 2**20, "GPU: torch.cuda.max_memory_allocated"
+    import resource
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10, "CPU: process peak RSS"  # bytes / KiB
+
+
+def train(path: str, overrides: list[str] | None = None) -> dict:
+    """Train from a config file; print and return the summary (also written to ``chunkloss_summary.json``)."""
+    import torch
+
+    t0 = time.perf_counter()
+    run_args, model_args, training_args = load_config(path, overrides)
+    threads = torch.get_num_threads()
+    if run_args.cpu_threads is not None:
+        torch.set_num_threads(run_args.cpu_threads)
+    try:
+        return _train(path, run_args, model_args, training_args, t0)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(path, run_args, model_args, training_args, t0) -> dict:
+    trainer = build(path, run_args, model_args, training_args)
+    counter = _TokenCounter(trainer)
+    result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    out_dir = os.path.abspath(training_args.output_dir)
+    trainer.save_model(out_dir)
+
+    history = trainer.state.log_history
+    losses = [h["loss"] for h in history if "loss" in h]
+    logged_tokens = [h["num_tokens"] for h in history if "num_tokens" in h]
+    tokens = int(logged_tokens[-1]) if logged_tokens else counter.tokens
+    runtime = result.metrics.get("train_runtime") or (time.perf_counter() - t0)
+    peak_mib, peak_what = _peak_memory()
+    summary = {
+        "trainer": type(trainer).__name__,
+        "config": os.path.abspath(path),
+        "steps": trainer.state.global_step,
+        "final_loss": losses[-1] if losses else result.training_loss,
+        "first_loss": losses[0] if losses else None,
+        "losses": losses,
+        "tokens": tokens,
+        "train_runtime_s": runtime,
+        "tokens_per_s": tokens / runtime if runtime > 0 else None,
+        "peak_memory_mib": peak_mib,
+        "peak_memory_kind": peak_what,
+        "checkpoint": out_dir,
+        "wall_s": time.perf_counter() - t0,
+    }
+    rewards = [h["reward"] for h in history if "reward" in h]
+    if rewards:
+        summary["rewards"] = rewards
+    if trainer.is_world_process_zero():
+        with open(os.path.join(out_dir, "chunkloss_summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        _print_summary(summary)
+    return summary
+
+
+def _print_summary(s: dict) -> None:
+    first = f"   (first logged {s['first_loss']:.4g})" if s["first_loss"] is not None else ""
+    lines = [
+        f"chunkloss: {s['trainer']} finished {s['steps']} steps in {s['wall_s']:.1f} s",
+        f"  final loss    {s['final_loss']:.4g}{first}",
+    ]
+    if "rewards" in s:
+        lines.append(f"  final reward  {s['rewards'][-1]:.4g}   (first logged {s['rewards'][0]:.4g})")
+    tps = f"{s['tokens_per_s']:.0f}" if s["tokens_per_s"] else "n/a"
+    lines += [
+        f"  tokens/s      {tps}   ({s['tokens']} tokens in {s['train_runtime_s']:.1f} s of training)",
+        f"  peak memory   {s['peak_memory_mib']:.0f} MiB   ({s['peak_memory_kind']})",
+        f"  checkpoint    {s['checkpoint']}",
+    ]
+    print("\n".join(lines), flush=True)
+
+
