@@ -5,6 +5,7 @@ from chunkloss.losses.cross_entropy import CrossEntropyOptions, FusedLinearCross
 from chunkloss.losses.dpo import DPOOptions, FusedLinearDPOLoss
 from chunkloss.losses.grpo import FusedLinearGRPOLoss, GRPOOptions
 from chunkloss.losses.jsd import FusedLinearJSDLoss, JSDOptions
+from chunkloss.losses.multi_token import FusedLinearMultiTokenLoss, MultiTokenOptions
 from chunkloss.losses.orpo import FusedLinearORPOLoss, ORPOOptions
 from chunkloss.losses.preference import FusedLinearPreferenceLoss, PreferenceOptions
 from chunkloss.losses.simpo import FusedLinearSimPOLoss, SimPOOptions
@@ -18,11 +19,13 @@ __all__ = [
     "FusedLinearDPOLoss",
     "FusedLinearGRPOLoss",
     "FusedLinearJSDLoss",
+    "FusedLinearMultiTokenLoss",
     "FusedLinearORPOLoss",
     "FusedLinearPreferenceLoss",
     "FusedLinearSimPOLoss",
     "GRPOOptions",
     "JSDOptions",
+    "MultiTokenOptions",
     "ORPOOptions",
     "PreferenceOptions",
     "SimPOOptions",
