@@ -49,7 +49,7 @@ def cross_entropy_ref(
     )
     lse = torch.logsumexp(z, -1)
     n_valid = valid.sum().clamp(min=1)
-    metrics = {}
+    metrics = {"num_tokens": valid.sum().float()}
     if lse_square_scale > 0:
         z_loss = lse_square_scale * lse.square() * valid
         per_row = per_row + z_loss
@@ -71,12 +71,12 @@ def cross_entropy_ref(
 
 # --- generalized JSD (distillation) ----------------------------------------------------------------
 def jsd_ref(
-    student_hidden,
-    student_weight,
+    hidden,
+    weight,
     teacher_hidden,
     teacher_weight,
     labels,
-    student_bias=None,
+    bias=None,
     teacher_bias=None,
     *,
     beta=0.5,
@@ -94,7 +94,7 @@ def jsd_ref(
     """TRL's ``GKDTrainer.generalized_jsd_loss`` on fp32 logits (mixture by ``logsumexp`` of the
     stacked weighted log-probs, ``F.kl_div(..., log_target=True)``), each head first scaled as the
     ``DistillationTrainer`` does, plus Liger's hard-label CE on the student's untempered logits."""
-    z_s = logits_ref(student_hidden, student_weight, student_bias)
+    z_s = logits_ref(hidden, weight, bias)
     z_t = logits_ref(teacher_hidden, teacher_weight, teacher_bias)
     z_s = scale_logits(z_s, student_logit_scale, student_softcap)
     z_t = scale_logits(z_t, teacher_logit_scale, teacher_softcap)
@@ -127,7 +127,7 @@ def jsd_ref(
     hard = F.cross_entropy(z_s, y, ignore_index=ignore_index, reduction="sum") / denom
     loss = weight_soft_loss * soft + (weight_hard_loss * hard if weight_hard_loss != 0 else 0.0)
     entropy = (-(log_s.exp() * log_s).sum(-1) * valid).sum() / n_valid
-    return loss, {"soft_loss": soft, "hard_loss": hard, "entropy": entropy}
+    return loss, {"num_tokens": valid.sum().float(), "soft_loss": soft, "hard_loss": hard, "entropy": entropy}
 
 
 # --------------------------------------------------------------------------------------------------

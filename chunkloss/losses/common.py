@@ -1,4 +1,4 @@
-"""Checks and small math shared by the losses (no chunk loop here: that lives in chunkloss.base)."""
+"""Checks and small math shared by the losses (no chunk loop here: that lives in chunkloss.engine)."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def row_statistics(
     ``"lse2"`` (``logsumexp(2z)``). The losses' formula off CUDA and the reference of
     ``chunkloss.kernels.logprob.row_stats``, which computes the same in one read of the logits."""
     z = scale_logits(logits.float(), logit_scale, softcap, temperature)
-    lse_ = torch.logsumexp(z, dim=-1)
+    lse_ = nan_if_inf(torch.logsumexp(z, dim=-1))
     out = {"logp": pick(z, labels.long()) - lse_}
     if labels2 is not None:
         out["logp2"] = pick(z, labels2.long()) - lse_
@@ -109,6 +109,14 @@ def nograd_label_logprob(
         for a in range(0, logits.shape[0], rows)
     ]
     return torch.cat(parts) if parts else logits.new_zeros(0, dtype=torch.float32)
+
+
+def nan_if_inf(lse: Tensor) -> Tensor:
+    """``lse`` (a row's logsumexp) with ±inf turned to NaN, its gradient kept. ``torch.logsumexp`` returns
+    +inf for a row that holds +inf (and -inf for a row of -inf), where ``log_softmax``, and so
+    ``F.cross_entropy``, gives NaN: ``inf - inf`` makes such a row NaN and leaves a finite ``lse`` as it is
+    (``lse - lse`` is 0, with gradient 0)."""
+    return lse + (lse - lse)
 
 
 def entropy_from_logits(z: Tensor, lse: Tensor | None = None) -> Tensor:
@@ -167,19 +175,20 @@ def check_labels(
     labels: Tensor,
     rows_shape: torch.Size,
     vocab: int,
-    ignore_index: int,
+    ignore_index: int | None,
     name: str = "labels",
     rows: bool = False,
     defer: list | None = None,
     device: torch.device | None = None,
 ) -> Tensor | None:
     """Integer labels of the hidden's leading shape on the hidden's ``device`` (if given), each in [0, V) or
-    ``ignore_index``.
+    ``ignore_index`` (``None``: every label must be in [0, V)).
 
     With ``rows``, returns the flat indices of the labels that are not ignored, found with the range check's
     one host sync (``nonzero`` alone would need a second). With ``defer`` (a list), the range check does not
-    sync: it appends ``(count, check)`` for ``chunkloss.base.sequence_batch``'s ``host_checks``, which fetches
-    the count of bad labels in its own sync and calls ``check(count)`` (raising) before the batch is built.
+    sync: it appends ``(count, check)`` for ``chunkloss.engine.sequence_batch``'s ``host_checks``, which
+    fetches the count of bad labels in its own sync and calls ``check(count)`` (raising) before the batch is
+    built.
     Nothing may index with the labels in between.
     """
     if not isinstance(labels, Tensor):
@@ -193,15 +202,13 @@ def check_labels(
     if device is not None and labels.device != device:
         raise ValueError(f"{name} is on {labels.device} but hidden is on {device}")
     flat = labels.reshape(-1)
-    keep = flat != ignore_index
+    keep = torch.ones_like(flat, dtype=torch.bool) if ignore_index is None else flat != ignore_index
     bad = keep & ((flat < 0) | (flat >= vocab))
+    allowed = "" if ignore_index is None else f" and not ignore_index={ignore_index}"
 
     def check(n_bad: int) -> None:
         if n_bad:
-            first = flat[bad][0].item()
-            raise ValueError(
-                f"{name} holds {first}, outside [0, {vocab}) and not ignore_index={ignore_index}"
-            )
+            raise ValueError(f"{name} holds {flat[bad][0].item()}, outside [0, {vocab}){allowed}")
 
     if defer is not None:
         if rows:
@@ -214,6 +221,11 @@ def check_labels(
     n_keep, n_bad = torch.stack([keep.sum(), bad.sum()]).tolist()  # the one host sync
     check(n_bad)
     return padded[:n_keep] if rows else None
+
+
+def options_of(arguments: dict) -> dict:
+    """A loss constructor's options from its ``locals()``: every name but ``self`` and ``__class__``."""
+    return {k: v for k, v in arguments.items() if k not in ("self", "__class__")}
 
 
 def to_scalar(x, device, dtype=torch.float32) -> Tensor:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from chunkloss.losses.common import log1mexp
+from chunkloss.losses.common import log1mexp, options_of
 from chunkloss.losses.preference import FusedLinearPreferenceLoss, PreferenceOptions
 
 __all__ = ["FusedLinearORPOLoss", "ORPOOptions"]
@@ -30,7 +30,7 @@ __all__ = ["FusedLinearORPOLoss", "ORPOOptions"]
 
 @dataclass(frozen=True)
 class ORPOOptions(PreferenceOptions):
-    """Args: as :class:`PreferenceOptions` (``beta`` is ORPO's λ, default 0.1 as ``ORPOConfig``)."""
+    """The validated options of :class:`FusedLinearORPOLoss` (documented on its constructor)."""
 
     @property
     def avg_logps(self) -> bool:
@@ -58,10 +58,42 @@ class FusedLinearORPOLoss(FusedLinearPreferenceLoss):
 
     Example::
 
-        loss = FusedLinearORPOLoss(beta=0.1)(hidden, lm_head.weight, chosen, rejected)  # hidden (2B, T, H)
+        loss_fn = FusedLinearORPOLoss(beta=0.1)
+        loss = loss_fn(hidden, lm_head.weight, chosen, rejected, bias=lm_head.bias)  # hidden (2B, T, H)
+        loss_fn.metrics["log_odds_ratio"]
+
+    Metrics (TRL's names): ``rewards/chosen``, ``rewards/rejected``, ``rewards/accuracies``,
+    ``rewards/margins``, ``logps/chosen``, ``logps/rejected``, ``logits/chosen``, ``logits/rejected``,
+    ``nll_loss``, ``log_odds_ratio``, ``log_odds_chosen``; with ``return_token_metrics`` also ``entropy``
+    and ``mean_token_accuracy``.
     """
 
     options_cls = ORPOOptions
     options: ORPOOptions
     uses_nll = True
     pair_loss = staticmethod(orpo_pair_loss)
+
+    def __init__(
+        self,
+        *,
+        beta: float = 0.1,
+        ignore_index: int = -100,
+        logit_scale: float = 1.0,
+        softcap: float | None = None,
+        return_token_metrics: bool = False,
+        chunk_size: int | None = None,
+        logits_budget_mb: int = 448,
+        accum_dtype: torch.dtype | None = torch.float32,
+        compile: bool = True,
+    ):
+        """Args:
+            beta: λ, the weight of the odds-ratio term (``ORPOConfig.beta``).
+            ignore_index: label value of prompt and padding tokens (their rows cost no GEMM).
+            logit_scale: the logits are multiplied by it (Cohere's ``logit_scale``).
+            softcap: final logit softcapping ``c·tanh(z/c)`` after the scale (Gemma-2), ``None`` for off.
+            return_token_metrics: also report ``entropy`` and ``mean_token_accuracy`` (one more reduction
+                over V per row).
+            chunk_size, logits_budget_mb, accum_dtype, compile: the engine's options
+                (:class:`chunkloss.engine.FusedOptions`).
+        """
+        super().__init__(**options_of(locals()))
