@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 import shutil
@@ -97,3 +98,17 @@ def test_benchmarks_import_no_private_chunkloss_names():
     private = re.compile(r"(chunkloss[\w.]*\._\w+|from chunkloss[\w.]* import [^\n]*\b_\w+)")
     for path in sorted((ROOT / "benchmarks").glob("*.py")):
         assert not private.search(path.read_text()), path.name
+
+
+@pytest.mark.parametrize("module", sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py")))
+def test_every_benchmark_module_imports_against_the_public_api(module):
+    importlib.import_module(f"benchmarks.{module}")
+
+
+@pytest.mark.parametrize("module", ["cases_ce", "cases_grpo", "cases_jsd", "cases_preference"])
+def test_every_loss_case_offers_chunkloss_and_plain_torch(module):
+    cases = importlib.import_module(f"benchmarks.{module}").cases()
+    assert cases
+    for case in cases:
+        assert {"chunkloss", "torch"} <= set(case.impls), case.name
+        assert case.floor_ms > 0
