@@ -235,7 +235,7 @@ def kernels_md(data: dict) -> str:
 def kernels_png(data: dict, plt):
     rows = data["rows"]
     colors = _colors(KERNEL_IMPLS)
-    fig, ax = plt.subplots(figsize=(12, 4.5))
+    fig, ax = plt.subplots(figsize=(12, 5))
     width = 0.8 / len(KERNEL_IMPLS)
     for k, impl in enumerate(KERNEL_IMPLS):
         xs, ys = [], []
@@ -254,7 +254,7 @@ def kernels_png(data: dict, plt):
         f"({data['stamp'].get('gpu')}; lower is better)",
         fontsize=10,
     )
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, ncol=5, loc="upper center")
     fig.tight_layout()
     return fig
 
