@@ -7,6 +7,7 @@ from .distillation import ChunkedDistillationConfig, ChunkedDistillationTrainer
 from .dpo import ChunkedDPOConfig, ChunkedDPOTrainer
 from .gkd import ChunkedGKDConfig, ChunkedGKDTrainer
 from .grpo import ChunkedGRPOConfig, ChunkedGRPOTrainer
+from .medusa import ChunkedMedusaConfig, ChunkedMedusaTrainer
 from .orpo import ChunkedORPOConfig, ChunkedORPOTrainer
 from .sft import ChunkedSFTConfig, ChunkedSFTTrainer
 
@@ -19,6 +20,8 @@ __all__ = [
     "ChunkedGKDTrainer",
     "ChunkedGRPOConfig",
     "ChunkedGRPOTrainer",
+    "ChunkedMedusaConfig",
+    "ChunkedMedusaTrainer",
     "ChunkedORPOConfig",
     "ChunkedORPOTrainer",
     "ChunkedSFTConfig",
