@@ -25,7 +25,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["ChunkedHeadOutput", "Head", "add_chunked_head", "allow_lm_head_adapter", "head_transforms"]
+__all__ = [
+    "ChunkedHeadOutput",
+    "Head",
+    "add_chunked_head",
+    "allow_lm_head_adapter",
+    "head_transforms",
+    "left_pad",
+]
 
 
 @dataclass
@@ -61,6 +68,13 @@ def label_logps_head(logp_loss, targets: Tensor, cast_fp32: bool = False) -> Cal
             return -logp_loss(x, w, targets, bias=b)
 
     return head_fn
+
+
+def left_pad(t: Tensor, length: int, value: int) -> Tensor:
+    """``t`` (B, T) padded on the left to (B, ``length``) with ``value``. Prompt tuning and p-tuning prepend
+    their virtual tokens to the hidden states; PEFT pads the labels the same way (with -100)."""
+    extra = length - t.shape[1]
+    return t if extra <= 0 else torch.nn.functional.pad(t, (extra, 0), value=value)
 
 
 @dataclass

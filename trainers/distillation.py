@@ -25,8 +25,9 @@ from trl import DistillationConfig, DistillationTrainer
 
 from chunkloss.losses.jsd import FusedLinearJSDLoss
 
-from ._common import ChunkedArguments, apply_chunk_kernels, chunk_options, jsd_loss_for, refuse
-from ._head import _gather_ctx, _head_of, check_head_supported
+from ._common import ChunkedArguments, jsd_loss_for, refuse
+from ._head import _gather_ctx, _head_of
+from ._setup import ChunkedTrainerSetup, teacher_head
 
 __all__ = ["ChunkedDistillationConfig", "ChunkedDistillationTrainer"]
 
@@ -36,7 +37,7 @@ class ChunkedDistillationConfig(DistillationConfig, ChunkedArguments):
     """``trl.DistillationConfig`` with the chunkloss fields of :class:`ChunkedArguments`."""
 
 
-class ChunkedDistillationTrainer(DistillationTrainer):
+class ChunkedDistillationTrainer(ChunkedTrainerSetup, DistillationTrainer):
     """``trl.DistillationTrainer`` whose divergence runs on chunkloss's engine.
 
     Refused at construction (no silent fallback): ``teacher_model=None`` (a teacher served remotely, as in
@@ -47,26 +48,23 @@ class ChunkedDistillationTrainer(DistillationTrainer):
 
     _tag_names = ["trl", "distillation", "chunkloss"]
 
-    def __init__(self, model, teacher_model=None, args: DistillationConfig | None = None, *pos, **kwargs):
-        name = type(self).__name__
-        if teacher_model is None:
+    # TRL refuses adapters on the student's lm_head, and the loss reads the heads itself (no patched forward).
+    _trains_lm_head_lora = False
+    _patch_forward = False
+
+    def _refuse_early(self, call: dict) -> None:
+        if call.get("teacher_model") is None:
             refuse(
-                name,
+                type(self).__name__,
                 "teacher_model=None",
                 "the chunked divergence projects a local teacher's hidden states through its lm_head; "
                 "pass the teacher model (or its path)",
             )
-        if args is not None:
-            chunk_options(args)  # validate early
-        super().__init__(model, teacher_model, args, *pos, **kwargs)
-        apply_chunk_kernels(self)
-        check_head_supported(self.accelerator.unwrap_model(self.model))
-        try:
-            check_head_supported(self.accelerator.unwrap_model(self.teacher_model))
-        except ValueError as e:
-            raise ValueError(f"teacher_model: {e}") from None
+
+    def _setup_loss(self) -> None:
+        teacher_head(self, patch=False)
         self._chunk_loss_kwargs = dict(
-            beta=self.beta, temperature=self.temperature, reduction="batchmean", **chunk_options(self.args)
+            beta=self.beta, temperature=self.temperature, reduction="batchmean", **self.chunk_opts
         )
         self._chunk_losses: dict = {}
 
@@ -126,7 +124,7 @@ class ChunkedDistillationTrainer(DistillationTrainer):
                 head_t.features(teacher_hidden.to(device)),
                 head_t.weight,
                 labels,
-                student_bias=head_s.bias,
+                bias=head_s.bias,
                 teacher_bias=head_t.bias,
                 num_items_in_batch=num_items_in_batch,
             )

@@ -19,15 +19,9 @@ from trl import DPOConfig, DPOTrainer
 from chunkloss.losses.cross_entropy import FusedLinearCrossEntropyLoss
 from chunkloss.losses.dpo import FusedLinearDPOLoss
 
-from ._common import ChunkedArguments, DeferredMetrics, apply_chunk_kernels, chunk_options, peft_base, refuse
-from ._head import (
-    add_chunked_head,
-    allow_lm_head_adapter,
-    check_head_supported,
-    has_lm_head_lora,
-    head_transforms,
-    label_logps_head,
-)
+from ._common import ChunkedArguments, DeferredMetrics, refuse
+from ._head import has_lm_head_lora, label_logps_head
+from ._setup import ChunkedTrainerSetup
 
 __all__ = ["ChunkedDPOConfig", "ChunkedDPOTrainer"]
 
@@ -37,7 +31,7 @@ class ChunkedDPOConfig(DPOConfig, ChunkedArguments):
     """``trl.DPOConfig`` with the chunkloss fields of :class:`ChunkedArguments`."""
 
 
-class ChunkedDPOTrainer(DeferredMetrics, DPOTrainer):
+class ChunkedDPOTrainer(ChunkedTrainerSetup, DeferredMetrics, DPOTrainer):
     """``trl.DPOTrainer`` whose loss never materialises the logits.
 
     A ``PeftModel`` whose adapter has LoRA on ``lm_head``, given without ``ref_model``, is scored as TRL
@@ -50,20 +44,24 @@ class ChunkedDPOTrainer(DeferredMetrics, DPOTrainer):
 
     _tag_names = ["trl", "dpo", "chunkloss"]
 
-    def __init__(self, model, ref_model=None, args: DPOConfig | None = None, *pos, **kwargs):
-        if args is not None:
-            chunk_options(args)
-            # TRL precomputes in its constructor, before the chunked head exists and while lm_head shows it
-            # the base layer: the "ref" adapter's lm_head LoRA would be left out (see compute_ref_log_probs).
-            if args.precompute_ref_log_probs and ref_model is None and has_lm_head_lora(model):
-                refuse(
-                    type(self).__name__,
-                    "precompute_ref_log_probs=True with LoRA on lm_head of a PeftModel and no ref_model",
-                    "TRL scores the reference in its constructor with a head that leaves the adapter's "
-                    "lm_head out; set precompute_ref_log_probs=False (the chunked head then scores it)",
-                )
-        with allow_lm_head_adapter(model):
-            super().__init__(model, ref_model, args, *pos, **kwargs)
+    def _refuse_early(self, call: dict) -> None:
+        args = call.get("args")
+        # TRL precomputes in its constructor, before the chunked head exists and while lm_head shows it the
+        # base layer: the "ref" adapter's lm_head LoRA would be left out (see compute_ref_log_probs).
+        if (
+            args is not None
+            and args.precompute_ref_log_probs
+            and call.get("ref_model") is None
+            and has_lm_head_lora(call.get("model"))
+        ):
+            refuse(
+                type(self).__name__,
+                "precompute_ref_log_probs=True with LoRA on lm_head of a PeftModel and no ref_model",
+                "TRL scores the reference in its constructor with a head that leaves the adapter's "
+                "lm_head out; set precompute_ref_log_probs=False (the chunked head then scores it)",
+            )
+
+    def _refuse_built(self) -> None:
         if self.use_weighting and "sft" in self.loss_types:
             refuse(
                 type(self).__name__,
@@ -71,12 +69,8 @@ class ChunkedDPOTrainer(DeferredMetrics, DPOTrainer):
                 "TRL 1.16's own DPOTrainer fails on it (a per-pair weight times the scalar SFT term), so "
                 "there is no objective to match",
             )
-        apply_chunk_kernels(self)
-        base = peft_base(self.model)
-        check_head_supported(base)
-        softcap, logit_scale = head_transforms(base.config)
-        add_chunked_head(base)
-        opts = chunk_options(self.args)
+
+    def _setup_loss(self) -> None:
         args = self.args
         self._dpo_loss = FusedLinearDPOLoss(
             beta=float(self.beta),
@@ -88,14 +82,13 @@ class ChunkedDPOTrainer(DeferredMetrics, DPOTrainer):
             ld_alpha=self.ld_alpha,
             use_weighting=bool(self.use_weighting),
             discopop_tau=float(args.discopop_tau),
-            softcap=softcap,
-            logit_scale=logit_scale,
             return_token_metrics=True,
-            **opts,
+            **self.head_transforms,
+            **self.chunk_opts,
         )
         # The reference's per-token log-probs through a LoRA adapter on lm_head (compute_ref_log_probs).
         self._ref_logp_loss = FusedLinearCrossEntropyLoss(
-            reduction="none", softcap=softcap, logit_scale=logit_scale, **opts
+            reduction="none", **self.head_transforms, **self.chunk_opts
         )
 
     def compute_ref_log_probs(self, model, inputs):
@@ -137,7 +130,9 @@ class ChunkedDPOTrainer(DeferredMetrics, DPOTrainer):
             ref_c, ref_r = self.compute_ref_log_probs(ref_model, inputs)
 
         def head_fn(hidden, head):
-            x = head.features(hidden[:, :-1])
+            # The hidden states just before each real token but the first, counted from the end: prompt tuning
+            # and p-tuning put their virtual tokens first (TRL keeps the last positions of its log-probs too).
+            x = head.features(hidden[:, -labels.shape[1] - 1 : -1])
             loss = self._dpo_loss(
                 x,
                 head.weight,

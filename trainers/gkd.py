@@ -26,8 +26,8 @@ from trl.experimental.gkd import GKDConfig, GKDTrainer
 
 from chunkloss.losses.jsd import FusedLinearJSDLoss
 
-from ._common import ChunkedArguments, apply_chunk_kernels, chunk_options, jsd_loss_for, peft_base, refuse
-from ._head import add_chunked_head, allow_lm_head_adapter, check_head_supported
+from ._common import ChunkedArguments, jsd_loss_for, refuse
+from ._setup import ChunkedTrainerSetup, teacher_head
 
 __all__ = ["ChunkedGKDConfig", "ChunkedGKDTrainer"]
 
@@ -37,7 +37,7 @@ class ChunkedGKDConfig(GKDConfig, ChunkedArguments):
     """``trl.experimental.gkd.GKDConfig`` with the chunkloss fields of :class:`ChunkedArguments`."""
 
 
-class ChunkedGKDTrainer(GKDTrainer):
+class ChunkedGKDTrainer(ChunkedTrainerSetup, GKDTrainer):
     """``trl.experimental.gkd.GKDTrainer`` whose loss never materialises the student's or teacher's logits.
 
     Refused at construction (no silent fallback): ``compute_metrics`` and ``preprocess_logits_for_metrics``
@@ -47,43 +47,25 @@ class ChunkedGKDTrainer(GKDTrainer):
 
     _tag_names = ["trl", "gkd", "chunkloss"]
 
-    def __init__(
-        self,
-        model=None,
-        teacher_model=None,
-        args: GKDConfig | None = None,
-        *pos,
-        compute_metrics=None,
-        preprocess_logits_for_metrics=None,
-        **kwargs,
-    ):
-        name = type(self).__name__
-        if compute_metrics is not None:
-            refuse(name, "compute_metrics", "it needs the full logits, which the chunked loss never builds")
-        if preprocess_logits_for_metrics is not None:
-            refuse(
-                name,
-                "preprocess_logits_for_metrics",
-                "it needs the full logits, which the chunked loss never builds",
-            )
-        if args is not None:
-            chunk_options(args)  # validate early
-        with allow_lm_head_adapter(model):
-            super().__init__(model, teacher_model, args, *pos, **kwargs)
-        apply_chunk_kernels(self)
-        base = peft_base(self.model)
-        check_head_supported(base)
-        add_chunked_head(base)
-        teacher = peft_base(self.accelerator.unwrap_model(self.teacher_model))
-        try:
-            check_head_supported(teacher)
-        except ValueError as e:
-            raise ValueError(f"teacher_model: {e}") from None
-        add_chunked_head(teacher)
+    _prompt_learning_refused = (
+        ("PROMPT_TUNING", "P_TUNING"),
+        "TRL's GKDTrainer fails on it mid-training (the student's logits carry the virtual tokens, the "
+        "teacher's do not), so there is no objective to match; prefix tuning and LoRA are supported",
+    )
+
+    def _refuse_early(self, call: dict) -> None:
+        for arg in ("compute_metrics", "preprocess_logits_for_metrics"):
+            if call.get(arg) is not None:
+                refuse(
+                    type(self).__name__, arg, "it needs the full logits, which the chunked loss never builds"
+                )
+
+    def _setup_loss(self) -> None:
+        teacher_head(self, patch=True)
         # GKD's loss call passes no temperature: generalized_jsd_loss's default 1.0 (args.temperature only
         # samples).
         self._chunk_loss_kwargs = dict(
-            beta=self.beta, temperature=1.0, reduction="batchmean", **chunk_options(self.args)
+            beta=self.beta, temperature=1.0, reduction="batchmean", **self.chunk_opts
         )
         self._chunk_losses: dict = {}
 
@@ -110,7 +92,7 @@ class ChunkedGKDTrainer(GKDTrainer):
                         head_t.features(hidden_t[:, :-1].to(hidden_s.device)),
                         head_t.weight.to(hidden_s.device),
                         target,
-                        student_bias=head_s.bias,
+                        bias=head_s.bias,
                         teacher_bias=None if head_t.bias is None else head_t.bias.to(hidden_s.device),
                         num_items_in_batch=num_items_in_batch,
                     )

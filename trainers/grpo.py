@@ -4,7 +4,8 @@ Generation, rewards, advantages, vLLM, the reference and old log-probs (TRL's ow
 are TRL's. Only ``_compute_loss`` changes: the policy's hidden states at the completion positions go to the
 chunked GRPO loss with the LM head's weight, so the ``[B, T, V]`` logits never exist. Every loss type and
 importance-sampling level of TRL 1.16 is covered, with the KL term, two-sided clipping, the off-policy mask,
-the entropy mask, the static entropy bonus, vLLM's importance-sampling ratio (per token or per sequence) and
+the entropy mask, the entropy bonus (static, or TRL's adaptive controller with its gradient-accumulation
+window), vLLM's importance-sampling ratio (per token or per sequence) and
 ``cast_lm_head_to_fp32``; metrics are logged under TRL's names with TRL's values.
 """
 
@@ -17,17 +18,17 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 
 from chunkloss.losses.cross_entropy import FusedLinearCrossEntropyLoss
-from chunkloss.losses.grpo import FusedLinearGRPOLoss
-
-from ._common import ChunkedArguments, DeferredMetrics, apply_chunk_kernels, chunk_options, peft_base, refuse
-from ._head import (
-    _head_of,
-    add_chunked_head,
-    allow_lm_head_adapter,
-    check_head_supported,
-    head_transforms,
-    label_logps_head,
+from chunkloss.losses.grpo import (
+    CLIP_LOSS_TYPES,
+    GLOBAL_COUNT_LOSS_TYPES,
+    FusedLinearGRPOLoss,
+    nanmax,
+    nanmin,
 )
+
+from ._common import ChunkedArguments, DeferredMetrics, peft_base, refuse
+from ._head import _head_of, label_logps_head
+from ._setup import ChunkedTrainerSetup
 
 __all__ = ["ChunkedGRPOConfig", "ChunkedGRPOTrainer"]
 
@@ -47,43 +48,37 @@ class ChunkedGRPOConfig(GRPOConfig, ChunkedArguments):
     """``trl.GRPOConfig`` with the chunkloss fields of :class:`ChunkedArguments`."""
 
 
-class ChunkedGRPOTrainer(DeferredMetrics, GRPOTrainer):
+class ChunkedGRPOTrainer(ChunkedTrainerSetup, DeferredMetrics, GRPOTrainer):
     """``trl.GRPOTrainer`` whose policy loss never materialises the logits.
 
     The model's final logit softcapping (Gemma-2) and logit scale (Cohere) are applied by the loss, as TRL's
-    fused head applies them. Refused at construction: ``use_adaptive_entropy`` (the adaptive entropy
-    controller), ``top_entropy_quantile < 1`` on several processes (TRL takes the quantile over every
-    process's tokens), and adapters on ``lm_head`` other than plain LoRA. Multimodal inputs are refused when
-    they arrive.
+    fused head applies them. Refused at construction: ``top_entropy_quantile < 1`` on several processes (TRL
+    takes the quantile over every process's tokens) or with ``use_adaptive_entropy`` (the controller would
+    read the masked tokens' entropy), and adapters on ``lm_head`` other than plain LoRA. Multimodal inputs are
+    refused when they arrive.
     """
 
     _tag_names = ["trl", "grpo", "chunkloss"]
 
-    def __init__(self, model, reward_funcs, args: GRPOConfig | None = None, *pos, **kwargs):
-        name = type(self).__name__
-        if args is not None:
-            chunk_options(args)
-            if args.use_adaptive_entropy:
-                refuse(
-                    name,
-                    "use_adaptive_entropy=True",
-                    "the adaptive entropy controller is not implemented; set a static entropy_coef",
-                )
-        with allow_lm_head_adapter(model):
-            super().__init__(model, reward_funcs, args, *pos, **kwargs)
-        apply_chunk_kernels(self)
-        base = peft_base(self.model)
-        check_head_supported(base)
-        softcap, logit_scale = head_transforms(base.config)
-        self._head_transforms = {"softcap": softcap, "logit_scale": logit_scale}
+    def _refuse_early(self, call: dict) -> None:
+        args = call.get("args")
+        if args is not None and args.use_adaptive_entropy and args.top_entropy_quantile < 1.0:
+            refuse(
+                type(self).__name__,
+                "use_adaptive_entropy=True with top_entropy_quantile < 1",
+                "the controller would measure the entropy of the masked tokens, which the chunked loss does "
+                "not return; use one of the two",
+            )
+
+    def _refuse_built(self) -> None:
         if self.top_entropy_quantile < 1.0 and self.accelerator.num_processes > 1:
             refuse(
-                name,
+                type(self).__name__,
                 "top_entropy_quantile < 1 with several processes",
                 "TRL takes the entropy quantile over every process's tokens",
             )
-        add_chunked_head(base)
-        self._chunk_opts = chunk_options(self.args)
+
+    def _setup_loss(self) -> None:
         self._chunk_losses: dict = {}
 
     def _grpo_loss(self) -> FusedLinearGRPOLoss:
@@ -106,15 +101,44 @@ class ChunkedGRPOTrainer(DeferredMetrics, GRPOTrainer):
             temperature=float(self.temperature),
             off_policy_mask_threshold=self.off_policy_mask_threshold,
             top_entropy_quantile=float(self.top_entropy_quantile),
-            entropy_coef=float(self.entropy_coef) if self._entropy_bonus_enabled else 0.0,
+            entropy_coef=self._applied_entropy_coef(),
             max_completion_length=self.max_completion_length,
-            **self._head_transforms,
+            **self.head_transforms,
         )
         key = tuple(sorted(opts.items()))
         mod = self._chunk_losses.get(key)
         if mod is None:
-            mod = self._chunk_losses[key] = FusedLinearGRPOLoss(**opts, **self._chunk_opts)
+            mod = self._chunk_losses[key] = FusedLinearGRPOLoss(**opts, **self.chunk_opts)
         return mod
+
+    def _applied_entropy_coef(self) -> float:
+        """TRL's coefficient of the entropy bonus for this step: the adaptive controller's from the end of the
+        previous optimizer step where the entropy measured then was at or below ``entropy_target``, else 0."""
+        if not self._entropy_bonus_enabled:
+            return 0.0
+        if self.use_adaptive_entropy and not self._last_world_entropy <= self.args.entropy_target:
+            return 0.0
+        return float(self.entropy_coef)
+
+    def _update_adaptive_entropy(self, entropy_sum: torch.Tensor, count: torch.Tensor) -> None:
+        """TRL's adaptive entropy controller: the entropy sum and token count of each micro-batch add up over
+        the accumulation window; at its last micro-batch their global mean moves ``entropy_coef`` by
+        ``entropy_coef_delta`` (up at or below ``entropy_target``, down above it, within
+        ``[entropy_coef_min, entropy_coef_max]``) for the next step."""
+        stats = torch.stack([entropy_sum, count]).detach()
+        window = self._entropy_window_stats
+        self._entropy_window_stats = stats if window is None else window + stats
+        if not self.accelerator.sync_gradients:
+            return
+        totals = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+        world_entropy = (totals[0] / totals[1].clamp(min=1.0)).item()  # TRL's host sync: the next coef
+        a = self.args
+        if world_entropy <= a.entropy_target:
+            self.entropy_coef = min(self.entropy_coef + a.entropy_coef_delta, a.entropy_coef_max)
+        else:
+            self.entropy_coef = max(self.entropy_coef - a.entropy_coef_delta, a.entropy_coef_min)
+        self._last_world_entropy = world_entropy
+        self._entropy_window_stats = None
 
     def _get_per_token_logps_and_entropies(
         self,
@@ -149,7 +173,7 @@ class ChunkedGRPOTrainer(DeferredMetrics, GRPOTrainer):
         logp_loss = self._chunk_losses.get(key)
         if logp_loss is None:
             logp_loss = self._chunk_losses[key] = FusedLinearCrossEntropyLoss(
-                reduction="none", temperature=key[1], **self._head_transforms, **self._chunk_opts
+                reduction="none", temperature=key[1], **self.head_transforms, **self.chunk_opts
             )
         cast = bool(getattr(self.args, "cast_lm_head_to_fp32", False))
         batch_size = batch_size or input_ids.size(0)
@@ -189,7 +213,7 @@ class ChunkedGRPOTrainer(DeferredMetrics, GRPOTrainer):
             is_ratio = None
         ga = self.current_gradient_accumulation_steps if mode == "train" else 1
         old = inputs.get("old_per_token_logps")
-        needs_global = self.loss_type in ("dapo", "cispo", "vespo")
+        needs_global = self.loss_type in GLOBAL_COUNT_LOSS_TYPES
         cast = bool(getattr(self.args, "cast_lm_head_to_fp32", False))
 
         def head_fn(hidden, head):
@@ -226,10 +250,17 @@ class ChunkedGRPOTrainer(DeferredMetrics, GRPOTrainer):
             out = model(**model_inputs, chunked_head=head_fn)
         loss, metrics = out.result
 
+        # TRL's masked means count completion_mask · tool_mask.
+        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+        n_tok = mask.sum().float()
         if self._entropy_bonus_enabled:
-            self._metrics[mode]["policy_loss"].append(
-                self.accelerator.gather(metrics["policy_loss"]).nanmean()
-            )
+            # With the adaptive coefficient at 0 the loss is the policy loss alone (before TRL's GA division).
+            policy_loss = metrics.get("policy_loss")
+            if policy_loss is None:
+                policy_loss = loss.detach() * (1.0 if needs_global else ga)
+            self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean())
+            if self.use_adaptive_entropy and mode == "train":
+                self._update_adaptive_entropy(metrics["entropy"] * n_tok, n_tok)
             if mode == "train" and self.accelerator.sync_gradients:
                 self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
         if self.aux_loss_enabled:
@@ -238,8 +269,6 @@ class ChunkedGRPOTrainer(DeferredMetrics, GRPOTrainer):
 
         # TRL's values, fetched when the trainer logs (``DeferredMetrics``), not with .item() here.
         # TRL's global masked means: local means times local counts, summed over processes.
-        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
-        n_tok = mask.sum().float()
         per_seq = self.importance_sampling_level == "sequence" and inputs["advantages"].dim() == 1
         n_seq = torch.tensor(float(completion_ids.size(0)), device=n_tok.device)
 
@@ -253,23 +282,15 @@ class ChunkedGRPOTrainer(DeferredMetrics, GRPOTrainer):
             self._metrics[mode]["kl"].append(global_mean("kl", n_tok))
         self._metrics[mode]["entropy"].append(global_mean("entropy", n_tok))
         clip_count = n_seq if per_seq else n_tok
-        if self.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+        if self.loss_type in CLIP_LOSS_TYPES:
             for name in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
                 self._metrics[mode][name].append(global_mean(name, clip_count))
             low = self.accelerator.gather(metrics["clip_ratio/low_min"].reshape(1).float())
             high = self.accelerator.gather(metrics["clip_ratio/high_max"].reshape(1).float())
-            self._metrics[mode]["clip_ratio/low_min"].append(_nanreduce(low, torch.min, float("inf")))
-            self._metrics[mode]["clip_ratio/high_max"].append(_nanreduce(high, torch.max, float("-inf")))
+            self._metrics[mode]["clip_ratio/low_min"].append(nanmin(low))
+            self._metrics[mode]["clip_ratio/high_max"].append(nanmax(high))
         elif self.loss_type == "cispo":
             self._metrics[mode]["cispo_clip_ratio"].append(global_mean("cispo_clip_ratio", clip_count))
         elif self.loss_type == "vespo":
             self._metrics[mode]["vespo/phi_seq_mean"].append(global_mean("vespo/phi_seq_mean", n_seq))
         return loss
-
-
-def _nanreduce(x: torch.Tensor, fn, neutral: float) -> torch.Tensor:
-    """TRL's ``fn(x[~isnan(x)]).item() if any are not NaN else nan`` on the device (no sync): NaNs replaced by
-    ``fn``'s neutral value (+inf for min, -inf for max)."""
-    ok = ~torch.isnan(x)
-    nan = torch.full((), float("nan"), dtype=x.dtype, device=x.device)
-    return torch.where(ok.any(), fn(torch.where(ok, x, neutral)), nan)

@@ -16,10 +16,29 @@ from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
 from chunkloss.losses.orpo import FusedLinearORPOLoss
 
-from ._common import ChunkedArguments, DeferredMetrics, apply_chunk_kernels, chunk_options, peft_base, refuse
-from ._head import add_chunked_head, allow_lm_head_adapter, check_head_supported, head_transforms
+from ._common import ChunkedArguments, DeferredMetrics, refuse
+from ._setup import ChunkedTrainerSetup
 
 __all__ = ["ChunkedORPOConfig", "ChunkedORPOTrainer"]
+
+_ENC_DEC_WHY = "the chunked head covers causal LMs"
+
+
+def _is_encoder_decoder(model, args) -> bool:
+    """Whether the model ORPOTrainer would build is an encoder-decoder, read from its config alone (a model
+    name's config file, not its weights); ``args.is_encoder_decoder`` when no model is given."""
+    if isinstance(model, torch.nn.Module):
+        return bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+    if isinstance(model, str):
+        from transformers import AutoConfig
+
+        trust = bool(getattr(args, "trust_remote_code", False))
+        try:
+            config = AutoConfig.from_pretrained(model, trust_remote_code=trust)
+        except (OSError, ValueError):  # TRL's own loading reports it
+            return False
+        return bool(getattr(config, "is_encoder_decoder", False))
+    return bool(getattr(args, "is_encoder_decoder", False))
 
 
 @dataclass
@@ -27,10 +46,11 @@ class ChunkedORPOConfig(ORPOConfig, ChunkedArguments):
     """``trl.experimental.orpo.ORPOConfig`` with the chunkloss fields of :class:`ChunkedArguments`."""
 
 
-class ChunkedORPOTrainer(DeferredMetrics, ORPOTrainer):
+class ChunkedORPOTrainer(ChunkedTrainerSetup, DeferredMetrics, ORPOTrainer):
     """``ORPOTrainer`` whose loss never materialises the logits.
 
-    Refused at construction: encoder-decoder models, adapters on ``lm_head`` other than plain LoRA, and
+    Refused at construction: encoder-decoder models (before TRL's constructor loads or tokenises anything),
+    adapters on ``lm_head`` other than plain LoRA, PEFT prompt tuning and p-tuning, and
     ``use_liger_kernel=True`` with Liger's fused linear cross-entropy on (its default): Liger replaces the
     model's forward with its own when training starts, which drops the chunked head (TRL's fused-head trainers
     turn it off for the same reason). ``liger_kernel_config={"fused_linear_cross_entropy": False}`` keeps
@@ -39,10 +59,16 @@ class ChunkedORPOTrainer(DeferredMetrics, ORPOTrainer):
 
     _tag_names = ["trl", "orpo", "chunkloss"]
 
-    def __init__(self, model=None, args: ORPOConfig | None = None, *pos, **kwargs):
+    _prompt_learning_refused = (
+        ("PROMPT_TUNING", "P_TUNING"),
+        "TRL's ORPOTrainer fails on it mid-training (its logits carry the virtual tokens, its labels do "
+        "not), so there is no objective to match; prefix tuning and LoRA are supported",
+    )
+
+    def _refuse_early(self, call: dict) -> None:
         name = type(self).__name__
+        args = call.get("args")
         if args is not None:
-            chunk_options(args)
             liger = args.liger_kernel_config or {}
             flce_off = isinstance(liger, dict) and not liger.get("fused_linear_cross_entropy", True)
             if args.use_liger_kernel and not flce_off:
@@ -53,19 +79,16 @@ class ChunkedORPOTrainer(DeferredMetrics, ORPOTrainer):
                     "model's forward, which this trainer patches with the chunked head; pass "
                     "liger_kernel_config={'fused_linear_cross_entropy': False} to keep Liger's layer kernels",
                 )
-        with allow_lm_head_adapter(model):
-            super().__init__(model, args, *pos, **kwargs)
-        if self.is_encoder_decoder:  # before the kernels patch anything
-            refuse(name, "encoder-decoder models", "the chunked head covers causal LMs")
-        apply_chunk_kernels(self)
-        base = peft_base(self.model)
-        check_head_supported(base)
-        softcap, logit_scale = head_transforms(base.config)
-        add_chunked_head(base)
-        opts = chunk_options(self.args)
-        self._orpo_loss = FusedLinearORPOLoss(
-            beta=float(self.beta), softcap=softcap, logit_scale=logit_scale, **opts
-        )
+        if _is_encoder_decoder(call.get("model"), args):
+            refuse(name, "encoder-decoder models", _ENC_DEC_WHY)
+
+    def _refuse_built(self) -> None:
+        if self.is_encoder_decoder:  # a model built by model_init; before the kernels patch anything
+            refuse(type(self).__name__, "encoder-decoder models", _ENC_DEC_WHY)
+
+    def _setup_loss(self) -> None:
+        opts = {**self.head_transforms, **self.chunk_opts}
+        self._orpo_loss = FusedLinearORPOLoss(beta=float(self.beta), **opts)
 
     def concatenated_forward(self, model, batch):
         cat = self.concatenated_inputs(

@@ -18,9 +18,10 @@ from trl import SFTConfig, SFTTrainer
 
 from chunkloss.losses.cross_entropy import FusedLinearCrossEntropyLoss
 
-from ._common import ChunkedArguments, DeferredMetrics, apply_chunk_kernels, chunk_options, peft_base, refuse
-from ._head import add_chunked_head, allow_lm_head_adapter, check_head_supported
+from ._common import ChunkedArguments, DeferredMetrics, refuse
+from ._head import left_pad
 from ._losses import FusedLinearDFTLoss
+from ._setup import ChunkedTrainerSetup
 
 __all__ = ["ChunkedSFTConfig", "ChunkedSFTTrainer"]
 
@@ -39,7 +40,7 @@ class ChunkedSFTConfig(SFTConfig, ChunkedArguments):
     """``trl.SFTConfig`` with the chunkloss fields of :class:`ChunkedArguments`."""
 
 
-class ChunkedSFTTrainer(DeferredMetrics, SFTTrainer):
+class ChunkedSFTTrainer(ChunkedTrainerSetup, DeferredMetrics, SFTTrainer):
     """``trl.SFTTrainer`` whose loss never materialises the ``[tokens, vocab]`` logits.
 
     Refused at construction (no silent fallback): ``compute_loss_func`` (an arbitrary function of the logits),
@@ -49,29 +50,24 @@ class ChunkedSFTTrainer(DeferredMetrics, SFTTrainer):
 
     _tag_names = ["trl", "sft", "chunkloss"]
 
-    def __init__(self, model, args: SFTConfig | None = None, *pos, compute_loss_func=None, **kwargs):
+    def _refuse_early(self, call: dict) -> None:
         name = type(self).__name__
-        if compute_loss_func is not None:
+        if call.get("compute_loss_func") is not None:
             refuse(
                 name,
                 "compute_loss_func",
                 "it needs the full logits; subclass and override compute_loss instead",
             )
-        if args is not None:
-            chunk_options(args)  # validate early
-            if _deepspeed_sp(getattr(args, "parallelism_config", None)):
-                refuse(name, "DeepSpeed sequence parallelism", _SP_WHY)
-        with allow_lm_head_adapter(model):
-            super().__init__(model, args, *pos, **kwargs)
+        if _deepspeed_sp(getattr(call.get("args"), "parallelism_config", None)):
+            refuse(name, "DeepSpeed sequence parallelism", _SP_WHY)
+
+    def _refuse_built(self) -> None:
         # Set through an accelerate config file instead, it reaches the accelerator but not args.
         if _deepspeed_sp(self.accelerator.parallelism_config):
-            refuse(name, "DeepSpeed sequence parallelism", _SP_WHY)
-        apply_chunk_kernels(self)
-        base = peft_base(self.model)
-        check_head_supported(base)
-        add_chunked_head(base)
-        opts = chunk_options(self.args)
-        common = dict(return_token_accuracy=True, return_entropy=True, **opts)
+            refuse(type(self).__name__, "DeepSpeed sequence parallelism", _SP_WHY)
+
+    def _setup_loss(self) -> None:
+        common = dict(return_token_accuracy=True, return_entropy=True, **self.chunk_opts)
         if self.args.loss_type == "dft":
             self._chunk_loss_cls, self._chunk_loss_kwargs = FusedLinearDFTLoss, common
         else:
@@ -101,10 +97,11 @@ class ChunkedSFTTrainer(DeferredMetrics, SFTTrainer):
         normaliser = None if num_items_in_batch is None else torch.as_tensor(num_items_in_batch).clamp(min=1)
 
         def head_fn(hidden, head):
+            # Prompt tuning lengthens the hidden states by its virtual tokens: PEFT pads the labels so.
             if shift_labels is None:
-                hidden, target = hidden[:, :-1], labels[:, 1:]
+                hidden, target = hidden[:, :-1], left_pad(labels, hidden.shape[1], -100)[:, 1:]
             else:
-                target = shift_labels
+                target = left_pad(shift_labels, hidden.shape[1], -100)
             target = target.to(hidden.device)
             loss_mod = self._loss_module(head)
             loss = loss_mod(

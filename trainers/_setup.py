@@ -1,0 +1,126 @@
+"""The construction every chunked trainer shares, written once: :class:`ChunkedTrainerSetup`."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+from ._common import apply_chunk_kernels, chunk_options, peft_base, refuse
+from ._head import add_chunked_head, allow_lm_head_adapter, check_head_supported, head_transforms
+
+__all__ = ["ChunkedTrainerSetup", "prompt_learning_types", "teacher_head"]
+
+# PEFT's prompt-learning adapters: prompt tuning and p-tuning prepend virtual tokens to the hidden states;
+# prefix tuning hands the attention layers virtual keys and values (the hidden states keep their length).
+PROMPT_TUNING, P_TUNING, PREFIX_TUNING = "PROMPT_TUNING", "P_TUNING", "PREFIX_TUNING"
+
+
+def prompt_learning_types(model) -> set[str]:
+    """The PEFT types (``"PROMPT_TUNING"``, ``"P_TUNING"``, ``"PREFIX_TUNING"``) of ``model``'s
+    prompt-learning adapters; empty for a model that is not a ``PeftModel``."""
+    configs = getattr(model, "peft_config", None)
+    if not isinstance(configs, dict):
+        return set()
+    return {str(getattr(c.peft_type, "value", c.peft_type)) for c in configs.values() if c.is_prompt_learning}
+
+
+class ChunkedTrainerSetup:
+    """Mixin placed before the TRL trainer in a chunked trainer's bases: its constructor.
+
+    The constructor takes exactly the TRL trainer's arguments (``inspect.signature`` of the chunked trainer is
+    the TRL trainer's) and runs, in this order:
+
+    1. :meth:`_refuse_early` with the arguments given (a dict by parameter name): refusals that need nothing
+       built, before TRL loads models or tokenises data; the config's chunk options are validated too.
+    2. TRL's constructor, which sees a LoRA adapter on ``lm_head`` as the plain ``nn.Linear`` under it when
+       ``_trains_lm_head_lora`` (the chunked head trains it; TRL's fused head would not).
+    3. :meth:`_refuse_built`: refusals that read the built trainer; then the prompt-learning adapters this
+       trainer cannot train as TRL does (``_prompt_learning_refused``, and prefix tuning under gradient
+       checkpointing, which drops the prefix's keys and values).
+    4. ``chunk_kernels`` (:func:`apply_chunk_kernels`), the LM head's check and, when ``_patch_forward``, the
+       chunked head on the trained model (:func:`add_chunked_head`). ``self.chunk_opts`` (the engine options)
+       and ``self.head_transforms`` (``softcap``, ``logit_scale`` of the trained model) are set.
+    5. :meth:`_setup_loss`: the trainer's own loss modules.
+    """
+
+    _trains_lm_head_lora = True
+    _patch_forward = True
+    #: PEFT types refused, with why (TRL's trainer fails on them mid-training: no objective to match).
+    _prompt_learning_refused: tuple[tuple[str, ...], str] = ((), "")
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        trl_cls = next(c for c in cls.__mro__ if c.__module__.startswith("trl."))
+        cls._trl_trainer = trl_cls
+        if "__init__" not in cls.__dict__:
+            cls.__init__ = _init_with_signature_of(trl_cls)
+
+    def _build(self, call: dict) -> None:
+        self._refuse_early(call)
+        if call.get("args") is not None:
+            chunk_options(call["args"])
+        model = call.get("model")
+        adapter = allow_lm_head_adapter(model) if self._trains_lm_head_lora else contextlib.nullcontext()
+        with adapter:
+            super().__init__(**call)
+        self._refuse_built()
+        self._refuse_prompt_learning()
+        apply_chunk_kernels(self)
+        base = peft_base(self.accelerator.unwrap_model(self.model))
+        check_head_supported(base)
+        if self._patch_forward:
+            add_chunked_head(base)
+        self.chunk_opts = chunk_options(self.args)
+        softcap, logit_scale = head_transforms(base.config)
+        self.head_transforms = {"softcap": softcap, "logit_scale": logit_scale}
+        self._setup_loss()
+
+    def _refuse_early(self, call: dict) -> None:
+        """Raise for arguments this trainer refuses (``call``: the constructor's arguments given, by name)."""
+
+    def _refuse_built(self) -> None:
+        """Raise for what this trainer refuses once TRL's constructor has built it."""
+
+    def _setup_loss(self) -> None:
+        """Build the trainer's chunked loss modules."""
+
+    def _refuse_prompt_learning(self) -> None:
+        kinds = prompt_learning_types(self.accelerator.unwrap_model(self.model))
+        refused, why = self._prompt_learning_refused
+        for kind in sorted(kinds & set(refused)):
+            refuse(type(self).__name__, f"PEFT {kind.lower()}", why)
+        if PREFIX_TUNING in kinds and self.args.gradient_checkpointing:
+            refuse(
+                type(self).__name__,
+                "PEFT prefix tuning with gradient_checkpointing=True",
+                "transformers drops the prefix's past key values under gradient checkpointing (TRL's own "
+                "trainer fails mid-training); set gradient_checkpointing=False",
+            )
+
+
+def teacher_head(trainer, patch: bool) -> None:
+    """Check the LM head of ``trainer.teacher_model`` (errors name ``teacher_model``) and, with ``patch``,
+    give the teacher the chunked head too (:func:`add_chunked_head`)."""
+    teacher = peft_base(trainer.accelerator.unwrap_model(trainer.teacher_model))
+    try:
+        check_head_supported(teacher)
+    except ValueError as e:
+        raise ValueError(f"teacher_model: {e}") from None
+    if patch:
+        add_chunked_head(teacher)
+
+
+def _init_with_signature_of(trl_cls):
+    """A constructor taking ``trl_cls``'s arguments (its signature shown by ``inspect`` and ``help``) that
+    binds them as ``trl_cls`` does (a wrong argument raises TRL's ``TypeError``) and runs
+    :meth:`ChunkedTrainerSetup._build`."""
+    signature = inspect.signature(trl_cls.__init__)
+
+    def __init__(self, *args, **kwargs):
+        call = dict(signature.bind(self, *args, **kwargs).arguments)
+        del call["self"]
+        ChunkedTrainerSetup._build(self, call)
+
+    __init__.__signature__ = signature
+    __init__.__doc__ = f"``{trl_cls.__name__}``'s arguments; the class docstring says what is refused."
+    return __init__
