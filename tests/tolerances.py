@@ -19,16 +19,17 @@ that CPU's GEMM blocking.
 - ``atol`` is the error scale of the dtype for results PyTorch happens to get (nearly) exactly, such as a
   sum of few terms or a bf16 GEMM output that both sides round the same way.
 
-How ``k`` and ``atol`` were chosen (largest ``err`` measured over the CPU suite, torch 2.13, two CPUs):
+How ``k`` and ``atol`` were chosen (largest ``err`` over 3,200 comparisons of tests/losses, torch 2.13, CPU):
 
 - fp32: ours against the fp32 reference differs by summation order only (chunked sums, the fp32
-  weight-gradient accumulator, a Triton kernel's reduction order). Largest measured err: 3e-6 (GRPO
-  ``vespo``, whose weights amplify log-ratio differences); losses and gradients of CE, DPO, JSD are
-  under 5e-7. ``atol = 2e-5`` is 7x the largest, ~170 fp32 ulps (2^-23 = 1.2e-7).
-- bf16: ratios err(ours) / err(torch bf16) measured up to 1.1 (the weight gradient, where both are one
-  bf16 rounding of the same GEMM output); ``k = 2``. ``atol = 8e-3``: one bf16 ulp at the reference's
-  largest value is 2^-8 = 3.9e-3; two ulps cover a result that torch rounds exactly and we round once
-  from fp32 (and the one-chunk bf16 weight gradient, measured 4.1e-3 off where torch bf16 is 4.0e-3).
+  weight-gradient accumulator, a Triton kernel's reduction order). Largest measured err: 2.3e-5 on GRPO's
+  ``vespo`` loss (a sum of terms that cancel, so its error is large next to its value); every other loss,
+  gradient and metric is under 5e-6, most under 1e-6. ``atol = 1e-4``: 4x the largest, far below the
+  1e-2 and more that a wrong token, row or normaliser costs.
+- bf16: err(ours) / err(torch bf16) measured up to 1.65 (GRPO's loss, where torch's own error is small)
+  and 1.1 on gradients (the weight gradient, where both are one bf16 rounding of the same GEMM output);
+  ``k = 2``. ``atol = 4e-3`` is one bf16 ulp at the reference's largest value (2^-8 = 3.9e-3), for a
+  result torch rounds exactly and we round once from fp32. The largest err measured is 0.58 of its bound.
 - fp16: as bf16 with fp16's ulp (2^-11 = 4.9e-4): ``k = 2``, ``atol = 1e-3``.
 
 Set ``CHUNKLOSS_TEST_ERRORS=<file>`` to append every comparison's dtype and errors to ``<file>`` (how the
@@ -50,7 +51,7 @@ class Tol:
 
 
 TOLERANCES = {
-    torch.float32: Tol(k=2.0, atol=2e-5),
+    torch.float32: Tol(k=2.0, atol=1e-4),
     torch.bfloat16: Tol(k=2.0, atol=4e-3),
     torch.float16: Tol(k=2.0, atol=1e-3),
 }
