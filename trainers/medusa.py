@@ -8,18 +8,20 @@
 
 ``w_k = medusa_heads_coefficient · medusa_decay^k`` for Medusa head k = 1 … K, which predicts the token k+1
 places after the base head's. The heads are ``model.medusa_heads`` (:func:`chunkloss.heads.add_medusa_heads`,
-added when the model has none) and are saved with the model's weights; reload them with
-:func:`chunkloss.heads.load_medusa_heads`. Logged per head: ``medusa{k}/loss`` and
-``medusa{k}/mean_token_accuracy`` (and TRL's ``mean_token_accuracy`` of the base head in stage 2).
+added when the model has none) and are saved with the model's weights; a model loaded from such a directory
+gets its heads back (:func:`chunkloss.heads.load_medusa_heads`), so stage 2 can start from stage 1's output.
+Logged per head: ``medusa{k}/loss`` and ``medusa{k}/mean_token_accuracy`` (and TRL's ``mean_token_accuracy``
+of the base head in stage 2).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
 
-from chunkloss.heads import add_medusa_heads
+from chunkloss.heads import add_medusa_heads, load_medusa_heads
 from chunkloss.losses.multi_token import FusedLinearMultiTokenLoss
 
 from ._common import chunk_options, peft_base, refuse
@@ -89,6 +91,9 @@ class ChunkedMedusaTrainer(ChunkedSFTTrainer):
         super().__init__(model, args, *pos, **kwargs)
         base = peft_base(self.model)
         a = self.args
+        saved = getattr(base.config, "_name_or_path", "")
+        if getattr(base.config, "medusa_num_heads", None) and os.path.isdir(saved):
+            load_medusa_heads(base, saved)  # a model saved with its heads (stage 2 after stage 1)
         self.medusa_heads = add_medusa_heads(
             base, a.medusa_num_heads, a.medusa_num_layers, a.medusa_share_lm_head
         )

@@ -131,3 +131,18 @@ def test_refusals(tmp_path):
         ChunkedMedusaConfig(**common_args(tmp_path), medusa_stage=3)
     with pytest.raises(ValueError, match="medusa_num_heads"):
         ChunkedMedusaConfig(**common_args(tmp_path), medusa_num_heads=0)
+
+
+def test_stage_2_starts_from_the_saved_stage_1_heads(tmp_path):
+    first = _trainer(tmp_path, stage=1)
+    out = tmp_path / "stage1"
+    first.save_model(str(out))
+    args = ChunkedMedusaConfig(
+        **common_args(tmp_path / "stage2", max_length=64), medusa_num_heads=K, medusa_stage=2
+    )
+    second = ChunkedMedusaTrainer(
+        str(out), args, train_dataset=tiny_dataset("sft", n=8), processing_class=tokenizer()
+    )
+    for (n, p), q in zip(first.medusa_heads.state_dict().items(), second.medusa_heads.state_dict().values()):
+        torch.testing.assert_close(q, p, msg=n)
+    assert all(p.requires_grad for p in second.model.parameters())
