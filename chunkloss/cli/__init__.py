@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import sys
 
-from .bench import bench
+from .bench import bench as _bench
 from .config import TRAINERS, ConfigError, RunArguments, load_config, make_parser, read_yaml, trainer_name
 from .help import USAGE, train_overview
 from .run import train
@@ -52,7 +52,7 @@ def _command(argv: list[str]) -> int:
     if command == "train":
         return _train_command(rest)
     if command == "bench":
-        return bench(rest)
+        return _bench(rest)
     raise ConfigError(f"unknown command {command!r}; choose train or bench (chunkloss --help)")
 
 
