@@ -11,9 +11,8 @@ from chunkloss.trainers.grpo import ChunkedGRPOConfig, ChunkedGRPOTrainer
 from trl import GRPOConfig, GRPOTrainer
 
 from chunkloss.data import count_reward, tiny_dataset
+from tests.tolerances import assert_close_to_ref
 from tests.trainers.helpers import (
-    ATOL,
-    RTOL,
     assert_close_loss,
     assert_same_grads,
     common_args,
@@ -237,12 +236,14 @@ def test_grpo_compiled(tmp_path):
     _run(pair, {"loss_type": "dapo"})
 
 
-def test_grpo_refuses_adaptive_entropy(tmp_path):
+def test_grpo_refuses_adaptive_entropy_with_entropy_mask(tmp_path):
     m, _ = model_pair()
     args = ChunkedGRPOConfig(
-        **common_args(tmp_path, num_generations=2, max_completion_length=K), use_adaptive_entropy=True
+        **common_args(tmp_path, num_generations=2, max_completion_length=K),
+        use_adaptive_entropy=True,
+        top_entropy_quantile=0.5,
     )
-    with pytest.raises(ValueError, match="use_adaptive_entropy"):
+    with pytest.raises(ValueError, match="use_adaptive_entropy=True with top_entropy_quantile < 1"):
         ChunkedGRPOTrainer(
             m, count_reward, args, train_dataset=tiny_dataset("grpo", 8), processing_class=tokenizer()
         )
@@ -336,10 +337,7 @@ def _accumulate(tr, batches, loss_type, ga, old=None):
 def _assert_grads(g_our, g_ref):
     assert sorted(g_our) == sorted(g_ref)
     for n in g_ref:
-        scale = float(g_ref[n].abs().max())
-        torch.testing.assert_close(
-            g_our[n], g_ref[n], rtol=RTOL, atol=max(ATOL, RTOL * scale), msg=lambda m, n=n: f"grad {n}: {m}"
-        )
+        assert_close_to_ref(g_our[n], g_ref[n], name=f"grad {n}")
 
 
 @pytest.mark.parametrize("off_policy", [False, True], ids=["on_policy", "off_policy"])
@@ -415,5 +413,63 @@ def test_grpo_lora_on_lm_head_old_logps(tmp_path):
         ref = torch.log_softmax(logits, -1).gather(-1, inputs["completion_ids"][..., None]).squeeze(-1)
         ref = ref * inputs["completion_mask"]
         trl_head = GRPOTrainer._get_per_token_logps_and_entropies(ours, ours.model, ids, att, K)[0]
-    torch.testing.assert_close(old, ref, rtol=1e-5, atol=1e-5)
+    assert_close_to_ref(old, ref)
     assert (trl_head - ref).abs().max() > 1e-2
+
+
+def _adaptive_steps(tr, micro, loss_type, target, n_steps=2):
+    """``n_steps`` optimizer steps of ``micro`` under GA=len(micro) with TRL's adaptive entropy controller on
+    (initial coefficient 0.05); per step: the summed loss, gradients, metrics and the controller's state."""
+    state = {"loss_type": loss_type, "current_gradient_accumulation_steps": len(micro),
+             "use_adaptive_entropy": True, "_entropy_bonus_enabled": True, "entropy_coef": 0.05,
+             "_last_world_entropy": float("inf"), "_entropy_window_stats": None}  # fmt: skip
+    args = {"steps_per_generation": len(micro), "entropy_target": target}
+    saved = [(tr, k, getattr(tr, k)) for k in state] + [(tr.args, k, getattr(tr.args, k)) for k in args]
+    for k, v in state.items():
+        setattr(tr, k, v)
+    for k, v in args.items():
+        setattr(tr.args, k, v)
+    out = []
+    try:
+        for _ in range(n_steps):
+            tr.model.zero_grad()
+            tr._metrics["train"].clear()
+            total = 0.0
+            for i, b in enumerate(micro):
+                # Only the window's last micro-batch syncs gradients (the controller updates there).
+                tr.accelerator.gradient_state._set_sync_gradients(i == len(micro) - 1)
+                total = total + tr.training_step(tr.model, dict(b), b["num_items_in_batch"])
+            metrics = {k: list(v) for k, v in stored_metrics(tr).items() if k != "step_time"}
+            out.append((total, grads(tr.model), metrics, tr.entropy_coef, tr._last_world_entropy))
+        return out
+    finally:
+        tr.accelerator.gradient_state._set_sync_gradients(True)
+        for obj, k, v in saved:
+            setattr(obj, k, v)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+@pytest.mark.parametrize("target", [100.0, 0.0], ids=["entropy_below_target", "entropy_above_target"])
+def test_grpo_adaptive_entropy(accum, loss_type, target):
+    """TRL's adaptive entropy controller (``use_adaptive_entropy``) over two optimizer steps of two
+    micro-batches each: the first step applies no bonus (nothing measured yet); the window's entropy then
+    moves the coefficient up (below the target: the second step applies it) or down (above: none again).
+    Loss, gradients, metrics (``policy_loss``, ``entropy_coef``) and the controller's state equal TRL's at
+    each step."""
+    ref, ours, micro = accum
+    steps_ref = _adaptive_steps(ref, micro, loss_type, target)
+    steps_our = _adaptive_steps(ours, micro, loss_type, target)
+    coefs = [step[3] for step in steps_ref]
+    assert coefs == (pytest.approx([0.055, 0.06]) if target else pytest.approx([0.045, 0.04]))
+    for (l_ref, g_ref, m_ref, c_ref, e_ref), (l_our, g_our, m_our, c_our, e_our) in zip(steps_ref, steps_our):
+        assert_close_loss(l_our, l_ref)
+        _assert_grads(g_our, g_ref)
+        assert sorted(m_our) == sorted(m_ref) and "policy_loss" in m_ref and "entropy_coef" in m_ref
+        for key in m_ref:
+            assert len(m_our[key]) == len(m_ref[key]), key
+            for a, b in zip(m_our[key], m_ref[key]):
+                assert (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-5, abs=1e-6), key
+        assert c_our == c_ref and e_our == pytest.approx(e_ref, rel=1e-6)
+    # The bonus changes the second step's loss only where it is applied.
+    bonus_applied = not torch.allclose(steps_ref[0][0], steps_ref[1][0])
+    assert bonus_applied == bool(target)
