@@ -1,9 +1,11 @@
 """chunkloss: chunked fused LM-head losses for post-training without materialised logits."""
 
-from chunkloss.engine import Batch, FusedLinearBase, FusedOptions, Head, segment_sum, sequence_batch
+from chunkloss.engine import *  # noqa: F403
+from chunkloss.engine import __all__ as _engine_all
 from chunkloss.losses import *  # noqa: F403
 from chunkloss.losses import __all__ as _losses_all
+from chunkloss.losses import gpu_steps  # noqa: F401  (registers the losses' Triton steps for CUDA)
 
 __version__ = "0.1.0"
 
-__all__ = ["Batch", "FusedLinearBase", "FusedOptions", "Head", "segment_sum", "sequence_batch", *_losses_all]
+__all__ = [*_engine_all, *_losses_all]

@@ -24,32 +24,26 @@ def next_power_of_2(n: int) -> int:
 
 @dataclasses.dataclass(frozen=True, eq=False)  # eq=False: hashed by identity, a cheap lru_cache key
 class NormKnobs:
-    """Launch parameters of RMSNorm and LayerNorm (swept on an H100 by benchmarks/tune_norms.py).
+    """Launch parameters of RMSNorm and LayerNorm (swept on an H100; docs/design.md, "Triton kernels").
 
     Rows up to ``max_fused_cols`` wide are normalised from one register tile per program ("fused"); wider rows
     loop over column blocks of ``loop_block_n`` in two passes ("looped"), so no thread holds a whole fp32 row
-    (one 16384-wide tile spilled: LayerNorm's backward took 5.9 ms against a 0.9 ms floor).
+    (a 16384-wide tile spills registers).
     """
 
     max_fused_cols: int = 8192
-    # RMSNorm's one-tile path still wins at 16384 on an H100 (1.11 ms, though it spills 484 B/thread, against
-    # 1.36 ms for the best looped configuration); LayerNorm's spills 1 KB and loses (5.9 ms against 1.62).
+    # RMSNorm's one-tile path still wins at 16384 though it spills; LayerNorm's spills more and loses.
     rms_max_fused_cols: int = 16384
     tile_elems: int = 4096  # fused: rows per program = tile_elems // BLOCK_N (1..64), for short rows
     warp_scale: float = 1.0  # fused: multiplies row_warps()
     # Fused backward programs per SM, each looping over its rows, and the software-pipeline stages of that
-    # loop on a GPU (the interpreter runs a plain loop). Swept at 16384 rows on an H100
-    # (benchmarks/results/dev/s3/tune_norms_*.json): one program per SM with 4 stages up to width 4096
-    # (RMSNorm / LayerNorm at 4096: 0.241 / 0.245 ms, against 0.258 / 0.277 with the former 8 unpipelined
-    # programs), 3 stages at 8192 (0.472 / 0.473 against 0.514 / 0.523); one program per SM also keeps the
-    # fp32 dW partials at Liger's size. 16384-wide tiles (RMSNorm only) were not swept with stages.
+    # loop on a GPU (the interpreter runs a plain loop); one program per SM also keeps the fp32 dW partials
+    # at Liger's size. 16384-wide tiles (RMSNorm only) run without stages.
     bwd_programs_per_sm: int = 1  # BLOCK_N <= 4096
     bwd_programs_per_sm_wide: int = 1  # BLOCK_N > 4096
     bwd_stages: int = 4  # BLOCK_N <= 4096
     bwd_stages_wide: int = 3  # BLOCK_N == 8192; none for 16384
-    # Looped path, swept at 16384 x 16384 on an H100 (benchmarks/results/dev/tune_norms_h100_16384.json): of
-    # 144 configurations 4096 columns x 16 warps with 4 rows per step was best for both norms (LayerNorm
-    # 1.62 ms, RMSNorm 1.36 ms; the first guess, 2048 x 8 warps x 1 row, took 2.92 and 2.16 ms).
+    # Looped path: the best of 144 configurations for both norms at 16384 x 16384.
     loop_block_n: int = 4096  # columns per step
     loop_block_m: int = 4  # backward rows per step (each step adds into the dW partial row once)
     loop_warps: int = 16

@@ -1,16 +1,12 @@
 """Cross-entropy of one chunk of logits and its gradient, written over the logits, in two reads.
 
-The engine (``chunkloss.base``) projects a chunk of rows, ``logits = hidden_c @ weight.T`` (C, V), and needs
-the chunk's loss and ``dL/dlogits`` in the logits' own buffer, which the backward GEMMs then read. For the
-options of ``chunkloss.losses.cross_entropy.CrossEntropyOptions``, :func:`cross_entropy_step` equals::
-
-    g, (loss, metrics) = torch.func.grad_and_value(cross_entropy_chunk, has_aux=True)(logits, ...)
-    logits.copy_(g)
-
-with ``loss = Σ_i w_i·ℓ_i / normaliser`` and the metrics returned per row rather than summed. Under
-``torch.compile`` that step reads the logits three times and writes them once; here pass 1 reads each row
-once with online reductions (max, sum-exp, and what the options need) and pass 2 reads it again and writes
-the gradient in the logits' dtype, computed in fp32 and rounded once.
+The chunk loop (``chunkloss.engine``) projects a chunk of rows, ``logits = hidden_c @ weight.T`` (C, V), and
+needs the chunk's loss and ``dL/dlogits`` in the logits' own buffer, which the backward GEMMs then read.
+:func:`cross_entropy_step` computes the per-row losses ``ℓ_i`` and writes the gradient of
+``L = Σ_i w_i·ℓ_i / normaliser`` over the logits; :func:`cross_entropy_step_ref` is the same in plain PyTorch.
+Pass 1 reads each row once with online reductions (max, sum-exp, and what the options need) and pass 2 reads
+it again and writes the gradient in the logits' dtype, computed in fp32 and rounded once (a compiled
+``grad_and_value`` step reads the logits three times and writes them once).
 """
 
 from __future__ import annotations
@@ -20,18 +16,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from chunkloss.losses.cross_entropy import CrossEntropyOptions, cross_entropy_rows
-
 from ._utils import next_power_of_2
-from .logprob import _online, _scaled, _scalings
+from .logprob import _online, _scaled, _scalings, row_stats_ref
 
 __all__ = ["cross_entropy_step", "cross_entropy_step_ref"]
 
-# Columns per step of a row's two passes and warps per row, swept on an H100 at 4096 x 128256 bf16
-# (benchmarks/results/dev/s6/cross_entropy_step/, 2048-16384 columns x 4-16 warps): 8192 x 16 takes 1.03 ms
-# with no option (3.06 TB/s if two reads and a write all went to HBM: part of pass 2 hits L2), 1.11 ms with
-# accuracy and entropy, 1.48 ms with every option; the best for each was 0.99 ms (16384 x 16), 1.11 ms (this
-# one) and 1.40 ms (4096 x 8). The compiled grad_and_value step it replaces took 2.47 ms (accuracy, entropy).
+# Columns per step of a row's two passes and warps per row (docs/design.md, "Triton steps").
 BLOCK_V = 8192
 NUM_WARPS = 16
 
@@ -52,24 +42,25 @@ def cross_entropy_step_ref(
     want_accuracy: bool = False,
     want_entropy: bool = False,
 ) -> dict[str, Tensor]:
-    """:func:`cross_entropy_step` in plain PyTorch: fp32 autograd of the engine's own CE formula
-    (``chunkloss.losses.cross_entropy.cross_entropy_rows``), the gradient rounded once to the logits' dtype
-    and copied over them."""
+    """:func:`cross_entropy_step` in plain PyTorch: fp32 autograd of ``ℓ_i``, the gradient rounded once to the
+    logits' dtype and copied over them."""
     _check(logits, labels, normaliser, grad_scale, label_smoothing, lse_square_scale, softcap, temperature)
-    opts = CrossEntropyOptions(
-        label_smoothing=label_smoothing,
-        lse_square_scale=lse_square_scale,
-        softcap=softcap,
-        temperature=temperature,
-        logit_scale=logit_scale,
-        return_token_accuracy=want_accuracy,
-        return_entropy=want_entropy,
-        compile=False,
-    )
+    eps, lam = label_smoothing, lse_square_scale
     with torch.enable_grad():
         x = logits.detach().to(torch.float32, copy=True)  # a copy: the logits are overwritten below
         x.requires_grad_(True)
-        rows = cross_entropy_rows(x, labels.long(), opts)
+        r = row_stats_ref(x, labels, logit_scale=logit_scale, softcap=softcap, temperature=temperature,
+                          lse=True, entropy=want_entropy, mean=eps > 0, argmax=want_accuracy)  # fmt: skip
+        loss = -r["logp"] if eps == 0 else (1 - eps) * -r["logp"] + eps * (r["lse"] - r["mean"])
+        rows = {}
+        if lam > 0:
+            rows["z_loss"] = lam * r["lse"].square()
+            loss = loss + rows["z_loss"]
+        rows["loss"] = loss
+        if want_accuracy:
+            rows["correct"] = (r["argmax"] == labels).float()
+        if want_entropy:
+            rows["entropy"] = r["entropy"]
         w = grad_scale if grad_scale is not None else torch.ones_like(rows["loss"])
         (grad,) = torch.autograd.grad((rows["loss"] * w).sum() / normaliser, x)
     logits.copy_(grad)
@@ -142,8 +133,7 @@ def _cross_entropy_step_kernel(
     if HAS_SMOOTHING:
         one_hot -= eps
         uniform = eps / V
-    # Last block first: pass 1 has just read the end of the row, which is the likeliest to be still in L2
-    # (1.03 against 1.10 ms in the sweep above).
+    # Last block first: pass 1 has just read the end of the row, which is the likeliest to be still in L2.
     start = (V - 1) // BLOCK_V * BLOCK_V
     while start >= 0:
         idx = start + cols
@@ -173,7 +163,7 @@ def cross_entropy_step(
     """Per-row cross-entropy of a chunk of logits, and ``dL/dlogits`` written over the logits.
 
     ``L = Σ_i w_i·ℓ_i / normaliser`` with ``ℓ_i = (1-ε)·(lse_i - z_iy) + ε·(lse_i - mean_j z_ij) + λ·lse_i²``,
-    ``z = scale(logits)`` as in ``chunkloss.losses.common.scale_logits``, ``lse`` its logsumexp, all in fp32.
+    ``z = scale(logits)`` as in ``logprob.scale_ref``, ``lse`` its logsumexp, all in fp32.
 
     Args:
         logits: (C, V) contiguous fp32/bf16/fp16; overwritten with ``dL/dlogits`` in its own dtype.

@@ -1,16 +1,12 @@
 """Generalized JSD of a chunk of student and teacher logits, and its gradient written over the student's.
 
-The engine (``chunkloss.base``) projects a chunk of rows through both heads and needs the chunk's loss and
-``dL/dlogits`` of the student in the logits' own buffer. For ``chunkloss.losses.jsd.JSDOptions``,
-:func:`jsd_step` equals::
-
-    g, (loss, metrics) = torch.func.grad_and_value(jsd_chunk, has_aux=True)(logits, [teacher_logits], ...)
-    logits.copy_(g)
-
-with the per-row terms returned rather than summed. Under ``torch.compile`` that step holds fp32 copies of
-both chunks and reads them several times; here each row pair is read three times and nothing of size [C, V] is
-allocated. Per row, with ``z = scale(x)`` each head's logit transform, ``a = log_softmax(z_s/τ)``,
-``b = log_softmax(z_t/τ)``, ``s = e^a``, ``t = e^b``, ``log m = logaddexp(a + log(1-β), b + log β)``::
+The chunk loop (``chunkloss.engine``) projects a chunk of rows through both heads and needs the chunk's loss
+and ``dL/dlogits`` of the student in the logits' own buffer. :func:`jsd_step` computes the per-row terms and
+writes that gradient over the student's logits; :func:`jsd_step_ref` is the same in plain PyTorch. Each row
+pair is read three times and nothing of size [C, V] is allocated (a compiled step holds fp32 copies of both
+chunks and reads them several times). Per row, with ``z = scale(x)`` each head's logit transform,
+``a = log_softmax(z_s/τ)``, ``b = log_softmax(z_t/τ)``, ``s = e^a``, ``t = e^b``,
+``log m = logaddexp(a + log(1-β), b + log β)``::
 
     jsd   = Σ_j β·t_j·(b_j - log m_j) + (1-β)·s_j·(a_j - log m_j)     0 < β < 1
           = Σ_j s_j·(a_j - b_j)        β = 1 (reverse KL)         = Σ_j t_j·(b_j - a_j)   β = 0 (forward KL)
@@ -35,15 +31,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from chunkloss.losses.jsd import JSDOptions, jsd_rows
-
 from ._utils import next_power_of_2
-from .logprob import _online, _scaled
+from .logprob import _online, _scaled, scale_ref
 
 __all__ = ["jsd_step", "jsd_step_ref"]
 
-# Columns per step and warps per row, from `benchmarks/tune_jsd.py` on an H100 at 2048 x 128256 bf16: 1.75 ms
-# at β=0.5 and 1.45 ms at β=0 (4096 x 16, the CE step's shape: 1.84 and 1.47; 32 warps: 2.6-2.8, 1.56-2.30).
+# Columns per step and warps per row (docs/design.md, "Triton steps").
 BLOCK_V = 2048
 NUM_WARPS = 8
 
@@ -51,21 +44,58 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def jsd_step_ref(
-    logits: Tensor, teacher_logits: Tensor, labels: Tensor, normaliser: Tensor, opts: JSDOptions
+    logits: Tensor,  # (C, V) student
+    teacher_logits: Tensor,  # (C, V)
+    labels: Tensor,  # (C,)
+    normaliser: Tensor,  # ()
+    **options,
 ) -> dict[str, Tensor]:
-    """:func:`jsd_step` in plain PyTorch: fp32 autograd of the engine's own formula
-    (``chunkloss.losses.jsd.jsd_rows``), the gradient rounded once to the logits' dtype and copied over
-    them."""
+    """:func:`jsd_step` in plain PyTorch (same arguments): fp32 autograd of the per-row terms, the gradient
+    rounded once to the logits' dtype and copied over them."""
     _check(logits, teacher_logits, labels, normaliser)
+    o = _options(**options)
+    beta, tau = o["beta"], o["temperature"]
     with torch.enable_grad():
         x = logits.detach().to(torch.float32, copy=True).requires_grad_(True)
-        rows = jsd_rows(x, teacher_logits, labels.long(), opts)
-        total = opts.weight_soft_loss * rows["soft"].sum()
-        if "hard" in rows:
-            total = total + opts.weight_hard_loss * rows["hard"].sum()
+        z_s = scale_ref(x, o["student_logit_scale"], o["student_softcap"])
+        z_t = scale_ref(teacher_logits, o["teacher_logit_scale"], o["teacher_softcap"])
+        a, b = torch.log_softmax(z_s / tau, dim=-1), torch.log_softmax(z_t / tau, dim=-1)
+        if beta == 0.0:
+            soft = (b.exp() * (b - a)).sum(-1)
+        elif beta == 1.0:
+            soft = (a.exp() * (a - b)).sum(-1)
+        else:
+            log_m = torch.logaddexp(a + math.log1p(-beta), b + math.log(beta))
+            soft = (beta * b.exp() * (b - log_m) + (1 - beta) * a.exp() * (a - log_m)).sum(-1)
+        rows = {"soft": soft, "entropy": -(a.exp() * a).sum(-1)}
+        total = o["weight_soft"] * soft.sum()
+        if o["weight_hard"] != 0.0:
+            rows["hard"] = torch.logsumexp(z_s, dim=-1) - z_s.gather(-1, labels.long()[:, None])[:, 0]
+            total = total + o["weight_hard"] * rows["hard"].sum()
         (grad,) = torch.autograd.grad(total / normaliser, x)
     logits.copy_(grad)
     return {k: v.detach() for k, v in rows.items()}
+
+
+def _options(
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    weight_soft: float = 1.0,
+    weight_hard: float = 0.0,
+    student_logit_scale: float = 1.0,
+    student_softcap: float | None = None,
+    teacher_logit_scale: float = 1.0,
+    teacher_softcap: float | None = None,
+) -> dict:
+    """:func:`jsd_step`'s keyword arguments with their defaults, checked."""
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be in [0, 1], got {beta}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    for name, cap in (("student_softcap", student_softcap), ("teacher_softcap", teacher_softcap)):
+        if cap is not None and cap <= 0:
+            raise ValueError(f"{name} must be positive or None, got {cap}")
+    return dict(locals())
 
 
 @triton.jit
@@ -192,7 +222,15 @@ def jsd_step(
     teacher_logits: Tensor,  # (C, V)
     labels: Tensor,  # (C,)
     normaliser: Tensor,  # ()
-    opts: JSDOptions,
+    *,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    weight_soft: float = 1.0,
+    weight_hard: float = 0.0,
+    student_logit_scale: float = 1.0,
+    student_softcap: float | None = None,
+    teacher_logit_scale: float = 1.0,
+    teacher_softcap: float | None = None,
 ) -> dict[str, Tensor]:
     """Per-row generalized JSD of a chunk (and the hard-label CE and student entropy), and ``dL/dlogits`` of
     ``L = (w_soft·Σ jsd + w_hard·Σ hard) / normaliser`` written over the student's logits.
@@ -202,22 +240,29 @@ def jsd_step(
         teacher_logits: (C, V) teacher logits (no gradient), same V.
         labels: (C,) int64 in ``[0, V)`` (read for the hard loss only; not checked, a check would sync).
         normaliser: 0-d fp32 tensor (read on the device).
-        opts: the loss's options (β, τ, weights, each head's ``logit_scale`` and softcap).
+        beta: β in [0, 1]; 0 is forward KL(T‖S), 1 reverse KL(S‖T).
+        temperature: τ dividing both heads' logits in the divergence (not in the hard loss).
+        weight_soft: w_soft, the divergence's weight.
+        weight_hard: w_hard, the weight of the student's cross-entropy on the labels; 0 turns it off.
+        student_logit_scale, teacher_logit_scale: multipliers of each head's logits.
+        student_softcap, teacher_softcap: each head's ``softcap·tanh(z/softcap)``, ``None`` for none.
 
     Returns:
-        fp32 (C,) tensors by name, as ``chunkloss.losses.jsd.jsd_rows``: ``"soft"``, ``"entropy"`` and, when
-        ``weight_hard_loss`` ≠ 0, ``"hard"``.
+        fp32 (C,) tensors by name: ``"soft"`` (jsd per row), ``"entropy"`` (of the student at τ) and, when
+        ``weight_hard`` ≠ 0, ``"hard"``.
     """
     _check(logits, teacher_logits, labels, normaliser)
+    _options(beta, temperature, weight_soft, weight_hard, student_logit_scale, student_softcap,
+             teacher_logit_scale, teacher_softcap)  # fmt: skip
     c, v = logits.shape
     new = lambda: torch.empty(c, dtype=torch.float32, device=logits.device)  # noqa: E731
     out = {"soft": new(), "entropy": new()}
-    has_hard = opts.weight_hard_loss != 0.0
+    has_hard = weight_hard != 0.0
     if has_hard:
         out["hard"] = new()
     if c == 0:
         return out
-    beta = float(opts.beta)
+    beta = float(beta)
     mode = 0 if beta == 0.0 else 1 if beta == 1.0 else 2
     _jsd_step_kernel[(c,)](
         logits,
@@ -234,13 +279,13 @@ def jsd_step(
         math.log(beta) if mode == 2 else 0.0,
         math.log1p(-beta) if mode == 2 else 0.0,
         1.0 / (1.0 - beta) if mode == 2 else 0.0,
-        float(opts.weight_soft_loss),
-        float(opts.weight_hard_loss),
-        S_SCALE=float(opts.student_logit_scale),
-        S_CAP=float(opts.student_softcap or 0.0),
-        T_SCALE=float(opts.teacher_logit_scale),
-        T_CAP=float(opts.teacher_softcap or 0.0),
-        TEMPERATURE=float(opts.temperature),
+        float(weight_soft),
+        float(weight_hard),
+        S_SCALE=float(student_logit_scale),
+        S_CAP=float(student_softcap or 0.0),
+        T_SCALE=float(teacher_logit_scale),
+        T_CAP=float(teacher_softcap or 0.0),
+        TEMPERATURE=float(temperature),
         MODE=mode,
         HAS_HARD=has_hard,
         BLOCK=min(BLOCK_V, next_power_of_2(v)),

@@ -1,8 +1,8 @@
 """Per-row statistics of a chunk of logits, and the gradient of a loss on them, in few reads of the logits.
 
 Many losses see a chunk's logits ``x`` (C, V) only through a few numbers per row of ``z = scale(x)``
-(``chunkloss.losses.common.scale_logits``: ``· logit_scale``, then ``softcap·tanh(z / softcap)``, then
-``/ temperature``): the label log-prob ``log p_y = z_y - lse``, the entropy ``H = lse - Σ_j p_j·z_j``,
+(:func:`scale_ref`: ``· logit_scale``, then ``softcap·tanh(z / softcap)``, then ``/ temperature``):
+the label log-prob ``log p_y = z_y - lse``, the entropy ``H = lse - Σ_j p_j·z_j``,
 the mean logit, the argmax. GRPO's per-token loss is a function of ``(log p_y, H)``; a preference loss sums
 label log-probs per sequence. Such a loss needs, per row, only the derivatives ``a = dL/dlog p_y``,
 ``a2 = dL/dlog p_y2`` (a second label, e.g. ORPO's NLL targets) and ``b = dL/dH``, and then::
@@ -13,8 +13,8 @@ label log-probs per sequence. Such a loss needs, per row, only the derivatives `
 :func:`row_stats` reads each row once with online reductions (running max, sum-exp and what is asked)
 and writes nothing of size [C, V]; :func:`row_grad_` writes ``dL/dlogits`` over the logits in their dtype
 (computed in fp32, rounded once), reading each row once more when ``lse`` and ``H`` are handed over from
-:func:`row_stats` on the same logits, twice otherwise. Under ``torch.compile`` the same steps read the logits
-three or four times (``benchmarks/results/dev/NOTES.md``, sessions 6-7).
+:func:`row_stats` on the same logits, twice otherwise (a compiled step reads them three or four times).
+Each has a plain-PyTorch reference in fp32 beside it (``*_ref``).
 """
 
 from __future__ import annotations
@@ -23,8 +23,6 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-
-from chunkloss.losses.common import row_statistics, scaled_label_logprob
 
 from ._utils import next_power_of_2
 
@@ -36,22 +34,72 @@ __all__ = [
     "row_grad_ref",
     "row_stats",
     "row_stats_ref",
+    "scale_ref",
 ]
 
-# Columns per step of a row's online reduction and warps per row, swept on an H100 at 4096 x 128256 bf16
-# (benchmarks/results/dev/s6/sweep_logprob.log): 8192 x 8 warps 0.364 ms (2.89 TB/s); 2048-16384 columns with
-# 4-8 warps all within 0.37-0.43 ms, 16 warps slower at small blocks.
+# Columns per step of a row's online reduction and warps per row (docs/design.md, "Triton steps").
 BLOCK_V = 8192
 NUM_WARPS = 8
-# The gradient pass reads and writes (and reads once more without the statistics): the CE step's launch shape
-# (kernels/cross_entropy.py, swept for the same read-read-write pattern).
+# The gradient pass reads and writes (and reads once more without the statistics): the CE step's launch shape.
 GRAD_NUM_WARPS = 16
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-# The fp32 reference of the label log-prob: the formula the losses use off CUDA.
-label_logprob_ref = scaled_label_logprob
+def scale_ref(
+    logits: Tensor, logit_scale: float = 1.0, softcap: float | None = None, temperature: float = 1.0
+) -> Tensor:
+    """``z = scale(logits)`` in fp32: ``· logit_scale``, then ``softcap·tanh(z / softcap)``, then
+    ``/ temperature`` (the order transformers applies them in)."""
+    z = logits.float() * logit_scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    return z / temperature
+
+
+def row_stats_ref(
+    logits: Tensor,  # (C, V)
+    labels: Tensor,  # (C,)
+    labels2: Tensor | None = None,  # (C,)
+    *,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    temperature: float = 1.0,
+    lse: bool = False,
+    entropy: bool = False,
+    mean: bool = False,
+    argmax: bool = False,
+    lse2: bool = False,
+) -> dict[str, Tensor]:
+    """:func:`row_stats` in plain PyTorch, fp32 and differentiable."""
+    z = scale_ref(logits, logit_scale, softcap, temperature)
+    lse_ = torch.logsumexp(z, dim=-1)
+    out = {"logp": z.gather(-1, labels.long()[:, None])[:, 0] - lse_}
+    if labels2 is not None:
+        out["logp2"] = z.gather(-1, labels2.long()[:, None])[:, 0] - lse_
+    if lse:
+        out["lse"] = lse_
+    if entropy:
+        out["entropy"] = lse_ - (torch.softmax(z, dim=-1) * z).sum(-1)
+    if mean:
+        out["mean"] = z.mean(-1)
+    if argmax:
+        out["argmax"] = z.argmax(-1)
+    if lse2:
+        out["lse2"] = torch.logsumexp(2 * z, dim=-1)
+    return out
+
+
+def label_logprob_ref(
+    logits: Tensor,
+    labels: Tensor,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    temperature: float = 1.0,
+) -> Tensor:
+    """:func:`label_logprob_triton` in plain PyTorch: ``log_softmax(scale(logits))[i, labels[i]]`` in fp32."""
+    scales = dict(logit_scale=logit_scale, softcap=softcap, temperature=temperature)
+    return row_stats_ref(logits, labels, **scales)["logp"]
 
 
 @triton.jit
@@ -85,8 +133,7 @@ def _online(
 ):
     """One read of a row: with m the running max and α = exp(m_old - m) when it moves,
     s = Σ exp(z - m), h = Σ exp(z - m)·z, z_sum = Σ z, the first argmax, s2 = Σ exp(2(z - m)).
-    Running values move once per block (per-lane ones cost a second exp per element: 0.72 against 0.36 ms
-    for a 4096 x 128256 bf16 chunk on an H100)."""
+    Running values move once per block (per-lane ones would cost a second exp per element)."""
     cols = tl.arange(0, BLOCK)
     m = -float("inf")
     s = 0.0
@@ -303,10 +350,6 @@ def row_stats(
     return out
 
 
-# The fp32 reference of row_stats: the formula the losses use off CUDA.
-row_stats_ref = row_statistics
-
-
 @torch.no_grad()
 def row_grad_(
     logits: Tensor,  # (C, V)
@@ -405,7 +448,7 @@ def row_grad_ref(
     once to the logits' dtype and copied over them (``stats`` is accepted and not needed)."""
     with torch.enable_grad():
         x = logits.detach().to(torch.float32, copy=True).requires_grad_(True)
-        got = row_statistics(x, labels, labels2, logit_scale=logit_scale, softcap=softcap,
+        got = row_stats_ref(x, labels, labels2, logit_scale=logit_scale, softcap=softcap,
                             temperature=temperature, entropy=coef_entropy is not None)  # fmt: skip
         total = (got["logp"] * coef).sum()
         if labels2 is not None:
@@ -424,7 +467,7 @@ def label_logprob_triton(
     temperature: float = 1.0,
 ) -> Tensor:
     """``log_softmax(scale(logits))[i, labels[i]]`` (C,) in fp32, without grad, for CUDA tensors (or CPU ones
-    under ``TRITON_INTERPRET=1``); ``chunkloss.losses.common.nograd_label_logprob`` calls it on CUDA."""
+    under ``TRITON_INTERPRET=1``)."""
     return row_stats(logits, labels, logit_scale=logit_scale, softcap=softcap, temperature=temperature)[
         "logp"
     ]

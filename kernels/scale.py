@@ -1,9 +1,9 @@
 """``t *= s`` in place, skipped on the device when ``s == 1``: the engine's backward.
 
 The chunked losses compute their gradients in forward, and backward only multiplies them by the incoming
-``grad_output`` (``chunkloss.base._scale_grad``). That is almost always exactly 1 (``loss.backward()``), yet
-``t.mul_(s)`` reads and writes the whole gradient: at Llama-3 head sizes the bf16 weight gradient is
-128256 x 4096 (1.05 GB): 1.4 ms on an H100, every step. The host cannot look at ``s`` without waiting for the
+``grad_output`` (``chunkloss.engine.function.scale_grad``). That is almost always exactly 1
+(``loss.backward()``), yet ``t.mul_(s)`` reads and writes the whole gradient (at Llama-3 head sizes the bf16
+weight gradient is 128256 x 4096, 1.05 GB), every step. The host cannot look at ``s`` without waiting for the
 stream, so the device does: every program of the kernel first loads ``s`` and returns when it is 1, before
 touching ``t``; otherwise the programs scale ``t`` in a grid-stride loop.
 
@@ -29,13 +29,9 @@ from ._utils import cdiv, num_sms
 
 __all__ = ["scale_", "scale_ref"]
 
-# Elements per step of a program, warps per program and programs per SM of the grid-stride loop. Swept on an
-# H100 at 128256 x 4096 bf16 (Triton 3.6, do_bench medians): from 4 programs per SM on, every block of
-# 1024-8192 elements with 4-16 warps takes 0.74-0.75 ms (2.8 TB/s) when s != 1, against 1.41 ms for
-# ``mul_`` by the 0-d tensor and 0.70 ms for ``copy_``; at s == 1 the launch costs 5 us. One program per
-# block (no loop) would move the 1 GB in 0.70 ms but costs 81 us at s == 1, where each of its 128K programs
-# still loads s; a software-pipelined ``tl.range`` loop gained at most 1%. The hand-written bf16 rounding
-# below costs nothing measurable (0.746 against 0.742 ms for the hardware conversion).
+# Elements per step of a program, warps per program and programs per SM of the grid-stride loop: a few
+# programs per SM, not one per block, so that at s == 1 only a few hundred programs load s and exit
+# (docs/design.md, "Triton kernels").
 BLOCK = 4096
 NUM_WARPS = 8
 PROGRAMS_PER_SM = 4

@@ -2,7 +2,7 @@
 
 The chunk loop accumulates ``grad_W`` in fp32 (``acc``, V x H) and hands the weight's dtype to autograd. Done
 with PyTorch, the last contribution is a cuBLAS ``addmm`` that reads and writes the whole fp32 accumulator,
-and the cast reads it again: at Llama-3 head sizes (128256 x 4096) 4.2 GB + 3.2 GB of traffic. cuBLAS cannot
+and the cast reads it again. cuBLAS cannot
 write a bf16 D from an fp32 C, so this kernel does both in one pass over the accumulator: each program loads
 one fp32 tile of ``acc``, scales it by ``s`` (a one-element device tensor: the deferred rows' λ of two-pass
 sequence losses, read on the device, no host sync), adds the tile of ``gᵀ·x`` over the K rows of the last
@@ -26,19 +26,16 @@ from .scale import _round
 
 __all__ = ["finish_weight_grad", "finish_weight_grad_ref"]
 
-# Tile of the output (V rows x H columns), K step, warps and pipeline stages, swept on an H100 at V=128256,
-# H=4096 (benchmarks/tune_weight_grad.py, 84 configurations; benchmarks/results/dev/s11/tune_weight_grad*):
-# 128 x 128 x 32 with 4 warps and 4 stages took 1.57 ms at K=256 and 3.10 at K=1024, against 3.11 and 3.53 for
-# cuBLAS's addmm into the accumulator and the cast (4.75 and 5.19 with the scale). With K = 0 a 64-row tile
-# streams at the cast's bandwidth (1.03 ms, as ``acc.to(bf16)``; 1.22 with 128 rows); the scale and cast cost
-# 2.67 ms as ``mul_`` then ``to``. From K=2048 on cuBLAS wins (4.35 against 5.44 ms): see ``MAX_ROWS``.
+# Tile of the output (V rows x H columns), K step, warps and pipeline stages; with K = 0 (the scale and cast
+# alone) a 64-row tile streams at the cast's bandwidth (docs/design.md, "The weight-gradient accumulator").
 BLOCK_V = 128
 BLOCK_V_NO_K = 64
 BLOCK_H = 128
 BLOCK_K = 32
 NUM_WARPS = 4
 NUM_STAGES = 4
-#: The engine fuses a last contribution of at most this many rows (above it, cuBLAS's addmm and the cast).
+#: The engine fuses a last contribution of at most this many rows (above it, cuBLAS's addmm and the cast are
+#: faster).
 MAX_ROWS = 1024
 
 _LOW = (torch.bfloat16, torch.float16)
@@ -135,7 +132,7 @@ def finish_weight_grad(
         x: (K, H) their hidden rows (unit column stride), in ``g``'s dtype.
         s: one-element tensor on the device scaling ``acc`` (None: 1).
         dtype: bf16 or fp16, the weight's dtype.
-        block_v, block_h, block_k, num_warps, num_stages: launch overrides (benchmarks/tune_weight_grad.py).
+        block_v, block_h, block_k, num_warps, num_stages: launch overrides.
     """
     if dtype not in _LOW:
         raise TypeError(f"dtype must be bfloat16 or float16, got {dtype}")

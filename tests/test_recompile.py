@@ -1,4 +1,4 @@
-"""torch.compile does not recompile as B and T vary: at most 2 graphs per loss (the engine issue).
+"""torch.compile does not recompile as B and T vary: at most 2 graphs per loss.
 
 Each loss compiles one graph per per-chunk step *kind* it runs (``FusedLinearBase._build_step``): "token"
 (token losses with grad), or "stats" and "seq_pass2" (sequence losses: the statistics, then the pointwise
@@ -19,7 +19,6 @@ import torch
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch._dynamo.utils import counters
 
-import chunkloss.engine._core as base
 from chunkloss import (
     FusedLinearCPOLoss,
     FusedLinearCrossEntropyLoss,
@@ -29,6 +28,7 @@ from chunkloss import (
     FusedLinearORPOLoss,
     FusedLinearSimPOLoss,
 )
+from chunkloss.engine import compiled, loop
 
 H, V = 16, 64  # a tiny head: the test is about graphs, not numerics
 H_REF = 8  # the teacher / reference head is narrower than the policy's
@@ -134,11 +134,11 @@ CASES = {
 
 def _graphs_per_step(mod) -> dict[str, int]:
     """Compiled graphs held by each compiled step ``mod`` has run, by kind: the dynamo cache entries of the
-    step's code object (each step has one of its own, see ``chunkloss.base._bind``). Triton steps and an eager
-    "seq_coef" step hold none and are not listed."""
+    step's code object (each step has one of its own, see ``chunkloss.engine.compiled.bind``). Triton steps and
+    an eager "seq_coef" step hold none and are not listed."""
     out = {}
     for (kind, _), step in mod._compiled.items():
-        if isinstance(step, base._RowDynamic):
+        if isinstance(step, compiled.RowDynamic):
             code = step.fn._torchdynamo_orig_callable.__code__
             out[kind] = len(_debug_get_cache_entry_list(code))
     return out
@@ -163,8 +163,8 @@ def plans(monkeypatch):
         seen.append((one_pass, [b - a for a, b in plan.bounds]))
         return plan, one_pass
 
-    real = base._plan_chunks
-    monkeypatch.setattr(base, "_plan_chunks", record)
+    real = loop.plan_chunks
+    monkeypatch.setattr(loop, "plan_chunks", record)
     return seen
 
 
@@ -246,9 +246,10 @@ def test_sequence_coef_beside_triton_steps(case, plans, cuda_steps):
     assert [one_pass for one_pass, _ in plans[: 1 + len(LATER)]] == [ONE_PASS[t] for _, t in [FIRST, *LATER]]
 
 
-def test_guard_location_backport(monkeypatch):
+def test_guard_location_fix_is_scoped(monkeypatch):
     """torch < 2.13 fails to print a shape guard without a source location, so dynamo cannot build that step;
-    the backport gives ``SLoc`` torch 2.13's ``__str__`` only where the installed one fails."""
+    ``guard_location_fix`` gives ``SLoc`` torch 2.13's ``__str__`` inside the block only, where the installed
+    one fails, and restores it after (an exception included)."""
     from torch._guards import SLoc
     from torch.utils._traceback import format_frame
 
@@ -256,15 +257,18 @@ def test_guard_location_backport(monkeypatch):
         floc = self.framework_loc if isinstance(self.framework_loc, str) else format_frame(self.framework_loc)
         return f"{self.maybe_user_loc} ({floc})" if self.maybe_user_loc is not None else f"({floc})"
 
+    monkeypatch.setattr(compiled, "_GUARD_LOCATION_BUG", True)
     working = SLoc.__str__
-    base._backport_guard_location_str.cache_clear()
-    base._backport_guard_location_str()
-    assert SLoc.__str__ is working  # a torch that prints it is left alone
+    with compiled.guard_location_fix():
+        assert SLoc.__str__ is working  # a torch that prints it is left alone
     monkeypatch.setattr(SLoc, "__str__", str_2_11)
     with pytest.raises(AttributeError):
         str(SLoc(None, None))
-    base._backport_guard_location_str.cache_clear()
-    base._backport_guard_location_str()
-    assert str(SLoc(None, None)) == "()"
-    assert str(SLoc("base.py:10", "loss.py:3")) == "loss.py:3 (base.py:10)"
-    base._backport_guard_location_str.cache_clear()
+    with pytest.raises(KeyError), compiled.guard_location_fix():
+        assert str(SLoc(None, None)) == "()"
+        assert str(SLoc("base.py:10", "loss.py:3")) == "loss.py:3 (base.py:10)"
+        raise KeyError("inside the block")
+    assert SLoc.__str__ is str_2_11
+    monkeypatch.setattr(compiled, "_GUARD_LOCATION_BUG", False)  # torch >= 2.13: never touched
+    with compiled.guard_location_fix():
+        assert SLoc.__str__ is str_2_11

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from chunkloss.engine import StepKind, register_gpu_steps
 from chunkloss.losses.common import row_statistics
 from chunkloss.losses.cross_entropy import CrossEntropyOptions, FusedLinearCrossEntropyLoss
 
@@ -64,8 +65,6 @@ class FusedLinearDFTLoss(FusedLinearCrossEntropyLoss):
     """
 
     chunk_loss = staticmethod(dft_chunk)
-    # On CUDA the step with grad runs on the row kernels (never the cross-entropy kernel of the parent class).
-    kernel_steps = {"token": _dft_triton_step}
 
     def __init__(self, **options):
         super().__init__(**options)
@@ -73,3 +72,7 @@ class FusedLinearDFTLoss(FusedLinearCrossEntropyLoss):
             raise ValueError(
                 "FusedLinearDFTLoss takes no label_smoothing, lse_square_scale or reduction='none'"
             )
+
+
+# On CUDA the step with grad runs on the row kernels (never the cross-entropy kernel of the parent class).
+register_gpu_steps(FusedLinearDFTLoss, {StepKind.TOKEN: _dft_triton_step}, math=("chunk_loss",))

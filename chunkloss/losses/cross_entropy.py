@@ -121,28 +121,6 @@ def _chunk_sums(rows: dict[str, Tensor], token, scalars, opts: CrossEntropyOptio
     return loss, metrics
 
 
-def _triton_step(opts: CrossEntropyOptions, logits, extra_logits, token, scalars):
-    """The "token" step on CUDA: ``chunkloss.kernels.cross_entropy`` reads the chunk's logits twice and writes
-    the gradient over them (the compiled step reads them three times); same values as
-    ``grad_and_value(cross_entropy_chunk)``."""
-    from chunkloss.kernels.cross_entropy import cross_entropy_step  # Triton is imported only on CUDA
-
-    rows = cross_entropy_step(
-        logits,
-        token["labels"],
-        scalars["normaliser"],
-        token["grad_scale"].float() if "grad_scale" in token else None,
-        label_smoothing=opts.label_smoothing,
-        lse_square_scale=opts.lse_square_scale,
-        softcap=opts.softcap,
-        temperature=opts.temperature,
-        logit_scale=opts.logit_scale,
-        want_accuracy=opts.return_token_accuracy,
-        want_entropy=opts.return_entropy,
-    )
-    return (logits, *_chunk_sums(rows, token, scalars, opts))
-
-
 class FusedLinearCrossEntropyLoss(FusedLinearBase):
     """``F.cross_entropy(hidden @ weight.T + bias, labels)`` without materialising the logits.
 
@@ -154,10 +132,6 @@ class FusedLinearCrossEntropyLoss(FusedLinearBase):
     options_cls = CrossEntropyOptions
     options: CrossEntropyOptions
     chunk_loss = staticmethod(cross_entropy_chunk)
-    # On CUDA the chunk step with grad is the Triton kernel (no torch.compile graph); it computes this class's
-    # cross-entropy, so a subclass with its own ``chunk_loss`` keeps the compiled step.
-    kernel_steps = {"token": _triton_step}
-    kernel_math = ("chunk_loss",)
 
     def __init__(self, **options):
         super().__init__(**options)

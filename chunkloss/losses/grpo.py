@@ -53,7 +53,6 @@ evaluated on those (C,) statistics in between; elsewhere the compiled or eager `
 
 from __future__ import annotations
 
-import functools
 import math
 import numbers
 from dataclasses import dataclass
@@ -300,60 +299,6 @@ def grpo_token_stats(logits, extra_logits, token, opts: GRPOOptions):
     return torch.stack(cols, dim=1)
 
 
-# --------------------------------------------------------------------------------------------------
-# The steps on CUDA: the per-row statistics and the logits gradient from chunkloss.kernels.logprob (one read
-# of the logits, then one read and one write), the loss on the (C,) statistics in between. The compiled
-# grad_and_value step reads them three or four times (1.76 ms per 3584-row chunk at V=128256 on an H100).
-def _triton_token_step(opts: GRPOOptions, logits, extra_logits, token, scalars, grad: bool = True):
-    """The token path's "token" step (``grad``) or "token_value" step: ``grad_and_value(grpo_chunk)``."""
-    from chunkloss.kernels.logprob import row_grad_from_loss_, row_stats  # Triton is imported only on CUDA
-
-    logp, ent, ref, rows = _row_logprobs(logits, extra_logits, token, opts, row_stats)
-    with torch.enable_grad():
-        logp.requires_grad_(grad)
-        ent.requires_grad_(grad and opts.entropy_coef != 0)
-        old = token["old_logps"] if "old_logps" in token else logp.detach()
-        loss, m = _row_loss(logp, ent, ref, logp - old, token, scalars, opts)
-    metrics = _token_shaped_metrics(m, token, scalars)
-    if not grad:
-        return None, loss, metrics
-    row_grad_from_loss_(logits, token["ids"], rows, loss, **_scalings(opts))
-    return logits, loss.detach(), metrics
-
-
-def _triton_stats(opts: GRPOOptions, logits, extra_logits, token):
-    """The sequence path's "stats" step: ``grpo_token_stats``."""
-    from chunkloss.kernels.logprob import row_stats
-
-    logp, ent, ref, rows = _row_logprobs(logits, extra_logits, token, opts, row_stats)
-    # The rows' lse and entropy reach the "seq_pass2" step when it runs on these logits (one pass).
-    return torch.stack([logp, ent] if ref is None else [logp, ent, ref], dim=1), rows
-
-
-def _triton_pass2(opts: GRPOOptions, logits, extra_logits, token, coef, rows=None):
-    """The sequence path's "seq_pass2" step: ``grad((grpo_token_stats * coef).sum())`` over the logits (the
-    reference column carries no gradient, the entropy one only with the entropy bonus). ``rows``: the stats
-    step's statistics of these logits in one pass, else read again."""
-    from chunkloss.kernels.logprob import row_grad_
-
-    coef_ent = coef[:, 1].contiguous() if opts.entropy_coef != 0 else None
-    return row_grad_(
-        logits, token["ids"], coef[:, 0].contiguous(), coef_entropy=coef_ent, stats=rows, **_scalings(opts)
-    )
-
-
-def _scalings(opts: GRPOOptions) -> dict:
-    return dict(logit_scale=opts.logit_scale, softcap=opts.softcap, temperature=opts.temperature)
-
-
-_TRITON_STEPS = {
-    "token": _triton_token_step,
-    "token_value": functools.partial(_triton_token_step, grad=False),
-    "stats": _triton_stats,
-    "seq_pass2": _triton_pass2,
-}
-
-
 def grpo_sequence_loss(stats, seq_id, num_seqs, token, sequence, scalars, opts: GRPOOptions):
     """Sequence path: the per-sequence statistics of TRL, then the per-row loss of the token path."""
     logp, ent = stats[:, 0], stats[:, 1]
@@ -451,10 +396,6 @@ class FusedLinearGRPOLoss(FusedLinearBase):
     token_stats = staticmethod(grpo_token_stats)
     sequence_loss = staticmethod(grpo_sequence_loss)
     extra_token_stats = staticmethod(grpo_ref_stats)
-    # On CUDA the per-chunk steps are the Triton row kernels with the loss on (C,) tensors in between (no
-    # torch.compile graph), for this class's own per-row math.
-    kernel_steps = _TRITON_STEPS
-    kernel_math = ("chunk_loss", "token_stats")
 
     def __init__(self, **options):
         super().__init__(**options)

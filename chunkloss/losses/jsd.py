@@ -133,15 +133,6 @@ def jsd_chunk(logits, extra_logits, token, scalars, opts: JSDOptions):
     return _chunk_sums(jsd_rows(logits, extra_logits[0], token["labels"], opts), scalars, opts)
 
 
-def _triton_step(opts: JSDOptions, logits, extra_logits, token, scalars):
-    """The "token" step on CUDA: ``chunkloss.kernels.jsd`` reads both heads' logits three times and writes the
-    student's gradient over its logits, with no fp32 copy; same values as ``grad_and_value(jsd_chunk)``."""
-    from chunkloss.kernels.jsd import jsd_step  # Triton is imported only on CUDA
-
-    rows = jsd_step(logits, extra_logits[0], token["labels"], scalars["normaliser"], opts)
-    return (logits, *_chunk_sums(rows, scalars, opts))
-
-
 class FusedLinearJSDLoss(FusedLinearBase):
     """Generalized JSD between a student and a teacher LM head, without materialising either
     ``[N, V]`` logits. Gradients flow to the student's hidden, weight and bias only.
@@ -160,9 +151,6 @@ class FusedLinearJSDLoss(FusedLinearBase):
     options_cls = JSDOptions
     options: JSDOptions
     chunk_loss = staticmethod(jsd_chunk)
-    # On CUDA the chunk step with grad is the Triton kernel (no torch.compile graph, no fp32 copies).
-    kernel_steps = {"token": _triton_step}
-    kernel_math = ("chunk_loss",)
 
     def forward(
         self,

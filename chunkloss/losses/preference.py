@@ -141,34 +141,6 @@ def preference_token_stats(logits, extra_logits, token, opts: PreferenceOptions)
     return _columns(row_statistics(logits, token["labels"], **_row_request(token, opts)), token, opts)
 
 
-# The steps on CUDA: the statistics and the logits gradient from the Triton row kernels of
-# chunkloss.kernels.logprob (one read of the logits; two reads and one write) instead of compiled graphs.
-def _triton_stats(opts: PreferenceOptions, logits, extra_logits, token):
-    """The "stats" step: ``preference_token_stats``."""
-    from chunkloss.kernels.logprob import row_stats  # Triton is imported only on CUDA
-
-    rows = row_stats(logits, token["labels"], **_row_request(token, opts))
-    # The rows' lse reaches the "seq_pass2" step when it runs on these logits (one pass).
-    return _columns(rows, token, opts), rows
-
-
-def _triton_pass2(opts: PreferenceOptions, logits, extra_logits, token, coef, rows=None):
-    """The "seq_pass2" step: ``grad((preference_token_stats * coef).sum())`` over the logits. Only the
-    LOGP, LOGP_RAW and NLL columns carry a gradient (the others are detached or the reference's). ``rows``:
-    the stats step's statistics of these logits in one pass, else read again."""
-    from chunkloss.kernels.logprob import row_grad_
-
-    a = coef[:, LOGP] * token["pref_weight"] + coef[:, LOGP_RAW] * token["pref_mask"]
-    nll = {}
-    if "nll_labels" in token:
-        nll = dict(labels2=token["nll_labels"], coef2=(coef[:, NLL] * token["nll_mask"]).float().contiguous())
-    return row_grad_(logits, token["labels"], a.float().contiguous(), **nll, stats=rows,
-                     logit_scale=opts.logit_scale, softcap=opts.softcap)  # fmt: skip
-
-
-_TRITON_STEPS = {"stats": _triton_stats, "seq_pass2": _triton_pass2}
-
-
 def preference_sequence_loss(pair_loss, stats, seq_id, num_seqs, token, sequence, scalars, opts):
     """Loss of whole pairs from their rows' statistics: ``Σ pair_loss / B + nll_coef·NLL``.
 
@@ -241,10 +213,6 @@ class FusedLinearPreferenceLoss(FusedLinearBase):
     seqs_per_group = 2  # a chosen/rejected pair
     token_stats = staticmethod(preference_token_stats)
     extra_token_stats = staticmethod(preference_ref_stats)
-    # On CUDA the per-chunk steps are the Triton row kernels (no torch.compile graph); they compute this
-    # class's statistics, so a subclass with its own token_stats keeps the compiled steps.
-    kernel_steps = _TRITON_STEPS
-    kernel_math = ("token_stats",)
     #: ``rows_in_pass_1`` holds for this class's own statistics and sequence loss; a subclass with a
     #: ``token_stats`` or ``sequence_loss`` of its own (not from ``pair_loss``) loses it unless it sets it
     #: again.

@@ -7,8 +7,8 @@ the online reductions cross 2-3 blocks, the last one masked; on a GPU the same g
 vocabulary is checked and timed in the ``gpu`` tests.
 
 Kernel, reference and ``cross_entropy_chunk`` all compute in fp32 from the same (possibly 16-bit) logits and
-round the gradient once, so they differ only in the order of the sums and in ``exp``/``log``/``tanh``. The
-tolerances below are a few times the largest errors measured over this grid on CPU (given beside each). The
+round the gradient once, so they differ only in the order of the sums and in ``exp``/``log``/``tanh``
+(tests/tolerances.py's fp32 row; largest errors measured over this grid on CPU given below). The
 low-precision check is STYLE.md's three-way one taken element by element: ours and torch's gradient must each
 lie within the same few-ulp bound of the fp32 reference (a norm ratio err(ours)/err(torch) <= 2 fails under
 the interpreter, whose fp32 -> bf16 cast truncates where torch rounds to nearest).
@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from chunkloss.losses.cross_entropy import CrossEntropyOptions, cross_entropy_chunk
+from tests.tolerances import assert_close_to_ref
 
 # Measured over this grid on CPU with seeds 0-5 (largest values given). Per-row fp32 outputs (loss, z_loss,
 # entropy), absolute: kernel vs reference 2.1e-5, on entropies, where lse - Σ p·z cancels two numbers near
 # max|z| (up to 57 here, ulp 3.8e-6); kernel and reference are each 1.8e-5 or less from fp64.
-ROW_TOL = dict(rtol=1e-6, atol=5e-5)
 # fp32 gradient, in gradient units w_i·logit_scale/(normaliser·temperature) (see gradient_unit): 1.9e-6,
 # at the label of rows with p_y ≈ 1 where p_y·(1 + 2λ·lse) - 1 cancels (the reference is as far from fp64).
 GRAD32_TOL = 1e-5
@@ -72,12 +72,16 @@ def make_inputs(c, v, dtype, weights):
 
 
 def chunk_step(logits, labels, normaliser, grad_scale, opts):
-    """The engine's token step (eager): grad_and_value of cross_entropy_chunk, metrics summed over rows."""
-    token = {"labels": labels} | ({} if grad_scale is None else {"grad_scale": grad_scale})
+    """The engine's token step (eager): grad_and_value of cross_entropy_chunk, metrics summed over rows; with
+    per-row weights, of ``Σ_i w_i·ℓ_i / normaliser`` from the per-row losses (as the engine's ``TOKEN_ROWS``
+    step weights them)."""
+    token = {"labels": labels}
     scalars = {"normaliser": normaliser, "n_valid": torch.ones(())}  # n_valid 1: metrics are plain sums
 
     def step(z):
         loss, metrics = cross_entropy_chunk(z, [], token, scalars, opts)
+        if grad_scale is not None:
+            loss = (metrics["loss"] * grad_scale).sum() / normaliser
         return loss, {k: m.detach() for k, m in metrics.items()}
 
     grad, (loss, metrics) = torch.func.grad_and_value(step, has_aux=True)(logits)
@@ -162,7 +166,7 @@ def check_step(name, shape, dtype, monkeypatch):
         if key == "correct":
             assert torch.equal(value, ref[key])
         else:
-            torch.testing.assert_close(value, ref[key], **ROW_TOL, msg=key)
+            assert_close_to_ref(value, ref[key], name=key)
     if metrics and c > 1:
         assert 0 < ours["correct"].sum() < c
     assert ours_grad.dtype == dtype
@@ -173,14 +177,14 @@ def check_step(name, shape, dtype, monkeypatch):
         logits, labels, normaliser, grad_scale, chunk_options(kw, metrics)
     )
     w = torch.ones(c) if grad_scale is None else grad_scale
-    torch.testing.assert_close((ours["loss"] * w).sum() / normaliser, loss, **ROW_TOL)
-    torch.testing.assert_close(ours["loss"], torch_metrics.pop("loss"), **ROW_TOL)
+    assert_close_to_ref((ours["loss"] * w).sum() / normaliser, loss)
+    assert_close_to_ref(ours["loss"], torch_metrics.pop("loss"))
     names = {"z_loss": "z_loss", "correct": "mean_token_accuracy", "entropy": "entropy"}
     assert {names[k] for k in ours if k != "loss"} == set(torch_metrics)
     for key, value in ours.items():
         if key != "loss":
             summed = torch_metrics[names[key]]
-            torch.testing.assert_close(value.sum(), summed, rtol=ROW_TOL["rtol"], atol=c * ROW_TOL["atol"])
+            assert_close_to_ref(value.sum(), summed)
     assert torch_grad.dtype == dtype
     check_grad(torch_grad, ref_grad, unit, "torch vs reference")  # the bound holds for torch's own step too
     check_grad(ours_grad, torch_grad.float(), unit, "vs torch")
@@ -202,7 +206,7 @@ def test_overwrites_logits_and_empty_chunk():
     buffer = logits.data_ptr()
     ce.cross_entropy_step(logits, torch.tensor([1, 2, 3]), torch.ones(()))
     assert logits.data_ptr() == buffer
-    torch.testing.assert_close(logits.sum(-1), torch.zeros(3), atol=1e-6, rtol=0)  # Σ_j (p_j - [j = y]) = 0
+    assert_close_to_ref(logits.sum(-1), torch.zeros(3))  # Σ_j (p_j - [j = y]) = 0
     out = ce.cross_entropy_step(torch.empty(0, 50), torch.empty(0, dtype=torch.long), torch.ones(()))
     assert out["loss"].shape == (0,)
 
@@ -245,7 +249,7 @@ def test_rejects_bad_arguments(fn, bad):
 
 def _compiled_chunk_step(opts):
     """The engine's compiled token step: grad_and_value of cross_entropy_chunk, gradient copied over the
-    logits (chunkloss.base._token_step with _grad_out)."""
+    logits (the TOKEN step of chunkloss.engine.steps)."""
 
     def step(logits, token, scalars):
         def loss_fn(z):
@@ -279,7 +283,7 @@ def test_cross_entropy_step_real_vocab(name):
         if key == "correct":
             assert torch.equal(value, ref[key])
         else:
-            torch.testing.assert_close(value, ref[key], **ROW_TOL, msg=key)
+            assert_close_to_ref(value, ref[key], name=key)
     check_grad(ours_grad, ref_grad, gradient_unit(normaliser, grad_scale, kw, 4096), "vs reference")
     del ref_grad, ref
 
@@ -308,5 +312,5 @@ def test_cross_entropy_step_offsets_past_2_31():
     tail = logits[-8:].float()
     ours = ce.cross_entropy_step(logits, labels, torch.ones((), device="cuda"))
     ref = ce.cross_entropy_step_ref(tail, labels[-8:], torch.ones((), device="cuda"))
-    torch.testing.assert_close(ours["loss"][-8:], ref["loss"], **ROW_TOL)
+    assert_close_to_ref(ours["loss"][-8:], ref["loss"])
     check_grad(logits[-8:], tail, torch.ones(8, 1, device="cuda"), "last rows")

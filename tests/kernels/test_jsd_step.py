@@ -1,6 +1,6 @@
 """The JSD chunk step kernel (per-row divergence, hard loss and entropy; the student's dL/dlogits written
-over its logits) against its fp32 reference ``jsd_step_ref`` (autograd of ``chunkloss.losses.jsd.jsd_rows``,
-the formula of the compiled step).
+over its logits) against its fp32 reference ``jsd_step_ref`` (plain PyTorch autograd of the same per-row
+terms).
 
 On CPU the kernel runs through TRITON_INTERPRET=1 at small shapes with a column block small enough that every
 pass crosses several blocks, the last one masked; on a GPU the same grid runs there and the real vocabulary is
@@ -18,10 +18,7 @@ import chunkloss.kernels.jsd as kj
 import pytest
 import torch
 
-from chunkloss.losses.jsd import JSDOptions
-
-ROW_TOL = dict(rtol=1e-5, atol=5e-5)
-GRAD32_TOL = dict(rtol=1e-5, atol=1e-5)
+from tests.tolerances import assert_close_to_ref
 
 CAPS = dict(student_logit_scale=1.3, student_softcap=4.0, teacher_logit_scale=0.8, teacher_softcap=5.0)
 # (β, τ, hard weight, head transforms): both endpoints and the mixture, each with and without temperature,
@@ -45,36 +42,39 @@ def _ulp(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("c, v, block", [(3, 2, 16), (1, 37, 16), (5, 130, 64)])  # V=2: one 2-wide block
 def test_jsd_step(c, v, block, dtype, beta, tau, hard, caps, monkeypatch):
     monkeypatch.setattr(kj, "BLOCK_V", block)
-    opts = JSDOptions(
-        beta=beta, temperature=tau, weight_hard_loss=hard, weight_soft_loss=0.9, **(CAPS if caps else {})
-    )
+    kw = dict(beta=beta, temperature=tau, weight_hard=hard, weight_soft=0.9, **(CAPS if caps else {}))
     zs, zt = (3 * torch.randn(c, v)).to(dtype), (3 * torch.randn(c, v)).to(dtype)
     zs[0, :3] = 20.0  # a large early logit: the running max moves once, then not again
     y, norm = torch.randint(0, v, (c,)), torch.tensor(3.0)
     ours, ref = zs.clone(), zs.clone()
-    rows, ref_rows = kj.jsd_step(ours, zt, y, norm, opts), kj.jsd_step_ref(ref, zt, y, norm, opts)
+    rows, ref_rows = kj.jsd_step(ours, zt, y, norm, **kw), kj.jsd_step_ref(ref, zt, y, norm, **kw)
     assert set(rows) == set(ref_rows) == ({"soft", "entropy", "hard"} if hard else {"soft", "entropy"})
     for k in ref_rows:
-        torch.testing.assert_close(rows[k], ref_rows[k], **ROW_TOL, msg=k)
+        assert_close_to_ref(rows[k], ref_rows[k], name=k)
     assert ours.dtype == dtype
     if dtype == torch.float32:
-        torch.testing.assert_close(ours, ref, **GRAD32_TOL)
+        assert_close_to_ref(ours, ref)
     else:
         assert ((ours.float() - ref.float()).abs() <= _ulp(ref) + 1e-6).all()
 
 
 def test_jsd_step_bad_input():
     z, y, n = torch.randn(4, 50), torch.randint(0, 50, (4,)), torch.tensor(1.0)
-    opts = JSDOptions()
     with pytest.raises(ValueError, match="teacher_logits"):
-        kj.jsd_step(z, z[:, :40], y, n, opts)
+        kj.jsd_step(z, z[:, :40], y, n)
     with pytest.raises(TypeError, match="normaliser"):
-        kj.jsd_step(z, z, y, n.double(), opts)
+        kj.jsd_step(z, z, y, n.double())
     with pytest.raises(ValueError, match="labels"):
-        kj.jsd_step(z, z, y[:2], n, opts)
+        kj.jsd_step(z, z, y[:2], n)
     with pytest.raises(TypeError, match="logits must be"):
-        kj.jsd_step(z.double(), z, y, n, opts)
-    assert set(kj.jsd_step(z[:0], z[:0], y[:0], n, opts)) == {"soft", "entropy"}
+        kj.jsd_step(z.double(), z, y, n)
+    for bad, match in [(dict(beta=1.5), "beta"), (dict(temperature=0.0), "temperature"),
+                       (dict(teacher_softcap=-1.0), "teacher_softcap")]:  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            kj.jsd_step(z, z, y, n, **bad)
+        with pytest.raises(ValueError, match=match):
+            kj.jsd_step_ref(z, z, y, n, **bad)
+    assert set(kj.jsd_step(z[:0], z[:0], y[:0], n)) == {"soft", "entropy"}
 
 
 @pytest.mark.gpu
@@ -85,17 +85,17 @@ def test_jsd_step_real_vocab(beta):
     it replaces (printed)."""
     import triton
 
-    from chunkloss.losses.jsd import jsd_chunk
+    from chunkloss.losses.jsd import JSDOptions, jsd_chunk
 
     c, v = 1280, 128256
     zs = (3 * torch.randn(c, v, device="cuda")).bfloat16()
     zt = (3 * torch.randn(c, v, device="cuda")).bfloat16()
     y, norm = torch.randint(0, v, (c,), device="cuda"), torch.tensor(float(c), device="cuda")
-    opts = JSDOptions(beta=beta, weight_hard_loss=0.1)
+    opts, kw = JSDOptions(beta=beta, weight_hard_loss=0.1), dict(beta=beta, weight_hard=0.1)
     ours, ref = zs.clone(), zs.clone()
-    rows, ref_rows = kj.jsd_step(ours, zt, y, norm, opts), kj.jsd_step_ref(ref, zt, y, norm, opts)
+    rows, ref_rows = kj.jsd_step(ours, zt, y, norm, **kw), kj.jsd_step_ref(ref, zt, y, norm, **kw)
     for k in ref_rows:
-        torch.testing.assert_close(rows[k], ref_rows[k], **ROW_TOL, msg=k)
+        assert_close_to_ref(rows[k], ref_rows[k], name=k)
     assert ((ours.float() - ref.float()).abs() <= _ulp(ref) + 1e-9).all()
 
     def compiled_step(z):
@@ -106,7 +106,7 @@ def test_jsd_step_real_vocab(beta):
         z.copy_(g)
 
     compiled = torch.compile(compiled_step)
-    t_kernel = triton.testing.do_bench(lambda: kj.jsd_step(zs, zt, y, norm, opts))
+    t_kernel = triton.testing.do_bench(lambda: kj.jsd_step(zs, zt, y, norm, **kw))
     t_compiled = triton.testing.do_bench(lambda: compiled(zs))
     print(
         f"jsd_step 1280x128256 bf16 beta={beta}: kernel {t_kernel:.3f} ms, compiled step {t_compiled:.3f} ms"

@@ -595,7 +595,7 @@ def test_bad_inputs():
 # final threshold and adds the change. Besides the references (test_options_fp32), these check the premise:
 # how many rows each pass projects, and that a wrong estimate is corrected exactly.
 def _count_projections(monkeypatch, weight):
-    from chunkloss import base
+    from chunkloss.engine import loop as base
 
     projected, real = [], base._project
 

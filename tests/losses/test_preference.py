@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from chunkloss.engine._core import _plan_chunks
+from chunkloss.engine.plan import plan_chunks as _plan_chunks
 from chunkloss.losses.cpo import FusedLinearCPOLoss
 from chunkloss.losses.dpo import DPO_LOSS_TYPES, FusedLinearDPOLoss
 from chunkloss.losses.orpo import FusedLinearORPOLoss
@@ -566,13 +566,13 @@ _MARGIN = {0: 0, 1: 0, 2: 1, 3: 0, 5: 0, 12: 0, 14: 1, 15: 0, 17: 1, 20: 0, 23: 
     "case", range(len(_LAST_ROWS_CASES)), ids=lambda i: f"{i}-{_LAST_ROWS_CASES[i][0].__name__}"
 )
 def test_last_rows_get_one_column_of_gradient(case, monkeypatch):
-    from chunkloss import base
+    from chunkloss.engine import loop, steps
     from chunkloss.losses.preference import LOGP, LOGP_RAW, NLL
 
     cls, opts, ref_mode = _LAST_ROWS_CASES[case]
-    monkeypatch.setattr(base, "_SHARED_STEPS", {})
+    monkeypatch.setattr(steps, "_SHARED_STEPS", {})
     coefs, projected, deferred = [], [], []
-    real_coef, real_project, real_rows = base._sequence_coef_eager, base._project, cls.rows_in_pass_1
+    real_coef, real_project, real_rows = steps.sequence_coef_eager, loop._project, cls.rows_in_pass_1
 
     def spy_coef(*args, **kwargs):
         out = real_coef(*args, **kwargs)
@@ -588,8 +588,8 @@ def test_last_rows_get_one_column_of_gradient(case, monkeypatch):
         deferred.append(real_rows(self, batch))
         return deferred[-1]
 
-    monkeypatch.setattr(base, "_sequence_coef_eager", spy_coef)
-    monkeypatch.setattr(base, "_project", spy_project)
+    monkeypatch.setattr(steps, "sequence_coef_eager", spy_coef)
+    monkeypatch.setattr(loop, "_project", spy_project)
     monkeypatch.setattr(cls, "rows_in_pass_1", spy_rows)
     d = _inputs()
     call_kw = _ref_kwargs(d, ref_mode) if ref_mode else {}

@@ -22,8 +22,8 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-import chunkloss.engine._core as base
-from chunkloss.losses import grpo, jsd
+from chunkloss.engine import FusedLinearBase, StepKind, compiled, steps
+from chunkloss.losses import gpu_steps, jsd
 from chunkloss.losses.cpo import FusedLinearCPOLoss
 from chunkloss.losses.dpo import FusedLinearDPOLoss
 from chunkloss.losses.grpo import LOSS_TYPES, FusedLinearGRPOLoss
@@ -33,6 +33,7 @@ from chunkloss.reference import cpo_ref, dpo_ref, orpo_ref
 from tests.losses import test_grpo as tg
 from tests.losses import test_jsd as tj
 from tests.losses import test_preference as tp
+from tests.tolerances import assert_close_to_ref
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(),
@@ -92,15 +93,15 @@ def test_grpo_options(opts, chunk, cuda_steps):
 
 
 def test_grpo_bf16(cuda_steps):
-    """bf16 within test_grpo.py's bound (BF16_K x the materialised bf16 loss's error, plus BF16_ATOL)."""
+    """bf16 against the fp32 reference, with the materialised bf16 torch loss's error as the yardstick."""
     inp, kw = tg.make_inputs(dtype=torch.bfloat16)
     opts = dict(loss_type="dapo", beta=0.04, entropy_coef=0.05, compile=False)
     l32, g32, _ = tg.run_ref(inp, kw, opts)
     lt, gt, _ = tg.run_ref(inp, kw, opts, dtype=torch.bfloat16)
     lo, go, _ = tg.run_ours(inp, kw, chunk_size=7, **dict(opts, compile=True))
-    assert (lo - l32).abs() <= tg.BF16_K * (lt - l32).abs() + tg.BF16_ATOL["loss"]
-    for a, b, r in zip(go, gt, g32):
-        assert (a - r).abs().max() <= tg.BF16_K * (b - r).abs().max() + tg.BF16_ATOL["grad"]
+    assert_close_to_ref(lo, l32, lt, "loss", dtype=torch.bfloat16)
+    for i, (a, b, r) in enumerate(zip(go, gt, g32)):
+        assert_close_to_ref(a, r, b, f"grad {i}", dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("level, chunk", [("token", 1000), ("sequence", 1000), ("sequence", 4)])
@@ -110,10 +111,10 @@ def test_grpo_no_grad(level, chunk, cuda_steps):
     inp, kw = tg.make_inputs()
     opts = tg.grid_opts("dapo", level, beta=0.04, entropy_coef=0.05)
     mod = FusedLinearGRPOLoss(**dict(opts, compile=True, chunk_size=chunk))
-    assert mod._step_fn("token_value", "cpu").func is grpo._triton_token_step  # the fixture took effect
+    assert mod._step_fn(StepKind.TOKEN_VALUE, "cpu").func is gpu_steps.grpo_token  # the fixture took effect
     with torch.no_grad():
         loss = mod(**inp, **kw)
-    assert abs(float(loss) - float(tg.run_ref(inp, kw, opts)[0])) <= tg.FP32_ATOL["loss"]
+    assert_close_to_ref(loss, tg.run_ref(inp, kw, opts)[0], name="loss")
 
 
 @pytest.mark.parametrize("opts", list(tg.MORE_OPTIONS.values()), ids=list(tg.MORE_OPTIONS))
@@ -166,7 +167,7 @@ def test_cpo_simpo(chunk, cuda_steps):
     tp._check(ours, cpo_ref(d["x"], d["w"], d["chosen"], d["rejected"], d["b"], **opts), d)
     ours = tp._run(FusedLinearSimPOLoss, d, None, chunk_size=chunk, compile=True)
     eager = tp._run(FusedLinearSimPOLoss, d, None, chunk_size=chunk, compile=False)
-    torch.testing.assert_close(ours[0], eager[0], **tp.FP32)
+    assert_close_to_ref(ours[0], eager[0])
 
 
 def test_dpo_token_metrics(cuda_steps, monkeypatch):
@@ -180,9 +181,9 @@ def test_dpo_token_metrics(cuda_steps, monkeypatch):
     )
     assert set(ours[2]) == set(eager[2]) and any("entropy" in k for k in ours[2])
     for k in eager[2]:
-        torch.testing.assert_close(ours[2][k], eager[2][k], **tp.FP32, msg=k)
+        assert_close_to_ref(ours[2][k], eager[2][k], name=k)
     for a, b in zip(ours[1], eager[1]):
-        torch.testing.assert_close(a, b, **tp.FP32)
+        assert_close_to_ref(a, b)
 
 
 @pytest.mark.parametrize("case", range(5))
@@ -213,7 +214,7 @@ def test_orpo_logit_rows_and_no_grad(chunk, cuda_steps):
             d["x"], d["w"], d["chosen"], d["rejected"], d["b"], **kw
         )
     ref = orpo_ref(d["x"], d["w"], d["chosen"], d["rejected"], d["b"], beta=0.2, softcap=2.0, **kw)[0]
-    torch.testing.assert_close(loss, ref.detach().float(), **tp.FP32)
+    assert_close_to_ref(loss, ref.detach().float())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -232,20 +233,20 @@ def test_orpo_logit_rows_and_no_grad(chunk, cuda_steps):
 def test_jsd(beta, opts, chunk, cuda_steps):
     d = tj._inputs()
     ours = tj._ours(d, beta=beta, chunk_size=chunk, compile=True, **opts)
-    tj._assert_close_all(ours, tj._ref(d, beta=beta, **opts), tj.FP32)
+    tj._assert_close_all(ours, tj._ref(d, beta=beta, **opts))
 
 
 def test_jsd_accumulation_and_no_grad(cuda_steps):
     """``num_items_in_batch`` reaches the kernel's normaliser; without grad the loss is the compiled one's."""
     d = tj._inputs()
     # The fixture took effect:
-    assert jsd.FusedLinearJSDLoss()._step_fn("token", "cpu").func is jsd._triton_step
-    tj._assert_close_all(tj._ours(d, 17, beta=0.3, compile=True), tj._ref(d, 17, beta=0.3), tj.FP32)
+    assert jsd.FusedLinearJSDLoss()._step_fn(StepKind.TOKEN, "cpu").func is gpu_steps.jsd_token
+    tj._assert_close_all(tj._ours(d, 17, beta=0.3, compile=True), tj._ref(d, 17, beta=0.3))
     with torch.no_grad():
         loss = jsd.FusedLinearJSDLoss(beta=0.3)(
-            d["x_s"], d["w_s"], d["x_t"], d["w_t"], d["y"], d["b_s"], d["b_t"]
+            d["x_s"], d["w_s"], d["x_t"], d["w_t"], d["y"], bias=d["b_s"], teacher_bias=d["b_t"]
         )
-    torch.testing.assert_close(loss, tj._ref(d, beta=0.3)[0].float(), **tj.FP32)
+    assert_close_to_ref(loss, tj._ref(d, beta=0.3)[0].float())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -284,7 +285,8 @@ def test_one_pass_hands_statistics_to_pass_2(loss, cuda_steps, monkeypatch):
 
 
 # --------------------------------------------------------------------------------------------------
-# Beside the Triton steps, "seq_coef" (sequence_loss and dL/dstats) is compiled (base._SequenceDynamic).
+# Beside the Triton steps, "seq_coef" (sequence_loss and dL/dstats) is compiled
+# (``chunkloss.engine.compiled.SequenceDynamic``).
 def _run_seq_case(case, chunk, grad=True):
     """(loss, gradients, metrics) of one sequence loss on test_preference.py's / test_grpo.py's inputs."""
     if case == "grpo-sequence":
@@ -303,7 +305,7 @@ def _run_seq_case(case, chunk, grad=True):
     if grad:
         return tp._run(cls, d, kw, chunk_size=chunk, compile=True, **opts)
     mod = cls(chunk_size=chunk, compile=True, **opts)
-    loss = mod(d["x"].detach(), d["w"].detach(), d["chosen"], d["rejected"], d["b"].detach(), **kw)
+    loss = mod(d["x"].detach(), d["w"].detach(), d["chosen"], d["rejected"], bias=d["b"].detach(), **kw)
     return loss, None, mod.metrics
 
 
@@ -320,34 +322,34 @@ def test_compiled_sequence_coef_equals_eager(case, chunk, cuda_steps, monkeypatc
         ours = _run_seq_case(case, chunk)
         ours_value = _run_seq_case(case, chunk, grad=False)
     assert not [w for w in caught if "could not build" in str(w.message)], [str(w.message) for w in caught]
-    steps = [v for (kind, *_), v in base._SHARED_STEPS.items() if kind == "seq_coef"]
-    assert len(steps) == 1 and isinstance(steps[0], base._SequenceDynamic) and steps[0].fn is not None
+    built = [v for (kind, *_), v in steps._SHARED_STEPS.items() if kind is StepKind.SEQ_COEF]
+    assert len(built) == 1 and isinstance(built[0], compiled.SequenceDynamic) and built[0].fn is not None
     assert counters["stats"]["unique_graphs"] >= 1 and counters["frames"]["ok"] == counters["frames"]["total"]
 
-    real = base.FusedLinearBase._build_step
+    real = FusedLinearBase._build_step
 
     def build_eager_seq_coef(self, kind, opts, device_type):
-        if kind == "seq_coef":
-            return functools.partial(base._sequence_coef_eager, type(self).sequence_loss, opts)
+        if kind is StepKind.SEQ_COEF:
+            return functools.partial(steps.sequence_coef_eager, type(self).sequence_loss, opts)
         return real(self, kind, opts, device_type)
 
-    monkeypatch.setattr(base.FusedLinearBase, "_build_step", build_eager_seq_coef)
-    monkeypatch.setattr(base, "_SHARED_STEPS", {})
+    monkeypatch.setattr(FusedLinearBase, "_build_step", build_eager_seq_coef)
+    monkeypatch.setattr(steps, "_SHARED_STEPS", {})
     eager = _run_seq_case(case, chunk)
     eager_value = _run_seq_case(case, chunk, grad=False)
-    assert all(callable(v) and not isinstance(v, base._RowDynamic) for v in base._SHARED_STEPS.values())
+    assert all(callable(v) and not isinstance(v, compiled.RowDynamic) for v in steps._SHARED_STEPS.values())
     for (loss, grads, metrics), (e_loss, e_grads, e_metrics) in ((ours, eager), (ours_value, eager_value)):
         if case == "grpo-sequence":
             tg.assert_close_fp32((loss, grads or [], metrics), (e_loss, e_grads or [], e_metrics))
             continue
-        torch.testing.assert_close(loss, e_loss, **tp.FP32)
+        assert_close_to_ref(loss, e_loss)
         assert set(metrics) == set(e_metrics)
         for k in e_metrics:
-            torch.testing.assert_close(metrics[k], e_metrics[k], **tp.FP32, msg=k)
+            assert_close_to_ref(metrics[k], e_metrics[k], name=k)
         for g, e_g in zip(grads or [], e_grads or [], strict=True):
             assert (g is None) == (e_g is None)
             if g is not None:
-                torch.testing.assert_close(g, e_g, **tp.FP32)
+                assert_close_to_ref(g, e_g)
 
 
 @pytest.mark.parametrize("chunk", [4, 1000])
@@ -369,5 +371,5 @@ def test_grpo_entropy_mask_estimates_compiled(chunk, cuda_steps, monkeypatch):
     assert sum(projected[: -(-n_valid // chunk)]) == n_valid
     if chunk == 1000:
         assert projected == [n_valid]
-    step = mod._step_fn("seq_coef", "cuda")
-    assert isinstance(step, base._SequenceDynamic) and step.fn is not None  # compiled, no eager fallback
+    step = mod._step_fn(StepKind.SEQ_COEF, "cuda")
+    assert isinstance(step, compiled.SequenceDynamic) and step.fn is not None  # compiled, no eager fallback
