@@ -1,4 +1,4 @@
-"""Chunked linear + CPO (Xu et al., arXiv:2401.08417) and its AlphaPO reward transform.
+"""Chunked linear + CPO (Xu et al., arXiv:2401.08417) and its AlphaPO reward transform (arXiv:2501.03884).
 
 Equals ``trl.experimental.cpo.CPOTrainer`` (TRL 1.16: ``cpo_loss`` and ``get_batch_loss_metrics``)::
 

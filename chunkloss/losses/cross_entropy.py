@@ -7,9 +7,10 @@ Equals ``torch.nn.functional.cross_entropy(scale(hidden @ weight.T + bias), labe
 
 where ``z = scale(logits)`` applies ``logit_scale``, Gemma's ``softcap·tanh(z/softcap)`` and
 ``/ temperature``, and ``λ·lse²`` is the z-loss of PaLM (arXiv:2204.02311), reported separately as
-``z_loss``. ``num_items_in_batch`` divides the summed loss, as transformers' ``ForCausalLMLoss``
-does under gradient accumulation. With every label ignored, 'mean' gives 0 (torch gives NaN), and so does
-``num_items_in_batch=0`` (a count below 1 divides by 1).
+``z_loss``. ``num_items_in_batch`` divides the summed loss, as transformers' ``ForCausalLMLoss`` does under
+gradient accumulation: with it this is the loss ``trl.SFTTrainer`` (TRL 1.16, ``loss_type="nll"``) trains on,
+the model's own ``ForCausalLMLoss``. With every label ignored, 'mean' gives 0 (torch gives NaN), and so does
+``num_items_in_batch=0`` (a count below 1 divides by 1). A row whose logits hold ±inf gives NaN, as in torch.
 """
 
 from __future__ import annotations
@@ -20,12 +21,7 @@ import torch
 from torch import Tensor
 
 from chunkloss.engine import Batch, FusedLinearBase, FusedOptions
-from chunkloss.losses.common import (
-    check_head,
-    check_labels,
-    item_count,
-    row_statistics,
-)
+from chunkloss.losses.common import check_head, check_labels, item_count, options_of, row_statistics
 
 __all__ = ["CrossEntropyOptions", "FusedLinearCrossEntropyLoss", "cross_entropy_rows"]
 
@@ -34,17 +30,7 @@ _REDUCTIONS = ("mean", "sum", "none")
 
 @dataclass(frozen=True)
 class CrossEntropyOptions(FusedOptions):
-    """Args:
-    ignore_index: label value that takes no part (its row costs no GEMM).
-    reduction: 'mean' over non-ignored rows, 'sum', or 'none' (per-row losses, 0 where ignored).
-    label_smoothing: ε, as in ``F.cross_entropy``.
-    lse_square_scale: λ of the z-loss ``λ·logsumexp²``; 0 turns it off.
-    softcap: final logit softcapping (Gemma-2), ``None`` for none.
-    temperature: logits are divided by it.
-    logit_scale: logits are multiplied by it first (Cohere).
-    return_token_accuracy: report ``mean_token_accuracy`` (TRL's SFT name).
-    return_entropy: report ``entropy``, the mean per-token entropy.
-    """
+    """The validated options of :class:`FusedLinearCrossEntropyLoss` (documented on its constructor)."""
 
     ignore_index: int = -100
     reduction: str = "mean"
@@ -126,26 +112,73 @@ class FusedLinearCrossEntropyLoss(FusedLinearBase):
 
     Example::
 
-        loss = FusedLinearCrossEntropyLoss()(hidden, lm_head.weight, labels)   # hidden (B, T, H)
+        loss_fn = FusedLinearCrossEntropyLoss(label_smoothing=0.1)
+        loss = loss_fn(hidden, lm_head.weight, labels)   # hidden (B, T, H), labels (B, T) already shifted
+        loss_fn.metrics["num_tokens"]
+
+    Metrics (``self.metrics`` after each call, detached 0-d tensors): ``num_tokens`` (the labelled rows of
+    the call) always; ``z_loss`` (mean λ·lse² over labelled rows) when ``lse_square_scale`` > 0;
+    ``mean_token_accuracy`` with ``return_token_accuracy``; ``entropy`` with ``return_entropy``.
     """
 
     options_cls = CrossEntropyOptions
     options: CrossEntropyOptions
     chunk_loss = staticmethod(cross_entropy_chunk)
 
-    def __init__(self, **options):
-        super().__init__(**options)
+    def __init__(
+        self,
+        *,
+        ignore_index: int = -100,
+        reduction: str = "mean",
+        label_smoothing: float = 0.0,
+        lse_square_scale: float = 0.0,
+        softcap: float | None = None,
+        temperature: float = 1.0,
+        logit_scale: float = 1.0,
+        return_token_accuracy: bool = False,
+        return_entropy: bool = False,
+        chunk_size: int | None = None,
+        logits_budget_mb: int = 448,
+        accum_dtype: torch.dtype | None = torch.float32,
+        compile: bool = True,
+    ):
+        """Args:
+            ignore_index: label value that takes no part (its row costs no GEMM).
+            reduction: 'mean' over non-ignored rows, 'sum', or 'none' (per-row losses, 0 where ignored).
+            label_smoothing: ε in [0, 1], as in ``F.cross_entropy``.
+            lse_square_scale: λ of the z-loss ``λ·logsumexp²``; 0 turns it off.
+            softcap: final logit softcapping ``c·tanh(z/c)`` (Gemma-2), ``None`` for none.
+            temperature: the logits are divided by it (after the softcap).
+            logit_scale: the logits are multiplied by it first (Cohere).
+            return_token_accuracy: report ``mean_token_accuracy`` (TRL's SFT name).
+            return_entropy: report ``entropy``, the mean per-token entropy.
+            chunk_size, logits_budget_mb, accum_dtype, compile: the engine's options
+                (:class:`chunkloss.engine.FusedOptions`).
+        """
+        super().__init__(**options_of(locals()))
         if self.options.reduction == "none":
             self.token_outputs = ("loss",)
 
     def forward(
         self,
-        hidden: Tensor,  # (..., H)
-        weight: Tensor,  # (V, H)
-        labels: Tensor,  # (...), already shifted
-        bias: Tensor | None = None,  # (V,)
+        hidden: Tensor,
+        weight: Tensor,
+        labels: Tensor,
+        *,
+        bias: Tensor | None = None,
         num_items_in_batch: int | Tensor | None = None,
     ) -> Tensor:
+        """Args:
+            hidden: (..., H) hidden states.
+            weight: (V, H) the head's weight.
+            labels: (...) integer targets, already shifted; ``ignore_index`` marks rows that take no part.
+            bias: (V,) the head's bias, or ``None``.
+            num_items_in_batch: divides the summed loss instead of the labelled-row count (transformers'
+                normaliser under gradient accumulation); ignored with ``reduction='none'``.
+
+        Returns:
+            The loss: 0-d, or ``labels``' shape with ``reduction='none'``.
+        """
         opts = self.options
         check_head(hidden, weight, bias)
         rows = check_labels(
@@ -168,4 +201,20 @@ class FusedLinearCrossEntropyLoss(FusedLinearBase):
             all_rows=rows.numel() == x.shape[0],
         )
         out = self.run(x, weight, bias, batch)
+        # A call with no labelled row never runs a chunk: its asked-for means are 0, not missing.
+        zero = torch.zeros((), device=x.device)
+        self.metrics = {
+            "num_tokens": torch.full((), float(rows.numel()), device=x.device),
+            **{k: self.metrics.get(k, zero) for k in _metric_names(opts)},
+        }
         return out.view(labels.shape) if opts.reduction == "none" else out
+
+
+def _metric_names(opts: CrossEntropyOptions) -> list[str]:
+    """The means in ``metrics`` besides ``num_tokens``, as the options ask."""
+    asked = (
+        ("z_loss", opts.lse_square_scale > 0),
+        ("mean_token_accuracy", opts.return_token_accuracy),
+        ("entropy", opts.return_entropy),
+    )
+    return [name for name, on in asked if on]

@@ -1,4 +1,5 @@
-"""Chunked linear + GRPO loss, with every loss option of TRL 1.16's ``GRPOTrainer``.
+"""Chunked linear + GRPO loss (Shao et al., DeepSeekMath, arXiv:2402.03300), with every loss option of TRL
+1.16's ``GRPOTrainer``.
 
 Equals the loss part of ``trl.trainer.grpo_trainer.GRPOTrainer._compute_loss`` (TRL 1.16.0) on the
 per-token log-probs ``logp = log_softmax(scale(hidden @ weight.T + bias))[completion_ids]``, ``scale``
@@ -53,56 +54,45 @@ evaluated on those (C,) statistics in between; elsewhere the compiled or eager `
 
 from __future__ import annotations
 
-import math
-import numbers
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from chunkloss.engine import FusedLinearBase, FusedOptions, Head, segment_sum, sequence_batch
-from chunkloss.losses.common import (
-    check_head,
-    check_labels,
-    item_count,
-    nograd_label_logprob,
-    quantile,
-    row_statistics,
-    to_scalar,
+from chunkloss.engine import FusedLinearBase, FusedOptions, segment_sum, sequence_batch
+from chunkloss.losses.common import check_head, nograd_label_logprob, options_of, quantile, row_statistics
+from chunkloss.losses.grpo_batch import (
+    GLOBAL_COUNT_LOSS_TYPES,
+    LOG_RATIO_MIN,
+    batch_tensors,
+    check_advantages_and_ratio,
+    check_completions,
+    check_trainer_state,
+    normaliser,
+    reference_head,
 )
 
-__all__ = ["FusedLinearGRPOLoss", "GRPOOptions"]
+__all__ = [
+    "CLIP_LOSS_TYPES",
+    "FusedLinearGRPOLoss",
+    "GLOBAL_COUNT_LOSS_TYPES",
+    "GRPOOptions",
+    "IS_LEVELS",
+    "LOSS_TYPES",
+    "nanmax",
+    "nanmin",
+]
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 IS_LEVELS = ("token", "sequence", "sequence_token")
-_CLIP_FAMILY = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
-_LOG_1E8 = math.log(1e-8)
+#: The PPO-clip loss types; TRL logs ``clip_ratio/*`` for these.
+CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
 
 @dataclass(frozen=True)
 class GRPOOptions(FusedOptions):
-    """Args (GRPOConfig names, except ``epsilon_low`` for TRL's ``epsilon``):
-    loss_type: one of 'grpo', 'bnpo', 'dr_grpo', 'dapo' (TRL's default), 'cispo', 'sapo', 'luspo', 'vespo'.
-    beta: KL coefficient; needs ``ref_logps`` or a reference head when non-zero.
-    epsilon_low: lower clip ε (TRL ``epsilon``).
-    epsilon_high: upper clip ε (cispo: the ratio cap ε_max); ``None`` means ``epsilon_low``.
-    delta: two-sided clip: the ratio is first clamped at ``delta`` (INTELLECT-2); ``None`` for off.
-    importance_sampling_level: 'token', 'sequence' or 'sequence_token'.
-    sapo_temperature_pos, sapo_temperature_neg: SAPO gate temperatures.
-    vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO Gamma weight parameters.
-    use_bias_correction_kl: multiply the KL term by the importance ratio (DeepSeek-V3.2).
-    temperature: the logits (policy and reference) are divided by it.
-    logit_scale: the logits are first multiplied by it (Cohere's ``logit_scale``), policy and reference.
-    softcap: final logit softcapping ``c·tanh(z/c)`` after the scale, before the temperature
-        (Gemma-2's ``final_logit_softcapping``); ``None`` for off.
-    off_policy_mask_threshold: drop negative-advantage sequences whose mean KL(sampler ‖ policy)
-        exceeds it (DeepSeek-V3.2 off-policy sequence masking); ``None`` for off.
-    top_entropy_quantile: keep only the top ρ of tokens by entropy in the policy loss (1.0: all).
-    entropy_coef: coefficient of the entropy bonus (loss -= coef · mean entropy / GA).
-    use_adaptive_entropy: refused: the controller is trainer state; pass its current coefficient as
-        ``entropy_coef`` instead.
-    max_completion_length: the dr_grpo normaliser's constant (required for dr_grpo).
-    """
+    """The validated options of :class:`FusedLinearGRPOLoss` (documented on its constructor; GRPOConfig's
+    names, except ``epsilon_low`` for TRL's ``epsilon``)."""
 
     loss_type: str = "dapo"
     beta: float = 0.0
@@ -253,7 +243,7 @@ def _row_loss(logp, ent, ref, log_w, token, scalars, opts: GRPOOptions, keep=Non
         loss = loss - opts.entropy_coef * eff.sum() / n_eff / scalars["grad_accum"]
     metrics["entropy"] = ent.detach().sum() / scalars["n_valid"]
     c = coef_1.detach()
-    if opts.loss_type in _CLIP_FAMILY:
+    if opts.loss_type in CLIP_LOSS_TYPES:
         low = ((c < 1 - opts.epsilon_low) & (adv < 0)).float()
         high = ((c > 1 + eps_hi) & (adv > 0)).float()
         metrics["_low"], metrics["_high"], metrics["_region"] = low, high, torch.maximum(low, high)
@@ -343,7 +333,7 @@ def grpo_sequence_loss(stats, seq_id, num_seqs, token, sequence, scalars, opts: 
                 segment_sum(torch.clamp(log_ratio.detach(), -20.0, 20.0), seq_id, num_seqs)
                 + sequence["vespo_log_is"]
             )
-            lw_v = torch.clamp(slr, _LOG_1E8, 20.0)
+            lw_v = torch.clamp(slr, LOG_RATIO_MIN, 20.0)
             phi = _gamma_weight(adv, lw_v[seq_id], opts)
             if "adv" in sequence:
                 phi_seq = _gamma_weight(sequence["adv"], lw_v, opts)
@@ -357,7 +347,7 @@ def grpo_sequence_loss(stats, seq_id, num_seqs, token, sequence, scalars, opts: 
     )
     if phi_seq is not None:
         out["vespo/phi_seq_mean"] = phi_seq.sum() / scalars["n_seqs"]
-    if seq_clip and opts.loss_type in _CLIP_FAMILY:
+    if seq_clip and opts.loss_type in CLIP_LOSS_TYPES:
         # One ratio per sequence: TRL's metrics are over the B sequences (empty ones included).
         c = torch.exp(lw_seq.detach())
         if opts.delta is not None:
@@ -388,6 +378,11 @@ class FusedLinearGRPOLoss(FusedLinearBase):
         loss = loss_fn(hidden, lm_head.weight, completion_ids, completion_mask, advantages,
                        ref_logps=ref_logps)     # hidden (B, T, H): row t predicts completion_ids[:, t]
         loss_fn.metrics["clip_ratio/region_mean"]
+
+    Metrics (TRL's names, this process's values; see the module docstring): ``entropy`` always; ``kl`` when
+    ``beta`` ≠ 0; ``policy_loss`` when ``entropy_coef`` ≠ 0; ``clip_ratio/low_mean``,
+    ``clip_ratio/high_mean``, ``clip_ratio/region_mean``, ``clip_ratio/low_min`` and ``clip_ratio/high_max``
+    for ``CLIP_LOSS_TYPES``; ``cispo_clip_ratio`` for cispo; ``vespo/phi_seq_mean`` for vespo.
     """
 
     options_cls = GRPOOptions
@@ -397,8 +392,61 @@ class FusedLinearGRPOLoss(FusedLinearBase):
     sequence_loss = staticmethod(grpo_sequence_loss)
     extra_token_stats = staticmethod(grpo_ref_stats)
 
-    def __init__(self, **options):
-        super().__init__(**options)
+    def __init__(
+        self,
+        *,
+        loss_type: str = "dapo",
+        beta: float = 0.0,
+        epsilon_low: float = 0.2,
+        epsilon_high: float | None = None,
+        delta: float | None = None,
+        importance_sampling_level: str = "token",
+        sapo_temperature_pos: float = 1.0,
+        sapo_temperature_neg: float = 1.05,
+        vespo_k_pos: float = 2.0,
+        vespo_lambda_pos: float = 3.0,
+        vespo_k_neg: float = 3.0,
+        vespo_lambda_neg: float = 2.0,
+        use_bias_correction_kl: bool = True,
+        temperature: float = 1.0,
+        logit_scale: float = 1.0,
+        softcap: float | None = None,
+        off_policy_mask_threshold: float | None = None,
+        top_entropy_quantile: float = 1.0,
+        entropy_coef: float = 0.0,
+        use_adaptive_entropy: bool = False,
+        max_completion_length: int | None = None,
+        chunk_size: int | None = None,
+        logits_budget_mb: int = 448,
+        accum_dtype: torch.dtype | None = torch.float32,
+        compile: bool = True,
+    ):
+        """Args (GRPOConfig's names, except ``epsilon_low`` for TRL's ``epsilon``):
+            loss_type: one of ``LOSS_TYPES``: 'grpo', 'bnpo', 'dr_grpo', 'dapo' (TRL's default), 'cispo',
+                'sapo', 'luspo', 'vespo'.
+            beta: KL coefficient; needs ``ref_logps`` or a reference head when non-zero.
+            epsilon_low: lower clip ε (TRL's ``epsilon``).
+            epsilon_high: upper clip ε (cispo: the ratio cap ε_max); ``None`` means ``epsilon_low``.
+            delta: two-sided clip: the ratio is first clamped at ``delta`` (INTELLECT-2); ``None`` for off.
+            importance_sampling_level: 'token', 'sequence' (GSPO) or 'sequence_token' (GSPO-token).
+            sapo_temperature_pos, sapo_temperature_neg: SAPO gate temperatures τ_pos, τ_neg.
+            vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO Gamma weight parameters.
+            use_bias_correction_kl: multiply the KL term by the importance ratio (DeepSeek-V3.2).
+            temperature: the logits (policy and reference) are divided by it.
+            logit_scale: the logits are first multiplied by it (Cohere's ``logit_scale``).
+            softcap: final logit softcapping ``c·tanh(z/c)`` after the scale, before the temperature
+                (Gemma-2's ``final_logit_softcapping``); ``None`` for off.
+            off_policy_mask_threshold: drop negative-advantage sequences whose mean KL(sampler ‖ policy)
+                exceeds it (DeepSeek-V3.2 off-policy sequence masking); ``None`` for off.
+            top_entropy_quantile: keep only the top ρ of tokens by entropy in the policy loss (1.0: all).
+            entropy_coef: coefficient of the entropy bonus (loss -= coef · mean entropy / GA).
+            use_adaptive_entropy: must be False: the adaptive controller is trainer state; pass its current
+                coefficient as ``entropy_coef``.
+            max_completion_length: the dr_grpo normaliser's constant (required for dr_grpo).
+            chunk_size, logits_budget_mb, accum_dtype, compile: the engine's options
+                (:class:`chunkloss.engine.FusedOptions`).
+        """
+        super().__init__(**options_of(locals()))
         # Entropy masking needs every token's entropy before the quantile is known: two passes.
         self.needs_global_stats = self.options.top_entropy_quantile < 1.0
 
@@ -435,181 +483,76 @@ class FusedLinearGRPOLoss(FusedLinearBase):
 
     def forward(
         self,
-        hidden: Tensor,  # (B, T, H)
-        weight: Tensor,  # (V, H)
-        completion_ids: Tensor,  # (B, T)
-        completion_mask: Tensor,  # (B, T) 0/1
-        advantages: Tensor,  # (B,) or (B, T)
-        bias: Tensor | None = None,  # (V,)
-        old_logps: Tensor | None = None,  # (B, T); None: on-policy (old = logp.detach())
-        ref_logps: Tensor | None = None,  # (B, T)
-        ref_hidden: Tensor | None = None,  # (B, T, H_ref) reference head, projected in the same pass
-        ref_weight: Tensor | None = None,  # (V, H_ref)
-        ref_bias: Tensor | None = None,  # (V,)
-        importance_sampling_ratio: Tensor | None = None,  # vLLM IS ratio (B, T), (B, 1) or (B,)
-        num_items_in_batch: int | Tensor | None = None,  # global mask count (dapo/cispo/vespo)
+        hidden: Tensor,
+        weight: Tensor,
+        completion_ids: Tensor,
+        completion_mask: Tensor,
+        advantages: Tensor,
         *,
-        tool_mask: Tensor | None = None,  # (B, T) 0/1, folded into the mask
-        sampling_logps: Tensor | None = None,  # (B, T) sampler log-probs for the off-policy mask
+        bias: Tensor | None = None,
+        old_logps: Tensor | None = None,
+        ref_logps: Tensor | None = None,
+        ref_hidden: Tensor | None = None,
+        ref_weight: Tensor | None = None,
+        ref_bias: Tensor | None = None,
+        importance_sampling_ratio: Tensor | None = None,
+        sampling_logps: Tensor | None = None,
+        tool_mask: Tensor | None = None,
+        num_items_in_batch: int | Tensor | None = None,
         num_processes: int = 1,
-        gradient_accumulation_steps: int = 1,  # TRL's current_gradient_accumulation_steps
-        steps_per_generation: int | None = None,  # None: gradient_accumulation_steps
+        gradient_accumulation_steps: int = 1,
+        steps_per_generation: int | None = None,
     ) -> Tensor:
-        opts = self.options
+        """Args:
+            hidden: (B, T, H) the policy's hidden states; row t predicts ``completion_ids[:, t]``.
+            weight: (V, H) the head's weight.
+            completion_ids: (B, T) the sampled tokens; each must be in [0, V) where the mask is 1.
+            completion_mask: (B, T) 0/1, the completion tokens that take part.
+            advantages: (B,) per sequence or (B, T) per token.
+            bias: (V,) the head's bias, or ``None``.
+            old_logps: (B, T) the sampling policy's log-probs; ``None``: on-policy (``logp.detach()``).
+            ref_logps: (B, T) the reference's log-probs (with ``beta`` ≠ 0), or a reference head instead:
+            ref_hidden, ref_weight, ref_bias: (B, T, H_ref), (V, H_ref), (V,), projected without grad in the
+                same pass.
+            importance_sampling_ratio: vLLM's importance-sampling ratio, (B, T), (B, 1) or (B,).
+            sampling_logps: (B, T) the sampler's log-probs for the off-policy mask (default ``old_logps``).
+            tool_mask: (B, T) 0/1, folded into the completion mask.
+            num_items_in_batch: TRL's global masked-token count (dapo, cispo, vespo); default the local one.
+            num_processes: the trainer's process count (dapo, cispo, vespo).
+            gradient_accumulation_steps: TRL's ``current_gradient_accumulation_steps``.
+            steps_per_generation: TRL's ``steps_per_generation``; ``None`` means
+                ``gradient_accumulation_steps``.
+
+        Returns:
+            The 0-d loss.
+        """
         check_head(hidden, weight, bias)
         if hidden.dim() != 3:
             raise ValueError(f"hidden must be (B, T, H), got shape {tuple(hidden.shape)}")
-        # Trainer state divides the normaliser: 0 (or less) would make the loss inf, NaN or silently 0.
-        for arg, v in (
-            ("num_processes", num_processes),
-            ("gradient_accumulation_steps", gradient_accumulation_steps),
-            ("steps_per_generation", 1 if steps_per_generation is None else steps_per_generation),
-        ):
-            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not v > 0:
-                raise ValueError(f"{arg} must be a positive number, got {v!r}")
-        b, t, h = hidden.shape
-        dev = hidden.device
-        _check_bt(completion_ids, (b, t), "completion_ids", dev)
-        mask = _check_bt(completion_mask, (b, t), "completion_mask", dev).bool()
-        if tool_mask is not None:
-            mask = mask & _check_bt(tool_mask, (b, t), "tool_mask", dev).bool()
-        # Padding ids outside the mask are never read. The range check syncs in sequence_batch's one sync.
-        label_checks = []
-        check_labels(
-            completion_ids.masked_fill(~mask, -1),
-            (b, t),
-            weight.shape[0],
-            ignore_index=-1,
-            name="completion_ids",
-            defer=label_checks,
-        )
-        if not isinstance(advantages, Tensor) or advantages.shape not in ((b,), (b, t)):
-            raise ValueError(
-                f"advantages must be (B,)=({b},) or (B, T)=({b}, {t}), got "
-                f"{tuple(advantages.shape) if isinstance(advantages, Tensor) else type(advantages).__name__}"
-            )
-        if advantages.device != dev:
-            raise ValueError(f"advantages is on {advantages.device} but hidden is on {dev}")
-        extra = []
-        if opts.beta != 0.0:
-            if ref_logps is not None and ref_hidden is not None:
-                raise ValueError(
-                    "pass either ref_logps or a reference head (ref_hidden, ref_weight), not both"
-                )
-            if ref_hidden is not None:
-                if ref_weight is None:
-                    raise ValueError("ref_hidden needs ref_weight")
-                check_head(ref_hidden, ref_weight, ref_bias, name="ref_hidden")
-                if ref_hidden.shape[:-1] != (b, t) or ref_weight.shape[0] != weight.shape[0]:
-                    raise ValueError(
-                        f"reference head must give (B, T, V)=({b}, {t}, {weight.shape[0]}) logits, "
-                        f"got ref_hidden {tuple(ref_hidden.shape)} and ref_weight {tuple(ref_weight.shape)}"
-                    )
-                if ref_hidden.device != dev:
-                    raise ValueError(f"ref_hidden is on {ref_hidden.device} but hidden is on {dev}")
-                extra = [
-                    Head(
-                        ref_hidden.detach().reshape(b * t, -1),
-                        ref_weight.detach(),
-                        None if ref_bias is None else ref_bias.detach(),
-                    )
-                ]
-            elif ref_logps is None:
-                raise ValueError(
-                    f"beta={opts.beta} needs ref_logps or a reference head (ref_hidden, ref_weight)"
-                )
-        isr = importance_sampling_ratio
-        if isr is not None:
-            if not isinstance(isr, Tensor):
-                raise TypeError(f"importance_sampling_ratio must be a torch.Tensor, got {type(isr).__name__}")
-            if isr.shape not in ((b, t), (b, 1), (b,)):
-                raise ValueError(
-                    f"importance_sampling_ratio must be (B, T)=({b}, {t}), (B, 1) or (B,), "
-                    f"got {tuple(isr.shape)}"
-                )
-            if isr.device != dev:
-                raise ValueError(f"importance_sampling_ratio is on {isr.device} but hidden is on {dev}")
-        if (
-            opts.loss_type == "vespo"
-            and importance_sampling_ratio is not None
-            and (importance_sampling_ratio.shape != (b, t))
-        ):
-            raise ValueError(
-                "vespo needs a token-level importance_sampling_ratio (B, T) (TRL's token_* modes)"
-            )
-
-        f32 = torch.float32
-        n_local = mask.sum()
-        n_valid = n_local.clamp(min=1).to(f32)
+        spg = gradient_accumulation_steps if steps_per_generation is None else steps_per_generation
+        check_trainer_state(num_processes, gradient_accumulation_steps, spg)
+        mask, label_checks = check_completions(hidden, weight, completion_ids, completion_mask, tool_mask)
+        check_advantages_and_ratio(self.options, hidden, advantages, importance_sampling_ratio)
+        extra = reference_head(self.options, hidden, weight, ref_logps, ref_hidden, ref_weight, ref_bias)
+        per_token = {
+            "old_logps": old_logps,
+            "ref_logps": None if extra else ref_logps,
+            "sampling_logps": sampling_logps,
+        }
         ga = float(gradient_accumulation_steps)
-        len_s = mask.sum(-1).to(f32)  # (B,)
-        lt = opts.loss_type
-        if lt in ("grpo", "sapo"):
-            row_w = (1.0 / (len_s.clamp(min=1.0) * b * ga)).unsqueeze(1).expand(b, t)
-        else:
-            if lt == "bnpo":
-                norm = n_valid * ga
-            elif lt == "dr_grpo":
-                norm = to_scalar(float(b * opts.max_completion_length) * ga, dev)
-            elif lt == "luspo":
-                norm = to_scalar(float(b) * ga, dev)
-            else:
-                items = n_local if num_items_in_batch is None else item_count(num_items_in_batch, dev)
-                spg = gradient_accumulation_steps if steps_per_generation is None else steps_per_generation
-                norm = items.to(f32).clamp(min=1.0) / num_processes * ga / spg
-            row_w = (1.0 / norm).expand(b, t)
-        adv = advantages.to(f32)
-        token = {
-            "ids": completion_ids.long(),
-            "adv": adv.unsqueeze(1).expand(b, t) if adv.dim() == 1 else adv,
-            "weight": row_w,
-            "seq": torch.arange(b, device=dev).unsqueeze(1).expand(b, t),
-            "inv_len": (1.0 / len_s.clamp(min=1.0)).unsqueeze(1).expand(b, t),
-        }
-        for name, v in (
-            ("old_logps", old_logps),
-            ("ref_logps", ref_logps if not extra else None),
-            ("sampling_logps", sampling_logps),
-        ):
-            if v is not None:
-                token[name] = _check_bt(v, (b, t), name, dev).to(f32)
-        if importance_sampling_ratio is not None:
-            isr = importance_sampling_ratio.to(f32)
-            if isr.shape in ((b,), (b, 1)):
-                isr = isr.reshape(b, 1).expand(b, t)
-            token["is_ratio"] = isr
-        sequence = {"len": len_s, "index": torch.arange(b, device=dev)}
-        if adv.dim() == 1:
-            sequence["adv"] = adv
-        if lt == "vespo":
-            sequence["vespo_log_is"] = (
-                torch.zeros(b, device=dev)
-                if importance_sampling_ratio is None
-                else torch.clamp(torch.log(importance_sampling_ratio.to(f32)), _LOG_1E8, 20.0).sum(-1)
-            )
-        scalars = {
-            "n_valid": n_valid,
-            "n_bonus": n_valid,
-            "n_seqs": to_scalar(max(b, 1), dev),
-            "grad_accum": to_scalar(ga, dev),
-            "policy_scale": to_scalar(1.0 if lt in ("dapo", "cispo", "vespo") else ga, dev),
-            # One slot more than there are sequences (dropped in _finish_metrics): inductor's CPU codegen
-            # (torch 2.13) fails on an index_add into a 1-element buffer, i.e. a batch of one sequence.
-            "seq_zeros": torch.zeros(b + 1, device=dev),
-        }
-        batch, _ = sequence_batch(
-            mask,
-            torch.arange(b, device=dev),
-            token=token,
-            sequence=sequence,
-            scalars=scalars,
-            extra=extra,
-            host_checks=label_checks,
+        norm = normaliser(self.options, mask, num_items_in_batch, num_processes, ga, spg)
+        token, sequence, scalars = batch_tensors(
+            self.options, completion_ids, mask, advantages, per_token, importance_sampling_ratio, norm, ga
         )
-        x = hidden.reshape(b * t, h)
-        loss = self.run(x, weight, bias, batch)
-        seq_shaped = opts.importance_sampling_level == "sequence" and adv.dim() == 1
-        self.metrics = _finish_metrics({**_zero_metrics(opts, dev), **self.metrics}, len_s, seq_shaped)
+        b, t, h = hidden.shape
+        batch, _ = sequence_batch(
+            mask, torch.arange(b, device=hidden.device), token=token, sequence=sequence, scalars=scalars,
+            extra=extra, host_checks=label_checks,
+        )  # fmt: skip
+        loss = self.run(hidden.reshape(b * t, h), weight, bias, batch)
+        seq_shaped = self.options.importance_sampling_level == "sequence" and advantages.dim() == 1
+        raw = {**_zero_metrics(self.options, hidden.device), **self.metrics}
+        self.metrics = _finish_metrics(raw, sequence["len"], seq_shaped)
         return loss
 
 
@@ -617,11 +560,11 @@ def _zero_metrics(opts: GRPOOptions, device) -> dict:
     """The metrics when no row takes part (every completion empty): masked means of nothing are 0."""
     names = ["entropy"] + (["kl"] if opts.beta != 0.0 else [])
     names += ["policy_loss"] if opts.entropy_coef != 0.0 else []
-    if opts.loss_type in _CLIP_FAMILY:
+    if opts.loss_type in CLIP_LOSS_TYPES:
         names += ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"]
     names += {"cispo": ["cispo_clip_ratio"], "vespo": ["vespo/phi_seq_mean"]}.get(opts.loss_type, [])
     out = {k: torch.zeros((), device=device) for k in names}
-    if opts.loss_type in _CLIP_FAMILY:
+    if opts.loss_type in CLIP_LOSS_TYPES:
         out["clip_ratio/low_min"] = out["clip_ratio/high_max"] = torch.full((), float("nan"), device=device)
     return out
 
@@ -631,23 +574,28 @@ def _finish_metrics(raw: dict, len_s: Tensor, seq_shaped: bool) -> dict:
     out = {k: v for k, v in raw.items() if not k.startswith("_")}
     if "_low_seq" in raw:
         empty = (len_s == 0) & (not seq_shaped)
-        for key, name, red, skip in (
-            ("_low_seq", "clip_ratio/low_min", torch.amin, float("inf")),
-            ("_high_seq", "clip_ratio/high_max", torch.amax, float("-inf")),
+        for key, name, extremum in (
+            ("_low_seq", "clip_ratio/low_min", nanmin),
+            ("_high_seq", "clip_ratio/high_max", nanmax),
         ):
-            v = raw[key][: len_s.numel()].masked_fill(empty, float("nan"))
-            ok = ~torch.isnan(v)
-            # On the device (no host sync): the extremum over the non-NaN entries, NaN if there are none.
-            ext = red(torch.where(ok, v, skip)) if v.numel() else v.new_full((), float("nan"))
-            out[name] = torch.where(ok.any(), ext, float("nan"))
+            out[name] = extremum(raw[key][: len_s.numel()].masked_fill(empty, float("nan")))
     return out
 
 
-def _check_bt(x, shape, name: str, device: torch.device) -> Tensor:
-    if not isinstance(x, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if tuple(x.shape) != tuple(shape):
-        raise ValueError(f"{name} must be (B, T)={tuple(shape)}, got {tuple(x.shape)}")
-    if x.device != device:
-        raise ValueError(f"{name} is on {x.device} but hidden is on {device}")
-    return x
+def nanmin(values: Tensor) -> Tensor:
+    """The smallest non-NaN entry of a 1-D ``values``, NaN if there is none (0-d): TRL's ``nanmin``
+    (``trl.trainer.utils``), computed on the device with no host sync."""
+    return _nan_extremum(values, torch.amin, float("inf"))
+
+
+def nanmax(values: Tensor) -> Tensor:
+    """The largest non-NaN entry of a 1-D ``values``, NaN if there is none (0-d): TRL's ``nanmax``, computed
+    on the device with no host sync."""
+    return _nan_extremum(values, torch.amax, float("-inf"))
+
+
+def _nan_extremum(values: Tensor, reduce, neutral: float) -> Tensor:
+    if values.numel() == 0:
+        return values.new_full((), float("nan"))
+    ok = ~torch.isnan(values)
+    return torch.where(ok.any(), reduce(torch.where(ok, values, neutral)), float("nan"))

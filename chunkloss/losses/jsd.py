@@ -2,7 +2,7 @@
 
 Distillation loss of GKD (Agarwal et al., arXiv:2306.13649, Eq. 1) as TRL 1.16 writes it in
 ``GKDTrainer.generalized_jsd_loss`` (trl/experimental/gkd) and in the ``DistillationTrainer``'s
-``_chunked_divergence_loss`` (trl/trainer/distillation_trainer.py, kernels/chunked_divergence.py)::
+``_chunked_divergence_loss`` (trl/trainer/distillation_trainer.py, trl/kernels/chunked_divergence.py)::
 
     M      = (1 - β)·S + β·T                                 (log M by logaddexp, in log space)
     jsd_i  = β·KL(T_i ‖ M_i) + (1 - β)·KL(S_i ‖ M_i)         0 < β < 1
@@ -40,27 +40,16 @@ import torch
 from torch import Tensor
 
 from chunkloss.engine import Batch, FusedLinearBase, FusedOptions, Head
-from chunkloss.losses.common import check_head, check_labels, item_count, pick, scale_logits
+from chunkloss.losses.common import check_head, check_labels, item_count, options_of, pick, scale_logits
 
 __all__ = ["FusedLinearJSDLoss", "JSDOptions", "jsd_chunk", "jsd_rows"]
 
 _REDUCTIONS = ("batchmean", "sum", "mean")
-METRICS = ("soft_loss", "hard_loss", "entropy")
 
 
 @dataclass(frozen=True)
 class JSDOptions(FusedOptions):
-    """Args:
-    beta: β in [0, 1]; 0 is forward KL(T‖S), 1 reverse KL(S‖T), TRL's convention.
-    temperature: τ dividing both heads' logits in the divergence (not in the hard loss).
-    weight_hard_loss: weight of the student's cross-entropy on the labels.
-    weight_soft_loss: weight of the divergence.
-    ignore_index: label value that takes no part.
-    reduction: 'batchmean' (sum over vocabulary, mean over labelled rows), 'sum', or 'mean' (mean
-        over rows and vocabulary, GKD's ``reduction='mean'``). ``num_items_in_batch`` overrides it.
-    student_logit_scale, teacher_logit_scale: multipliers of each head's logits (Cohere, Granite).
-    student_softcap, teacher_softcap: each head's final logit softcapping (Gemma-2), ``None`` for none.
-    """
+    """The validated options of :class:`FusedLinearJSDLoss` (documented on its constructor)."""
 
     beta: float = 0.5
     temperature: float = 1.0
@@ -143,55 +132,82 @@ class FusedLinearJSDLoss(FusedLinearBase):
         loss = loss_fn(student_hidden, student.lm_head.weight, teacher_hidden, teacher.lm_head.weight, labels)
         loss_fn.metrics["soft_loss"], loss_fn.metrics["entropy"]
 
-    Metrics: ``soft_loss`` (the divergence, normalised like the loss), ``hard_loss`` (the hard-label
-    cross-entropy, when ``weight_hard_loss`` ≠ 0), ``entropy`` (mean student entropy at τ over
-    labelled rows, the DistillationTrainer's logged ``entropy``).
+    Metrics: ``num_tokens`` (the labelled rows of the call), ``soft_loss`` (the divergence, normalised like
+    the loss), ``entropy`` (mean student entropy at τ over labelled rows, the DistillationTrainer's logged
+    ``entropy``), and ``hard_loss`` (the hard-label cross-entropy) when ``weight_hard_loss`` ≠ 0.
     """
 
     options_cls = JSDOptions
     options: JSDOptions
     chunk_loss = staticmethod(jsd_chunk)
 
+    def __init__(
+        self,
+        *,
+        beta: float = 0.5,
+        temperature: float = 1.0,
+        weight_hard_loss: float = 0.0,
+        weight_soft_loss: float = 1.0,
+        ignore_index: int = -100,
+        reduction: str = "batchmean",
+        student_logit_scale: float = 1.0,
+        teacher_logit_scale: float = 1.0,
+        student_softcap: float | None = None,
+        teacher_softcap: float | None = None,
+        chunk_size: int | None = None,
+        logits_budget_mb: int = 448,
+        accum_dtype: torch.dtype | None = torch.float32,
+        compile: bool = True,
+    ):
+        """Args:
+            beta: β in [0, 1]; 0 is forward KL(T‖S), 1 reverse KL(S‖T), TRL's convention.
+            temperature: τ dividing both heads' logits in the divergence (not in the hard loss).
+            weight_hard_loss: weight of the student's cross-entropy on the labels.
+            weight_soft_loss: weight of the divergence.
+            ignore_index: label value that takes no part (its row costs no GEMM).
+            reduction: 'batchmean' (sum over vocabulary, mean over labelled rows), 'sum', or 'mean' (mean over
+                rows and vocabulary, GKD's ``reduction='mean'``). ``num_items_in_batch`` overrides it.
+            student_logit_scale, teacher_logit_scale: multipliers of each head's logits (Cohere, Granite).
+            student_softcap, teacher_softcap: each head's final logit softcapping (Gemma-2), ``None`` for
+                none.
+            chunk_size, logits_budget_mb, accum_dtype, compile: the engine's options
+                (:class:`chunkloss.engine.FusedOptions`).
+        """
+        super().__init__(**options_of(locals()))
+
     def forward(
         self,
-        student_hidden: Tensor,  # (..., H_s)
-        student_weight: Tensor,  # (V, H_s)
-        teacher_hidden: Tensor,  # (..., H_t), same leading shape
-        teacher_weight: Tensor,  # (V, H_t)
-        labels: Tensor,  # (...), already shifted; ignore_index marks rows that take no part
-        student_bias: Tensor | None = None,  # (V,)
-        teacher_bias: Tensor | None = None,  # (V,)
+        hidden: Tensor,
+        weight: Tensor,
+        teacher_hidden: Tensor,
+        teacher_weight: Tensor,
+        labels: Tensor,
+        *,
+        bias: Tensor | None = None,
+        teacher_bias: Tensor | None = None,
         num_items_in_batch: int | Tensor | None = None,
     ) -> Tensor:
+        """Args:
+            hidden: (..., H) the student's hidden states.
+            weight: (V, H) the student's head weight.
+            teacher_hidden: (..., H_t) the teacher's hidden states, same leading shape (no grad).
+            teacher_weight: (V, H_t) the teacher's head weight (no grad).
+            labels: (...) integer targets, already shifted; ``ignore_index`` marks rows that take no part.
+            bias: (V,) the student's head bias, or ``None``.
+            teacher_bias: (V,) the teacher's head bias, or ``None``.
+            num_items_in_batch: divides the summed loss instead of the reduction's normaliser (gradient
+                accumulation, as TRL's trainers pass it).
+
+        Returns:
+            The 0-d loss.
+        """
         opts = self.options
-        check_head(student_hidden, student_weight, student_bias, name="student_hidden")
-        try:
-            check_head(teacher_hidden, teacher_weight, teacher_bias, name="teacher_hidden")
-        except (TypeError, ValueError) as e:
-            raise type(e)(f"teacher head: {e}") from None
-        if teacher_weight.shape[0] != student_weight.shape[0]:
-            raise ValueError(
-                f"student and teacher vocabularies differ: student_weight has V={student_weight.shape[0]}, "
-                f"teacher_weight has V={teacher_weight.shape[0]}"
-            )
-        if teacher_hidden.shape[:-1] != student_hidden.shape[:-1]:
-            raise ValueError(
-                f"teacher_hidden leading shape {tuple(teacher_hidden.shape[:-1])} must equal "
-                f"student_hidden's {tuple(student_hidden.shape[:-1])}"
-            )
-        if teacher_hidden.device != student_hidden.device:
-            raise ValueError(
-                f"teacher_hidden is on {teacher_hidden.device}, student_hidden on {student_hidden.device}"
-            )
+        _check_heads(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias)
+        vocab = weight.shape[0]
         rows = check_labels(
-            labels,
-            student_hidden.shape[:-1],
-            student_weight.shape[0],
-            opts.ignore_index,
-            rows=True,
-            device=student_hidden.device,
+            labels, hidden.shape[:-1], vocab, opts.ignore_index, rows=True, device=hidden.device
         )
-        x = student_hidden.reshape(-1, student_hidden.shape[-1])
+        x = hidden.reshape(-1, hidden.shape[-1])
         x_t = teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1])
         y = labels.reshape(-1)
         n_valid = torch.full((), float(max(rows.numel(), 1)), device=x.device)
@@ -200,7 +216,7 @@ class FusedLinearJSDLoss(FusedLinearBase):
         elif opts.reduction == "batchmean":
             normaliser = n_valid
         elif opts.reduction == "mean":
-            normaliser = n_valid * student_weight.shape[0]
+            normaliser = n_valid * vocab
         else:
             normaliser = torch.ones((), device=x.device)
         teacher = Head(x_t, teacher_weight.detach(), None if teacher_bias is None else teacher_bias.detach())
@@ -212,9 +228,33 @@ class FusedLinearJSDLoss(FusedLinearBase):
             num_rows=x.shape[0],
             all_rows=rows.numel() == x.shape[0],
         )
-        loss = self.run(x, student_weight, student_bias, batch)
+        loss = self.run(x, weight, bias, batch)
         # No labelled row: the loop never ran; report zeros rather than missing metrics.
-        names = METRICS if opts.weight_hard_loss != 0.0 else ("soft_loss", "entropy")
+        names = ("soft_loss", "entropy") + (("hard_loss",) if opts.weight_hard_loss != 0.0 else ())
         zero = torch.zeros((), device=x.device)
-        self.metrics = {k: self.metrics.get(k, zero) for k in names}
+        self.metrics = {
+            "num_tokens": torch.full((), float(rows.numel()), device=x.device),
+            **{k: self.metrics.get(k, zero) for k in names},
+        }
         return loss
+
+
+def _check_heads(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias) -> None:
+    """The student's and the teacher's heads, each checked, and checked against each other."""
+    check_head(hidden, weight, bias)
+    try:
+        check_head(teacher_hidden, teacher_weight, teacher_bias, name="teacher_hidden")
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"teacher head: {e}") from None
+    if teacher_weight.shape[0] != weight.shape[0]:
+        raise ValueError(
+            f"student and teacher vocabularies differ: weight has V={weight.shape[0]}, "
+            f"teacher_weight has V={teacher_weight.shape[0]}"
+        )
+    if teacher_hidden.shape[:-1] != hidden.shape[:-1]:
+        raise ValueError(
+            f"teacher_hidden leading shape {tuple(teacher_hidden.shape[:-1])} must equal "
+            f"hidden's {tuple(hidden.shape[:-1])}"
+        )
+    if teacher_hidden.device != hidden.device:
+        raise ValueError(f"teacher_hidden is on {teacher_hidden.device}, hidden on {hidden.device}")

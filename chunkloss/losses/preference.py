@@ -265,85 +265,88 @@ class FusedLinearPreferenceLoss(FusedLinearBase):
 
     def forward(
         self,
-        hidden: Tensor,  # (2B, T, H): chosen rows, then rejected rows
-        weight: Tensor,  # (V, H)
-        chosen: Tensor,  # (B, T) labels of the chosen rows, already shifted
-        rejected: Tensor,  # (B, T) labels of the rejected rows
-        bias: Tensor | None = None,  # (V,)
+        hidden: Tensor,
+        weight: Tensor,
+        chosen: Tensor,
+        rejected: Tensor,
         *,
-        nll_labels: Tensor | None = None,  # (B, T) NLL targets of the chosen rows; default ``chosen``
-        ref_hidden: Tensor | None = None,  # (2B, T, H_ref) reference model's last hidden state
-        ref_weight: Tensor | None = None,  # (V, H_ref)
-        ref_bias: Tensor | None = None,  # (V,)
-        ref_chosen_logps: Tensor | None = None,  # (B,) precomputed reference sequence log-probs
-        ref_rejected_logps: Tensor | None = None,  # (B,)
-        logit_rows: Tensor | None = None,  # (2B, T) bool: rows averaged into logits/*; default completions
+        bias: Tensor | None = None,
+        nll_labels: Tensor | None = None,
+        ref_hidden: Tensor | None = None,
+        ref_weight: Tensor | None = None,
+        ref_bias: Tensor | None = None,
+        ref_chosen_logps: Tensor | None = None,
+        ref_rejected_logps: Tensor | None = None,
+        logit_rows: Tensor | None = None,
     ) -> Tensor:
-        opts = self.options
-        name = type(self).__name__
+        """Args:
+            hidden: (2B, T, H) the chosen rows, then the rejected rows.
+            weight: (V, H) the head's weight.
+            chosen: (B, T) labels of the chosen rows, already shifted; ``ignore_index`` on prompt and padding.
+            rejected: (B, T) labels of the rejected rows.
+            bias: (V,) the head's bias, or ``None``.
+            nll_labels: (B, T) targets of the NLL term over the chosen rows (ORPO, CPO); default ``chosen``.
+            ref_hidden, ref_weight, ref_bias: (2B, T, H_ref), (V, H_ref), (V,): the reference model's head,
+                projected without grad in the same pass (losses with a reference: DPO).
+            ref_chosen_logps, ref_rejected_logps: (B,) precomputed reference sequence log-probs, instead of
+                a reference head.
+            logit_rows: (2B, T) bool, the rows averaged into the ``logits/*`` metrics; default the
+                completion tokens.
+
+        Returns:
+            The 0-d loss.
+        """
         check_head(hidden, weight, bias)
         if hidden.dim() != 3 or hidden.shape[0] % 2:
             raise ValueError(
                 "hidden must be (2B, T, H), the chosen rows then the rejected rows, "
                 f"got {tuple(hidden.shape)}"
             )
-        n_pairs, t = hidden.shape[0] // 2, hidden.shape[1]
-        vocab = weight.shape[0]
-        # The range checks sync with the host in sequence_batch's one sync (raising there, before any use).
+        label_checks = self._check_labels(hidden, weight.shape[0], chosen, rejected, nll_labels)
+        has_ref_head = ref_hidden is not None or ref_weight is not None or ref_bias is not None
+        has_ref_logps = ref_chosen_logps is not None or ref_rejected_logps is not None
+        if (has_ref_head or has_ref_logps) and not self.uses_reference:
+            raise ValueError(f"{type(self).__name__} takes no reference: ref_* arguments must be None")
+        if has_ref_head and has_ref_logps:
+            raise ValueError("give the reference either as ref_hidden/ref_weight or as ref_*_logps, not both")
+        extra = _reference_head(hidden, weight, ref_hidden, ref_weight, ref_bias) if has_ref_head else []
+        sequence = {}
+        if has_ref_logps:
+            sequence["ref_logps"] = _reference_logps(hidden, ref_chosen_logps, ref_rejected_logps)
+        keep, token, scalars = self._rows(chosen, rejected, nll_labels, logit_rows, sequence)
+        n_pairs = hidden.shape[0] // 2
+        group = torch.arange(2 * n_pairs, device=hidden.device) % max(n_pairs, 1)
+        batch, _ = sequence_batch(
+            keep, group, token=token, sequence=sequence, scalars=scalars, extra=extra,
+            host_checks=label_checks,
+        )  # fmt: skip
+        return self.run(hidden.reshape(-1, hidden.shape[-1]), weight, bias, batch)
+
+    def _check_labels(self, hidden, vocab: int, chosen, rejected, nll_labels) -> list:
+        """Check the label tensors; their range checks are deferred to ``sequence_batch``'s one host sync
+        (raising there, before any use)."""
+        opts = self.options
         label_checks = []
-        shape = torch.Size((n_pairs, t))
+        shape = torch.Size((hidden.shape[0] // 2, hidden.shape[1]))
         dev = hidden.device
         check_labels(chosen, shape, vocab, opts.ignore_index, "chosen", defer=label_checks, device=dev)
         check_labels(rejected, shape, vocab, opts.ignore_index, "rejected", defer=label_checks, device=dev)
         if nll_labels is not None:
             if not (self.uses_nll and opts.nll_coef != 0):
-                raise ValueError(f"{name} has no NLL term with these options: nll_labels must be None")
+                raise ValueError(
+                    f"{type(self).__name__} has no NLL term with these options: nll_labels must be None"
+                )
             check_labels(
                 nll_labels, shape, vocab, opts.ignore_index, "nll_labels", defer=label_checks, device=dev
             )
-        has_ref_head = ref_hidden is not None or ref_weight is not None or ref_bias is not None
-        has_ref_logps = ref_chosen_logps is not None or ref_rejected_logps is not None
-        if (has_ref_head or has_ref_logps) and not self.uses_reference:
-            raise ValueError(f"{name} takes no reference: ref_* arguments must be None")
-        if has_ref_head and has_ref_logps:
-            raise ValueError("give the reference either as ref_hidden/ref_weight or as ref_*_logps, not both")
-        extra = []
-        if has_ref_head:
-            if ref_hidden is None or ref_weight is None:
-                raise ValueError("a reference head needs both ref_hidden and ref_weight")
-            check_head(ref_hidden, ref_weight, ref_bias, "ref_hidden")
-            if ref_hidden.shape[:2] != hidden.shape[:2]:
-                raise ValueError(
-                    f"ref_hidden rows {tuple(ref_hidden.shape[:2])} must equal hidden's "
-                    f"{tuple(hidden.shape[:2])}"
-                )
-            if ref_weight.shape[0] != vocab:
-                raise ValueError(f"ref_weight vocab {ref_weight.shape[0]} must equal weight's {vocab}")
-            if ref_hidden.device != hidden.device:
-                raise ValueError(f"ref_hidden is on {ref_hidden.device} but hidden is on {hidden.device}")
-            extra = [
-                Head(
-                    ref_hidden.detach().reshape(-1, ref_hidden.shape[-1]),
-                    ref_weight.detach(),
-                    None if ref_bias is None else ref_bias.detach(),
-                )
-            ]
-        sequence = {}
-        if has_ref_logps:
-            if ref_chosen_logps is None or ref_rejected_logps is None:
-                raise ValueError("give both ref_chosen_logps and ref_rejected_logps")
-            for arg, v in (
-                ("ref_chosen_logps", ref_chosen_logps),
-                ("ref_rejected_logps", ref_rejected_logps),
-            ):
-                if not isinstance(v, Tensor) or v.shape != (n_pairs,):
-                    raise ValueError(
-                        f"{arg} must be a ({n_pairs},) tensor, got {getattr(v, 'shape', type(v))}"
-                    )
-                if v.device != dev:
-                    raise ValueError(f"{arg} is on {v.device} but hidden is on {dev}")
-            sequence["ref_logps"] = torch.cat([ref_chosen_logps, ref_rejected_logps]).detach().float()
+        return label_checks
 
+    def _rows(self, chosen, rejected, nll_labels, logit_rows, sequence: dict):
+        """The rows that take part (2B, T), their per-row tensors and the batch's normalisers; adds the
+        completion lengths to ``sequence``."""
+        opts = self.options
+        n_pairs, t = chosen.shape
+        dev = chosen.device
         labels = torch.cat([chosen, rejected]).long()  # (2B, T)
         pref_mask = labels != opts.ignore_index
         keep = pref_mask
@@ -381,14 +384,34 @@ class FusedLinearPreferenceLoss(FusedLinearBase):
         n_logit = logit_mask.sum(1).float()
         scalars["n_chosen_logit_rows"] = n_logit[:n_pairs].sum().clamp(min=1)
         scalars["n_rejected_logit_rows"] = n_logit[n_pairs:].sum().clamp(min=1)
-        group = torch.arange(2 * n_pairs, device=dev) % max(n_pairs, 1)
-        batch, _ = sequence_batch(
-            keep,
-            group,
-            token=token,
-            sequence=sequence,
-            scalars=scalars,
-            extra=extra,
-            host_checks=label_checks,
+        return keep, token, scalars
+
+
+def _reference_head(hidden, weight, ref_hidden, ref_weight, ref_bias) -> list[Head]:
+    """The reference model's head, checked against the policy's, as the batch's extra head (no grad)."""
+    if ref_hidden is None or ref_weight is None:
+        raise ValueError("a reference head needs both ref_hidden and ref_weight")
+    check_head(ref_hidden, ref_weight, ref_bias, "ref_hidden")
+    if ref_hidden.shape[:2] != hidden.shape[:2]:
+        raise ValueError(
+            f"ref_hidden rows {tuple(ref_hidden.shape[:2])} must equal hidden's {tuple(hidden.shape[:2])}"
         )
-        return self.run(hidden.reshape(-1, hidden.shape[-1]), weight, bias, batch)
+    if ref_weight.shape[0] != weight.shape[0]:
+        raise ValueError(f"ref_weight vocab {ref_weight.shape[0]} must equal weight's {weight.shape[0]}")
+    if ref_hidden.device != hidden.device:
+        raise ValueError(f"ref_hidden is on {ref_hidden.device} but hidden is on {hidden.device}")
+    ref_b = None if ref_bias is None else ref_bias.detach()
+    return [Head(ref_hidden.detach().reshape(-1, ref_hidden.shape[-1]), ref_weight.detach(), ref_b)]
+
+
+def _reference_logps(hidden, ref_chosen_logps, ref_rejected_logps) -> Tensor:
+    """The precomputed reference sequence log-probs, checked, as one (2B,) fp32 tensor without grad."""
+    if ref_chosen_logps is None or ref_rejected_logps is None:
+        raise ValueError("give both ref_chosen_logps and ref_rejected_logps")
+    n_pairs = hidden.shape[0] // 2
+    for arg, v in (("ref_chosen_logps", ref_chosen_logps), ("ref_rejected_logps", ref_rejected_logps)):
+        if not isinstance(v, Tensor) or v.shape != (n_pairs,):
+            raise ValueError(f"{arg} must be a ({n_pairs},) tensor, got {getattr(v, 'shape', type(v))}")
+        if v.device != hidden.device:
+            raise ValueError(f"{arg} is on {v.device} but hidden is on {hidden.device}")
+    return torch.cat([ref_chosen_logps, ref_rejected_logps]).detach().float()

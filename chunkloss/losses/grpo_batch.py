@@ -1,0 +1,177 @@
+"""GRPO's inputs, checked and turned into the tensors of the engine's ``Batch``.
+
+The loss and its per-chunk math are in :mod:`chunkloss.losses.grpo`; the normalisers follow its module
+docstring.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from chunkloss.engine import Head
+from chunkloss.losses.common import check_head, check_labels, item_count, to_scalar
+
+if TYPE_CHECKING:
+    from chunkloss.losses.grpo import GRPOOptions
+
+#: The loss types normalised by the global masked-token count ``num_items_in_batch``.
+GLOBAL_COUNT_LOSS_TYPES = ("dapo", "cispo", "vespo")
+#: TRL clamps log importance weights from below at log(1e-8).
+LOG_RATIO_MIN = math.log(1e-8)
+
+
+def check_trainer_state(num_processes, gradient_accumulation_steps, steps_per_generation) -> None:
+    """Trainer state divides the normaliser: 0 (or less) would make the loss inf, NaN or silently 0."""
+    for arg, v in (
+        ("num_processes", num_processes),
+        ("gradient_accumulation_steps", gradient_accumulation_steps),
+        ("steps_per_generation", steps_per_generation),
+    ):
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not v > 0:
+            raise ValueError(f"{arg} must be a positive number, got {v!r}")
+
+
+def check_completions(hidden, weight, completion_ids, completion_mask, tool_mask) -> tuple[Tensor, list]:
+    """The mask of the rows that take part (B, T) bool, and the deferred range check of their ids: each in
+    [0, V) where the mask is 1 (ids outside the mask are never read). The check syncs in
+    ``sequence_batch``'s one host sync, raising there before any id is used."""
+    b, t, _ = hidden.shape
+    dev = hidden.device
+    check_bt(completion_ids, (b, t), "completion_ids", dev)
+    mask = check_bt(completion_mask, (b, t), "completion_mask", dev).bool()
+    if tool_mask is not None:
+        mask = mask & check_bt(tool_mask, (b, t), "tool_mask", dev).bool()
+    label_checks = []
+    ids = completion_ids.masked_fill(~mask, 0)
+    check_labels(ids, (b, t), weight.shape[0], None, name="completion_ids", defer=label_checks)
+    return mask, label_checks
+
+
+def check_advantages_and_ratio(opts: GRPOOptions, hidden, advantages, importance_sampling_ratio) -> None:
+    """``advantages`` (B,) or (B, T); vLLM's ratio (B, T), (B, 1) or (B,), token-level for vespo."""
+    b, t, _ = hidden.shape
+    dev = hidden.device
+    if not isinstance(advantages, Tensor) or advantages.shape not in ((b,), (b, t)):
+        raise ValueError(
+            f"advantages must be (B,)=({b},) or (B, T)=({b}, {t}), got "
+            f"{tuple(advantages.shape) if isinstance(advantages, Tensor) else type(advantages).__name__}"
+        )
+    if advantages.device != dev:
+        raise ValueError(f"advantages is on {advantages.device} but hidden is on {dev}")
+    isr = importance_sampling_ratio
+    if isr is None:
+        return
+    if not isinstance(isr, Tensor):
+        raise TypeError(f"importance_sampling_ratio must be a torch.Tensor, got {type(isr).__name__}")
+    if isr.shape not in ((b, t), (b, 1), (b,)):
+        raise ValueError(
+            f"importance_sampling_ratio must be (B, T)=({b}, {t}), (B, 1) or (B,), got {tuple(isr.shape)}"
+        )
+    if isr.device != dev:
+        raise ValueError(f"importance_sampling_ratio is on {isr.device} but hidden is on {dev}")
+    if opts.loss_type == "vespo" and isr.shape != (b, t):
+        raise ValueError("vespo needs a token-level importance_sampling_ratio (B, T) (TRL's token_* modes)")
+
+
+def reference_head(opts: GRPOOptions, hidden, weight, ref_logps, ref_hidden, ref_weight, ref_bias) -> list:
+    """The reference model's head as the batch's extra head (no grad), or ``[]`` where the reference is
+    ``ref_logps`` or ``beta`` is 0."""
+    if opts.beta == 0.0:
+        return []
+    if ref_logps is not None and ref_hidden is not None:
+        raise ValueError("pass either ref_logps or a reference head (ref_hidden, ref_weight), not both")
+    if ref_hidden is None:
+        if ref_logps is None:
+            raise ValueError(f"beta={opts.beta} needs ref_logps or a reference head (ref_hidden, ref_weight)")
+        return []
+    if ref_weight is None:
+        raise ValueError("ref_hidden needs ref_weight")
+    check_head(ref_hidden, ref_weight, ref_bias, name="ref_hidden")
+    b, t, _ = hidden.shape
+    if ref_hidden.shape[:-1] != (b, t) or ref_weight.shape[0] != weight.shape[0]:
+        raise ValueError(
+            f"reference head must give (B, T, V)=({b}, {t}, {weight.shape[0]}) logits, "
+            f"got ref_hidden {tuple(ref_hidden.shape)} and ref_weight {tuple(ref_weight.shape)}"
+        )
+    if ref_hidden.device != hidden.device:
+        raise ValueError(f"ref_hidden is on {ref_hidden.device} but hidden is on {hidden.device}")
+    ref_b = None if ref_bias is None else ref_bias.detach()
+    return [Head(ref_hidden.detach().reshape(b * t, -1), ref_weight.detach(), ref_b)]
+
+
+def normaliser(opts: GRPOOptions, mask, num_items_in_batch, num_processes, ga: float, spg) -> Tensor:
+    """What the summed per-token loss is divided by (module docstring): per row (B, T) for 'grpo' and 'sapo'
+    (each sequence's length times B times GA), else one 0-d count."""
+    b, t = mask.shape
+    dev = mask.device
+    f32 = torch.float32
+    lt = opts.loss_type
+    if lt in ("grpo", "sapo"):
+        return (mask.sum(-1).to(f32).clamp(min=1.0) * b * ga).unsqueeze(1).expand(b, t)
+    if lt == "bnpo":
+        return mask.sum().clamp(min=1).to(f32) * ga
+    if lt == "dr_grpo":
+        return to_scalar(float(b * opts.max_completion_length) * ga, dev)
+    if lt == "luspo":
+        return to_scalar(float(b) * ga, dev)
+    items = mask.sum() if num_items_in_batch is None else item_count(num_items_in_batch, dev)
+    return items.to(f32).clamp(min=1.0) / num_processes * ga / spg
+
+
+def batch_tensors(opts: GRPOOptions, completion_ids, mask, advantages, per_token, isr, norm, ga: float):
+    """The batch's per-row (B, T), per-sequence (B,) and 0-d tensors, by the names the per-chunk math
+    reads."""
+    b, t = mask.shape
+    dev = mask.device
+    f32 = torch.float32
+    n_valid = mask.sum().clamp(min=1).to(f32)
+    len_s = mask.sum(-1).to(f32)
+    adv = advantages.to(f32)
+    token = {
+        "ids": completion_ids.long(),
+        "adv": adv.unsqueeze(1).expand(b, t) if adv.dim() == 1 else adv,
+        "weight": (1.0 / norm).expand(b, t),
+        "seq": torch.arange(b, device=dev).unsqueeze(1).expand(b, t),
+        "inv_len": (1.0 / len_s.clamp(min=1.0)).unsqueeze(1).expand(b, t),
+    }
+    for name, v in per_token.items():
+        if v is not None:
+            token[name] = check_bt(v, (b, t), name, dev).to(f32)
+    if isr is not None:
+        token["is_ratio"] = isr.to(f32).reshape(b, -1).expand(b, t)
+    sequence = {"len": len_s, "index": torch.arange(b, device=dev)}
+    if adv.dim() == 1:
+        sequence["adv"] = adv
+    if opts.loss_type == "vespo":
+        sequence["vespo_log_is"] = (
+            torch.zeros(b, device=dev)
+            if isr is None
+            else torch.clamp(torch.log(isr.to(f32)), LOG_RATIO_MIN, 20.0).sum(-1)
+        )
+    scalars = {
+        "n_valid": n_valid,
+        "n_bonus": n_valid,
+        "n_seqs": to_scalar(max(b, 1), dev),
+        "grad_accum": to_scalar(ga, dev),
+        "policy_scale": to_scalar(1.0 if opts.loss_type in GLOBAL_COUNT_LOSS_TYPES else ga, dev),
+        # One slot more than there are sequences (dropped in _finish_metrics): inductor's CPU codegen
+        # (torch 2.13) fails on an index_add into a 1-element buffer, i.e. a batch of one sequence.
+        "seq_zeros": torch.zeros(b + 1, device=dev),
+    }
+    return token, sequence, scalars
+
+
+def check_bt(x, shape, name: str, device: torch.device) -> Tensor:
+    """``x`` itself, checked to be a (B, T) tensor on ``device``."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must be (B, T)={tuple(shape)}, got {tuple(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device} but hidden is on {device}")
+    return x
