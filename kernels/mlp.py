@@ -115,7 +115,8 @@ def _gated_gemm_kernel(
     K0: tl.constexpr,  # sqrt(2 / pi)
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no mask on K
-    PRECISION: tl.constexpr,  # tl.dot input precision for fp32 operands ("ieee" or "tf32")
+    PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" or "tf32" for fp32 operands (Triton's default
+    # "tf32" for 16-bit ones, where it changes nothing)
     INTERPRET_BF16: tl.constexpr,  # bf16 in the interpreter: see _interpreter_bf16
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -215,7 +216,7 @@ def _launch(kernel, mode, a, b1, b2, bias1, bias2, h, gu_in, gu_out, opts: MLPOp
         a.stride(0), b1.stride(0) if mode == _BWD_SAVED else b1.stride(1),
         b1.stride(1) if mode == _BWD_SAVED else b1.stride(0), h.stride(0), gu_out.stride(0),
         MODE=mode, ACT=_ACT_ID[opts.activation], K0=_SQRT_2_OVER_PI, HAS_BIAS=bias1 is not None,
-        PRECISION=fp32_prec if a.dtype == torch.float32 else "ieee", 
+        PRECISION=fp32_prec if a.dtype == torch.float32 else "tf32",
         INTERPRET_BF16=_INTERPRET and a.dtype == torch.bfloat16,
     )
 
