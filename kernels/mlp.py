@@ -73,7 +73,7 @@ def _configs(one_acc: bool):
                 for b in (16, 64)]
     # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). Two 128 x 128 fp32 accumulators fill 128 registers per
     # thread at 8 warps, so 128 x 256 tiles only for the one-accumulator (dh) GEMM.
-    shapes = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4)]
+    shapes = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 64, 4, 4)]
     if one_acc:
         shapes += [(128, 256, 64, 8, 3)]
     return [
