@@ -20,7 +20,8 @@ import os
 import sys
 
 from .bench import bench as _bench
-from .config import TRAINERS, ConfigError, RunArguments, load_config, make_parser, read_yaml, trainer_name
+from .config import TRAINERS, RunArguments, load_config, make_parser, read_yaml, trainer_name
+from .errors import ConfigError
 from .help import USAGE, train_overview
 from .run import train
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .config import ConfigError
+from .errors import ConfigError
+from .rewards import reward_funcs
 
 # Lower bounds of TrainingArguments fields that transformers does not check when the config is built.
 _AT_LEAST = {
@@ -29,12 +30,10 @@ def check_run(name: str, run_args, model_args, training_args) -> None:
     for key, low in _AT_LEAST.items():
         value = getattr(training_args, key, None)
         if value is not None and value < low:
-            raise ConfigError(f"key {key!r} must be at least {low}, got {value}")
+            raise ConfigError(f"key {key!r} must be at least {low:g}, got {value}")
     _check_loss_options(name, training_args)
     _check_dataset(run_args)
     if name == "grpo":
-        from .rewards import reward_funcs
-
         reward_funcs(run_args.reward_funcs)
 
 

@@ -17,6 +17,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .checks import check_run
+from .errors import ConfigError
+
 __all__ = [
     "TRAINERS",
     "ConfigError",
@@ -28,10 +31,6 @@ __all__ = [
     "trainer_classes",
     "trainer_name",
 ]
-
-
-class ConfigError(ValueError):
-    """A config value or command-line option that cannot be used; the message names the key."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +69,10 @@ TRAINERS: dict[str, TrainerSpec] = {
         "chunkloss.trainers.distillation", "ChunkedDistillationTrainer", "ChunkedDistillationConfig",
         "distillation", "on-policy distillation (needs a teacher)",
     ),
+    "medusa": TrainerSpec(
+        "chunkloss.trainers.medusa", "ChunkedMedusaTrainer", "ChunkedMedusaConfig", "sft",
+        "Medusa heads: extra heads predicting tokens further ahead (SFT data)",
+    ),
 }
 
 
@@ -77,7 +80,7 @@ TRAINERS: dict[str, TrainerSpec] = {
 class RunArguments:
     """chunkloss's own run keys (the rest of a config is the trainer's config and TRL's ModelConfig)."""
 
-    trainer: Literal["sft", "grpo", "dpo", "orpo", "gkd", "distillation"] = field(
+    trainer: Literal["sft", "grpo", "dpo", "orpo", "gkd", "distillation", "medusa"] = field(
         default=None, metadata={"help": "Which trainer runs: " + ", ".join(TRAINERS) + "."}
     )
     tiny_model: dict | None = field(
@@ -181,6 +184,8 @@ def _convert_one(action: argparse.Action, key: str, value):
 
 
 def make_parser(name: str):
+    """TRL's ``TrlParser`` for the trainer ``name`` (its config class, ``ModelConfig``, :class:`RunArguments`)
+    that raises :class:`ConfigError` instead of exiting, and converts YAML values as command-line values."""
     from trl import ModelConfig, TrlParser
 
     class Parser(TrlParser):
@@ -303,7 +308,5 @@ def load_config(path: str, overrides: list[str] | None = None):
         )
         _unknown(parser, from_file, from_args, name)
         run_args, model_args, training_args = parsed
-        from .checks import check_run
-
         check_run(name, run_args, model_args, training_args)
     return run_args, model_args, training_args

@@ -14,7 +14,7 @@ import os
 import re
 from collections.abc import Callable
 
-from .config import ConfigError
+from .errors import ConfigError
 
 # A hub model id: "org/name" of letters, digits, '-', '_' and '.'.
 _MODEL_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")

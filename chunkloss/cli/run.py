@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from .checks import DATA_FILES
-from .config import TRAINERS, ConfigError, load_config, trainer_classes
+from .config import TRAINERS, load_config, trainer_classes
+from .errors import ConfigError
 from .rewards import reward_funcs
 
 __all__ = ["train"]
