@@ -1,7 +1,7 @@
 """Triton row kernels vs their fp32 references (CPU through TRITON_INTERPRET=1, small odd shapes).
 
-Three-way check for every output and gradient: ``err(ours) <= K * err(torch_same_dtype) + ATOL``, where
-``err`` is the max abs difference to the fp32 reference divided by the reference's max abs value.
+Three-way check for every output and gradient: ``err(ours) <= k * err(torch_same_dtype) + atol`` against the
+fp32 reference, with ``k`` and ``atol`` from tests/tolerances.py.
 """
 
 import warnings
@@ -21,29 +21,18 @@ from chunkloss.kernels import (
     swiglu,
     swiglu_ref,
 )
+from chunkloss.kernels.glu import GLU, glu_ref
 
-# dtype -> (K, ATOL). K = 2: we may round differently from PyTorch (one fp32 pass and one cast where
-# PyTorch rounds after each op) but must not be worse than twice its error. ATOL is a few units in the last
-# place of the dtype relative to the output scale (fp32 2^-23, bf16 2^-8, fp16 2^-11), for quantities
-# PyTorch happens to get exactly (e.g. a fp32 sum in a different order than ours).
-TOL = {
-    torch.float32: (2.0, 1e-5),
-    torch.bfloat16: (2.0, 1e-2),
-    torch.float16: (2.0, 2e-3),
-}
+from tests.tolerances import assert_close_to_ref
+
 DTYPES = [torch.float32, torch.bfloat16]
 WIDTHS = [31, 127, 1000]  # below a warp, just under a power of two, and a wide masked row
 LAYOUTS = ["contiguous", "strided_rows", "transposed"]  # row stride > width; last-dim stride != 1
 
 
-def rel_err(x, ref):
-    return ((x.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-6)).item()
-
-
 def assert_close3(ours, torch_same, ref, dtype, what):
-    k, atol = TOL[dtype]
-    e_ours, e_torch = rel_err(ours, ref), rel_err(torch_same, ref)
-    assert e_ours <= k * e_torch + atol, f"{what}: err {e_ours:.3g} vs torch {e_torch:.3g} ({dtype})"
+    """``err(ours) <= k * err(torch_same) + atol`` against the fp32 ``ref``, with ``dtype``'s ``k, atol``."""
+    assert_close_to_ref(ours, ref, torch_same, what, dtype=dtype)
 
 
 def laid_out(master: torch.Tensor, layout: str, dtype) -> torch.Tensor:
@@ -108,7 +97,11 @@ def test_layer_norm(has_bias, width, dtype, layout):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("width", WIDTHS)
-@pytest.mark.parametrize("ours,ref", [(swiglu, swiglu_ref), (geglu, geglu_ref)], ids=["swiglu", "geglu"])
+@pytest.mark.parametrize("ours,ref", [
+    (swiglu, swiglu_ref),
+    (geglu, geglu_ref),
+    (lambda a, b: GLU("gelu")(a, b), lambda a, b: glu_ref(a, b, "gelu")),  # exact (erf) GELU
+], ids=["swiglu", "geglu", "geglu_exact"])
 def test_glu(ours, ref, width, dtype, layout):
     a = torch.randn(19, width) * 3  # covers both tails of the activations
     b = torch.randn(19, width)
@@ -197,7 +190,7 @@ def test_norm_weight_grad_only(norm):
     g = torch.randn(9, 45)
     (dw,) = torch.autograd.grad(fn(x, w), (w,), g)
     (dw_ref,) = torch.autograd.grad(ref(x, w), (w,), g)
-    torch.testing.assert_close(dw, dw_ref, atol=1e-5, rtol=1e-5)
+    assert_close_to_ref(dw, dw_ref)
 
 
 def test_no_grad_for_inputs_that_do_not_require_it():
@@ -239,7 +232,7 @@ def test_glu_in_place_backward_matches(ours, ref):
     expected = torch.autograd.grad(ref(a1, b1), (a1, b1), g)
     a2, b2 = (a * 1).requires_grad_(), (b * 1).requires_grad_()
     got = torch.autograd.grad(ours(a2 * 1, b2 * 1, in_place=True), (a2, b2), g)
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert_close_to_ref(got, expected)
 
 
 def test_rms_norm_gemma_offset_matches_transformers():
@@ -254,10 +247,11 @@ def test_rms_norm_gemma_offset_matches_transformers():
     llama.to(torch.bfloat16)
     torch.testing.assert_close(rms_norm_ref(x, gemma.weight, 1e-6, 1.0, "gemma"), gemma(x), atol=0, rtol=0)
     torch.testing.assert_close(rms_norm_ref(x, llama.weight, 1e-6), llama(x), atol=0, rtol=0)
-    # bf16 outputs of magnitude up to ~4: one bf16 ulp there is 1.6e-2-3.1e-2; the kernel and torch round
-    # the same fp32 value but may differ by that one ulp (the reference above matches exactly).
-    torch.testing.assert_close(rms_norm(x, gemma.weight, 1e-6, 1.0, "gemma"), gemma(x), atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(rms_norm(x, llama.weight, 1e-6), llama(x), atol=2e-2, rtol=2e-2)
+    # The kernel and transformers round the same fp32 value to bf16, but may differ by one ulp.
+    ref = rms_norm_ref(x.float(), gemma.weight.float(), 1e-6, 1.0, "gemma")
+    assert_close3(rms_norm(x, gemma.weight, 1e-6, 1.0, "gemma"), gemma(x), ref, torch.bfloat16, "gemma")
+    ref = rms_norm_ref(x.float(), llama.weight.float(), 1e-6)
+    assert_close3(rms_norm(x, llama.weight, 1e-6), llama(x), ref, torch.bfloat16, "llama")
 
 
 def test_rope_ref_matches_transformers():
