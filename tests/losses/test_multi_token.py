@@ -79,11 +79,11 @@ def make(dtype, form="shared", bias=True, ignore_frac=0.3, seed=0, k=K, t=T):
     return hiddens, weight, b, labels
 
 
-def per_head(t, k=K):
-    """A leaf's K per-head tensors (the shared one K times)."""
+def per_head(t, k, shared_dims):
+    """A leaf's K per-head tensors: a shared one (``shared_dims`` dims) K times, a stacked one unbound."""
     if t is None:
         return None
-    return list(t) if t.dim() == (3 if t.shape[-1] == H else 2) else [t] * k
+    return [t] * k if t.dim() == shared_dims else list(t)
 
 
 def run_ours(hiddens, weight, bias, labels, listed=False, grad_out=1.0, **opts):
@@ -109,7 +109,7 @@ def run_ref(hiddens, weight, bias, labels, grad_out=1.0, logits_dtype=None, **op
     b = leaves[2] if bias is not None else None
     k = h.shape[0]
     loss, metrics = multi_token_ref(
-        list(h), per_head(w, k), labels, per_head(b, k), logits_dtype=logits_dtype, **opts
+        list(h), per_head(w, k, 2), labels, per_head(b, k, 1), logits_dtype=logits_dtype, **opts
     )
     (loss * grad_out).sum().backward()
     return loss.detach(), [x.grad for x in leaves], metrics
@@ -401,3 +401,20 @@ def test_bias_count_mismatch():
     hiddens, weight, b, labels = make(torch.float32)
     with pytest.raises(ValueError, match="bias holds 2 heads"):
         FusedLinearMultiTokenLoss(compile=False)(hiddens, weight, labels, bias=[b, b])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["shared", "per_head"])
+def test_cuda_bf16_matches_reference(form):
+    """On CUDA (Triton token steps, automatic chunks) at Llama-3's vocabulary, bf16, against fp64."""
+    g = torch.Generator().manual_seed(0)
+    k, b, t, h, v = 3, 2, 512, 256, 128256
+    hiddens = torch.randn(k, b, t, h, generator=g).bfloat16().cuda().requires_grad_()
+    shape = (v, h) if form == "shared" else (k, v, h)
+    weight = (torch.randn(*shape, generator=g) * h**-0.5).bfloat16().cuda().requires_grad_()
+    labels = torch.randint(0, v, (b, t), generator=g).cuda()
+    labels[:, :7] = -100
+    ours = run_ours(hiddens, weight, None, labels, head_weights=HEAD_WEIGHTS)
+    ref = run_ref(hiddens, weight, None, labels, head_weights=HEAD_WEIGHTS)
+    low = run_ref(hiddens, weight, None, labels, logits_dtype=torch.bfloat16, head_weights=HEAD_WEIGHTS)
+    check(ours, ref, low, ("loss", "num_tokens"), dtype=torch.bfloat16)
