@@ -8,6 +8,7 @@ are cached per shape.
 import contextlib
 import dataclasses
 import functools
+import inspect
 import sys
 from typing import NamedTuple
 
@@ -20,6 +21,14 @@ def cdiv(a: int, b: int) -> int:
 
 def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+def arguments_of(fn, *args, **kwargs) -> dict:
+    """The arguments of the call ``fn(*args, **kwargs)`` by name, defaults filled in (a ``*_ref`` takes the
+    arguments of its kernel); a ``TypeError`` for a name ``fn`` does not take."""
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return bound.arguments
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # eq=False: hashed by identity, a cheap lru_cache key

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._utils import next_power_of_2
+from ._utils import arguments_of, next_power_of_2
 from .logprob import _online, _scaled, _scalings, row_stats_ref
 
 __all__ = ["cross_entropy_step", "cross_entropy_step_ref"]
@@ -29,28 +29,21 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def cross_entropy_step_ref(
-    logits: Tensor,  # (C, V)
-    labels: Tensor,  # (C,)
-    normaliser: Tensor,  # ()
-    grad_scale: Tensor | None = None,  # (C,)
-    *,
-    label_smoothing: float = 0.0,
-    lse_square_scale: float = 0.0,
-    softcap: float | None = None,
-    temperature: float = 1.0,
-    logit_scale: float = 1.0,
-    want_accuracy: bool = False,
-    want_entropy: bool = False,
+    logits: Tensor, labels: Tensor, normaliser: Tensor, grad_scale: Tensor | None = None, **options
 ) -> dict[str, Tensor]:
-    """:func:`cross_entropy_step` in plain PyTorch: fp32 autograd of ``ℓ_i``, the gradient rounded once to the
-    logits' dtype and copied over them."""
-    _check(logits, labels, normaliser, grad_scale, label_smoothing, lse_square_scale, softcap, temperature)
-    eps, lam = label_smoothing, lse_square_scale
+    """:func:`cross_entropy_step` in plain PyTorch (same arguments): fp32 autograd of ``ℓ_i``, the gradient
+    rounded once to the logits' dtype and copied over them."""
+    o = arguments_of(cross_entropy_step, logits, labels, normaliser, grad_scale, **options)
+    eps, lam, want_accuracy, want_entropy = (
+        o["label_smoothing"], o["lse_square_scale"], o["want_accuracy"], o["want_entropy"]
+    )
+    _check(logits, labels, normaliser, grad_scale, eps, lam, o["softcap"], o["temperature"])
     with torch.enable_grad():
         x = logits.detach().to(torch.float32, copy=True)  # a copy: the logits are overwritten below
         x.requires_grad_(True)
-        r = row_stats_ref(x, labels, logit_scale=logit_scale, softcap=softcap, temperature=temperature,
-                          lse=True, entropy=want_entropy, mean=eps > 0, argmax=want_accuracy)  # fmt: skip
+        scales = {k: o[k] for k in ("logit_scale", "softcap", "temperature")}
+        want = dict(lse=True, entropy=want_entropy, mean=eps > 0, argmax=want_accuracy)
+        r = row_stats_ref(x, labels, **scales, **want)
         loss = -r["logp"] if eps == 0 else (1 - eps) * -r["logp"] + eps * (r["lse"] - r["mean"])
         rows = {}
         if lam > 0:

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._utils import next_power_of_2
+from ._utils import arguments_of, next_power_of_2
 from .logprob import _online, _scaled, scale_ref
 
 __all__ = ["jsd_step", "jsd_step_ref"]
@@ -44,16 +44,13 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def jsd_step_ref(
-    logits: Tensor,  # (C, V) student
-    teacher_logits: Tensor,  # (C, V)
-    labels: Tensor,  # (C,)
-    normaliser: Tensor,  # ()
-    **options,
+    logits: Tensor, teacher_logits: Tensor, labels: Tensor, normaliser: Tensor, **options
 ) -> dict[str, Tensor]:
     """:func:`jsd_step` in plain PyTorch (same arguments): fp32 autograd of the per-row terms, the gradient
     rounded once to the logits' dtype and copied over them."""
+    o = arguments_of(jsd_step, logits, teacher_logits, labels, normaliser, **options)
     _check(logits, teacher_logits, labels, normaliser)
-    o = _options(**options)
+    _check_options(o["beta"], o["temperature"], o["student_softcap"], o["teacher_softcap"])
     beta, tau = o["beta"], o["temperature"]
     with torch.enable_grad():
         x = logits.detach().to(torch.float32, copy=True).requires_grad_(True)
@@ -77,17 +74,7 @@ def jsd_step_ref(
     return {k: v.detach() for k, v in rows.items()}
 
 
-def _options(
-    beta: float = 0.5,
-    temperature: float = 1.0,
-    weight_soft: float = 1.0,
-    weight_hard: float = 0.0,
-    student_logit_scale: float = 1.0,
-    student_softcap: float | None = None,
-    teacher_logit_scale: float = 1.0,
-    teacher_softcap: float | None = None,
-) -> dict:
-    """:func:`jsd_step`'s keyword arguments with their defaults, checked."""
+def _check_options(beta: float, temperature: float, student_softcap, teacher_softcap) -> None:
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must be in [0, 1], got {beta}")
     if temperature <= 0:
@@ -95,7 +82,6 @@ def _options(
     for name, cap in (("student_softcap", student_softcap), ("teacher_softcap", teacher_softcap)):
         if cap is not None and cap <= 0:
             raise ValueError(f"{name} must be positive or None, got {cap}")
-    return dict(locals())
 
 
 @triton.jit
@@ -252,8 +238,7 @@ def jsd_step(
         ``weight_hard`` ≠ 0, ``"hard"``.
     """
     _check(logits, teacher_logits, labels, normaliser)
-    _options(beta, temperature, weight_soft, weight_hard, student_logit_scale, student_softcap,
-             teacher_logit_scale, teacher_softcap)  # fmt: skip
+    _check_options(beta, temperature, student_softcap, teacher_softcap)
     c, v = logits.shape
     new = lambda: torch.empty(c, dtype=torch.float32, device=logits.device)  # noqa: E731
     out = {"soft": new(), "entropy": new()}

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._utils import next_power_of_2
+from ._utils import arguments_of, next_power_of_2
 
 __all__ = [
     "row_grad_from_loss_",
@@ -58,47 +58,33 @@ def scale_ref(
 
 
 def row_stats_ref(
-    logits: Tensor,  # (C, V)
-    labels: Tensor,  # (C,)
-    labels2: Tensor | None = None,  # (C,)
-    *,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
-    temperature: float = 1.0,
-    lse: bool = False,
-    entropy: bool = False,
-    mean: bool = False,
-    argmax: bool = False,
-    lse2: bool = False,
+    logits: Tensor, labels: Tensor, labels2: Tensor | None = None, **options
 ) -> dict[str, Tensor]:
-    """:func:`row_stats` in plain PyTorch, fp32 and differentiable."""
-    z = scale_ref(logits, logit_scale, softcap, temperature)
-    lse_ = torch.logsumexp(z, dim=-1)
-    out = {"logp": z.gather(-1, labels.long()[:, None])[:, 0] - lse_}
+    """:func:`row_stats` in plain PyTorch (same arguments), fp32 and differentiable."""
+    o = arguments_of(row_stats, logits, labels, labels2, **options)
+    z = scale_ref(logits, o["logit_scale"], o["softcap"], o["temperature"])
+    lse = torch.logsumexp(z, dim=-1)
+    out = {"logp": z.gather(-1, labels.long()[:, None])[:, 0] - lse}
     if labels2 is not None:
-        out["logp2"] = z.gather(-1, labels2.long()[:, None])[:, 0] - lse_
-    if lse:
-        out["lse"] = lse_
-    if entropy:
-        out["entropy"] = lse_ - (torch.softmax(z, dim=-1) * z).sum(-1)
-    if mean:
+        out["logp2"] = z.gather(-1, labels2.long()[:, None])[:, 0] - lse
+    if o["lse"]:
+        out["lse"] = lse
+    if o["entropy"]:
+        out["entropy"] = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+    if o["mean"]:
         out["mean"] = z.mean(-1)
-    if argmax:
+    if o["argmax"]:
         out["argmax"] = z.argmax(-1)
-    if lse2:
+    if o["lse2"]:
         out["lse2"] = torch.logsumexp(2 * z, dim=-1)
     return out
 
 
-def label_logprob_ref(
-    logits: Tensor,
-    labels: Tensor,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
-    temperature: float = 1.0,
-) -> Tensor:
-    """:func:`label_logprob_triton` in plain PyTorch: ``log_softmax(scale(logits))[i, labels[i]]`` in fp32."""
-    scales = dict(logit_scale=logit_scale, softcap=softcap, temperature=temperature)
+def label_logprob_ref(logits: Tensor, labels: Tensor, *args, **kwargs) -> Tensor:
+    """:func:`label_logprob_triton` in plain PyTorch (same arguments): ``log_softmax(scale(logits))[i,
+    labels[i]]`` in fp32."""
+    o = arguments_of(label_logprob_triton, logits, labels, *args, **kwargs)
+    scales = {k: o[k] for k in ("logit_scale", "softcap", "temperature")}
     return row_stats_ref(logits, labels, **scales)["logp"]
 
 

@@ -33,16 +33,13 @@ __all__: list[str] = []
 def _cross_entropy_rows(opts: cross_entropy.CrossEntropyOptions, logits, token, normaliser, row_weight=None):
     from chunkloss.kernels.cross_entropy import cross_entropy_step
 
+    same = ("label_smoothing", "lse_square_scale", "softcap", "temperature", "logit_scale")
     return cross_entropy_step(
         logits,
         token["labels"],
         normaliser,
         None if row_weight is None else row_weight.float(),
-        label_smoothing=opts.label_smoothing,
-        lse_square_scale=opts.lse_square_scale,
-        softcap=opts.softcap,
-        temperature=opts.temperature,
-        logit_scale=opts.logit_scale,
+        **{name: getattr(opts, name) for name in same},
         want_accuracy=opts.return_token_accuracy,
         want_entropy=opts.return_entropy,
     )

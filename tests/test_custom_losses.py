@@ -1,0 +1,206 @@
+"""Three losses written only against the public contract of ``chunkloss.engine`` (the README quotes them): a
+token loss, a pairwise sequence loss and a non-pairwise sequence loss. Each is checked against the same math
+on materialised fp64 logits in plain PyTorch: the loss and every gradient, with one-pass and two-pass
+chunkings, and the token loss with ``reduction='none'`` under a non-uniform ``grad_output``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from chunkloss.engine import Batch, FusedLinearBase, FusedOptions, segment_sum, sequence_batch
+from tests.tolerances import assert_close_to_ref
+
+
+# --------------------------------------------------------------------------------------------------
+# (a) A token loss: focal loss (arXiv:1708.02002), -(1 - p_y)^γ · log p_y per token.
+@dataclass(frozen=True)
+class FocalOptions(FusedOptions):
+    gamma: float = 2.0
+    reduction: str = "mean"  # or "none": one loss per token, 0 where the label is ignored
+
+
+class FusedLinearFocalLoss(FusedLinearBase):
+    options_cls = FocalOptions
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        if self.options.reduction == "none":
+            self.token_outputs = ("loss",)  # returned per row; the engine applies grad_output
+
+    @staticmethod
+    def chunk_loss(logits, extra_logits, token, scalars, opts):
+        logp = logits.float().log_softmax(-1).gather(-1, token["labels"][:, None]).squeeze(1)
+        loss = -((1 - logp.exp()) ** opts.gamma) * logp
+        return loss.sum() / scalars["n_tokens"], ({"loss": loss} if opts.reduction == "none" else {})
+
+    def forward(self, hidden, weight, labels):  # hidden (..., H), weight (V, H), labels (...)
+        x, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+        rows = (y != -100).nonzero().squeeze(1)
+        n_tokens = torch.full((), float(max(rows.numel(), 1)), device=x.device)
+        batch = Batch(rows=rows, token={"labels": y[rows]}, scalars={"n_tokens": n_tokens}, num_rows=len(y))
+        out = self.run(x, weight, None, batch)
+        return out.view(labels.shape) if self.token_outputs else out
+
+
+# --------------------------------------------------------------------------------------------------
+# Sequence losses see each row through a few statistics; here the label log-prob.
+def label_logprob(logits, extra_logits, token, opts):
+    """(C, 1): log p(label) of each row."""
+    return logits.float().log_softmax(-1).gather(-1, token["labels"][:, None])
+
+
+# (b) A pairwise loss: -log σ(β·(log p(chosen) - log p(rejected))), DPO without a reference model.
+@dataclass(frozen=True)
+class PairOptions(FusedOptions):
+    beta: float = 0.1
+
+
+class FusedLinearPairLoss(FusedLinearBase):
+    options_cls = PairOptions
+    seqs_per_group = 2  # a chosen and a rejected sequence share a chunk
+    token_stats = staticmethod(label_logprob)
+
+    @staticmethod
+    def sequence_loss(stats, seq_id, num_seqs, token, sequence, scalars, opts):
+        logps = segment_sum(stats[:, 0], seq_id, num_seqs).view(-1, 2)  # (pairs, [chosen, rejected])
+        margin = logps[:, 0] - logps[:, 1]
+        loss = -F.logsigmoid(opts.beta * margin).sum() / scalars["n_pairs"]
+        return loss, {"margin": margin.sum() / scalars["n_pairs"]}
+
+    def forward(self, hidden, weight, labels):  # hidden (2B, T, H): B chosen rows, then B rejected
+        n_pairs = hidden.shape[0] // 2
+        pair = torch.arange(2 * n_pairs, device=hidden.device) % n_pairs  # sequences g and B + g: pair g
+        batch, _ = sequence_batch(
+            labels != -100,
+            pair,
+            token={"labels": labels.clamp(min=0)},
+            scalars={"n_pairs": torch.full((), float(n_pairs), device=hidden.device)},
+        )
+        return self.run(hidden.reshape(-1, hidden.shape[-1]), weight, None, batch)
+
+
+# (c) A loss per sequence: minus the average over sequences of each sequence's mean token log-prob.
+class FusedLinearMeanLogProbLoss(FusedLinearBase):
+    seqs_per_group = 1
+    token_stats = staticmethod(label_logprob)
+
+    @staticmethod
+    def sequence_loss(stats, seq_id, num_seqs, token, sequence, scalars, opts):
+        mean_logp = segment_sum(stats[:, 0], seq_id, num_seqs) / sequence["n_tokens"].clamp(min=1)
+        return -mean_logp.sum() / scalars["n_seqs"], {}
+
+    def forward(self, hidden, weight, labels):  # hidden (S, T, H), labels (S, T)
+        keep = labels != -100
+        n_seqs = hidden.shape[0]
+        batch, _ = sequence_batch(
+            keep,
+            torch.arange(n_seqs, device=hidden.device),  # each sequence its own group
+            token={"labels": labels.clamp(min=0)},
+            sequence={"n_tokens": keep.sum(1)},
+            scalars={"n_seqs": torch.full((), float(n_seqs), device=hidden.device)},
+        )
+        return self.run(hidden.reshape(-1, hidden.shape[-1]), weight, None, batch)
+
+
+# --------------------------------------------------------------------------------------------------
+# References: the same math on the materialised logits, in fp64.
+def focal_ref(logits, labels, gamma=2.0, reduction="mean"):
+    keep = labels != -100
+    logp = logits.log_softmax(-1).gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1)
+    loss = torch.where(keep, -((1 - logp.exp()) ** gamma) * logp, 0.0)
+    return loss if reduction == "none" else loss.sum() / keep.sum().clamp(min=1)
+
+
+def seq_logps(logits, labels):
+    logp = logits.log_softmax(-1).gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1)
+    keep = labels != -100
+    return (logp * keep).sum(-1), keep.sum(-1)
+
+
+def pair_ref(logits, labels, beta=0.1):
+    logps, _ = seq_logps(logits, labels)
+    chosen, rejected = logps.chunk(2)
+    return -F.logsigmoid(beta * (chosen - rejected)).mean()
+
+
+def mean_logprob_ref(logits, labels):
+    logps, n = seq_logps(logits, labels)
+    return -(logps / n.clamp(min=1)).mean()
+
+
+def inputs(n_seqs, t=7, h=16, v=37, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n_seqs, t, h, generator=g)
+    weight = 0.5 * torch.randn(v, h, generator=g)
+    labels = torch.randint(0, v, (n_seqs, t), generator=g)
+    labels[:, :2] = -100  # a prompt
+    labels[1, 5:] = -100  # and a shorter completion
+    return hidden, weight, labels
+
+
+def run(fn, hidden, weight, grad_output=None):
+    """(output, grad_hidden, grad_weight) of ``fn(hidden, weight)`` in the inputs' dtype."""
+    hidden, weight = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    out = fn(hidden, weight)
+    out.backward(torch.ones_like(out) if grad_output is None else grad_output.to(out.dtype))
+    return out.detach(), hidden.grad, weight.grad
+
+
+def check(loss_fn, ref_fn, hidden, weight, grad_output=None):
+    ours = run(loss_fn, hidden, weight, grad_output)
+    ref = run(lambda x, w: ref_fn(x @ w.T), hidden.double(), weight.double(), grad_output)
+    for name, a, b in zip(("loss", "grad_hidden", "grad_weight"), ours, ref):
+        assert_close_to_ref(a, b, name=name)
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("chunk_size", [4, 1000])
+def test_token_loss(chunk_size, compile):
+    hidden, weight, labels = inputs(3)
+    loss = FusedLinearFocalLoss(gamma=2.0, chunk_size=chunk_size, compile=compile)
+    check(lambda x, w: loss(x, w, labels), lambda z: focal_ref(z, labels), hidden, weight)
+
+
+@pytest.mark.parametrize("chunk_size", [4, 1000])
+def test_token_loss_per_row_with_grad_output(chunk_size):
+    """reduction='none': the loss never sees ``grad_output``; the engine weights each row's gradient by it."""
+    hidden, weight, labels = inputs(3)
+    grad_output = torch.rand(labels.shape, generator=torch.Generator().manual_seed(1)) * 3 - 1
+    loss = FusedLinearFocalLoss(reduction="none", chunk_size=chunk_size, compile=False)
+    ref = lambda z: focal_ref(z, labels, reduction="none")  # noqa: E731
+    check(lambda x, w: loss(x, w, labels), ref, hidden, weight, grad_output.double())
+    assert loss(hidden, weight, labels)[labels == -100].eq(0).all()
+
+
+@pytest.mark.parametrize("chunk_size", [4, 1000], ids=["two-pass", "one-pass"])
+def test_pairwise_sequence_loss(chunk_size):
+    """A chunk of 4 rows holds no whole pair (two passes); one of 1000 rows holds them all (one pass)."""
+    hidden, weight, labels = inputs(4)
+    loss = FusedLinearPairLoss(beta=0.5, chunk_size=chunk_size, compile=False)
+    check(lambda x, w: loss(x, w, labels), lambda z: pair_ref(z, labels, beta=0.5), hidden, weight)
+    margin = seq_logps(hidden.double() @ weight.double().T, labels)[0].view(2, 2)
+    assert_close_to_ref(loss.metrics["margin"], (margin[0] - margin[1]).mean(), name="margin")
+
+
+@pytest.mark.parametrize("chunk_size", [4, 1000], ids=["two-pass", "one-pass"])
+def test_sequence_loss(chunk_size):
+    hidden, weight, labels = inputs(3)
+    loss = FusedLinearMeanLogProbLoss(chunk_size=chunk_size, compile=False)
+    check(lambda x, w: loss(x, w, labels), lambda z: mean_logprob_ref(z, labels), hidden, weight)
+
+
+@pytest.mark.parametrize(
+    "make, n_seqs",
+    [(FusedLinearPairLoss, 2), (FusedLinearMeanLogProbLoss, 3)],
+    ids=["pairwise", "per-sequence"],
+)
+def test_sequence_losses_compiled(make, n_seqs):
+    hidden, weight, labels = inputs(n_seqs)
+    ref_fn = pair_ref if make is FusedLinearPairLoss else mean_logprob_ref
+    ref = lambda z: ref_fn(z, labels)  # noqa: E731
+    for chunk_size in (4, 1000):
+        check(lambda x, w: make(chunk_size=chunk_size)(x, w, labels), ref, hidden, weight)
