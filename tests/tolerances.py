@@ -59,8 +59,8 @@ TOLERANCES = {
 }
 
 
-def err(x, ref) -> float:
-    """``max|x - ref| / max|ref|`` in fp64; ``|x - ref| / max(|ref|, 1)`` for a single number.
+def err(x, ref, scale: float = 0.0) -> float:
+    """``max|x - ref| / max(max|ref|, scale)`` in fp64; ``|x - ref| / max(|ref|, 1)`` for a single number.
 
     Positions where both are NaN, or both are the same infinity, count as equal."""
     x, ref = torch.as_tensor(x).detach().double().cpu(), torch.as_tensor(ref).detach().double().cpu()
@@ -70,7 +70,7 @@ def err(x, ref) -> float:
     if diff.numel() == 0:
         return 0.0
     finite = ref[ref.isfinite()]
-    scale = finite.abs().max().item() if finite.numel() else 0.0
+    scale = max(finite.abs().max().item() if finite.numel() else 0.0, scale)
     if ref.numel() == 1:
         scale = max(scale, 1.0)
     worst = diff.max().item()
@@ -88,7 +88,9 @@ def _record(name, dtype, e_ours, e_torch):
             f.write(f"{test}\t{name}\t{dtype}\t{e_ours:.3e}\t{e_torch:.3e}\n")
 
 
-def assert_close_to_ref(ours, ref, same_dtype_torch=None, name="", k=None, atol=None, *, dtype=None):
+def assert_close_to_ref(
+    ours, ref, same_dtype_torch=None, name="", k=None, atol=None, *, dtype=None, scale=0.0
+):
     """Asserts ``err(ours) <= k * err(same_dtype_torch) + atol`` against ``ref``.
 
     Args:
@@ -100,13 +102,15 @@ def assert_close_to_ref(ours, ref, same_dtype_torch=None, name="", k=None, atol=
         k, atol: override the table's values (say why where you do).
         dtype: the dtype whose row of ``TOLERANCES`` applies; defaults to that of ``same_dtype_torch``, else
             of ``ours`` (fp64, a result upcast for the comparison, takes the fp32 row).
+        scale: the magnitude errors are measured on where the reference's largest value is not it (entries
+            that all cancel to near 0, of a quantity whose size is known).
     """
     assert ours is not None and ref is not None, name
     if isinstance(ours, (tuple, list)):
         assert len(ours) == len(ref), name
         for i, (o, r) in enumerate(zip(ours, ref)):
             t = None if same_dtype_torch is None else same_dtype_torch[i]
-            assert_close_to_ref(o, r, t, f"{name}[{i}]", k, atol, dtype=dtype)
+            assert_close_to_ref(o, r, t, f"{name}[{i}]", k, atol, dtype=dtype, scale=scale)
         return
     ours_t, ref_t = torch.as_tensor(ours), torch.as_tensor(ref)
     if dtype is None:
@@ -114,8 +118,8 @@ def assert_close_to_ref(ours, ref, same_dtype_torch=None, name="", k=None, atol=
     tol = TOLERANCES.get(dtype, TOLERANCES[torch.float32])
     k = tol.k if k is None else k
     atol = tol.atol if atol is None else atol
-    e_ours = err(ours_t, ref_t)
-    e_torch = 0.0 if same_dtype_torch is None else err(same_dtype_torch, ref_t)
+    e_ours = err(ours_t, ref_t, scale)
+    e_torch = 0.0 if same_dtype_torch is None else err(same_dtype_torch, ref_t, scale)
     _record(name, dtype, e_ours, e_torch)
     assert e_ours <= k * e_torch + atol, (
         f"{name}: err {e_ours:.3g} > {k:g} * torch's {e_torch:.3g} + {atol:g} ({dtype})"
