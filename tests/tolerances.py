@@ -21,18 +21,21 @@ that CPU's GEMM blocking.
 - ``atol`` is the error scale of the dtype for results PyTorch happens to get (nearly) exactly, such as a
   sum of few terms or a bf16 GEMM output that both sides round the same way.
 
-How ``k`` and ``atol`` were chosen (largest ``err`` over 3,200 comparisons of tests/losses, torch 2.13, CPU):
+How ``k`` and ``atol`` were chosen (largest ``err`` over 8,000 comparisons of tests/losses and tests/kernels,
+torch 2.13, CPU):
 
 - fp32: ours against the fp32 reference differs by summation order only (chunked sums, the fp32
   weight-gradient accumulator, a Triton kernel's reduction order). Largest measured err: 2.3e-5 relative
   (under 2e-5 on the scale of 1) on GRPO's ``vespo`` loss, a sum of terms that cancel; every other loss,
   gradient and metric is under 5e-6, most under 1e-6. ``atol = 5e-5``: 2.5x the largest, far below the
   1e-2 and more that a wrong token, row or normaliser costs.
-- bf16: err(ours) / err(torch bf16) measured up to 1.65 (GRPO's loss, where torch's own error is small)
-  and 1.1 on gradients (the weight gradient, where both are one bf16 rounding of the same GEMM output);
-  ``k = 2``. ``atol = 4e-3`` is one bf16 ulp at the reference's largest value (2^-8 = 3.9e-3), for a
-  result torch rounds exactly and we round once from fp32. The largest err measured is 0.58 of its bound.
-- fp16: as bf16 with fp16's ulp (2^-11 = 4.9e-4): ``k = 2``, ``atol = 1e-3``.
+- bf16: err(ours) / err(torch bf16) measured up to 1.65 on the losses (GRPO's loss, where torch's own error
+  is small) and 1.1 on their gradients (the weight gradient: both are one bf16 rounding of the same GEMM
+  output); ``k = 2``. Triton's CPU interpreter truncates fp32 -> bf16 where torch and GPUs round to
+  nearest, which doubles a kernel's rounding error on CPU (the layer-norm kernel's dx: 1.14e-2 where
+  torch's is 4.3e-3). ``atol = 8e-3``, two bf16 ulps at the reference's largest value (2^-8 = 3.9e-3),
+  covers that and results torch rounds exactly; the largest err measured is 0.69 of its bound.
+- fp16: as bf16 with fp16's ulp (2^-11 = 4.9e-4): ``k = 2``, ``atol = 1e-3`` (two ulps).
 
 Set ``CHUNKLOSS_TEST_ERRORS=<file>`` to append every comparison's dtype and errors to ``<file>`` (how the
 numbers above are measured).
@@ -54,7 +57,7 @@ class Tol:
 
 TOLERANCES = {
     torch.float32: Tol(k=2.0, atol=5e-5),
-    torch.bfloat16: Tol(k=2.0, atol=4e-3),
+    torch.bfloat16: Tol(k=2.0, atol=8e-3),
     torch.float16: Tol(k=2.0, atol=1e-3),
 }
 
