@@ -70,10 +70,10 @@ def test_leading_dims_and_frozen_inputs():
     ref = gated_mlp_ref(x, w_gate, m["w_up"], m["w_down"], b_gate=m["b_gate"], b_up=m["b_up"],
                         b_down=m["b_down"])
     assert y.shape == (3, 7, 24)
-    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    assert_close_to_ref(y, ref)
     (dw,) = torch.autograd.grad(y.square().sum(), [w_gate])
     (dw_ref,) = torch.autograd.grad(ref.square().sum(), [w_gate])
-    torch.testing.assert_close(dw, dw_ref, rtol=1e-5, atol=1e-5)
+    assert_close_to_ref(dw, dw_ref)
 
 
 def test_one_bias_of_gate_and_up():
@@ -113,7 +113,7 @@ def test_module_matches_transformers_llama_mlp():
     ours = FusedGatedMLP(24, 40, bias=True)
     assert ours.load_state_dict(hf.state_dict()) is not None  # the same parameter names and shapes
     x = torch.randn(2, 5, 24, requires_grad=True)
-    torch.testing.assert_close(ours(x), hf(x), rtol=1e-5, atol=1e-5)
+    assert_close_to_ref(ours(x), hf(x))
     assert "recompute=True" in repr(ours)
 
 

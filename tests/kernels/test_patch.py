@@ -9,8 +9,9 @@ import transformers
 from chunkloss.kernels import SUPPORTED_MODEL_TYPES, patch
 from transformers import AutoModelForCausalLM
 
+from tests.tolerances import assert_close_to_ref
+
 # fp32 models; the kernels round in a different order than PyTorch, nothing else differs.
-ATOL, RTOL = 1e-5, 1e-4
 N_LAYERS, VOCAB = 2, 128
 
 CONFIGS = {
@@ -80,11 +81,11 @@ def test_patch_matches_unpatched(model_type, restore_rope):
     assert patch(patched, loss_options={"compile": False}) is patched
 
     logits = patched(input_ids=input_ids).logits  # no labels: the original forward, logits returned
-    torch.testing.assert_close(logits, out.logits, atol=ATOL, rtol=RTOL)
+    assert_close_to_ref(logits, out.logits)
 
     out2 = patched(input_ids=input_ids, labels=labels)
     assert out2.logits is None  # documented: with labels the logits are never materialised
-    torch.testing.assert_close(out2.loss, out.loss, atol=ATOL, rtol=RTOL)
+    assert_close_to_ref(out2.loss, out.loss)
     counts = grad_fn_counts(out2.loss)
     assert counts.get("RMSNormFunctionBackward") == expected_norms(model_type), counts
     assert counts.get("RoPEFunctionBackward") == N_LAYERS, counts
@@ -92,7 +93,7 @@ def test_patch_matches_unpatched(model_type, restore_rope):
     assert not any("LogSoftmax" in k for k in counts), counts  # the loss went through the chunked CE
     out2.loss.backward()
     for name, p in patched.named_parameters():
-        torch.testing.assert_close(p.grad, ref_grads[name], atol=ATOL, rtol=RTOL, msg=name)
+        assert_close_to_ref(p.grad, ref_grads[name], name=name)
 
 
 def test_patch_num_items_in_batch_and_tuple_output(restore_rope):
@@ -106,9 +107,9 @@ def test_patch_num_items_in_batch_and_tuple_output(restore_rope):
     restore_rope(patched)
     patch(patched, loss_options={"compile": False})
     loss = patched(input_ids=input_ids, labels=labels, num_items_in_batch=n_items).loss
-    torch.testing.assert_close(loss, ref, atol=ATOL, rtol=RTOL)
+    assert_close_to_ref(loss, ref)
     tup = patched(input_ids=input_ids, labels=labels, num_items_in_batch=n_items, return_dict=False)
-    torch.testing.assert_close(tup[0], ref, atol=ATOL, rtol=RTOL)
+    assert_close_to_ref(tup[0], ref)
 
 
 def test_patch_parts_can_be_left_out(restore_rope):
@@ -162,13 +163,13 @@ def test_patch_peft_model(restore_rope):
     restore_rope(patched.get_base_model())
     assert patch(patched, loss_options={"compile": False}) is patched
     loss = patched(input_ids=input_ids, labels=input_ids).loss
-    torch.testing.assert_close(loss, ref, atol=ATOL, rtol=RTOL)
+    assert_close_to_ref(loss, ref)
     counts = grad_fn_counts(loss)  # a LoRA gate_proj: its MLP keeps the projections, only the gating is fused
     assert counts.get("GLUFunctionBackward") == N_LAYERS and "GatedMLPFunctionBackward" not in counts, counts
     loss.backward()
     for name, p in patched.named_parameters():
         if p.requires_grad:
-            torch.testing.assert_close(p.grad, ref_grads[name], atol=ATOL, rtol=RTOL, msg=name)
+            assert_close_to_ref(p.grad, ref_grads[name], name=name)
 
 
 def test_gemma2_final_logit_softcapping_reaches_the_loss(restore_rope):
@@ -185,7 +186,7 @@ def test_gemma2_final_logit_softcapping_reaches_the_loss(restore_rope):
     patched = copy.deepcopy(model)
     restore_rope(patched)
     patch(patched, loss_options={"compile": False})
-    torch.testing.assert_close(patched(input_ids=input_ids, labels=input_ids).loss, ref, atol=ATOL, rtol=RTOL)
+    assert_close_to_ref(patched(input_ids=input_ids, labels=input_ids).loss, ref)
 
 
 def loss_and_grads(model, input_ids):
@@ -209,9 +210,9 @@ def test_fused_mlp_variants_match(model_type, overrides, restore_rope):
         restore_rope(patched)
         patch(patched, loss_options={"compile": False}, mlp_recompute=recompute)
         loss, grads = loss_and_grads(patched, input_ids)
-        torch.testing.assert_close(loss, ref_loss, atol=ATOL, rtol=RTOL)
+        assert_close_to_ref(loss, ref_loss)
         for name, g in grads.items():
-            torch.testing.assert_close(g, ref_grads[name], atol=ATOL, rtol=RTOL, msg=f"{name} {recompute}")
+            assert_close_to_ref(g, ref_grads[name], name=f"{name} {recompute}")
 
 
 def test_hooked_projection_keeps_its_forward(restore_rope):

@@ -17,8 +17,8 @@ from chunkloss.kernels import rope as rope_module
 from chunkloss.kernels.rope import rope_knobs
 
 from tests.kernels.test_kernels import assert_close3, rope_tables
+from tests.tolerances import assert_close_to_ref
 
-FP32_TOL = {"atol": 1e-6, "rtol": 1e-6}
 BATCH, SEQ, N_Q, N_K = 2, 5, 6, 2  # 10 tokens; grouped-query, 6 is not a power of two
 KNOB_SETS = {
     "tokens3_heads2": {"tokens": 3, "block_h": 2},  # 4 programs, the last masks 2 of its 3 tokens
@@ -62,7 +62,7 @@ def test_rope_knobs_fp32(knobs, tables, unsqueeze_dim, head_dim, rot, in_place):
         ours = rope_grads(apply_rotary_pos_emb, torch.float32, head_dim, cos, sin, position_ids,
                           unsqueeze_dim, in_place=in_place)
     for name, a, b in zip(["q_embed", "k_embed", "dq", "dk"], ours, ref):
-        torch.testing.assert_close(a, b, **FP32_TOL, msg=lambda m, name=name: f"{name}: {m}")
+        assert_close_to_ref(a, b, name=name)
 
 
 @pytest.mark.parametrize("in_place", [False, True])
@@ -84,7 +84,7 @@ def test_rope_table_halves_may_differ():
     ref = rope_grads(apply_rotary_pos_emb_ref, torch.float32, 16, cos, sin, None, 1)
     ours = rope_grads(apply_rotary_pos_emb, torch.float32, 16, cos, sin, None, 1)
     for name, a, b in zip(["q_embed", "k_embed", "dq", "dk"], ours, ref):
-        torch.testing.assert_close(a, b, **FP32_TOL, msg=lambda m, name=name: f"{name}: {m}")
+        assert_close_to_ref(a, b, name=name)
 
 
 @pytest.mark.parametrize("frozen", ["q", "k"])
@@ -102,7 +102,7 @@ def test_rope_gradient_of_one_input_only(frozen):
 
     (got,) = torch.autograd.grad(loss(apply_rotary_pos_emb), (trained,))
     (want,) = torch.autograd.grad(loss(apply_rotary_pos_emb_ref), (trained,))
-    torch.testing.assert_close(got, want, **FP32_TOL)
+    assert_close_to_ref(got, want)
 
 
 def test_rope_unused_output_gets_zero_gradient():
@@ -113,7 +113,7 @@ def test_rope_unused_output_gets_zero_gradient():
     gq = torch.randn(BATCH, N_Q, SEQ, 8)
     dq, dk = torch.autograd.grad(apply_rotary_pos_emb(q, k, cos, sin)[0], (q, k), gq)
     (dq_ref,) = torch.autograd.grad(apply_rotary_pos_emb_ref(q, k, cos, sin)[0], (q,), gq)
-    torch.testing.assert_close(dq, dq_ref, **FP32_TOL)
+    assert_close_to_ref(dq, dq_ref)
     assert dk.shape == k.shape and not dk.any()
 
 
