@@ -8,11 +8,7 @@ import pytest
 import torch
 
 from chunkloss.data import tiny_model, tiny_tokenizer
-
-# fp32 on CPU: the chunked loss sums the same terms in another order; measured relative differences are
-# ≤ 2e-7 on the loss and ≤ 1e-6 on gradients, so 1e-5 (the issue's bound) leaves margin.
-RTOL = 1e-5
-ATOL = 1e-7
+from tests.tolerances import assert_close_to_ref
 
 # A tiny Qwen3-MoE: every layer sparse, 4 experts, top-2.
 MOE = dict(
@@ -78,7 +74,9 @@ def trainable(model) -> list[str]:
     return [n for n, p in model.named_parameters() if p.requires_grad]
 
 
-def assert_same_grads(ref_model, our_model, rtol=RTOL, atol=ATOL):
+def assert_same_grads(ref_model, our_model):
+    """Every trainable parameter's gradient: ours against TRL's, both fp32 (tests/tolerances.py's fp32 row;
+    the chunked loss sums the same terms in another order, measured ≤ 1e-6 relative to the largest entry)."""
     g_ref, g_our = grads(ref_model), grads(our_model)
     names = trainable(ref_model)
     assert names == trainable(our_model)
@@ -88,12 +86,7 @@ def assert_same_grads(ref_model, our_model, rtol=RTOL, atol=ATOL):
         f"gradients on {sorted(set(g_ref) ^ set(g_our))} differ in presence"
     )
     for n in names:
-        # Relative to the tensor's largest entry: single entries near zero are sums of cancelling terms whose
-        # order differs (measured up to 2e-7 absolute where the largest entry is ~1e-2).
-        scale = float(g_ref[n].abs().max())
-        torch.testing.assert_close(
-            g_our[n], g_ref[n], rtol=rtol, atol=max(atol, rtol * scale), msg=lambda m, n=n: f"grad {n}: {m}"
-        )
+        assert_close_to_ref(g_our[n], g_ref[n], name=f"grad {n}")
 
 
 def stored_metrics(trainer, store: str = "_metrics") -> dict:
@@ -113,8 +106,9 @@ def logged_metrics(trainer) -> dict:
     return {k: v for k, v in trainer.state.log_history[-1].items() if k not in ("step", "epoch")}
 
 
-def assert_close_loss(ours, ref, rtol=RTOL):
-    torch.testing.assert_close(ours.detach().float(), ref.detach().float(), rtol=rtol, atol=1e-7)
+def assert_close_loss(ours, ref):
+    """Our loss against TRL's (measured ≤ 2e-7 relative; tests/tolerances.py's fp32 row)."""
+    assert_close_to_ref(ours.detach().float(), ref.detach().float(), name="loss")
 
 
 def check_orpo_step(ref, ours):

@@ -16,6 +16,7 @@ from trl import DistillationConfig, DistillationTrainer
 from trl.trainer.utils import split_tensor_dict
 
 from chunkloss.data import tiny_dataset
+from tests.tolerances import assert_close_to_ref
 from tests.trainers.helpers import (
     assert_close_loss,
     assert_same_grads,
@@ -75,12 +76,8 @@ def _check(ref, ours, batch=None):
     l_our = _loss_step(ours, batch)
     assert_close_loss(l_our, l_ref)
     assert_same_grads(ref.model, ours.model)
-    torch.testing.assert_close(
-        torch.tensor(ours._metrics["train"]["entropy"]),
-        torch.tensor(ref._metrics["train"]["entropy"]),
-        rtol=1e-5,
-        atol=1e-6,
-    )
+    entropy = [torch.tensor(tr._metrics["train"]["entropy"]) for tr in (ours, ref)]
+    assert_close_to_ref(*entropy, name="entropy")
     return l_our
 
 
@@ -135,13 +132,8 @@ def test_distillation_training_step(tmp_path):
     assert "entropy" in keys and "completions/mean_length" in keys
     assert keys == sorted(k for k in ours._metrics["train"] if k != "step_time")
     for k in keys:
-        torch.testing.assert_close(
-            torch.tensor(ours._metrics["train"][k], dtype=torch.float64),
-            torch.tensor(ref._metrics["train"][k], dtype=torch.float64),
-            rtol=1e-5,
-            atol=1e-6,
-            msg=lambda m, k=k: f"metric {k}: {m}",
-        )
+        metric = [torch.tensor(tr._metrics["train"][k], dtype=torch.float64) for tr in (ours, ref)]
+        assert_close_to_ref(*metric, name=f"metric {k}")
 
 
 @pytest.mark.parametrize(

@@ -11,9 +11,8 @@ from chunkloss.trainers.dpo import ChunkedDPOConfig, ChunkedDPOTrainer
 from trl import DPOConfig, DPOTrainer
 
 from chunkloss.data import tiny_dataset
+from tests.tolerances import assert_close_to_ref
 from tests.trainers.helpers import (
-    ATOL,
-    RTOL,
     assert_close_loss,
     assert_same_grads,
     common_args,
@@ -168,8 +167,7 @@ def test_dpo_lora_on_lm_head(tmp_path):
     assert any("lm_head.lora_B" in k for k in ours_grads)
     for k, p in model.named_parameters():
         if p.grad is not None:
-            scale = float(p.grad.abs().max())
-            torch.testing.assert_close(ours_grads[k], p.grad, rtol=1e-5, atol=max(1e-7, 1e-5 * scale))
+            assert_close_to_ref(ours_grads[k], p.grad, name=k)
 
 
 def test_dpo_compiled(tmp_path):
@@ -211,10 +209,7 @@ def _accumulate(tr, batches, ga, num_items_in_batch=None):
 def _assert_grads(g_our, g_ref):
     assert sorted(g_our) == sorted(g_ref)
     for n in g_ref:
-        scale = float(g_ref[n].abs().max())
-        torch.testing.assert_close(
-            g_our[n], g_ref[n], rtol=RTOL, atol=max(ATOL, RTOL * scale), msg=lambda m, n=n: f"grad {n}: {m}"
-        )
+        assert_close_to_ref(g_our[n], g_ref[n], name=f"grad {n}")
 
 
 @pytest.mark.parametrize(
@@ -294,7 +289,7 @@ def test_dpo_peft_model_with_lm_head_lora_without_ref_model(tmp_path, ld_alpha):
         pos, lens = mask.cumsum(1), mask.sum(1)
         shared = torch.minimum(*lens.chunk(2)).repeat(2)[:, None]
         want = (tok * ((pos > 0) & (pos <= shared))).sum(1) + ld_alpha * (tok * (pos > shared)).sum(1)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    assert_close_to_ref(got, want)
     trl_own = torch.cat(DPOTrainer.compute_ref_log_probs(ours, model, batch))
     assert (trl_own - want).abs().max() > 1e-2  # TRL's head leaves the adapter's lm_head out
 

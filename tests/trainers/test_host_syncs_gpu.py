@@ -2,9 +2,9 @@
 
 TRL's trainers fetch each metric with ``.item()`` inside ``compute_loss``; a chunked loss has already run the
 LM head's gradient GEMMs by then, so the host would wait for them and the GPU would idle while the host
-launches the backward (SFT at Llama-3.2-1B's 16 layers, batch 8: 172.5 ms per step against TRL's 161.3,
-``benchmarks/results/dev/s11/``). The chunked trainers keep their metrics on the device until ``log``
-(``DeferredMetrics``); the parity tests check the logged values against TRL's.
+launches the backward (SFT at Llama-3.2-1B's 16 layers, batch 8: 7% slower per step than TRL's). The chunked
+trainers keep their metrics on the device until ``log`` (``DeferredMetrics``); the parity tests check the
+logged values against TRL's.
 
 ``torch.cuda.set_sync_debug_mode`` reports the syncs CUDA sees; it may miss some, so this bounds what it sees.
 With TRL's ``.item()`` calls back in ``compute_loss`` both tests fail.
@@ -15,8 +15,8 @@ import warnings
 import pytest
 import torch
 
-from chunkloss.engine import FusedLinearBase
 from chunkloss.data import tiny_dataset
+from chunkloss.engine import FusedLinearBase
 from tests.trainers.helpers import common_args, model_pair, tokenizer
 
 pytestmark = pytest.mark.gpu
