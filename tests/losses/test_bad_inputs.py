@@ -1,13 +1,11 @@
-"""Bad and degenerate inputs of every public loss: a clear error that names the argument, or a defined finite
-result; never a crash deep inside torch, a NaN or a layout-dependent result.
+"""Bad and degenerate inputs of every public loss: a clear one-line error that names the argument, or a
+defined finite result; never a crash deep inside torch, a NaN or a layout-dependent result.
 
-What the audit fixed, each asserted below: a bias that is no tensor (AttributeError), an empty vocabulary or
-hidden size (ZeroDivisionError / reshape error), argument names in head errors (``student_bias``,
-``ref_bias`` were reported as ``bias``), tensors on another device than the hidden (torch's own errors deep in
-the loop), ``num_items_in_batch`` of 0 (loss inf), of several elements, negative or not a number, GRPO's
-``num_processes``/``gradient_accumulation_steps``/``steps_per_generation`` of 0 (loss NaN, inf or silently 0),
-and an ``importance_sampling_ratio`` that is no tensor (AttributeError). The other tests pin behaviour the
-audit found right and no other test covers. Small shapes: H=16, V=50.
+Covered: a bias that is no tensor, an empty vocabulary or hidden size, the argument names in head errors
+(``bias``, ``ref_bias``, ``teacher_bias``), tensors on another device than the hidden, ``num_items_in_batch``
+of 0, of several elements, negative or not a number, GRPO's ``num_processes``/``gradient_accumulation_steps``/
+``steps_per_generation`` of 0, an ``importance_sampling_ratio`` that is no tensor, and target ids outside the
+vocabulary (GRPO's ``completion_ids`` under the mask). Small shapes: H=16, V=50.
 """
 
 from __future__ import annotations
@@ -52,12 +50,8 @@ NAN_BY_DESIGN = {"clip_ratio/low_min", "clip_ratio/high_max"}
 
 
 def head_names(kind):
-    """Names of the forward's hidden, weight and bias arguments."""
-    return (
-        ("student_hidden", "student_weight", "student_bias")
-        if kind == "jsd"
-        else ("hidden", "weight", "bias")
-    )
+    """Names of the forward's hidden, weight and bias arguments (the same in every loss)."""
+    return ("hidden", "weight", "bias")
 
 
 def make(kind, rows=B, t=T, seed=0):
@@ -122,27 +116,22 @@ def labels_of(kind):
 # --------------------------------------------------------------------------------------------------
 # The head: errors name the argument (student_/ref_/teacher_ forms included).
 HEAD_CASES = {
-    # was AttributeError: 'float' object has no attribute 'shape'
     "bias_not_tensor": (lambda d, h, w, b: {**d, b: 0.0}, TypeError, "{b} must be a torch.Tensor, got float"),
-    # was ZeroDivisionError in the chunk planner
     "empty_vocab": (
         lambda d, h, w, b: {**d, w: torch.zeros(0, H), b: None},
         ValueError,
         r"{w} must be \(V, H\) with V ≥ 1 and H ≥ 1, got shape \(0, 16\)",
     ),
-    # was "cannot reshape tensor of 0 elements into shape [-1, 0]"
     "empty_hidden_size": (
         lambda d, h, w, b: {**d, h: d[h].detach()[..., :0], w: torch.zeros(V, 0), b: None},
         ValueError,
         r"{w} must be \(V, H\) with V ≥ 1 and H ≥ 1, got shape \(50, 0\)",
     ),
-    # was torch's "Tensor on device meta is not on the expected device cpu!" inside addmm
     "bias_other_device": (
         lambda d, h, w, b: {**d, b: torch.zeros(V, device="meta")},
         ValueError,
         "{b} is on meta but {w} is on cpu",
     ),
-    # JSD said "bias" for student_bias
     "bias_shape": (
         lambda d, h, w, b: {**d, b: torch.zeros(V + 1)},
         ValueError,
@@ -275,8 +264,8 @@ def test_num_items_zero_and_nothing_labelled(kind):
     "value,exc,match",
     [
         (torch.tensor([7, 7]), ValueError, r"num_items_in_batch must be a number or a one-element tensor, "
-                                           r"got shape \(2,\)"),  # was torch's "shape '[]' is invalid"
-        (-3, ValueError, "num_items_in_batch must be a count ≥ 0, got -3"),  # was a negative loss
+                                           r"got shape \(2,\)"),
+        (-3, ValueError, "num_items_in_batch must be a count ≥ 0, got -3"),
         (float("nan"), ValueError, "num_items_in_batch must be a count ≥ 0, got nan"),
         ("7", TypeError, "num_items_in_batch must be a number or a one-element tensor, got str"),
         (True, TypeError, "num_items_in_batch must be a number or a one-element tensor, got bool"),
@@ -302,7 +291,6 @@ def test_grpo_trainer_state_must_be_positive(arg, value):
 @pytest.mark.parametrize(
     "ratio,exc,match",
     [
-        # was AttributeError: 'list' object has no attribute 'to'
         ([1.0, 1.0], TypeError, "importance_sampling_ratio must be a torch.Tensor, got list"),
         (1.0, TypeError, "importance_sampling_ratio must be a torch.Tensor, got float"),
         (torch.ones(B, 2), ValueError, r"must be \(B, T\)=\(2, 5\), \(B, 1\) or \(B,\), got \(2, 2\)"),
@@ -353,6 +341,35 @@ def test_label_errors(kind, change, exc, match):
     d[labels_of(kind)] = change(d[labels_of(kind)])
     with pytest.raises(exc, match=match):
         module(kind)(**d)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("value", [-1, -100, V])
+@pytest.mark.parametrize("kind", GRPO)
+def test_grpo_ids_under_the_mask_must_be_in_the_vocabulary(kind, value, compile):
+    """GRPO takes no ignore_index: an id where the mask is 1 outside [0, V) is one error, compiled or not
+    (-1 was taken for an ignored id: a finite loss compiled, an IndexError eagerly)."""
+    d = make(kind)
+    d["completion_ids"] = _with(d["completion_ids"], value)
+    with pytest.raises(ValueError, match=rf"^completion_ids holds {value}, outside \[0, {V}\)$"):
+        module(kind, compile)(**d)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_grpo_ids_outside_the_mask_are_not_read(compile):
+    d = make("grpo")
+    d["completion_mask"][-1, 1] = 0
+    expect = run("grpo", d, compile)[0]
+    d["completion_ids"] = _with(d["completion_ids"], -1)
+    assert torch.equal(run("grpo", d, compile)[0], expect)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_ce_label_outside_the_vocabulary_is_the_same_error_compiled(compile):
+    d = make("ce")
+    d["labels"] = _with(d["labels"], -1)
+    with pytest.raises(ValueError, match=rf"^labels holds -1, outside \[0, {V}\) and not ignore_index=-100$"):
+        module("ce", compile)(**d)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -318,7 +318,53 @@ def test_metrics_are_named():
     hidden, weight, b, labels = make(torch.float32)
     fn = FusedLinearCrossEntropyLoss(compile=False, return_token_accuracy=True, return_entropy=True)
     fn(hidden, weight, labels, bias=b)
-    assert set(fn.metrics) == {"mean_token_accuracy", "entropy"}
+    assert set(fn.metrics) == {"num_tokens", "mean_token_accuracy", "entropy"}
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_default_metrics_are_the_token_count(compile):
+    hidden, weight, b, labels = make(torch.float32)
+    fn = FusedLinearCrossEntropyLoss(compile=compile)
+    fn(hidden, weight, labels, bias=b)
+    assert set(fn.metrics) == {"num_tokens"}
+    assert fn.metrics["num_tokens"].item() == (labels != -100).sum().item()
+
+
+def test_asked_metrics_are_there_when_nothing_is_labelled():
+    hidden, weight, b, labels = make(torch.float32, ignore_frac=1.0)
+    fn = FusedLinearCrossEntropyLoss(
+        compile=False, lse_square_scale=1e-4, return_token_accuracy=True, return_entropy=True
+    )
+    fn(hidden, weight, labels, bias=b)
+    assert {k: v.item() for k, v in fn.metrics.items()} == {
+        "num_tokens": 0.0, "z_loss": 0.0, "mean_token_accuracy": 0.0, "entropy": 0.0
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_inf_in_hidden_is_nan_as_in_torch(reduction, compile):
+    """A hidden row holding inf gives logits of +inf and -inf: torch's log_softmax, and so F.cross_entropy,
+    is NaN for that row wherever its label is (here at a -inf logit, where ``logsumexp - z_y`` is inf)."""
+    h4, v5 = 4, 5
+    weight = torch.rand(v5, h4, generator=torch.Generator().manual_seed(0)) + 0.1
+    weight[1, 0] = -1.0
+    hidden = torch.randn(3, h4, generator=torch.Generator().manual_seed(1))
+    hidden[0, 0] = float("inf")
+    labels = torch.tensor([1, 0, 2])
+
+    def run(fn):
+        x, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss = fn(x, w)
+        loss.sum().backward()
+        return loss.detach(), x.grad
+
+    torch_loss, torch_grad = run(lambda x, w: F.cross_entropy(x @ w.T, labels, reduction=reduction))
+    ours = FusedLinearCrossEntropyLoss(compile=compile, reduction=reduction)
+    loss, grad = run(lambda x, w: ours(x, w, labels))
+    torch.testing.assert_close(loss, torch_loss, equal_nan=True)
+    assert grad[0].isnan().all() and torch_grad[0].isnan().all()
+    torch.testing.assert_close(grad[1:], torch_grad[1:])
 
 
 @pytest.mark.parametrize(
@@ -332,7 +378,7 @@ def test_metrics_are_named():
         ("chunk_size", ValueError, "chunk_size"),
         ("dtype_mismatch", TypeError, "dtype"),
         ("bias_shape", ValueError, "bias"),
-        ("unknown_option", TypeError, "unknown option"),
+        ("unknown_option", TypeError, "unexpected keyword argument"),
         ("reduction", ValueError, "reduction"),
     ],
 )

@@ -87,3 +87,18 @@ def test_cross_entropy_cuda_automatic_chunks_within_issue_budget():
         loss_fn = FusedLinearCrossEntropyLoss(accum_dtype=accum_dtype)
         beyond = beyond_grads(lambda: loss_fn(hidden, weight, labels), (hidden, weight))[0]
         assert beyond <= allowed, (accum_dtype, beyond / 2**30)
+
+
+@pytest.mark.parametrize("compile", [True, False])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_inf_in_hidden_is_nan_as_in_torch_cuda(reduction, compile):
+    """The Triton step (compile=True) and the eager one give torch's NaN for a row whose logits hold ±inf."""
+    v, h = 257, 64
+    weight = torch.rand(v, h, device="cuda") + 0.1
+    weight[1, 0] = -1.0  # the first row's label logit is -inf, the others +inf
+    hidden = torch.randn(3, h, device="cuda")
+    hidden[0, 0] = float("inf")
+    labels = torch.tensor([1, 0, 2], device="cuda")
+    expect = F.cross_entropy(hidden @ weight.T, labels, reduction=reduction)
+    loss = FusedLinearCrossEntropyLoss(compile=compile, reduction=reduction)(hidden, weight, labels)
+    torch.testing.assert_close(loss, expect, equal_nan=True)

@@ -113,7 +113,7 @@ def test_subclass_with_its_own_loss_keeps_its_loss(cls, cuda_steps):
 
         def run(c, compile):
             mod = c(beta=0.3, chunk_size=5, compile=compile)
-            loss = mod(d["x_s"], d["w_s"], d["x_t"], d["w_t"], d["y"], d["b_s"], d["b_t"])
+            loss = mod(d["x_s"], d["w_s"], d["x_t"], d["w_t"], d["y"], bias=d["b_s"], teacher_bias=d["b_t"])
             return loss.detach(), tj._grads(loss, d), mod.metrics
 
     ours, eager, parent = run(cls, True), run(cls, False), run(cls.__mro__[1], False)

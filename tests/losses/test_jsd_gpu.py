@@ -62,7 +62,7 @@ def test_jsd_cuda(beta, compile):
     pt_grads = torch.autograd.grad(pt, leaves)
 
     mod = FusedLinearJSDLoss(beta=beta, temperature=temperature, compile=compile, chunk_size=1000)
-    loss = mod(x_s, w_s, x_t, w_t, labels, student_bias=b_s)
+    loss = mod(x_s, w_s, x_t, w_t, labels, bias=b_s)
     grads = torch.autograd.grad(loss, leaves)
     assert abs(loss.item() - ref.item()) / abs(ref.item()) < LOSS_RTOL
     assert (

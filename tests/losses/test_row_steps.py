@@ -211,7 +211,7 @@ def test_orpo_logit_rows_and_no_grad(chunk, cuda_steps):
     kw = dict(nll_labels=d["nll"])
     with torch.no_grad():
         loss = FusedLinearORPOLoss(chunk_size=chunk, compile=True, beta=0.2, softcap=2.0)(
-            d["x"], d["w"], d["chosen"], d["rejected"], d["b"], **kw
+            d["x"], d["w"], d["chosen"], d["rejected"], bias=d["b"], **kw
         )
     ref = orpo_ref(d["x"], d["w"], d["chosen"], d["rejected"], d["b"], beta=0.2, softcap=2.0, **kw)[0]
     assert_close_to_ref(loss, ref.detach().float())
