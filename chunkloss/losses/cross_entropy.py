@@ -93,8 +93,7 @@ def _chunk_sums(rows: dict[str, Tensor], token, scalars, opts: CrossEntropyOptio
     """The chunk's loss and metric sums from its per-row values (``loss`` ℓ_i and, as asked, ``z_loss``,
     ``correct``, ``entropy``); shared by the compiled step and the Triton one."""
     per_row = rows["loss"]
-    scaled = per_row * token["grad_scale"] if "grad_scale" in token else per_row
-    loss = scaled.sum() / scalars["normaliser"]
+    loss = per_row.sum() / scalars["normaliser"]
     metrics = {}
     if "z_loss" in rows:
         metrics["z_loss"] = rows["z_loss"].sum() / scalars["n_valid"]

@@ -250,6 +250,33 @@ def test_jsd_accumulation_and_no_grad(cuda_steps):
 
 
 # --------------------------------------------------------------------------------------------------
+# Cross-entropy with reduction='none': the forward's "token_value" step and the backward's "token_rows" step
+# (the kernel with the rows' grad_output as its per-row weights).
+@pytest.mark.parametrize("chunk", [5, 1000])
+def test_cross_entropy_per_row_backward(chunk, cuda_steps):
+    from chunkloss.losses.cross_entropy import FusedLinearCrossEntropyLoss
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 7, 16, generator=g), 0.5 * torch.randn(37, 16, generator=g)
+    y = torch.randint(0, 37, (3, 7), generator=g)
+    y[0, :3] = -100
+    grad_out = torch.rand(3, 7, generator=g) * 3 - 1
+    mod = FusedLinearCrossEntropyLoss(reduction="none", label_smoothing=0.1, chunk_size=chunk)
+    assert mod._step_fn(StepKind.TOKEN_ROWS, "cpu").func is gpu_steps.cross_entropy_token_rows
+    ours = [t.clone().requires_grad_(True) for t in (x, w)]
+    ref = [t.double().requires_grad_(True) for t in (x, w)]
+    loss = mod(ours[0], ours[1], y)
+    loss.backward(grad_out)
+    ref_loss = torch.nn.functional.cross_entropy(
+        (ref[0] @ ref[1].T).transpose(1, 2), y, reduction="none", label_smoothing=0.1
+    )
+    ref_loss.backward(grad_out.double())
+    assert_close_to_ref(loss, ref_loss, name="loss")
+    for name, a, b in zip(("grad_hidden", "grad_weight"), ours, ref):
+        assert_close_to_ref(a.grad, b.grad, name=name)
+
+
+# --------------------------------------------------------------------------------------------------
 # One pass hands the statistics of a chunk's logits from its "stats" step to its "seq_pass2" step; so do two
 # passes for the chunks of the last rows that run their backward in pass 1 (DPO's; ``rows_in_pass_1``),
 # and for no chunk of pass 2.
