@@ -65,10 +65,10 @@ def jsd_step_ref(
             log_m = torch.logaddexp(a + math.log1p(-beta), b + math.log(beta))
             soft = (beta * b.exp() * (b - log_m) + (1 - beta) * a.exp() * (a - log_m)).sum(-1)
         rows = {"soft": soft, "entropy": -(a.exp() * a).sum(-1)}
-        total = o["weight_soft"] * soft.sum()
-        if o["weight_hard"] != 0.0:
+        total = o["weight_soft_loss"] * soft.sum()
+        if o["weight_hard_loss"] != 0.0:
             rows["hard"] = torch.logsumexp(z_s, dim=-1) - z_s.gather(-1, labels.long()[:, None])[:, 0]
-            total = total + o["weight_hard"] * rows["hard"].sum()
+            total = total + o["weight_hard_loss"] * rows["hard"].sum()
         (grad,) = torch.autograd.grad(total / normaliser, x)
     logits.copy_(grad)
     return {k: v.detach() for k, v in rows.items()}
@@ -211,8 +211,8 @@ def jsd_step(
     *,
     beta: float = 0.5,
     temperature: float = 1.0,
-    weight_soft: float = 1.0,
-    weight_hard: float = 0.0,
+    weight_soft_loss: float = 1.0,
+    weight_hard_loss: float = 0.0,
     student_logit_scale: float = 1.0,
     student_softcap: float | None = None,
     teacher_logit_scale: float = 1.0,
@@ -228,21 +228,21 @@ def jsd_step(
         normaliser: 0-d fp32 tensor (read on the device).
         beta: β in [0, 1]; 0 is forward KL(T‖S), 1 reverse KL(S‖T).
         temperature: τ dividing both heads' logits in the divergence (not in the hard loss).
-        weight_soft: w_soft, the divergence's weight.
-        weight_hard: w_hard, the weight of the student's cross-entropy on the labels; 0 turns it off.
+        weight_soft_loss: w_soft, the divergence's weight.
+        weight_hard_loss: w_hard, the weight of the student's cross-entropy on the labels; 0 turns it off.
         student_logit_scale, teacher_logit_scale: multipliers of each head's logits.
         student_softcap, teacher_softcap: each head's ``softcap·tanh(z/softcap)``, ``None`` for none.
 
     Returns:
         fp32 (C,) tensors by name: ``"soft"`` (jsd per row), ``"entropy"`` (of the student at τ) and, when
-        ``weight_hard`` ≠ 0, ``"hard"``.
+        ``weight_hard_loss`` ≠ 0, ``"hard"``.
     """
     _check(logits, teacher_logits, labels, normaliser)
     _check_options(beta, temperature, student_softcap, teacher_softcap)
     c, v = logits.shape
     new = lambda: torch.empty(c, dtype=torch.float32, device=logits.device)  # noqa: E731
     out = {"soft": new(), "entropy": new()}
-    has_hard = weight_hard != 0.0
+    has_hard = weight_hard_loss != 0.0
     if has_hard:
         out["hard"] = new()
     if c == 0:
@@ -264,8 +264,8 @@ def jsd_step(
         math.log(beta) if mode == 2 else 0.0,
         math.log1p(-beta) if mode == 2 else 0.0,
         1.0 / (1.0 - beta) if mode == 2 else 0.0,
-        float(weight_soft),
-        float(weight_hard),
+        float(weight_soft_loss),
+        float(weight_hard_loss),
         S_SCALE=float(student_logit_scale),
         S_CAP=float(student_softcap or 0.0),
         T_SCALE=float(teacher_logit_scale),

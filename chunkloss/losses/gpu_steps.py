@@ -59,24 +59,18 @@ def cross_entropy_token_rows(opts, logits, extra_logits, token, scalars, row_wei
 
 # --------------------------------------------------------------------------------------------------
 # JSD: one kernel reads both heads' logits three times, with no fp32 copy.
+_JSD_KERNEL_OPTIONS = (
+    "beta", "temperature", "weight_soft_loss", "weight_hard_loss",
+    "student_logit_scale", "student_softcap", "teacher_logit_scale", "teacher_softcap",
+)  # fmt: skip
+
+
 def jsd_token(opts: jsd.JSDOptions, logits, extra_logits, token, scalars):
     """``TOKEN``: ``grad_and_value(jsd_chunk)``."""
     from chunkloss.kernels.jsd import jsd_step
 
-    rows = jsd_step(
-        logits,
-        extra_logits[0],
-        token["labels"],
-        scalars["normaliser"],
-        beta=opts.beta,
-        temperature=opts.temperature,
-        weight_soft=opts.weight_soft_loss,
-        weight_hard=opts.weight_hard_loss,
-        student_logit_scale=opts.student_logit_scale,
-        student_softcap=opts.student_softcap,
-        teacher_logit_scale=opts.teacher_logit_scale,
-        teacher_softcap=opts.teacher_softcap,
-    )
+    kernel_args = {name: getattr(opts, name) for name in _JSD_KERNEL_OPTIONS}
+    rows = jsd_step(logits, extra_logits[0], token["labels"], scalars["normaliser"], **kernel_args)
     return (logits, *jsd._chunk_sums(rows, scalars, opts))
 
 

@@ -42,7 +42,8 @@ def _ulp(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("c, v, block", [(3, 2, 16), (1, 37, 16), (5, 130, 64)])  # V=2: one 2-wide block
 def test_jsd_step(c, v, block, dtype, beta, tau, hard, caps, monkeypatch):
     monkeypatch.setattr(kj, "BLOCK_V", block)
-    kw = dict(beta=beta, temperature=tau, weight_hard=hard, weight_soft=0.9, **(CAPS if caps else {}))
+    kw = dict(beta=beta, temperature=tau, weight_hard_loss=hard, weight_soft_loss=0.9)
+    kw |= CAPS if caps else {}
     zs, zt = (3 * torch.randn(c, v)).to(dtype), (3 * torch.randn(c, v)).to(dtype)
     zs[0, :3] = 20.0  # a large early logit: the running max moves once, then not again
     y, norm = torch.randint(0, v, (c,)), torch.tensor(3.0)
@@ -91,7 +92,7 @@ def test_jsd_step_real_vocab(beta):
     zs = (3 * torch.randn(c, v, device="cuda")).bfloat16()
     zt = (3 * torch.randn(c, v, device="cuda")).bfloat16()
     y, norm = torch.randint(0, v, (c,), device="cuda"), torch.tensor(float(c), device="cuda")
-    opts, kw = JSDOptions(beta=beta, weight_hard_loss=0.1), dict(beta=beta, weight_hard=0.1)
+    opts, kw = JSDOptions(beta=beta, weight_hard_loss=0.1), dict(beta=beta, weight_hard_loss=0.1)
     ours, ref = zs.clone(), zs.clone()
     rows, ref_rows = kj.jsd_step(ours, zt, y, norm, **kw), kj.jsd_step_ref(ref, zt, y, norm, **kw)
     for k in ref_rows:
