@@ -140,7 +140,7 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
 
 
 def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, loss: bool = True,
-          loss_options: dict | None = None, mlp_recompute: bool = True) -> nn.Module:
+          loss_options: dict | None = None, mlp_recompute: bool = False) -> nn.Module:
     """Make a transformers Llama / Mistral / Qwen2 / Qwen3 / Gemma / Gemma-2 model use chunkloss's kernels.
 
     Args:
@@ -155,8 +155,9 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, mlp: bo
             without logits; the output's ``logits`` is then ``None``. Gemma-2's ``final_logit_softcapping``
             is passed to the loss as ``softcap``.
         loss_options: extra keyword options for ``FusedLinearCrossEntropyLoss`` (e.g. ``{"compile": False}``).
-        mlp_recompute: the fused MLP saves only its input and replays the gate/up GEMM in the backward;
-            False saves the gate and up pre-activations too (2·I more elements per token, no replayed GEMM).
+        mlp_recompute: the fused MLP saves only its input and replays the gate/up GEMM in the backward
+            (least memory, one more GEMM); False (the default) saves the gate and up pre-activations too
+            (2·I more elements per token, no replayed GEMM, faster). docs/design.md has the measurement.
 
     Returns:
         ``model`` (the object passed in), patched in place.
