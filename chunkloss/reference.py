@@ -8,6 +8,7 @@ the same names the chunked loss reports. Sections are appended per loss; keep on
 from __future__ import annotations
 
 import math  # noqa: F401  (used by later sections)
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -149,6 +150,80 @@ def grpo_logps_ref(hidden, weight, bias, completion_ids, temperature=1.0, logit_
     return logp, entropy
 
 
+def _entropy_mask_ref(entropies, mask, top_entropy_quantile):
+    """TRL's entropy mask: the completion tokens at or above the (1 - ρ) quantile of their entropies."""
+    if top_entropy_quantile >= 1.0:
+        return None
+    local = entropies.detach()[mask.bool()].float()
+    if local.numel() == 0:
+        return torch.zeros_like(entropies, dtype=torch.bool)
+    thr = torch.quantile(local, 1 - top_entropy_quantile)
+    return ((entropies.detach() * mask) >= thr) & mask.bool()
+
+
+def _vespo_phi_ref(log_ratio, mask, adv, importance_sampling_ratio, k_pos, lambda_pos, k_neg, lambda_neg):
+    """VESPO's per-sequence weight φ(W) (B, 1), without grad (TRL's ``get_gamma_weights``)."""
+    with torch.no_grad():
+        lrc = torch.clamp(log_ratio.detach(), -20.0, 20.0)
+        slr = (lrc * mask).sum(-1, keepdim=True)
+        if importance_sampling_ratio is not None:
+            log_is = torch.clamp(torch.log(importance_sampling_ratio), math.log(1e-8), 20.0)
+            slr = slr + log_is.sum(-1, keepdim=True)
+        lw = torch.clamp(slr, math.log(1e-8), 20.0)
+        nonneg = adv >= 0
+        k = torch.where(nonneg, k_pos, k_neg)
+        lam = torch.where(nonneg, lambda_pos, lambda_neg).clamp(min=1e-4)
+        phi_seq = torch.exp(lam + k * lw - lam * torch.exp(lw))
+        return phi_seq.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _grpo_metrics_ref(mask, adv, c1, entropies, kl, loss_type, epsilon_low, eps_hi, phi_seq):
+    """TRL's logged GRPO metrics of one process (``kl`` when given, ``entropy``, the clip ratios)."""
+
+    def seq_mean(x):
+        return x.squeeze(1) if x.shape[1] == 1 else (x * mask).sum(-1) / mask.sum(-1)
+
+    def global_mean(x):
+        if x.shape[1] == 1:
+            return x.sum() / x.shape[0]
+        return (x * mask).sum() / mask.sum().float().clamp(min=1.0)
+
+    def nan_red(x, fn):
+        x = x[~torch.isnan(x)]
+        return fn(x) if x.numel() else torch.tensor(float("nan"))
+
+    metrics = {}
+    if kl is not None:
+        metrics["kl"] = global_mean(kl)
+    metrics["entropy"] = global_mean(entropies.detach())
+    if loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+        low = ((c1 < 1 - epsilon_low) & (adv < 0)).float()
+        high = ((c1 > 1 + eps_hi) & (adv > 0)).float()
+        metrics["clip_ratio/low_mean"] = global_mean(low)
+        metrics["clip_ratio/high_mean"] = global_mean(high)
+        metrics["clip_ratio/region_mean"] = global_mean(torch.maximum(low, high))
+        metrics["clip_ratio/low_min"] = nan_red(seq_mean(low), torch.min)
+        metrics["clip_ratio/high_max"] = nan_red(seq_mean(high), torch.max)
+    elif loss_type == "cispo":
+        metrics["cispo_clip_ratio"] = global_mean(((c1 > eps_hi) & (adv > 0)).float())
+    elif loss_type == "vespo":
+        metrics["vespo/phi_seq_mean"] = global_mean(phi_seq)
+    return metrics
+
+
+def _grpo_normalised_ref(per_token_loss, mask, loss_type, num_items, num_processes, ga, spg, max_len):
+    """The masked per-token loss summed and normalised per ``loss_type``, as TRL 1.16 does."""
+    if loss_type in ("grpo", "sapo"):
+        return ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / ga
+    if loss_type == "bnpo":
+        return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0) / ga
+    if loss_type == "dr_grpo":
+        return (per_token_loss * mask).sum() / (per_token_loss.size(0) * max_len) / ga
+    if loss_type == "luspo":
+        return (per_token_loss * mask).sum(-1).mean() / ga
+    return (per_token_loss * mask).sum() / (num_items.clamp(min=1.0) / num_processes * ga / spg)
+
+
 def grpo_loss_from_logps_ref(
     logps,  # (B, T) with grad
     entropies,  # (B, T)
@@ -188,18 +263,9 @@ def grpo_loss_from_logps_ref(
     eps_hi = epsilon_low if epsilon_high is None else epsilon_high
     ga = gradient_accumulation_steps
     spg = ga if steps_per_generation is None else steps_per_generation
-    if num_items_in_batch is None:
-        num_items_in_batch = mask.sum()
-    num_items_in_batch = torch.as_tensor(num_items_in_batch, dtype=torch.float32)
-    if top_entropy_quantile < 1.0:
-        local = entropies.detach()[mask.bool()].float()
-        if local.numel() == 0:
-            entropy_mask = torch.zeros_like(entropies, dtype=torch.bool)
-        else:
-            thr = torch.quantile(local, 1 - top_entropy_quantile)
-            entropy_mask = ((entropies.detach() * mask) >= thr) & mask.bool()
-    else:
-        entropy_mask = None
+    num_items = mask.sum() if num_items_in_batch is None else num_items_in_batch
+    num_items_in_batch = torch.as_tensor(num_items, dtype=torch.float32)
+    entropy_mask = _entropy_mask_ref(entropies, mask, top_entropy_quantile)
     adv = advantages.float()
     if adv.dim() == 1:
         adv = adv.unsqueeze(1)
@@ -231,18 +297,8 @@ def grpo_loss_from_logps_ref(
         temps = torch.where(adv > 0, sapo_temperature_pos, sapo_temperature_neg)
         per_token_loss = -torch.sigmoid(temps * (coef_1 - 1)) * 4 / temps * adv
     elif loss_type == "vespo":
-        with torch.no_grad():
-            lrc = torch.clamp(log_ratio.detach(), -20.0, 20.0)
-            slr = (lrc * mask).sum(-1, keepdim=True)
-            if importance_sampling_ratio is not None:
-                log_is = torch.clamp(torch.log(importance_sampling_ratio), math.log(1e-8), 20.0)
-                slr = slr + log_is.sum(-1, keepdim=True)
-            lw = torch.clamp(slr, math.log(1e-8), 20.0)
-            nonneg = adv >= 0
-            k = torch.where(nonneg, vespo_k_pos, vespo_k_neg)
-            lam = torch.where(nonneg, vespo_lambda_pos, vespo_lambda_neg).clamp(min=1e-4)
-            phi_seq = torch.exp(lam + k * lw - lam * torch.exp(lw))
-            phi_seq = phi_seq.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+        vespo = (vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg)
+        phi_seq = _vespo_phi_ref(log_ratio, mask, adv, importance_sampling_ratio, *vespo)
         per_token_loss = -phi_seq * adv * logps
     if off_policy_mask_threshold is not None:
         per_token_loss = per_token_loss * off_policy_mask
@@ -253,54 +309,20 @@ def grpo_loss_from_logps_ref(
         per_token_loss = per_token_loss * (isr.unsqueeze(1) if isr.dim() == 1 else isr)
     if beta != 0.0:
         per_token_loss = per_token_loss + beta * per_token_kl
-    b = per_token_loss.size(0)
-    if loss_type in ("grpo", "sapo"):
-        loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / ga
-    elif loss_type == "bnpo":
-        loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0) / ga
-    elif loss_type == "dr_grpo":
-        loss = (per_token_loss * mask).sum() / (b * max_completion_length) / ga
-    elif loss_type == "luspo":
-        loss = (per_token_loss * mask).sum(-1).mean() / ga
-    else:
-        normalizer = num_items_in_batch.clamp(min=1.0) / num_processes * ga / spg
-        loss = (per_token_loss * mask).sum() / normalizer
+    counts = (num_items_in_batch, num_processes, ga, spg, max_completion_length)
+    loss = _grpo_normalised_ref(per_token_loss, mask, loss_type, *counts)
     policy_loss = loss.detach() * (1.0 if loss_type in ("dapo", "cispo", "vespo") else ga)
     if entropy_coef != 0.0:
         eff = mask if entropy_mask is None else mask * entropy_mask
         loss = loss - entropy_coef * (entropies * eff).sum() / eff.sum().clamp(min=1.0) / ga
 
-    def seq_mean(x):
-        return x.squeeze(1) if x.shape[1] == 1 else (x * mask).sum(-1) / mask.sum(-1)
-
-    def global_mean(x):
-        if x.shape[1] == 1:
-            return x.sum() / x.shape[0]
-        return (x * mask).sum() / mask.sum().float().clamp(min=1.0)
-
-    def nan_red(x, fn):
-        x = x[~torch.isnan(x)]
-        return fn(x) if x.numel() else torch.tensor(float("nan"))
-
-    metrics = {}
-    if beta != 0.0:
-        metrics["kl"] = global_mean(per_token_kl.detach())
-    metrics["entropy"] = global_mean(entropies.detach())
+    kl = per_token_kl.detach() if beta != 0.0 else None
+    metrics = _grpo_metrics_ref(
+        mask, adv, coef_1.detach(), entropies, kl, loss_type, epsilon_low, eps_hi,
+        phi_seq if loss_type == "vespo" else None,
+    )  # fmt: skip
     if entropy_coef != 0.0:
         metrics["policy_loss"] = policy_loss
-    c1 = coef_1.detach()
-    if loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
-        low = ((c1 < 1 - epsilon_low) & (adv < 0)).float()
-        high = ((c1 > 1 + eps_hi) & (adv > 0)).float()
-        metrics["clip_ratio/low_mean"] = global_mean(low)
-        metrics["clip_ratio/high_mean"] = global_mean(high)
-        metrics["clip_ratio/region_mean"] = global_mean(torch.maximum(low, high))
-        metrics["clip_ratio/low_min"] = nan_red(seq_mean(low), torch.min)
-        metrics["clip_ratio/high_max"] = nan_red(seq_mean(high), torch.max)
-    elif loss_type == "cispo":
-        metrics["cispo_clip_ratio"] = global_mean(((c1 > eps_hi) & (adv > 0)).float())
-    elif loss_type == "vespo":
-        metrics["vespo/phi_seq_mean"] = global_mean(phi_seq)
     return loss, metrics
 
 
@@ -376,6 +398,58 @@ def _pref_metrics(seq, reward, z, mask, beta, labels=None, logit_rows=None):
     }
 
 
+def _f_score_ref(x, kind, alpha):
+    """TRL's f-divergence score f'(exp x) of a log-ratio."""
+    if kind == "forward_kl":
+        return 1 - torch.exp(-x)
+    if kind == "js_divergence":
+        return math.log(2) + F.logsigmoid(x)
+    if kind == "alpha_divergence" and abs(alpha - 1) >= 1e-6:
+        return (torch.exp(torch.clamp((alpha - 1) * x, max=80.0)) - 1) / (alpha - 1)
+    return x
+
+
+def _dpo_type_ref(t, p, b, eps, tau):
+    """Per-pair loss of one ``loss_type`` of ``DPOTrainer._compute_loss`` (TRL 1.16), from the pair's values
+    ``p``."""
+    d, lc, lr = p.d, p.lc, p.lr
+    if t == "sigmoid":
+        return -F.logsigmoid(b * d)
+    if t == "hinge":
+        return torch.relu(1 - b * d)
+    if t == "ipo":
+        return (p.sc / p.nc - p.sr / p.nr - 1 / (2 * b)) ** 2
+    if t == "exo_pair":
+        return torch.sigmoid(b * d) * (F.logsigmoid(b * d) - math.log1p(-eps)) + torch.sigmoid(-b * d) * (
+            F.logsigmoid(-b * d) - math.log(eps)
+        )
+    if t == "nca_pair":
+        return -F.logsigmoid(b * lc) - 0.5 * F.logsigmoid(-b * lc) - 0.5 * F.logsigmoid(-b * lr)
+    if t == "robust":
+        return (-(1 - eps) * F.logsigmoid(b * d) + eps * F.logsigmoid(-b * d)) / (1 - 2 * eps)
+    if t == "bco_pair":
+        return -F.logsigmoid(b * lc) - F.logsigmoid(-b * lr)
+    if t == "sppo_hard":
+        return (lc - 0.5 / b) ** 2 + (lr + 0.5 / b) ** 2
+    if t in ("aot", "aot_unpaired"):
+        x, y = (p.c - p.r, p.ref_c - p.ref_r) if t == "aot" else (lc, lr)
+        delta = torch.sort(x, 0)[0] - torch.sort(y, 0)[0]
+        return -F.logsigmoid(b * delta) * (1 - eps) - F.logsigmoid(-b * delta) * eps
+    if t == "apo_zero":
+        return 1 - torch.sigmoid(b * lc) + torch.sigmoid(b * lr)
+    if t == "apo_down":
+        return torch.sigmoid(b * lc) + 1 - torch.sigmoid(b * (lc - lr))
+    if t == "discopop":
+        x = b * d
+        mod = torch.sigmoid(x / tau)
+        return -F.logsigmoid(x) * (1 - mod) + torch.exp(-x) * mod
+    if t == "sft":
+        return p.sft.expand(p.c.shape[0])
+    if t == "sigmoid_norm":
+        return -F.logsigmoid(b * (p.sc / p.nc - p.sr / p.nr))
+    raise ValueError(t)
+
+
 def dpo_ref(
     hidden,  # (2B, T, H)
     weight,
@@ -424,59 +498,17 @@ def dpo_ref(
     ref_c, ref_r = ref.chunk(2)
     lc, lr = c - ref_c, r - ref_r
 
-    def score(x):
-        if f_divergence_type == "forward_kl":
-            return 1 - torch.exp(-x)
-        if f_divergence_type == "js_divergence":
-            return math.log(2) + F.logsigmoid(x)
-        if f_divergence_type == "alpha_divergence" and abs(f_alpha_divergence_coef - 1) >= 1e-6:
-            a = f_alpha_divergence_coef
-            return (torch.exp(torch.clamp((a - 1) * x, max=80.0)) - 1) / (a - 1)
-        return x
-
-    sc, sr = score(lc), score(lr)
-    d = sc - sr
+    sc = _f_score_ref(lc, f_divergence_type, f_alpha_divergence_coef)
+    sr = _f_score_ref(lr, f_divergence_type, f_alpha_divergence_coef)
     mc, mr = mask.chunk(2)
-    nc, nr = mc.sum(1).clamp(min=1), mr.sum(1).clamp(min=1)
-    eps, b = label_smoothing, beta
+    sft = -logp.chunk(2)[0].sum() / mc.sum().clamp(min=1)
+    pair = SimpleNamespace(
+        c=c, r=r, ref_c=ref_c, ref_r=ref_r, lc=lc, lr=lr, sc=sc, sr=sr, d=sc - sr,
+        nc=mc.sum(1).clamp(min=1), nr=mr.sum(1).clamp(min=1), sft=sft,
+    )  # fmt: skip
     loss = 0.0
     for t, wt in zip(types, weights):
-        if t == "sigmoid":
-            per = -F.logsigmoid(b * d)
-        elif t == "hinge":
-            per = torch.relu(1 - b * d)
-        elif t == "ipo":
-            per = (sc / nc - sr / nr - 1 / (2 * b)) ** 2
-        elif t == "exo_pair":
-            per = torch.sigmoid(b * d) * (F.logsigmoid(b * d) - math.log1p(-eps)) + torch.sigmoid(-b * d) * (
-                F.logsigmoid(-b * d) - math.log(eps)
-            )
-        elif t == "nca_pair":
-            per = -F.logsigmoid(b * lc) - 0.5 * F.logsigmoid(-b * lc) - 0.5 * F.logsigmoid(-b * lr)
-        elif t == "robust":
-            per = (-(1 - eps) * F.logsigmoid(b * d) + eps * F.logsigmoid(-b * d)) / (1 - 2 * eps)
-        elif t == "bco_pair":
-            per = -F.logsigmoid(b * lc) - F.logsigmoid(-b * lr)
-        elif t == "sppo_hard":
-            per = (lc - 0.5 / b) ** 2 + (lr + 0.5 / b) ** 2
-        elif t in ("aot", "aot_unpaired"):
-            x, y = (c - r, ref_c - ref_r) if t == "aot" else (lc, lr)
-            delta = torch.sort(x, 0)[0] - torch.sort(y, 0)[0]
-            per = -F.logsigmoid(b * delta) * (1 - eps) - F.logsigmoid(-b * delta) * eps
-        elif t == "apo_zero":
-            per = 1 - torch.sigmoid(b * lc) + torch.sigmoid(b * lr)
-        elif t == "apo_down":
-            per = torch.sigmoid(b * lc) + 1 - torch.sigmoid(b * (lc - lr))
-        elif t == "discopop":
-            x = b * d
-            mod = torch.sigmoid(x / discopop_tau)
-            per = -F.logsigmoid(x) * (1 - mod) + torch.exp(-x) * mod
-        elif t == "sft":
-            per = (-logp.chunk(2)[0].sum() / mc.sum().clamp(min=1)).expand(c.shape[0])
-        elif t == "sigmoid_norm":
-            per = -F.logsigmoid(b * (sc / nc - sr / nr))
-        else:
-            raise ValueError(t)
+        per = _dpo_type_ref(t, pair, beta, label_smoothing, discopop_tau)
         if use_weighting:
             with torch.no_grad():
                 lse = torch.logsumexp(z, -1)

@@ -534,11 +534,8 @@ class FusedLinearGRPOLoss(FusedLinearBase):
         mask, label_checks = check_completions(hidden, weight, completion_ids, completion_mask, tool_mask)
         check_advantages_and_ratio(self.options, hidden, advantages, importance_sampling_ratio)
         extra = reference_head(self.options, hidden, weight, ref_logps, ref_hidden, ref_weight, ref_bias)
-        per_token = {
-            "old_logps": old_logps,
-            "ref_logps": None if extra else ref_logps,
-            "sampling_logps": sampling_logps,
-        }
+        per_token = dict(old_logps=old_logps, ref_logps=None if extra else ref_logps)
+        per_token["sampling_logps"] = sampling_logps
         ga = float(gradient_accumulation_steps)
         norm = normaliser(self.options, mask, num_items_in_batch, num_processes, ga, spg)
         token, sequence, scalars = batch_tensors(
