@@ -235,11 +235,26 @@ class FusedLinearMultiTokenLoss(FusedLinearBase):
         logit_scale: float = 1.0,
         return_token_accuracy: bool = True,
         return_entropy: bool = False,
-        **engine_options,
+        chunk_size: int | None = None,
+        logits_budget_mb: int = 448,
+        accum_dtype: torch.dtype | None = torch.float32,
+        compile: bool = True,
     ):
-        """Args: as :class:`MultiTokenOptions`; ``engine_options`` are those of
-        :class:`chunkloss.engine.FusedOptions` (``chunk_size``, ``logits_budget_mb``, ``accum_dtype``,
-        ``compile``)."""
+        """Args:
+            head_weights: ``w_k`` of each head (K floats ≥ 0); ``None`` weighs every head 1.
+            ignore_index: label value that takes no part.
+            reduction: 'mean' (each head's mean over its targets, weighted and summed), 'sum', or 'none'
+                ((K, B, T) per-position ``w_k·loss``, 0 where a head has no target).
+            label_smoothing: ε in [0, 1], as in ``F.cross_entropy``.
+            lse_square_scale: λ of the z-loss ``λ·logsumexp²``; 0 turns it off.
+            softcap: final logit softcapping ``c·tanh(z/c)``, ``None`` for none.
+            temperature: the logits are divided by it (after the softcap).
+            logit_scale: the logits are multiplied by it first.
+            return_token_accuracy: report ``head{k}/accuracy`` (top-1); on by default.
+            return_entropy: report each head's mean per-token entropy.
+            chunk_size, logits_budget_mb, accum_dtype, compile: the engine's options
+                (:class:`chunkloss.engine.FusedOptions`).
+        """
         super().__init__(
             head_weights=head_weights,
             ignore_index=ignore_index,
@@ -251,7 +266,10 @@ class FusedLinearMultiTokenLoss(FusedLinearBase):
             logit_scale=logit_scale,
             return_token_accuracy=return_token_accuracy,
             return_entropy=return_entropy,
-            **engine_options,
+            chunk_size=chunk_size,
+            logits_budget_mb=logits_budget_mb,
+            accum_dtype=accum_dtype,
+            compile=compile,
         )
         if self.options.reduction == "none":
             self.token_outputs = ("loss",)
