@@ -25,10 +25,10 @@ from chunkloss import (
     FusedLinearSimPOLoss,
 )
 from chunkloss.reference import cpo_ref, cross_entropy_ref, dpo_ref, grpo_ref, jsd_ref, orpo_ref
+from tests.tolerances import assert_close_to_ref
 
 # fp32, ours against the reference or one layout against another: the same math in another summation order;
-# measured ≤ 5e-7 absolute here (ORPO's loss of ≈ 5 against its reference).
-FP32 = dict(rtol=1e-5, atol=1e-6)
+# measured ≤ 5e-7 absolute here (ORPO's loss of ≈ 5 against its reference): tests/tolerances.py's fp32 row.
 
 B, T, H, V, H_T = 2, 5, 16, 50, 12  # H_T: the JSD teacher's hidden size, unlike the student's
 
@@ -397,7 +397,7 @@ def _noncontiguous(t):
     return out.requires_grad_(t.requires_grad)
 
 
-@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)])  # a compile per loss
 @pytest.mark.parametrize("kind", KINDS)
 def test_noncontiguous_inputs_match_contiguous(kind, compile):
     """Every tensor argument non-contiguous at once; the hidden a strided view (non-leaf) into a wider
@@ -412,13 +412,13 @@ def test_noncontiguous_inputs_match_contiguous(kind, compile):
     nc = {k: (_noncontiguous(v) if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in d.items()}
     nc[h] = buf[:, ::2]
     loss_nc, grads_nc, metrics_nc = run(kind, nc, compile)
-    torch.testing.assert_close(loss_nc, loss, **FP32)
-    torch.testing.assert_close(buf.grad[:, ::2], grads[h], **FP32)
+    assert_close_to_ref(loss_nc, loss)
+    assert_close_to_ref(buf.grad[:, ::2], grads[h])
     assert buf.grad[:, 1::2].abs().max().item() == 0.0
     for k in head_names(kind)[1:]:
-        torch.testing.assert_close(grads_nc[k], grads[k], **FP32)
+        assert_close_to_ref(grads_nc[k], grads[k])
     for k in metrics:
-        torch.testing.assert_close(metrics_nc[k], metrics[k], **FP32, equal_nan=True, msg=k)
+        assert_close_to_ref(metrics_nc[k], metrics[k], name=k)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -497,9 +497,9 @@ def test_one_position_matches_reference(kind, compile):
             d[k] = d[k][:, 1:].clone()
     loss, grads, _ = run(kind, d, compile)
     ref_loss, ref_leaves = _reference(kind, d)
-    torch.testing.assert_close(loss, ref_loss.float(), **FP32)
+    assert_close_to_ref(loss, ref_loss.float())
     for k, leaf in zip(head_names(kind), ref_leaves):
-        torch.testing.assert_close(grads[k], leaf.grad, **FP32, msg=k)
+        assert_close_to_ref(grads[k], leaf.grad, name=k)
 
 
 @pytest.mark.parametrize("frozen", ["hidden", "weight_and_bias"])
@@ -513,9 +513,9 @@ def test_frozen_inputs_get_no_gradient(kind, frozen):
     for k in names:
         d[k] = d[k].detach()
     loss, grads, _ = run(kind, d)
-    torch.testing.assert_close(loss, full_loss, **FP32)
+    assert_close_to_ref(loss, full_loss)
     for k in (h, w, b):
         if k in names:
             assert grads[k] is None, k
         else:
-            torch.testing.assert_close(grads[k], full[k], **FP32, msg=k)
+            assert_close_to_ref(grads[k], full[k], name=k)

@@ -19,6 +19,7 @@ from chunkloss.losses.grpo import FusedLinearGRPOLoss, grpo_chunk
 from chunkloss.losses.jsd import FusedLinearJSDLoss, jsd_chunk
 from tests.losses import test_grpo as tg
 from tests.losses import test_jsd as tj
+from tests.tolerances import assert_close_to_ref
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(),
@@ -26,7 +27,6 @@ pytestmark = pytest.mark.skipif(
     "TRITON_INTERPRET=1 only without one)",
 )
 
-TOL = dict(rtol=1e-5, atol=1e-6)  # fp32, summation order only (as tests/losses/test_cross_entropy.py)
 
 
 def _focal_chunk(logits, extra_logits, token, scalars, opts):
@@ -66,10 +66,10 @@ def test_cuda_steps_compute_the_class_loss(cls, opts, cuda_steps):
     ours = _run(cls, True, **opts)
     eager = _run(cls, False, **opts)
     for a, b in zip(ours[:3], eager[:3]):
-        torch.testing.assert_close(a, b, **TOL)
+        assert_close_to_ref(a, b)
     assert set(ours[3]) == set(eager[3])
     for k in eager[3]:
-        torch.testing.assert_close(ours[3][k], eager[3][k], **TOL, msg=k)
+        assert_close_to_ref(ours[3][k], eager[3][k], name=k)
     if cls is not FusedLinearCrossEntropyLoss:  # and it is not the cross-entropy
         ce = _run(FusedLinearCrossEntropyLoss, False, **opts)
         assert abs(float(ce[0]) - float(ours[0])) > 1e-3
@@ -117,7 +117,7 @@ def test_subclass_with_its_own_loss_keeps_its_loss(cls, cuda_steps):
             return loss.detach(), tj._grads(loss, d), mod.metrics
 
     ours, eager, parent = run(cls, True), run(cls, False), run(cls.__mro__[1], False)
-    torch.testing.assert_close(ours[0], eager[0], **TOL)
-    torch.testing.assert_close(ours[0], 2 * parent[0], **TOL)
+    assert_close_to_ref(ours[0], eager[0])
+    assert_close_to_ref(ours[0], 2 * parent[0])
     for a, b in zip(ours[1], parent[1]):
-        torch.testing.assert_close(a, 2 * b, **TOL)
+        assert_close_to_ref(a, 2 * b)

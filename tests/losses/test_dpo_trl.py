@@ -21,9 +21,9 @@ from trl.trainer.dpo_trainer import DPOTrainer  # noqa: E402
 from chunkloss.losses.cpo import FusedLinearCPOLoss  # noqa: E402
 from chunkloss.losses.dpo import DPO_LOSS_TYPES, FusedLinearDPOLoss  # noqa: E402
 from chunkloss.losses.orpo import FusedLinearORPOLoss  # noqa: E402
+from tests.tolerances import assert_close_to_ref  # noqa: E402
 
 # fp32 both sides; different summation order only (measured ≤ 4e-7 relative on loss and metrics).
-FP32 = dict(rtol=2e-5, atol=2e-6)
 B, T, H, V = 3, 11, 16, 50
 
 
@@ -129,11 +129,11 @@ def _compare(x, w, rx, rw, labels, inputs, ref_mode="model", chunk=1000, **cfg):
     g = torch.autograd.grad(loss, (x, w))
     trl_loss, trl_m = _trl_dpo(x, w, rx, rw, inputs, ref_logps=ref_logps, **cfg)
     tg = torch.autograd.grad(trl_loss, (x, w))
-    torch.testing.assert_close(loss, trl_loss, **FP32)
+    assert_close_to_ref(loss, trl_loss)
     for a, b in zip(g, tg):
-        torch.testing.assert_close(a, b, **FP32)
+        assert_close_to_ref(a, b)
     for k in _METRICS:
-        torch.testing.assert_close(mod.metrics[k].item(), float(trl_m[k]), **FP32, msg=k)
+        assert_close_to_ref(mod.metrics[k].item(), float(trl_m[k]), name=k)
 
 
 def _cfg(loss_type):
@@ -196,14 +196,14 @@ def test_orpo_matches_trl_odds_ratio_loss():
     z = x.float() @ w.float().t()
     nll = F.cross_entropy(z[:B].reshape(-1, V), labels[:B].reshape(-1))
     trl_loss = nll - losses.mean()
-    torch.testing.assert_close(loss, trl_loss, **FP32)
+    assert_close_to_ref(loss, trl_loss)
     for a, b in zip(torch.autograd.grad(loss, (x, w)), torch.autograd.grad(trl_loss, (x, w))):
-        torch.testing.assert_close(a, b, **FP32)
+        assert_close_to_ref(a, b)
     m = mod.metrics
-    torch.testing.assert_close(m["log_odds_ratio"], ratio.detach(), **FP32)
-    torch.testing.assert_close(m["log_odds_chosen"], log_odds.detach(), **FP32)
-    torch.testing.assert_close(m["rewards/chosen"], rc.mean(), **FP32)
-    torch.testing.assert_close(m["nll_loss"], nll.detach(), **FP32)
+    assert_close_to_ref(m["log_odds_ratio"], ratio.detach())
+    assert_close_to_ref(m["log_odds_chosen"], log_odds.detach())
+    assert_close_to_ref(m["rewards/chosen"], rc.mean())
+    assert_close_to_ref(m["nll_loss"], nll.detach())
 
 
 @pytest.mark.parametrize("loss_type,alpha", [("sigmoid", 0.0), ("hinge", 0.0), ("ipo", 0.0), ("simpo", 0.2)])
@@ -219,8 +219,8 @@ def test_cpo_matches_trl_cpo_loss(loss_type, alpha):
     losses, rc, rr = CPOTrainer.cpo_loss(stub, logps[:B], logps[B:])
     z = x.float() @ w.float().t()
     trl_loss = losses.mean() + 0.5 * F.cross_entropy(z[:B].reshape(-1, V), labels[:B].reshape(-1))
-    torch.testing.assert_close(loss, trl_loss, **FP32)
+    assert_close_to_ref(loss, trl_loss)
     for a, b in zip(torch.autograd.grad(loss, (x, w)), torch.autograd.grad(trl_loss, (x, w))):
-        torch.testing.assert_close(a, b, **FP32)
-    torch.testing.assert_close(mod.metrics["rewards/chosen"], rc.mean(), **FP32)
-    torch.testing.assert_close(mod.metrics["rewards/margins"], (rc - rr).mean(), **FP32)
+        assert_close_to_ref(a, b)
+    assert_close_to_ref(mod.metrics["rewards/chosen"], rc.mean())
+    assert_close_to_ref(mod.metrics["rewards/margins"], (rc - rr).mean())

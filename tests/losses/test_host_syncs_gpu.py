@@ -5,8 +5,8 @@ label check and row count; a sequence loss brings its label checks' counts to th
 its per-group counts (``sequence_batch``'s ``host_checks``: GRPO synced twice and DPO three times before).
 Everything else (normalisers, metrics) stays on the device. Before this was counted, GRPO's step synced ~12
 times (``torch.tensor(x, device=cuda)`` copies from pageable memory and waits for the stream; boolean
-indexing of the clip metrics; four syncs in ``sequence_batch``): 12.7 ms of a 87.8 ms step idle on an H100
-(``benchmarks/results/dev/s6/profile_grpo_b16.log``).
+indexing of the clip metrics; four syncs in ``sequence_batch``), idling an H100 for a seventh of the step
+(docs/design.md).
 
 ``torch.cuda.set_sync_debug_mode`` sees the syncs CUDA reports (``cudaStreamSynchronize``, blocking copies);
 it is a prototype and may miss some, so these are upper bounds on what it sees, not proofs of none.

@@ -12,27 +12,10 @@ import torch.nn.functional as F
 
 from chunkloss.losses.jsd import FusedLinearJSDLoss
 from chunkloss.reference import jsd_ref
+from tests.tolerances import assert_close_to_ref
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-# Tolerances.
-# fp32: ours and the reference differ only in summation order (chunked vs whole); measured ≤ 5e-7 on
-#   the loss and ≤ 4e-8 on gradients at these shapes.
-FP32 = dict(rtol=1e-5, atol=1e-6)
-# bf16: err(ours) ≤ BF16_K·err(torch bf16) + atol, errors as max abs deviation from the fp32 reference
-#   (64 rows, H_s=32, H_t=48, V=200, τ=1.5, hard weight 0.2). Measured, β ∈ {0, 0.5, 1}:
-#   loss: ours 1.8e-4..4.5e-4 vs plain bf16 torch 3.2e-3..4.4e-3 (|loss| ≈ 1.5..2.5);
-#   gradients (max |g| ≈ 0.01): ours 3.3e-5..1.0e-4 vs torch 6.1e-5..1.9e-4, worst ratio 0.96
-#   (weight grad at β=0: both are bf16 rounding of the same GEMM output), hence K = 1.25;
-#   atol is a tenth of a bf16 ulp at each quantity's magnitude.
-BF16_K = 1.25
-BF16_ATOL_LOSS = 1e-3
-BF16_ATOL_GRAD = 1e-5
-#   metrics (≈ 0.3..5): ours 3e-5..7.3e-4 off the reference (bf16 rounding of the logits; torch has no
-#   metrics to compare with): 2e-3 is an eighth of a bf16 ulp at 2.
-BF16_METRIC_ATOL = 2e-3
-# Different chunkings of the same rows: identical math, summation order only.
-CHUNK_INVARIANCE = dict(rtol=1e-6, atol=1e-7)
 
 BETAS = (0.0, 0.1, 0.5, 0.9, 1.0)
 
@@ -104,16 +87,17 @@ def _ref(d, num_items_in_batch=None, **opts):
     return loss, _grads(loss, f32), metrics
 
 
-def _assert_close_all(ours, ref, tol):
+def _assert_close_all(ours, ref):
+    """Loss, metrics and gradients against the fp32 reference (tests/tolerances.py's fp32 row)."""
     loss, grads, metrics = ours
     r_loss, r_grads, r_metrics = ref
-    torch.testing.assert_close(loss.float(), r_loss.float(), **tol)
+    assert_close_to_ref(loss.float(), r_loss.float(), name="loss")
     for name, v in metrics.items():
-        torch.testing.assert_close(v.float(), r_metrics[name].float(), **tol, msg=f"metric {name}")
+        assert_close_to_ref(v.float(), r_metrics[name].float(), name=f"metric {name}")
     for i, (g, r) in enumerate(zip(grads, r_grads)):
         assert (g is None) == (r is None), f"grad {i}: None mismatch"
         if g is not None:
-            torch.testing.assert_close(g.float(), r.float(), **tol, msg=f"grad {i}")
+            assert_close_to_ref(g.float(), r.float(), name=f"grad {i}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -124,7 +108,7 @@ def test_fp32_beta_chunks(beta, chunk_size):
     d = _inputs(bias=chunk_size != 7)
     opts = dict(beta=beta, chunk_size=chunk_size, compile=False)
     ours = _ours(d, **opts)
-    _assert_close_all(ours, _ref(d, **opts), FP32)
+    _assert_close_all(ours, _ref(d, **opts))
     assert torch.isfinite(ours[0])
     assert set(ours[2]) == {"num_tokens", "soft_loss", "entropy"}
 
@@ -150,7 +134,7 @@ def test_fp32_options(opts):
     d = _inputs()
     opts = dict(chunk_size=8, compile=False, **opts)
     ours = _ours(d, **opts)
-    _assert_close_all(ours, _ref(d, **opts), FP32)
+    _assert_close_all(ours, _ref(d, **opts))
     if opts.get("weight_hard_loss"):
         assert "hard_loss" in ours[2]
 
@@ -161,7 +145,7 @@ def test_num_items_in_batch(num_items):
     n = torch.tensor(50) if num_items == "tensor" else num_items
     opts = dict(beta=0.5, weight_hard_loss=0.2, chunk_size=16, compile=False)
     ours = _ours(d, num_items_in_batch=n, **opts)
-    _assert_close_all(ours, _ref(d, num_items_in_batch=50, **opts), FP32)
+    _assert_close_all(ours, _ref(d, num_items_in_batch=50, **opts))
 
 
 @pytest.mark.parametrize("ignored", [0.0, 0.3, 1.0])
@@ -170,7 +154,7 @@ def test_ignored_fraction(ignored, beta):
     d = _inputs(ignored=ignored)
     opts = dict(beta=beta, weight_hard_loss=0.5, chunk_size=10, compile=False)
     ours = _ours(d, **opts)
-    _assert_close_all(ours, _ref(d, **opts), FP32)
+    _assert_close_all(ours, _ref(d, **opts))
     if ignored == 1.0:
         # TRL's clamp_min(1): a batch with nothing labelled gives a finite 0 and zero gradients.
         assert ours[0].item() == 0.0
@@ -183,7 +167,7 @@ def test_3d_input_and_shapes():
     opts = dict(beta=0.5, chunk_size=5, compile=False)
     ours = _ours(d, **opts)
     assert ours[1][0].shape == d["x_s"].shape
-    _assert_close_all(ours, _ref(d, **opts), FP32)
+    _assert_close_all(ours, _ref(d, **opts))
 
 
 def test_same_hidden_sizes_and_large_vocab_spread():
@@ -193,7 +177,7 @@ def test_same_hidden_sizes_and_large_vocab_spread():
         opts = dict(beta=beta, chunk_size=9, compile=False)
         ours = _ours(d, **opts)
         assert torch.isfinite(ours[0]) and all(torch.isfinite(g).all() for g in ours[1])
-        _assert_close_all(ours, _ref(d, **opts), dict(rtol=2e-5, atol=2e-6))
+        _assert_close_all(ours, _ref(d, **opts))
 
 
 def test_chunk_size_invariance():
@@ -204,7 +188,7 @@ def test_chunk_size_invariance():
     ]
     first = results[0]
     for other in results[1:]:
-        _assert_close_all(other, first, CHUNK_INVARIANCE)
+        _assert_close_all(other, first)
 
 
 def test_grad_none_when_not_required_and_teacher_gets_none():
@@ -220,7 +204,7 @@ def test_grad_none_when_not_required_and_teacher_gets_none():
     assert d["w_s"].grad is None and d["b_s"].grad is None
     assert x_t.grad is None and w_t.grad is None
     ref = _ref(d, beta=0.5)
-    torch.testing.assert_close(d["x_s"].grad, ref[1][0], **FP32)
+    assert_close_to_ref(d["x_s"].grad, ref[1][0])
 
 
 def test_grad_output_scaling():
@@ -230,7 +214,7 @@ def test_grad_output_scaling():
     grads = _grads(3.0 * loss, d)
     ref = _ref(d)
     for g, r in zip(grads, ref[1]):
-        torch.testing.assert_close(g, 3.0 * r, **FP32)
+        assert_close_to_ref(g, 3.0 * r)
 
 
 def test_no_grad_forward():
@@ -239,7 +223,7 @@ def test_no_grad_forward():
         loss = FusedLinearJSDLoss(chunk_size=8, compile=False)(
             d["x_s"], d["w_s"], d["x_t"], d["w_t"], d["y"], bias=d["b_s"], teacher_bias=d["b_t"]
         )
-    torch.testing.assert_close(loss, _ref(d)[0].detach(), **FP32)
+    assert_close_to_ref(loss, _ref(d)[0].detach())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -256,7 +240,7 @@ def test_no_grad_forward():
 def test_compiled(opts):
     d = _inputs()
     opts = dict(chunk_size=11, compile=True, **opts)
-    _assert_close_all(_ours(d, **opts), _ref(d, **opts), FP32)
+    _assert_close_all(_ours(d, **opts), _ref(d, **opts))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -284,10 +268,6 @@ def _torch_same_dtype(d, beta, temperature, weight_hard_loss):
     return loss, _grads(loss, d)
 
 
-def _max_err(a, b):
-    return (a.float() - b.float()).abs().max().item()
-
-
 # Compiled on one beta only (CPU compile time).
 @pytest.mark.parametrize(
     "beta, compile_",
@@ -302,11 +282,11 @@ def test_bf16(beta, compile_):
     t_loss, t_grads = _torch_same_dtype(d, beta, 1.5, 0.2)
     assert loss.dtype == torch.float32
     assert all(g.dtype == torch.bfloat16 for g in grads)
-    assert _max_err(loss, r_loss) <= BF16_K * _max_err(t_loss, r_loss) + BF16_ATOL_LOSS
-    for name in metrics:
-        assert _max_err(metrics[name], r_metrics[name]) <= BF16_METRIC_ATOL, name
-    for g, r, t in zip(grads, r_grads, t_grads):
-        assert _max_err(g, r) <= BF16_K * _max_err(t, r) + BF16_ATOL_GRAD
+    assert_close_to_ref(loss, r_loss, t_loss, "loss", dtype=torch.bfloat16)
+    for name in metrics:  # plain torch has no metrics: at most the table's bf16 atol off the reference
+        assert_close_to_ref(metrics[name], r_metrics[name], name=name, dtype=torch.bfloat16)
+    for i, (g, r, t) in enumerate(zip(grads, r_grads, t_grads)):
+        assert_close_to_ref(g, r, t, f"grad {i}", dtype=torch.bfloat16)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -359,9 +339,9 @@ def test_trl_gkd_generalized_jsd_loss(beta, kw):
     trl_grads = _grads(trl_loss, d)
     opts = dict(beta=beta, temperature=temperature, reduction=reduction, chunk_size=6, compile=False)
     loss, grads, _ = _ours(d, num_items_in_batch=num_items, **opts)
-    torch.testing.assert_close(loss, trl_loss, **FP32)
+    assert_close_to_ref(loss, trl_loss)
     for g, r in zip(grads, trl_grads):
-        torch.testing.assert_close(g, r, **FP32)
+        assert_close_to_ref(g, r)
 
 
 @pytest.mark.parametrize(
@@ -396,10 +376,10 @@ def test_trl_distillation_chunked_divergence(kw):
     loss, grads, metrics = _ours(
         d, num_items_in_batch=kw.get("num_items"), chunk_size=7, compile=False, **opts
     )
-    torch.testing.assert_close(loss, trl_loss, rtol=1e-5, atol=2e-6)
-    torch.testing.assert_close(metrics["entropy"], entropy_sum / n_valid, rtol=1e-5, atol=2e-6)
+    assert_close_to_ref(loss, trl_loss)
+    assert_close_to_ref(metrics["entropy"], entropy_sum / n_valid)
     for g, r in zip(grads, trl_grads):
-        torch.testing.assert_close(g, r, rtol=1e-5, atol=2e-6)
+        assert_close_to_ref(g, r)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -14,19 +14,7 @@ from chunkloss.losses.dpo import DPO_LOSS_TYPES, FusedLinearDPOLoss
 from chunkloss.losses.orpo import FusedLinearORPOLoss
 from chunkloss.losses.simpo import FusedLinearSimPOLoss
 from chunkloss.reference import cpo_ref, dpo_ref, orpo_ref
-
-# Tolerances.
-# fp32: ours and the reference differ in summation order only (chunked logsumexp and segment sums
-#   vs whole rows); measured ≤ 3e-7 relative on losses and ≤ 1e-7 absolute on gradients here.
-FP32 = dict(rtol=2e-5, atol=2e-6)
-# bf16: err(ours) ≤ K·err(torch bf16) + ATOL (max abs deviation from the fp32 reference). Plain bf16
-#   torch (bf16 logits, log-softmax in bf16) measured ≈ 3e-2 on the loss and 1e-3..1e-2 on gradients;
-#   ours (bf16 GEMM, fp32 softmax and sums) measured 0.05..0.6× that. ATOL = a few bf16 ulps at the
-#   gradients' magnitude (≈ 0.1 → ulp 4e-4), for tensors torch happens to get nearly exact.
-BF16_K = 1.0
-BF16_ATOL = 2e-3
-# Chunkings of the same rows (one pass vs two passes, chunk 1 vs 1000): summation order only.
-CHUNK_INVARIANCE = dict(rtol=1e-5, atol=1e-6)
+from tests.tolerances import assert_close_to_ref
 
 B, T, H, V = 3, 13, 31, 123  # odd shapes: 3 pairs of 13 tokens, H=31, V=123
 ONE_PASS, TWO_PASS = 1000, 7  # 1000 ≥ any pair's tokens (one pass); 7 < a pair's tokens (two passes)
@@ -88,18 +76,19 @@ def _run(cls, d, call_kw=None, **opts):
     return loss, _grads(loss, d), mod.metrics
 
 
-def _check(ours, ref, d, tol=FP32):
+def _check(ours, ref, d):
+    """Loss, metrics and gradients against the fp32 reference (tests/tolerances.py's fp32 row)."""
     loss, grads, metrics = ours
     ref_loss, ref_metrics = ref
     ref_grads = _grads(ref_loss, d)
-    torch.testing.assert_close(loss, ref_loss.float(), **tol)
+    assert_close_to_ref(loss, ref_loss.float(), name="loss")
     assert set(metrics) == set(ref_metrics)
     for k in ref_metrics:
-        torch.testing.assert_close(metrics[k], ref_metrics[k].float(), **tol, msg=k)
-    for g, rg in zip(grads, ref_grads):
+        assert_close_to_ref(metrics[k], ref_metrics[k].float(), name=k)
+    for i, (g, rg) in enumerate(zip(grads, ref_grads)):
         assert (g is None) == (rg is None)
         if g is not None:
-            torch.testing.assert_close(g, rg, **tol)
+            assert_close_to_ref(g, rg, name=f"grad {i}")
 
 
 def _dpo_ref_call(d, ref_mode, **opts):
@@ -254,11 +243,11 @@ def test_chunk_invariance(chunk):
     kw = _ref_kwargs(d, "model")
     base = _run(FusedLinearDPOLoss, d, kw, chunk_size=1000, compile=False, use_weighting=True, ld_alpha=0.5)
     other = _run(FusedLinearDPOLoss, d, kw, chunk_size=chunk, compile=False, use_weighting=True, ld_alpha=0.5)
-    torch.testing.assert_close(other[0], base[0], **CHUNK_INVARIANCE)
+    assert_close_to_ref(other[0], base[0])
     for g, gb in zip(other[1], base[1]):
-        torch.testing.assert_close(g, gb, **CHUNK_INVARIANCE)
+        assert_close_to_ref(g, gb)
     for k in base[2]:
-        torch.testing.assert_close(other[2][k], base[2][k], **CHUNK_INVARIANCE)
+        assert_close_to_ref(other[2][k], base[2][k])
 
 
 def test_no_grad_inputs_give_none():
@@ -268,7 +257,7 @@ def test_no_grad_inputs_give_none():
     loss, grads, _ = _run(FusedLinearORPOLoss, d, None, chunk_size=TWO_PASS, compile=False)
     ref_loss, _ = orpo_ref(d["x"], d["w"], d["chosen"], d["rejected"], d["b"])
     assert grads[1] is None and grads[2] is None
-    torch.testing.assert_close(grads[0], _grads(ref_loss, d)[0], **FP32)
+    assert_close_to_ref(grads[0], _grads(ref_loss, d)[0])
 
 
 @pytest.mark.parametrize(
@@ -282,10 +271,6 @@ def test_compiled(cls, opts, chunk):
     args = (d["x"], d["w"], d["chosen"], d["rejected"], d["b"])
     ref = _dpo_ref_call(d, "model", **opts) if cls is FusedLinearDPOLoss else orpo_ref(*args)
     _check(ours, ref, d)
-
-
-def _err(a, b):
-    return (a.float() - b.float()).abs().max().item()
 
 
 @pytest.mark.parametrize("cls", [FusedLinearDPOLoss, FusedLinearORPOLoss, FusedLinearSimPOLoss])
@@ -318,17 +303,16 @@ def test_bf16(cls, chunk):
     if call:
         rz = (call["ref_hidden"] @ call["ref_weight"].t() + call["ref_bias"]).detach()
         t_call = dict(ref_hidden=rz, ref_weight=eye)
-    t_loss, _ = ref_fn(*t_args, **(t_call or {}))
+    t_loss, t_m = ref_fn(*t_args, **(t_call or {}))
     (gz,) = torch.autograd.grad(t_loss, z16)
     gz = gz.to(torch.bfloat16)
     t_grads = [gz @ d["w"], gz.reshape(-1, V).t() @ d["x"].reshape(-1, H), gz.reshape(-1, V).sum(0)]
-    assert _err(ours[0], ref_loss) <= BF16_K * _err(t_loss, ref_loss) + BF16_ATOL
-    for g, rg, tg in zip(ours[1], ref_g, t_grads):
-        assert _err(g, rg) <= BF16_K * _err(tg, rg) + BF16_ATOL
-    # Metrics are sums of bf16-rounded log-probs (relative rounding 3.9e-3 per term, ~5e-3 measured on
-    # the rewards); 2e-2 stays far below the O(1) change a wrong metric makes.
+    bf16 = torch.bfloat16
+    assert_close_to_ref(ours[0], ref_loss, t_loss, "loss", dtype=bf16)
+    for i, (g, rg, tg) in enumerate(zip(ours[1], ref_g, t_grads)):
+        assert_close_to_ref(g, rg, tg, f"grad {i}", dtype=bf16)
     for k in ref_m:
-        torch.testing.assert_close(ours[2][k], ref_m[k].float(), rtol=2e-2, atol=2e-2, msg=k)
+        assert_close_to_ref(ours[2][k], ref_m[k].float(), t_m[k].float(), k, dtype=bf16)
 
 
 def test_hand_computed_tiny_case():
@@ -507,8 +491,8 @@ def test_orpo_logit_rows(chunk):
     _check(ours, ref, d)
     z = d["x"].detach() @ d["w"].detach().t() + d["b"].detach()
     zm = z.mean(-1)
-    torch.testing.assert_close(ours[2]["logits/rejected"], zm[B:].mean(), **FP32)
-    torch.testing.assert_close(ours[2]["logits/chosen"], zm[:B][rows[:B]].mean(), **FP32)
+    assert_close_to_ref(ours[2]["logits/rejected"], zm[B:].mean())
+    assert_close_to_ref(ours[2]["logits/chosen"], zm[:B][rows[:B]].mean())
 
 
 def test_token_metrics_hand_computed():
@@ -602,7 +586,7 @@ def test_last_rows_get_one_column_of_gradient(case, monkeypatch):
     assert n == int((seq_id >= num_seqs - last_seqs).sum()) > 0
     tail = coef[-n:]
     lam = tail[-1, LOGP] / m[-1]  # may be 0 (loss_type "sft" trains the chosen rows only)
-    torch.testing.assert_close(tail[:, LOGP], lam * m, rtol=1e-6, atol=0)
+    assert_close_to_ref(tail[:, LOGP], lam * m)
     # The other columns with a logits gradient are 0 (REF_LOGP, MEAN_LOGIT, WPO, ... are the reference's or
     # detached: the pass-2 step reads LOGP, LOGP_RAW and NLL only).
     assert not tail[:, [LOGP_RAW, NLL]].any()

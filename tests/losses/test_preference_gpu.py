@@ -77,7 +77,7 @@ def test_preference_cuda(kind, chunk, compile):
 
 @pytest.mark.parametrize("pairs,t", [(4, 1024), (1, 16384)])  # automatic chunks: one pass, two passes
 @pytest.mark.parametrize("kind", ["dpo", "orpo"])
-def test_preference_cuda_automatic_chunks_within_issue_budget(kind, pairs, t):
+def test_preference_cuda_automatic_chunks_within_memory_budget(kind, pairs, t):
     """At Llama-3-8B's head with automatic chunks, DPO (with a reference head) and ORPO stay within
     0.5 GiB + 4·V·H bytes beyond the gradients, whether pairs fit a chunk (one pass) or not (two)."""
     h, v = 4096, 128256
