@@ -134,8 +134,8 @@ CASES = {
 
 def _graphs_per_step(mod) -> dict[str, int]:
     """Compiled graphs held by each compiled step ``mod`` has run, by kind: the dynamo cache entries of the
-    step's code object (each step has one of its own, see ``chunkloss.engine.compiled.bind``). Triton steps and
-    an eager "seq_coef" step hold none and are not listed."""
+    step's code object (each step has one of its own, see ``chunkloss.engine.compiled.bind``). Triton steps
+    and an eager "seq_coef" step hold none and are not listed."""
     out = {}
     for (kind, _), step in mod._compiled.items():
         if isinstance(step, compiled.RowDynamic):
