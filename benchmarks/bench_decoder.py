@@ -12,22 +12,22 @@ Implementations, all on the same bf16 leaves (``x`` and the three weights need g
 Per implementation: the median time of ``repeats`` forward + backward calls (``torch.autograd.grad`` of
 all four leaves) timed with CUDA events after warm-up; the bytes autograd saves for the backward (distinct
 storages, weights excluded, ``x`` included); the peak memory of one call minus what was allocated before
-it; and the error of ``y`` and every gradient against an fp32 evaluation of the same math, beside eager
-bf16's (``max|err| / max|ref|``). Writes ``<out>.json`` (stamped) and ``<out>.md``.
+it, the output and the gradients included (``render.CALL_PEAK_MEANING``); and the error of ``y`` and every
+gradient against an fp32 evaluation of the same math (``max|err| / max|ref|``). Writes the result set
+``decoder.json`` (stamped with date, GPU and versions), ``decoder.md`` and ``decoder.png`` under ``--out``
+(``benchmarks.render``).
 
-    python -m benchmarks.bench_decoder [--out benchmarks/results/decoder] [--smoke]
+    python -m benchmarks.bench_decoder [--out benchmarks/results] [--smoke]
 
 ``--smoke`` runs tiny shapes (on CPU under ``TRITON_INTERPRET=1`` when there is no GPU) to check the
 script, not to time anything.
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 if "--smoke" in sys.argv and not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read by Triton when chunkloss.kernels is imported
@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from chunkloss.kernels import gated_mlp, gated_mlp_ref, swiglu
 
 from benchmarks.harness import PEAK_TFLOPS, stamp
+from benchmarks.render import write_set
 
 SHAPES = [(8192, 4096, 14336), (16384, 2048, 8192)]  # (tokens N, hidden H, intermediate I)
 SMOKE_SHAPES = [(40, 48, 80)]
@@ -110,7 +111,7 @@ def _sync(device):
 
 
 def measure(fn, leaves, dy, warmup, repeats):
-    """Median ms of forward + backward, saved bytes, peak extra bytes, and the outputs of the last call."""
+    """Median ms of forward + backward, saved bytes, peak bytes of one call, and the last call's outputs."""
     args = [leaves[k] for k in GRADS]
 
     def step():
@@ -145,7 +146,7 @@ def measure(fn, leaves, dy, warmup, repeats):
         peak = torch.cuda.max_memory_allocated() - before
     else:
         out = step()
-    result = {"ms": statistics.median(times), "ms_all": times, "saved_bytes": saved, "peak_extra_bytes": peak}
+    result = {"ms": statistics.median(times), "ms_all": times, "saved_bytes": saved, "peak_bytes": peak}
     return result, out
 
 
@@ -162,59 +163,39 @@ def reference(leaves, dy):
     return [y.detach(), *grads]
 
 
-def run_shape(n, hidden, inter, impls, device, warmup, repeats) -> dict:
+def run_shape(n, hidden, inter, impls, device, warmup, repeats) -> list[dict]:
+    """One row per implementation: the shape, ``floor_ms`` and :func:`measure`'s fields, or ``error``."""
     leaves, dy = make_inputs(n, hidden, inter, device)
     ref = reference(leaves, dy)
     floor_ms = 18 * n * hidden * inter / (PEAK_TFLOPS * 1e12) * 1e3  # 9 GEMMs of 2·N·H·I FLOPs
-    row = {"N": n, "H": hidden, "I": inter, "floor_ms": floor_ms, "impls": {}}
+    rows = []
     for name, fn in impls.items():
+        row = {"case": f"N={n} H={hidden} I={inter}", "N": n, "H": hidden, "I": inter, "impl": name,
+               "floor_ms": floor_ms}  # fmt: skip
+        rows.append(row)
         try:
             result, (y, grads) = measure(fn, leaves, dy, warmup, repeats)
         except Exception as exc:  # noqa: BLE001 - one failing peer is recorded, not fatal
+            oom = isinstance(exc, torch.OutOfMemoryError)
+            row["error"] = "OOM" if oom else f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
             print(f"N={n} H={hidden} I={inter} / {name}: {exc!r}", file=sys.stderr)
             continue
         result["err"] = {k: max_rel_err(t, r) for k, t, r in zip(("y", *GRADS), (y, *grads), ref)}
         del y, grads
-        row["impls"][name] = result
-        mib, peak = result["saved_bytes"] / 2**20, result["peak_extra_bytes"]
+        row.update(result)
+        mib, peak = result["saved_bytes"] / 2**20, result["peak_bytes"]
         peak = "" if peak is None else f"  peak +{peak / 2**20:8.1f} MiB"
         err = result["err"]
         print(f"N={n:<6} H={hidden:<5} I={inter:<6} {name:<14} {result['ms']:8.3f} ms  saved {mib:8.1f} MiB"
               f"{peak}  err y {err['y']:.1e} dx {err['x']:.1e}", flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return row
-
-
-def to_markdown(data) -> str:
-    lines = [
-        "# Gated MLP block, forward + backward (bf16)",
-        "",
-        f"{data['stamp']['date']}, {data['stamp']['gpu']}; `{data['stamp']['command']}`. Time: median of "
-        f"{data['repeats']} calls after {data['warmup']} warm-up calls (CUDA events). Saved: bytes autograd "
-        "keeps for the backward (x included, weights excluded). Peak: peak allocated during one call minus "
-        "allocated before it. Err: max |err| / max |ref| against fp32, of y and dx. GEMM floor: 18·N·H·I "
-        f"FLOPs at {data['peak_tflops']:.0f} TFLOP/s.",
-        "",
-        "| N | H | I | implementation | ms | GEMM floor / ms | saved MiB | saved / eager | peak extra MiB "
-        "| err y | err dx |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for row in data["rows"]:
-        eager = row["impls"].get("eager", {}).get("saved_bytes")
-        for name, r in row["impls"].items():
-            ratio = f"{r['saved_bytes'] / eager:.2f}" if eager else "n/a"
-            peak = "n/a" if r["peak_extra_bytes"] is None else f"{r['peak_extra_bytes'] / 2**20:.0f}"
-            err = r["err"]
-            cells = [row["N"], row["H"], row["I"], name, f"{r['ms']:.3f}", f"{row['floor_ms'] / r['ms']:.2f}",
-                     f"{r['saved_bytes'] / 2**20:.1f}", ratio, peak, f"{err['y']:.1e}", f"{err['x']:.1e}"]
-            lines.append("| " + " | ".join(map(str, cells)) + " |")
-    return "\n".join(lines) + "\n"
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="benchmarks/results/decoder", help="path prefix of .json and .md")
+    parser.add_argument("--out", default="benchmarks/results", help="folder of decoder.json, .md and .png")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script (CPU works)")
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args(argv)
@@ -226,15 +207,12 @@ def main(argv: list[str] | None = None) -> int:
     impls = implementations(args.smoke)
     start = time.time()
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
-    rows = [run_shape(*shape, impls, device, warmup, repeats) for shape in shapes]
+    rows = [row for shape in shapes for row in run_shape(*shape, impls, device, warmup, repeats)]
     command = "python -m benchmarks.bench_decoder " + " ".join(argv if argv is not None else sys.argv[1:])
     data = {"stamp": stamp(command=command.strip()), "dtype": "bfloat16", "warmup": warmup,
-            "repeats": repeats, "peak_tflops": PEAK_TFLOPS, "rows": rows}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
-    out.with_suffix(".md").write_text(to_markdown(data))
-    print(f"wrote {out}.json and {out}.md in {time.time() - start:.0f} s")
+            "repeats": repeats, "peak_tflops": PEAK_TFLOPS, "rows": rows}  # fmt: skip
+    write_set(args.out, "decoder", data)
+    print(f"wrote decoder.json, .md and .png under {args.out} in {time.time() - start:.0f} s")
     return 0
 
 

@@ -1,7 +1,7 @@
 """Multi-token (Medusa) heads on one GPU: chunkloss against the two ways Medusa trains today, in one process.
 
-    python -m benchmarks.bench_medusa [--out benchmarks/results/medusa] [--repeats 7] [--heads 3,5]
-    python -m benchmarks.bench_medusa --smoke          # tiny sizes on the CPU: checks the script runs
+    python -m benchmarks.bench_medusa [--out benchmarks/results] [--repeats 7] [--heads 3,5]
+    python -m benchmarks.bench_medusa --smoke --out /tmp/medusa   # tiny sizes on the CPU: checks the script
 
 Llama-3-8B's head (H=4096, V=128256, bf16), N=8192 positions (8 x 1024), K heads: head k reads its own hidden
 state and predicts the token k places ahead (K - 1 fewer targets per sequence for head K - 1), weights 0.8^k.
@@ -15,7 +15,8 @@ Each case runs forward + backward of the K heads' loss, with one shared (V, H) h
 
 Time: CUDA events after warm-up, median of ``--repeats``. Memory: peak allocated during one step minus the
 memory allocated before it, less the gradients the step returns (``benchmarks.render.MEMORY_DEFINITION``).
-Writes ``<out>.json`` (stamped with date, GPU and versions) and ``<out>.md``.
+Writes the result set ``medusa.json`` (stamped with date, GPU and versions), ``medusa.md`` and ``medusa.png``
+under ``--out`` (``benchmarks.render``: tables, and the summary against K · single head and the peers).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import pathlib
 import statistics
 import sys
 import time
@@ -32,9 +32,9 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.harness import PEAK_TFLOPS, grad_leaves, measure, stamp
+from benchmarks.render import write_set
 from chunkloss import FusedLinearCrossEntropyLoss, FusedLinearMultiTokenLoss
 
-GiB = 2**30
 FULL = dict(batch=8, seq=1024, hidden=4096, vocab=128256, dtype=torch.bfloat16)
 SMOKE = dict(batch=2, seq=33, hidden=64, vocab=1000, dtype=torch.float32)
 
@@ -177,65 +177,9 @@ def run(heads=(3, 5), forms=("shared", "per_head"), repeats=7, smoke=False) -> l
     return rows
 
 
-def summarise(rows: list[dict]) -> list[dict]:
-    """Per case: ours against K · single head and against each peer (time and memory ratios)."""
-    single = next((r for r in rows if r["impl"] == "chunkloss_single_head" and "ms" in r), None)
-    out = []
-    for case in dict.fromkeys(r["case"] for r in rows if r["heads"] > 1):
-        by_impl = {r["impl"]: r for r in rows if r["case"] == case}
-        ours = by_impl.get("chunkloss")
-        if ours is None or "ms" not in ours:
-            continue
-        s = {"case": case, "heads": ours["heads"], "form": ours["form"], "chunkloss_ms": ours["ms"]}
-        if single is not None:
-            s["ratio_to_k_single_head"] = ours["ms"] / (ours["heads"] * single["ms"])
-        for peer in ("torch", "liger"):
-            p = by_impl.get(peer)
-            if p is not None and "ms" in p:
-                s[f"speedup_vs_{peer}"] = p["ms"] / ours["ms"]
-                if p.get("peak_extra_bytes") and ours.get("peak_extra_bytes"):
-                    s[f"memory_ratio_vs_{peer}"] = ours["peak_extra_bytes"] / p["peak_extra_bytes"]
-        out.append(s)
-    return out
-
-
-def to_markdown(data: dict) -> str:
-    st = data["stamp"]
-    size = data["size"]
-    lines = [
-        f"# Multi-token (Medusa) heads: {st['gpu']}, {st['date']}",
-        "",
-        f"H={size['hidden']}, V={size['vocab']}, {size['dtype']}, N={size['batch']}x{size['seq']} positions; "
-        "head k predicts k tokens ahead, weight 0.8^k. Forward + backward, CUDA events after warm-up, median;"
-        " peak extra memory: peak allocated during the step minus allocated before it, less the returned "
-        "gradients.",
-        f"Versions: {', '.join(f'{k} {v}' for k, v in st['versions'].items() if v)}.",
-        "",
-        "| case | implementation | ms | × GEMM floor | peak extra GiB | loss |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in data["rows"]:
-        if "error" in r:
-            lines.append(f"| {r['case']} | {r['impl']} | {r['error']} | | | |")
-            continue
-        mem = "" if r.get("peak_extra_bytes") is None else f"{r['peak_extra_bytes'] / GiB:.2f}"
-        floor = f"{r['ms'] / r['floor_ms']:.2f}" if r.get("floor_ms") else ""
-        lines.append(f"| {r['case']} | {r['impl']} | {r['ms']:.2f} | {floor} | {mem} | {r['loss']:.4f} |")
-    lines += [
-        "",
-        "| case | ours / (K · single head) | speed-up vs torch | vs liger | memory vs torch | vs liger |",
-        "|---|---|---|---|---|---|",
-    ]
-    for s in data["summary"]:
-        cells = [s.get(k) for k in ("ratio_to_k_single_head", "speedup_vs_torch", "speedup_vs_liger",
-                                    "memory_ratio_vs_torch", "memory_ratio_vs_liger")]  # fmt: skip
-        lines.append(f"| {s['case']} | " + " | ".join("" if c is None else f"{c:.2f}" for c in cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="benchmarks/results/medusa", help="path of <out>.json and <out>.md")
+    parser.add_argument("--out", default="benchmarks/results", help="folder of medusa.json, .md and .png")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--heads", default="3,5", help="comma-separated K values")
     parser.add_argument("--forms", default="shared,per_head")
@@ -246,22 +190,15 @@ def main(argv=None) -> None:
     heads = tuple(int(k) for k in args.heads.split(","))
     rows = run(heads, tuple(args.forms.split(",")), args.repeats, args.smoke)
     size = {k: str(v) if k == "dtype" else v for k, v in (SMOKE if args.smoke else FULL).items()}
+    command = "python -m benchmarks.bench_medusa " + " ".join(argv if argv is not None else sys.argv[1:])
     data = {
-        "stamp": stamp(command="python -m benchmarks.bench_medusa " + " ".join(argv or sys.argv[1:])),
+        "stamp": stamp(command=command.strip()),
         "size": size,
         "peak_tflops": PEAK_TFLOPS,
         "rows": rows,
-        "summary": summarise(rows),
     }
-    out = (
-        pathlib.Path(args.out).with_suffix("")
-        if args.out.endswith((".json", ".md"))
-        else pathlib.Path(args.out)
-    )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
-    out.with_suffix(".md").write_text(to_markdown(data))
-    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
+    write_set(args.out, "medusa", data)
+    print(f"wrote medusa.json, .md and .png under {args.out}")
 
 
 if __name__ == "__main__":

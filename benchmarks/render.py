@@ -2,7 +2,7 @@
 
 A result set is ``<name>.json`` (the measurements and a ``stamp``: date, GPU, library versions), ``<name>.md``
 and ``<name>.png``, all three written by :func:`write_set`. The benchmark of a set follows from its name:
-``losses``, ``kernels``, ``multigpu`` or ``e2e_<task>``. Runs on a CPU (matplotlib's Agg backend).
+``losses``, ``kernels``, ``decoder``, ``medusa``, ``multigpu`` or ``e2e_<task>``. Runs on a CPU (Agg backend).
 """
 
 from __future__ import annotations
@@ -36,6 +36,31 @@ LOSS_IMPLS = (
 )
 E2E_IMPLS = ("trl", "chunkloss", "chunkloss+kernels")
 KERNEL_IMPLS = ("torch", "compile", "liger", "ours")
+# The gated MLP block's implementations (bench_decoder's names) and what each one is.
+DECODER_IMPLS = {
+    "eager": "eager PyTorch",
+    "compile": "torch.compile",
+    "cublas_swiglu": "cuBLAS + chunkloss SwiGLU",
+    "liger": "cuBLAS + Liger SwiGLU",
+    "ours_saved": "chunkloss fused, recompute=False",
+    "ours": "chunkloss fused, recompute=True",
+}
+SAVED_LABEL = "saved for backward (MiB)"
+SAVED_MEANING = (
+    "the bytes of the tensors autograd keeps from the forward for the backward (distinct storages; the "
+    "input x counted, the weights not)"
+)
+CALL_PEAK_LABEL = "peak of one call, gradients included (MiB)"
+CALL_PEAK_MEANING = (
+    "the highest memory allocated during one forward + backward minus the memory allocated before it, the "
+    "output and the four gradients included"
+)
+MEDUSA_IMPLS = {
+    "chunkloss": "chunkloss",
+    "torch": "torch (materialised logits)",
+    "liger": "Liger (once per head)",
+    "chunkloss_single_head": "chunkloss CE, one head",
+}
 
 
 def stamp_line(stamp: dict) -> str:
@@ -426,9 +451,176 @@ def multigpu_png(data: dict, plt):
     return fig
 
 
+# --- gated MLP block (decoder) ----------------------------------------------------------------------------
+
+
+def _mib(v) -> str:
+    return "n/a" if v is None else f"{v / 2**20:.0f}"
+
+
+def decoder_md(data: dict) -> str:
+    lines = [
+        "# Gated MLP block, forward + backward",
+        "",
+        f"{stamp_line(data['stamp'])}. bf16, Llama's MLP `down(silu(gate(x)) * up(x))`: x (N, H), gate "
+        "and up weights (I, H), down weight (H, I), all four needing grad. Time: CUDA events, median of "
+        f"{data['repeats']} calls after {data['warmup']} warm-up calls. **{SAVED_LABEL}**: {SAVED_MEANING}. "
+        f"**{CALL_PEAK_LABEL}**: {CALL_PEAK_MEANING}. Error: max |error| / max |value| against the same math "
+        "in fp32, of y, of dx and of the worst weight gradient. GEMM floor: the block's nine matrix "
+        f"multiplications (18·N·H·I FLOPs) at {data['peak_tflops']:.0f} TFLOP/s.",
+        "",
+        f"| shape (N, H, I) | implementation | ms | × GEMM floor | {SAVED_LABEL} | saved / eager "
+        f"| {CALL_PEAK_LABEL} | error y | error dx | error dW |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    eager = {r["case"]: r["saved_bytes"] for r in data["rows"] if r["impl"] == "eager" and _ok(r)}
+    cases, order = list(dict.fromkeys(r["case"] for r in data["rows"])), list(DECODER_IMPLS)
+    rank = {impl: i for i, impl in enumerate(order)}
+    for r in sorted(data["rows"], key=lambda r: (cases.index(r["case"]), rank.get(r["impl"], len(order)))):
+        shape, impl = f"{r['N']}, {r['H']}, {r['I']}", DECODER_IMPLS.get(r["impl"], r["impl"])
+        if not _ok(r):
+            lines.append(f"| {shape} | {impl} | {r['error']} | | | | | | | |")
+            continue
+        err, base = r["err"], eager.get(r["case"])
+        cells = [shape, impl, f"{r['ms']:.3f}", f"{r['ms'] / r['floor_ms']:.2f}", _mib(r["saved_bytes"]),
+                 _ratio(r["saved_bytes"], base), _mib(r["peak_bytes"]), f"{err['y']:.1e}", f"{err['x']:.1e}",
+                 f"{max(err['w_gate'], err['w_up'], err['w_down']):.1e}"]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _grouped_bars(ax, rows, cases, impls, key, scale, colors, names) -> None:
+    """Bars of ``row[key] / scale`` per case (x) and implementation (colour); 0 where a row is missing."""
+    width = 0.8 / len(impls)
+    for k, impl in enumerate(impls):
+        by = {r["case"]: r for r in rows if r["impl"] == impl and _ok(r)}
+        xs = [c + (k - (len(impls) - 1) / 2) * width for c in range(len(cases))]
+        ys = [by[c][key] / scale if c in by and by[c].get(key) is not None else 0 for c in cases]
+        ax.bar(xs, ys, width, color=colors[impl], label=names[impl])
+
+
+def decoder_png(data: dict, plt):
+    rows = data["rows"]
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    impls = [i for i in DECODER_IMPLS if any(r["impl"] == i for r in rows)]
+    colors = _colors(impls)
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 5.2))
+    _grouped_bars(ax_t, rows, cases, impls, "ms", 1, colors, DECODER_IMPLS)
+    _grouped_bars(ax_m, rows, cases, impls, "saved_bytes", 2**20, colors, DECODER_IMPLS)
+    for c, case in enumerate(cases):
+        floor = next(r["floor_ms"] for r in rows if r["case"] == case)
+        label = "GEMM floor" if c == 0 else None
+        ax_t.hlines(floor, c - 0.45, c + 0.45, colors="k", linestyles="--", label=label)
+    labels = [next(f"N={r['N']}, H={r['H']}, I={r['I']}" for r in rows if r["case"] == c) for c in cases]
+    for ax, title in ((ax_t, "ms, forward + backward"), (ax_m, SAVED_LABEL)):
+        ax.set_xticks(range(len(cases)), labels, fontsize=8)
+        ax.set_title(title, fontsize=10)
+    fig.legend(*ax_t.get_legend_handles_labels(), loc="lower center", ncol=4, fontsize=8)
+    fig.suptitle(f"Gated MLP block, bf16 ({data['stamp'].get('gpu')}; lower is better)", fontsize=10)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    return fig
+
+
+# --- multi-token (Medusa) heads ---------------------------------------------------------------------------
+
+
+def medusa_summary(rows: list[dict]) -> list[dict]:
+    """Per K-head case: chunkloss's time over K × one head's, and its time and memory against each peer."""
+    single = next((r for r in rows if r["impl"] == "chunkloss_single_head" and _ok(r)), None)
+    out = []
+    for case in dict.fromkeys(r["case"] for r in rows if r["heads"] > 1):
+        by = {r["impl"]: r for r in rows if r["case"] == case and _ok(r)}
+        ours = by.get("chunkloss")
+        if ours is None:
+            continue
+        s = {"case": case, "k_single": single and ours["ms"] / (ours["heads"] * single["ms"])}
+        for peer in ("torch", "liger"):
+            p = by.get(peer, {})
+            s[f"speedup_{peer}"] = p["ms"] / ours["ms"] if "ms" in p else None
+            mem = p.get("peak_extra_bytes"), ours.get("peak_extra_bytes")
+            s[f"memory_{peer}"] = mem[1] / mem[0] if all(mem) else None
+        out.append(s)
+    return out
+
+
+def medusa_rows_table(data: dict) -> list[str]:
+    lines = [f"| case | implementation | ms | × GEMM floor | {MEMORY_LABEL} | loss |", "|---" * 6 + "|"]
+    for r in data["rows"]:
+        impl = MEDUSA_IMPLS.get(r["impl"], r["impl"])
+        if not _ok(r):
+            lines.append(f"| {r['case']} | {impl} | {r['error']} | | | |")
+            continue
+        mem = "n/a" if r.get("peak_extra_bytes") is None else f"{r['peak_extra_bytes'] / GiB:.2f}"
+        lines.append(f"| {r['case']} | {impl} | {r['ms']:.2f} | {r['ms'] / r['floor_ms']:.2f} | {mem} "
+                     f"| {r['loss']:.4f} |")  # fmt: skip
+    return lines
+
+
+def medusa_summary_table(data: dict) -> list[str]:
+    lines = [
+        "| case | chunkloss / (K × one head) | speed-up vs torch | speed-up vs Liger | memory / torch's "
+        "| memory / Liger's |",
+        "|---|---|---|---|---|---|",
+    ]
+    keys = ("k_single", "speedup_torch", "speedup_liger", "memory_torch", "memory_liger")
+    for s in medusa_summary(data["rows"]):
+        lines.append(f"| {s['case']} | " + " | ".join(_num(s[k], ".2f") for k in keys) + " |")
+    return lines
+
+
+def medusa_md(data: dict) -> str:
+    size = data["size"]
+    lines = [
+        "# Multi-token (Medusa) heads, forward + backward of the K heads' loss",
+        "",
+        f"{stamp_line(data['stamp'])}. {str(size['dtype']).removeprefix('torch.')}, H={size['hidden']}, "
+        f"V={size['vocab']}, N={size['batch']}x{size['seq']} positions. Head k reads its own hidden state "
+        "and predicts the token k places ahead, loss weight 0.8^k; the heads share one (V, H) weight "
+        "(shared) or have one each (per_head). Time: CUDA events, median after warm-up. "
+        + MEMORY_DEFINITION
+        + " GEMM floor: the logits and their two gradients of every head's labelled rows at "
+        f"{data['peak_tflops']:.0f} TFLOP/s. One head: chunkloss's cross-entropy on N rows, the unit of "
+        "the second table's first column.",
+        "",
+        *medusa_rows_table(data),
+        "",
+        *medusa_summary_table(data),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def medusa_png(data: dict, plt):
+    rows = [r for r in data["rows"] if r["heads"] > 1]
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    impls = [i for i in MEDUSA_IMPLS if any(r["impl"] == i for r in rows)]
+    colors = _colors(impls)
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.6))
+    _grouped_bars(ax_t, rows, cases, impls, "ms", 1, colors, MEDUSA_IMPLS)
+    _grouped_bars(ax_m, rows, cases, impls, "peak_extra_bytes", GiB, colors, MEDUSA_IMPLS)
+    single = next((r for r in data["rows"] if r["impl"] == "chunkloss_single_head" and _ok(r)), None)
+    for c, case in enumerate(cases if single else ()):
+        k = next(r["heads"] for r in rows if r["case"] == case)
+        label = "chunkloss CE, one head × K" if c == 0 else None
+        ax_t.hlines(k * single["ms"], c - 0.45, c + 0.45, colors="k", linestyles="--", label=label)
+    labels = [c.rsplit(" N=", 1)[0] for c in cases]
+    for ax, title in ((ax_t, "ms, forward + backward"), (ax_m, MEMORY_LABEL)):
+        ax.set_xticks(range(len(cases)), labels, fontsize=8)
+        ax.set_title(title, fontsize=10)
+    if any(r.get("peak_extra_bytes") for r in rows):  # a CPU run records no memory: nothing to log-scale
+        _log_axis(ax_m)
+    ax_t.legend(fontsize=7, loc="upper left")
+    size = data["size"]
+    fig.suptitle(f"Medusa heads, H={size['hidden']}, V={size['vocab']}, N={size['batch']}x{size['seq']} "
+                 f"({data['stamp'].get('gpu')}; lower is better)", fontsize=10)  # fmt: skip
+    fig.tight_layout()
+    return fig
+
+
 RENDERERS = {
     "losses": (losses_md, losses_png),
     "kernels": (kernels_md, kernels_png),
+    "decoder": (decoder_md, decoder_png),
+    "medusa": (medusa_md, medusa_png),
     "e2e": (e2e_md, e2e_png),
     "multigpu": (multigpu_md, multigpu_png),
 }

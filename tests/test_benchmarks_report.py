@@ -24,7 +24,7 @@ def test_results_hold_one_json_md_png_set_per_benchmark_and_nothing_else():
     names = {p.name for p in RESULTS.iterdir()}
     expected = {f"{s}.{ext}" for s in SETS for ext in ("json", "md", "png")}
     assert names == expected
-    assert {render.kind(s) for s in SETS} == {"losses", "kernels", "e2e", "multigpu"}
+    assert {render.kind(s) for s in SETS} == {"losses", "kernels", "decoder", "medusa", "e2e", "multigpu"}
 
 
 @pytest.mark.parametrize("name", SETS, ids=[f"{s}.json" for s in SETS])
@@ -60,6 +60,77 @@ def test_peak_extra_memory_has_one_name_and_definition_everywhere():
         assert render.MEMORY_LABEL in text
         assert render.MEMORY_MEANING in text
     assert "beyond grads" not in readme + docs + losses
+    medusa = (RESULTS / "medusa.md").read_text()
+    assert render.MEMORY_LABEL in medusa and render.MEMORY_MEANING in medusa
+
+
+def test_decoder_memory_is_named_apart_from_peak_extra_memory():
+    decoder = (RESULTS / "decoder.md").read_text()
+    docs = (ROOT / "docs" / "benchmarks.md").read_text()
+    section = docs[docs.index("## Gated MLP block") : docs.index("## Multi-token (Medusa) heads")]
+    for text in (decoder, section):
+        for name in (render.SAVED_LABEL, render.SAVED_MEANING, render.CALL_PEAK_LABEL):
+            assert name in text
+        assert render.CALL_PEAK_MEANING in text
+    assert render.MEMORY_LABEL not in decoder
+    data = json.loads((RESULTS / "decoder.json").read_text())
+    assert all("peak_extra_bytes" not in r for r in data["rows"])
+
+
+def test_committed_decoder_and_medusa_sets_cover_every_case_and_implementation():
+    decoder = json.loads((RESULTS / "decoder.json").read_text())
+    assert {(r["N"], r["H"], r["I"]) for r in decoder["rows"]} == {(8192, 4096, 14336), (16384, 2048, 8192)}
+    for case in {r["case"] for r in decoder["rows"]}:
+        assert {r["impl"] for r in decoder["rows"] if r["case"] == case} == set(render.DECODER_IMPLS), case
+    medusa = json.loads((RESULTS / "medusa.json").read_text())
+    cases = [(k, f) for k in (3, 5) for f in ("shared", "per_head")]
+    assert list(dict.fromkeys((r["heads"], r["form"]) for r in medusa["rows"] if r["heads"] > 1)) == cases
+    assert [r["impl"] for r in medusa["rows"]].count("chunkloss_single_head") == 1
+    summary = render.medusa_summary(medusa["rows"])
+    assert [s["case"] for s in summary] == [f"K={k} {f} N=8192" for k, f in cases]
+    for s in summary:
+        assert all(v is not None for v in s.values()), s
+
+
+def _medusa_rows() -> list[dict]:
+    def row(case, heads, impl, ms, peak):
+        return {"case": case, "heads": heads, "form": "shared", "impl": impl, "floor_ms": 1.0, "ms": ms,
+                "peak_extra_bytes": peak, "loss": 1.0}  # fmt: skip
+
+    return [
+        row("one", 1, "chunkloss_single_head", 10.0, 2 * 2**30),
+        row("K=3", 3, "chunkloss", 33.0, 2 * 2**30),
+        row("K=3", 3, "torch", 66.0, 8 * 2**30),
+        {"case": "K=3", "heads": 3, "form": "shared", "impl": "liger", "floor_ms": 1.0, "error": "OOM"},
+    ]
+
+
+def test_medusa_summary_divides_by_k_single_heads_and_skips_failed_peers():
+    (s,) = render.medusa_summary(_medusa_rows())
+    assert s["k_single"] == pytest.approx(33.0 / 30.0)
+    assert s["speedup_torch"] == pytest.approx(2.0) and s["memory_torch"] == pytest.approx(0.25)
+    assert s["speedup_liger"] is None and s["memory_liger"] is None
+
+
+def test_decoder_and_medusa_render_failed_and_unmeasured_rows(tmp_path):
+    stamp = {"gpu": "cpu", "date": "2026-01-01", "versions": {}}
+    medusa = {"stamp": stamp, "size": {"batch": 2, "seq": 3, "hidden": 4, "vocab": 5, "dtype": "float32"},
+              "peak_tflops": 800.0, "rows": _medusa_rows()}  # fmt: skip
+    medusa["rows"][2]["peak_extra_bytes"] = None  # a CPU run records no memory
+    ok = {"N": 8, "H": 4, "I": 16, "case": "N=8", "floor_ms": 1.0, "ms": 2.0, "saved_bytes": 2**20,
+          "peak_bytes": None, "err": dict.fromkeys(("y", "x", "w_gate", "w_up", "w_down"), 1e-3)}  # fmt: skip
+    failed = {"N": 8, "H": 4, "I": 16, "case": "N=8", "floor_ms": 1.0, "impl": "liger", "error": "OOM"}
+    decoder = {"stamp": stamp, "warmup": 1, "repeats": 2, "peak_tflops": 800.0,
+               "rows": [{**ok, "impl": "eager"}, {**ok, "impl": "ours"}, failed]}  # fmt: skip
+    render.write_set(tmp_path, "medusa", medusa)
+    render.write_set(tmp_path, "decoder", decoder)
+    md = (tmp_path / "medusa.md").read_text()
+    assert "| K=3 | Liger (once per head) | OOM |" in md
+    assert "| K=3 | torch (materialised logits) | 66.00 | 66.00 | n/a |" in md
+    md = (tmp_path / "decoder.md").read_text()
+    assert "| 8, 4, 16 | cuBLAS + Liger SwiGLU | OOM |" in md
+    assert "| 8, 4, 16 | chunkloss fused, recompute=True | 2.000 | 2.00 | 1 | 1.00 | n/a |" in md
+    assert (tmp_path / "decoder.png").stat().st_size > 0 and (tmp_path / "medusa.png").stat().st_size > 0
 
 
 def _set(curves: list[dict], gen: bool = False) -> dict:
