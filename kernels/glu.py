@@ -113,10 +113,8 @@ def _glu_bwd_kernel(
     tl.store(DB + offs, (dc * act).to(DB.dtype.element_ty), mask=mask)
 
 
-# Elementwise: big tiles (16 elements per thread at 8 warps) so each thread issues wide vector loads.
-# Swept on an H100 at 8192 x 14336 bf16, fwd + bwd in a CUDA graph (benchmarks/tune_glu.py,
-# benchmarks/results/dev/s3/tune_glu.json): 2048 x 16 warps 0.615 / 0.616 ms (SwiGLU / GeGLU), the former
-# 4096 x 8 0.626 / 0.627, torch.compile 0.620 / 0.619; the copy-bandwidth floor is 0.626.
+# Elementwise: big tiles so each thread issues wide vector loads (the sweep behind these values is in
+# docs/design.md, "Kernel launch parameters").
 BLOCK_SIZE = 2048
 NUM_WARPS = 16
 

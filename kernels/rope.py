@@ -64,12 +64,9 @@ class RoPEOptions:
 
 @dataclass(frozen=True, eq=False)  # eq=False: hashed by identity, a cheap lru_cache key
 class RopeKnobs:
-    """Launch parameters of the RoPE kernel (swept on an H100 by benchmarks/tune_rope.py).
-
-    The defaults (one token per program, 4 warps, all q heads in one tile) were the fastest or within 1% of
-    it at the three swept shapes on an H100 (benchmarks/results/dev/s3/tune_rope.json: 0.233 ms at B=4,
-    T=4096, 32/8 heads x 128 against Liger's 0.235). More tokens per program did not help: the static loop
-    cannot issue a token's loads before the previous token's stores (the compiler must assume they alias).
+    """Launch parameters of the RoPE kernel (the sweep behind the defaults: docs/design.md, "Kernel launch
+    parameters"). More tokens per program do not help: the static loop cannot issue a token's loads before
+    the previous token's stores (the compiler must assume they alias).
     """
 
     tokens: int = 1  # consecutive (b, t) rows per program, a static loop (the last program is masked)
