@@ -25,7 +25,7 @@ RESULTS = os.environ.get("CHUNKLOSS_MULTIGPU_RESULTS")
 # benchmarks.multigpu_parity.STEPS, not imported: collecting the test must not need the benchmark's imports.
 STEPS = 20
 
-# Measured on 2xH200 (benchmarks/results/multigpu/summary.md, bf16 training, fp32 comparison): the sharded
+# Measured on 2xH200 (benchmarks/results/multigpu.md, bf16 training, fp32 comparison): the sharded
 # run reduces bf16 gradients in another order than one process. Largest gradient error relative to each
 # tensor's largest entry: 6.8e-3 to 7.5e-3 over SFT/DPO/GRPO x FSDP2/ZeRO-3, about one bf16 ulp (eps 7.8e-3);
 # the tolerance is two ulps. Largest 20-step curve difference relative to the curve's largest |loss|:
