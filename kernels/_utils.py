@@ -180,3 +180,48 @@ def norm_dx_buffer(dy: torch.Tensor, x: torch.Tensor, needs_dx: bool, in_place: 
     if in_place and dy.dtype == x.dtype and dy.is_contiguous():
         return dy
     return torch.empty_like(x)
+
+
+def launch_norm_fwd(fused, looped, plan: FwdPlan, x, y, tensors: tuple, scalars: tuple, **flags) -> None:
+    """Launch a norm's forward, ``fused`` or ``looped`` as ``plan`` says. Both kernels take
+    ``(X, Y, *tensors, stride_x, stride_y, [n_rows,] n_cols, *scalars)``; only the fused one takes ``n_rows``
+    and ``BLOCK_M``; ``flags`` are the kernels' shared compile-time switches."""
+    n_rows, n_cols = x.shape
+    grid = (plan.n_programs,)
+    if plan.looped:
+        looped[grid](
+            x, y, *tensors, x.stride(0), y.stride(0), n_cols, *scalars,
+            BLOCK_N=plan.block_n, num_warps=plan.num_warps, **flags,
+        )  # fmt: skip
+    else:
+        fused[grid](
+            x, y, *tensors, x.stride(0), y.stride(0), n_rows, n_cols, *scalars,
+            BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, num_warps=plan.num_warps, **flags,
+        )  # fmt: skip
+
+
+def norm_bwd_setup(dy: torch.Tensor, x: torch.Tensor, needs_dx: bool, in_place: bool, knobs: NormKnobs):
+    """A norm backward's ``dy`` (unit last stride), its dx buffer (:func:`norm_dx_buffer`) and its plan."""
+    dy = lastdim_contiguous(dy)
+    dx = norm_dx_buffer(dy, x, needs_dx, in_place)
+    return dy, dx, norm_bwd_plan(x.shape[0], x.shape[1], x.device, knobs)
+
+
+def launch_norm_bwd(fused, looped, plan: BwdPlan, dy, x, dx, tensors: tuple, scalars: tuple, n_partials: int,
+                    **flags) -> torch.Tensor | None:  # fmt: skip
+    """Launch a norm's backward, ``fused`` or ``looped`` as ``plan`` says, and return the (n_partials, D)
+    fp32 sums of the programs' partial rows (``None`` for none). Both kernels take ``(DY, X, *tensors, DX,
+    PARTIALS, stride_dy, stride_x, stride_dx, n_rows, n_cols, rows_per_program, *scalars)``; ``flags`` are
+    their compile-time switches."""
+    n_rows, n_cols = x.shape
+    partials = None
+    if n_partials:  # dW (and dB) partials in one buffer: one reduction serves all
+        partials = torch.empty((n_partials, plan.n_programs, n_cols), dtype=torch.float32, device=x.device)
+    kernel = looped if plan.looped else fused
+    kernel[(plan.n_programs,)](
+        dy, x, *tensors, dx, partials,
+        dy.stride(0), x.stride(0), 0 if dx is None else dx.stride(0), n_rows, n_cols, plan.rows_per_program,
+        *scalars,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, num_warps=plan.num_warps, **plan.extra, **flags,
+    )  # fmt: skip
+    return partials.sum(1) if n_partials else None

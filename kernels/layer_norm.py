@@ -15,7 +15,7 @@ import triton.language as tl
 from torch import nn
 
 from . import _utils
-from ._utils import lastdim_contiguous, norm_bwd_plan, norm_dx_buffer, norm_fwd_plan
+from ._utils import lastdim_contiguous, launch_norm_bwd, launch_norm_fwd, norm_bwd_setup, norm_fwd_plan
 
 
 def layer_norm_ref(
@@ -320,42 +320,25 @@ def _layer_norm_fwd(x, weight, bias, opts: LayerNormOptions):
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     stats = torch.empty((n_rows, 2), dtype=torch.float32, device=x.device)  # mean, rstd: one allocation
     plan = norm_fwd_plan(n_rows, n_cols, _utils.KNOBS)
-    if plan.looped:
-        _layer_norm_fwd_looped_kernel[(plan.n_programs,)](
-            x, y, weight, bias, stats, x.stride(0), y.stride(0), n_cols, opts.eps,
-            HAS_BIAS=bias is not None, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
-        )
-    else:
-        _layer_norm_fwd_kernel[(plan.n_programs,)](
-            x, y, weight, bias, stats, x.stride(0), y.stride(0), n_rows, n_cols, opts.eps,
-            HAS_BIAS=bias is not None, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
-        )
+    launch_norm_fwd(
+        _layer_norm_fwd_kernel, _layer_norm_fwd_looped_kernel, plan, x, y, (weight, bias, stats), (opts.eps,),
+        HAS_BIAS=bias is not None,
+    )
     return y, x, stats
 
 
 def _layer_norm_bwd(
     dy, x, weight, stats, opts: LayerNormOptions, needs_dx: bool, needs_dw: bool, needs_db: bool
 ):
-    n_rows, n_cols = x.shape
-    dy = lastdim_contiguous(dy)
-    dx = norm_dx_buffer(dy, x, needs_dx, opts.in_place)
-    plan = norm_bwd_plan(n_rows, n_cols, x.device, _utils.KNOBS)
-    # dW and dB partials in one buffer, so one reduction and one cast serve both.
-    n_partials = needs_dw + needs_db
-    partials = None
-    if n_partials:
-        partials = torch.empty((n_partials, plan.n_programs, n_cols), dtype=torch.float32, device=x.device)
-    kernel = _layer_norm_bwd_looped_kernel if plan.looped else _layer_norm_bwd_kernel
-    kernel[(plan.n_programs,)](
-        dy, x, weight, stats, dx, partials,
-        dy.stride(0), x.stride(0), dx.stride(0) if needs_dx else 0, n_rows, n_cols, plan.rows_per_program,
-        HAS_DX=needs_dx, HAS_DW=needs_dw, HAS_DB=needs_db,
-        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, num_warps=plan.num_warps, **plan.extra,
+    dy, dx, plan = norm_bwd_setup(dy, x, needs_dx, opts.in_place, _utils.KNOBS)
+    sums = launch_norm_bwd(
+        _layer_norm_bwd_kernel, _layer_norm_bwd_looped_kernel, plan, dy, x, dx, (weight, stats), (),
+        needs_dw + needs_db, HAS_DX=needs_dx, HAS_DW=needs_dw, HAS_DB=needs_db,
     )
-    if not n_partials:
+    if sums is None:
         return dx, None, None
-    sums = partials.sum(1).to(weight.dtype)
-    if n_partials == 2:
+    sums = sums.to(weight.dtype)  # one cast serves dW and dB
+    if needs_dw and needs_db:
         dw, db = sums.unbind(0)
         return dx, dw, db
     return (dx, sums[0], None) if needs_dw else (dx, None, sums[0])

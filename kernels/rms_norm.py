@@ -15,7 +15,7 @@ import triton.language as tl
 from torch import nn
 
 from . import _utils
-from ._utils import lastdim_contiguous, norm_bwd_plan, norm_dx_buffer, norm_fwd_plan
+from ._utils import lastdim_contiguous, launch_norm_bwd, launch_norm_fwd, norm_bwd_setup, norm_fwd_plan
 
 CASTING_MODES = ("llama", "gemma")
 
@@ -296,38 +296,21 @@ def _rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, opts: RMSNormOptions):
     y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     plan = norm_fwd_plan(n_rows, n_cols, _utils.rms_knobs(_utils.KNOBS))
-    if plan.looped:
-        _rms_norm_fwd_looped_kernel[(plan.n_programs,)](
-            x, y, weight, rstd, x.stride(0), y.stride(0), n_cols, opts.eps, opts.offset,
-            CAST_LLAMA=cast_llama, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
-        )
-    else:
-        _rms_norm_fwd_kernel[(plan.n_programs,)](
-            x, y, weight, rstd, x.stride(0), y.stride(0), n_rows, n_cols, opts.eps, opts.offset,
-            CAST_LLAMA=cast_llama, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
-        )
+    launch_norm_fwd(
+        _rms_norm_fwd_kernel, _rms_norm_fwd_looped_kernel, plan, x, y, (weight, rstd),
+        (opts.eps, opts.offset), CAST_LLAMA=cast_llama,
+    )
     return y, x, rstd
 
 
 def _rms_norm_bwd(dy, x, weight, rstd, opts: RMSNormOptions, needs_dx: bool, needs_dw: bool):
-    n_rows, n_cols = x.shape
-    dy = lastdim_contiguous(dy)
-    dx = norm_dx_buffer(dy, x, needs_dx, opts.in_place)
-    plan = norm_bwd_plan(n_rows, n_cols, x.device, _utils.rms_knobs(_utils.KNOBS))
-    dw_partial = None
-    if needs_dw:
-        dw_partial = torch.empty((plan.n_programs, n_cols), dtype=torch.float32, device=x.device)
-    kernel = _rms_norm_bwd_looped_kernel if plan.looped else _rms_norm_bwd_kernel
-    kernel[(plan.n_programs,)](
-        dy, x, weight, rstd, dx, dw_partial,
-        dy.stride(0), x.stride(0), dx.stride(0) if needs_dx else 0, n_rows, n_cols, plan.rows_per_program,
-        opts.offset,
-        CAST_LLAMA=opts.casting == "llama", HAS_DX=needs_dx, HAS_DW=needs_dw,
-        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, num_warps=plan.num_warps, **plan.extra,
+    dy, dx, plan = norm_bwd_setup(dy, x, needs_dx, opts.in_place, _utils.rms_knobs(_utils.KNOBS))
+    sums = launch_norm_bwd(
+        _rms_norm_bwd_kernel, _rms_norm_bwd_looped_kernel, plan, dy, x, dx, (weight, rstd), (opts.offset,),
+        int(needs_dw), CAST_LLAMA=opts.casting == "llama", HAS_DX=needs_dx, HAS_DW=needs_dw,
     )
-    # One reduction kernel, and one cast unless the weight is fp32.
-    dw = dw_partial.sum(0).to(weight.dtype) if needs_dw else None
-    return dx, dw
+    # One cast unless the weight is fp32.
+    return dx, None if sums is None else sums[0].to(weight.dtype)
 
 
 class RMSNormFunction(torch.autograd.Function):

@@ -267,10 +267,15 @@ class ChunkedGRPOTrainer(ChunkedTrainerSetup, DeferredMetrics, GRPOTrainer):
             loss = loss + self.router_aux_loss_coef * out.aux_loss / ga
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(out.aux_loss).mean())
 
+        self._log_loss_metrics(mode, metrics, inputs, n_tok)
+        return loss
+
+    def _log_loss_metrics(self, mode: str, metrics: dict, inputs: dict, n_tok) -> None:
+        """Log the loss's metrics under TRL's names (``n_tok``: the masked completion tokens)."""
         # TRL's values, fetched when the trainer logs (``DeferredMetrics``), not with .item() here.
         # TRL's global masked means: local means times local counts, summed over processes.
         per_seq = self.importance_sampling_level == "sequence" and inputs["advantages"].dim() == 1
-        n_seq = torch.tensor(float(completion_ids.size(0)), device=n_tok.device)
+        n_seq = torch.tensor(float(inputs["completion_ids"].size(0)), device=n_tok.device)
 
         def global_mean(name, count):
             totals = self.accelerator.reduce(
@@ -293,4 +298,3 @@ class ChunkedGRPOTrainer(ChunkedTrainerSetup, DeferredMetrics, GRPOTrainer):
             self._metrics[mode]["cispo_clip_ratio"].append(global_mean("cispo_clip_ratio", clip_count))
         elif self.loss_type == "vespo":
             self._metrics[mode]["vespo/phi_seq_mean"].append(global_mean("vespo/phi_seq_mean", n_seq))
-        return loss
