@@ -224,6 +224,29 @@ def _grpo_normalised_ref(per_token_loss, mask, loss_type, num_items, num_process
     return (per_token_loss * mask).sum() / (num_items.clamp(min=1.0) / num_processes * ga / spg)
 
 
+def _grpo_policy_term_ref(
+    loss_type, logps, log_ratio, coef_1, adv, mask, isr, eps_lo, eps_hi, delta, sapo, vespo
+):
+    """TRL's per-token policy loss of ``loss_type`` (B, T), the ratio its metrics read (``coef_1``, clamped at
+    ``delta`` for the clipped types, as TRL), and VESPO's per-sequence φ (``None`` otherwise).
+    ``isr``: the importance-sampling ratio or ``None``; ``sapo``: (temperature_pos, temperature_neg);
+    ``vespo``: (k_pos, lambda_pos, k_neg, lambda_neg)."""
+    if loss_type == "cispo":
+        return -torch.clamp(coef_1, max=eps_hi).detach() * adv * logps, coef_1, None
+    if loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+        coef_2 = torch.clamp(coef_1, 1 - eps_lo, 1 + eps_hi)
+        if delta is not None:
+            coef_1 = torch.clamp(coef_1, max=delta)
+        return -torch.min(coef_1 * adv, coef_2 * adv), coef_1, None
+    if loss_type == "sapo":
+        temps = torch.where(adv > 0, *sapo)
+        return -torch.sigmoid(temps * (coef_1 - 1)) * 4 / temps * adv, coef_1, None
+    if loss_type == "vespo":
+        phi_seq = _vespo_phi_ref(log_ratio, mask, adv, isr, *vespo)
+        return -phi_seq * adv * logps, coef_1, phi_seq
+    raise ValueError(f"unknown loss_type {loss_type!r}")
+
+
 def grpo_loss_from_logps_ref(
     logps,  # (B, T) with grad
     entropies,  # (B, T)
@@ -286,20 +309,12 @@ def grpo_loss_from_logps_ref(
         per_token_kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
         if use_bias_correction_kl:
             per_token_kl = per_token_kl * coef_1
-    if loss_type == "cispo":
-        per_token_loss = -torch.clamp(coef_1, max=eps_hi).detach() * adv * logps
-    elif loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
-        coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + eps_hi)
-        if delta is not None:
-            coef_1 = torch.clamp(coef_1, max=delta)
-        per_token_loss = -torch.min(coef_1 * adv, coef_2 * adv)
-    elif loss_type == "sapo":
-        temps = torch.where(adv > 0, sapo_temperature_pos, sapo_temperature_neg)
-        per_token_loss = -torch.sigmoid(temps * (coef_1 - 1)) * 4 / temps * adv
-    elif loss_type == "vespo":
-        vespo = (vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg)
-        phi_seq = _vespo_phi_ref(log_ratio, mask, adv, importance_sampling_ratio, *vespo)
-        per_token_loss = -phi_seq * adv * logps
+    sapo = (sapo_temperature_pos, sapo_temperature_neg)
+    vespo = (vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg)
+    per_token_loss, coef_1, phi_seq = _grpo_policy_term_ref(
+        loss_type, logps, log_ratio, coef_1, adv, mask, importance_sampling_ratio, epsilon_low, eps_hi, delta,
+        sapo, vespo,
+    )  # fmt: skip
     if off_policy_mask_threshold is not None:
         per_token_loss = per_token_loss * off_policy_mask
     if entropy_mask is not None:
@@ -319,7 +334,7 @@ def grpo_loss_from_logps_ref(
     kl = per_token_kl.detach() if beta != 0.0 else None
     metrics = _grpo_metrics_ref(
         mask, adv, coef_1.detach(), entropies, kl, loss_type, epsilon_low, eps_hi,
-        phi_seq if loss_type == "vespo" else None,
+        phi_seq,
     )  # fmt: skip
     if entropy_coef != 0.0:
         metrics["policy_loss"] = policy_loss

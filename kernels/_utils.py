@@ -113,12 +113,7 @@ class BwdPlan(NamedTuple):
     block_n: int
     num_warps: int
     looped: bool
-    stages: int = 0  # fused: pipeline stages of the row loop (0 on CPU / the interpreter)
-
-    @property
-    def extra(self) -> dict:
-        """Launch arguments that only the fused kernel takes."""
-        return {} if self.looped else {"STAGES": self.stages}
+    stages: int = 0  # fused: pipeline stages of the row loop (0 when looped, and on CPU / the interpreter)
 
 
 def _fused_tile(n_cols: int, knobs: NormKnobs) -> tuple[int, int, int]:
@@ -153,7 +148,7 @@ def norm_bwd_plan(n_rows: int, n_cols: int, device: torch.device, knobs: NormKno
     n_programs = max(1, min(num_sms(device) * per_sm, cdiv(n_rows, block_m)))
     rows_per_program = max(1, cdiv(cdiv(n_rows, n_programs), block_m)) * block_m  # >= 1 step, even for 0 rows
     stages = knobs.bwd_stages if block_n <= 4096 else knobs.bwd_stages_wide if block_n <= 8192 else 0
-    stages = stages if device.type == "cuda" else 0
+    stages = stages if device.type == "cuda" and not looped else 0
     n_programs = cdiv(n_rows, rows_per_program)
     return BwdPlan(n_programs, rows_per_program, block_m, block_n, num_warps, looped, stages)
 
@@ -207,21 +202,21 @@ def norm_bwd_setup(dy: torch.Tensor, x: torch.Tensor, needs_dx: bool, in_place: 
     return dy, dx, norm_bwd_plan(x.shape[0], x.shape[1], x.device, knobs)
 
 
-def launch_norm_bwd(fused, looped, plan: BwdPlan, dy, x, dx, tensors: tuple, scalars: tuple, n_partials: int,
+def launch_norm_bwd(kernel, plan: BwdPlan, dy, x, dx, tensors: tuple, scalars: tuple, n_partials: int,
                     **flags) -> torch.Tensor | None:  # fmt: skip
-    """Launch a norm's backward, ``fused`` or ``looped`` as ``plan`` says, and return the (n_partials, D)
-    fp32 sums of the programs' partial rows (``None`` for none). Both kernels take ``(DY, X, *tensors, DX,
-    PARTIALS, stride_dy, stride_x, stride_dx, n_rows, n_cols, rows_per_program, *scalars)``; ``flags`` are
-    their compile-time switches."""
+    """Launch a norm's backward ``kernel`` as ``plan`` says (its ``LOOPED`` and ``STAGES``), and return the
+    (n_partials, D) fp32 sums of the programs' partial rows (``None`` for none). The kernel takes ``(DY, X,
+    *tensors, DX, PARTIALS, stride_dy, stride_x, stride_dx, n_rows, n_cols, rows_per_program, *scalars)``;
+    ``flags`` are its other compile-time switches."""
     n_rows, n_cols = x.shape
     partials = None
     if n_partials:  # dW (and dB) partials in one buffer: one reduction serves all
         partials = torch.empty((n_partials, plan.n_programs, n_cols), dtype=torch.float32, device=x.device)
-    kernel = looped if plan.looped else fused
     kernel[(plan.n_programs,)](
         dy, x, *tensors, dx, partials,
         dy.stride(0), x.stride(0), 0 if dx is None else dx.stride(0), n_rows, n_cols, plan.rows_per_program,
         *scalars,
-        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, num_warps=plan.num_warps, **plan.extra, **flags,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, LOOPED=plan.looped, STAGES=plan.stages,
+        num_warps=plan.num_warps, **flags,
     )  # fmt: skip
     return partials.sum(1) if n_partials else None

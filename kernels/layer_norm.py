@@ -172,29 +172,11 @@ def _layer_norm_bwd_rows(DY, X, STATS, DX, w, rows, row_mask, cols, col_mask, st
 
 
 @triton.jit
-def _layer_norm_bwd_kernel(
-    DY,  # (N, D) upstream gradient, rows stride_dy apart
-    X,  # (N, D) forward input, rows stride_x apart
-    W,  # (D,) weight
-    STATS,  # (N, 2) fp32 mean and rstd from the forward
-    DX,  # (N, D) input gradient (may alias DY), rows stride_dx apart
-    PARTIALS,  # (HAS_DW + HAS_DB, n_programs, D) fp32 per-program sums of dy * xhat (if HAS_DW), then of dy
-    stride_dy,
-    stride_x,
-    stride_dx,
-    n_rows,
-    n_cols,
-    rows_per_program,  # a multiple of BLOCK_M
-    HAS_DX: tl.constexpr,
-    HAS_DW: tl.constexpr,
-    HAS_DB: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,  # > 0: software-pipelined row loop (GPU); 0: a while loop (the interpreter)
-):
-    pid = tl.program_id(0)
-    row_start = pid.to(tl.int64) * rows_per_program
-    row_end = tl.minimum(row_start + rows_per_program, n_rows)
+def _layer_norm_bwd_fused(DY, X, W, STATS, DX, PARTIALS, stride_dy, stride_x, stride_dx, n_cols, pid,
+                          row_start, row_end, rows_per_program, HAS_DX: tl.constexpr, HAS_DW: tl.constexpr,
+                          HAS_DB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          STAGES: tl.constexpr):
+    """One program's rows [row_start, row_end), each row in one register tile of BLOCK_N columns."""
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -235,28 +217,10 @@ def _layer_norm_bwd_kernel(
 #     do not fit in registers; the first step stores instead of adding).
 # Pass 2 re-reads dy and x, which pass 1 has just brought into L2.
 @triton.jit
-def _layer_norm_bwd_looped_kernel(
-    DY,  # (N, D) upstream gradient, rows stride_dy apart
-    X,  # (N, D) forward input, rows stride_x apart
-    W,  # (D,) weight
-    STATS,  # (N, 2) fp32 mean and rstd from the forward
-    DX,  # (N, D) input gradient (may alias DY), rows stride_dx apart
-    PARTIALS,  # (HAS_DW + HAS_DB, n_programs, D) fp32 per-program sums of dy * xhat (if HAS_DW), then of dy
-    stride_dy,
-    stride_x,
-    stride_dx,
-    n_rows,
-    n_cols,
-    rows_per_program,  # a multiple of BLOCK_M
-    HAS_DX: tl.constexpr,
-    HAS_DW: tl.constexpr,
-    HAS_DB: tl.constexpr,
-    BLOCK_M: tl.constexpr,  # rows per step
-    BLOCK_N: tl.constexpr,  # columns per step
-):
-    pid = tl.program_id(0)
-    row_start = pid.to(tl.int64) * rows_per_program
-    row_end = tl.minimum(row_start + rows_per_program, n_rows)
+def _layer_norm_bwd_looped(DY, X, W, STATS, DX, PARTIALS, stride_dy, stride_x, stride_dx, n_cols, pid,
+                           row_start, row_end, HAS_DX: tl.constexpr, HAS_DW: tl.constexpr,
+                           HAS_DB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program's rows [row_start, row_end), BLOCK_M rows at a time, in column blocks of BLOCK_N."""
     cols = tl.arange(0, BLOCK_N)
     if HAS_DW or HAS_DB:
         dw_row, db_row = _partial_rows(PARTIALS, pid, n_cols, HAS_DW)
@@ -312,6 +276,40 @@ def _layer_norm_bwd_looped_kernel(
         start += BLOCK_M
 
 
+@triton.jit
+def _layer_norm_bwd_kernel(
+    DY,  # (N, D) upstream gradient, rows stride_dy apart
+    X,  # (N, D) forward input, rows stride_x apart
+    W,  # (D,) weight
+    STATS,  # (N, 2) fp32 mean and rstd from the forward
+    DX,  # (N, D) input gradient (may alias DY), rows stride_dx apart
+    PARTIALS,  # (HAS_DW + HAS_DB, n_programs, D) fp32 per-program sums of dy * xhat (if HAS_DW), then of dy
+    stride_dy,
+    stride_x,
+    stride_dx,
+    n_rows,
+    n_cols,
+    rows_per_program,  # a multiple of BLOCK_M
+    HAS_DX: tl.constexpr,
+    HAS_DW: tl.constexpr,
+    HAS_DB: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows per step
+    BLOCK_N: tl.constexpr,  # the whole row (one register tile), or columns per step when LOOPED
+    LOOPED: tl.constexpr,  # rows wider than one register tile: two passes over column blocks
+    STAGES: tl.constexpr,  # > 0: software-pipelined row loop (GPU, not LOOPED); 0: a while loop
+):
+    pid = tl.program_id(0)
+    row_start = pid.to(tl.int64) * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, n_rows)
+    if LOOPED:
+        _layer_norm_bwd_looped(DY, X, W, STATS, DX, PARTIALS, stride_dy, stride_x, stride_dx, n_cols, pid,
+                               row_start, row_end, HAS_DX, HAS_DW, HAS_DB, BLOCK_M, BLOCK_N)
+    else:
+        _layer_norm_bwd_fused(DY, X, W, STATS, DX, PARTIALS, stride_dy, stride_x, stride_dx, n_cols, pid,
+                              row_start, row_end, rows_per_program, HAS_DX, HAS_DW, HAS_DB, BLOCK_M, BLOCK_N,
+                              STAGES)
+
+
 def _layer_norm_fwd(x, weight, bias, opts: LayerNormOptions):
     assert x.ndim == 2 and weight.shape == (x.shape[1],), (x.shape, weight.shape)
     assert bias is None or bias.shape == weight.shape, bias.shape
@@ -332,7 +330,7 @@ def _layer_norm_bwd(
 ):
     dy, dx, plan = norm_bwd_setup(dy, x, needs_dx, opts.in_place, _utils.KNOBS)
     sums = launch_norm_bwd(
-        _layer_norm_bwd_kernel, _layer_norm_bwd_looped_kernel, plan, dy, x, dx, (weight, stats), (),
+        _layer_norm_bwd_kernel, plan, dy, x, dx, (weight, stats), (),
         needs_dw + needs_db, HAS_DX=needs_dx, HAS_DW=needs_dw, HAS_DB=needs_db,
     )
     if sums is None:

@@ -160,30 +160,11 @@ def _rms_norm_bwd_rows(DY, X, RSTD, DX, wt, rows, row_mask, cols, col_mask, stri
 
 
 @triton.jit
-def _rms_norm_bwd_kernel(
-    DY,  # (N, D) upstream gradient, rows stride_dy apart
-    X,  # (N, D) forward input, rows stride_x apart
-    W,  # (D,) weight
-    RSTD,  # (N,) fp32 from the forward
-    DX,  # (N, D) input gradient (may alias DY), rows stride_dx apart
-    DW_PARTIAL,  # (n_programs, D) fp32 per-program sums of dy * xhat
-    stride_dy,
-    stride_x,
-    stride_dx,
-    n_rows,
-    n_cols,
-    rows_per_program,  # a multiple of BLOCK_M
-    offset,
-    CAST_LLAMA: tl.constexpr,
-    HAS_DX: tl.constexpr,  # x requires grad
-    HAS_DW: tl.constexpr,  # weight requires grad
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,  # > 0: software-pipelined row loop (GPU); 0: a while loop (the interpreter)
-):
-    pid = tl.program_id(0)
-    row_start = pid.to(tl.int64) * rows_per_program
-    row_end = tl.minimum(row_start + rows_per_program, n_rows)
+def _rms_norm_bwd_fused(DY, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_x, stride_dx, n_cols, offset, pid,
+                        row_start, row_end, rows_per_program, CAST_LLAMA: tl.constexpr, HAS_DX: tl.constexpr,
+                        HAS_DW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        STAGES: tl.constexpr):
+    """One program's rows [row_start, row_end), each row in one register tile of BLOCK_N columns."""
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
     wt = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
@@ -215,29 +196,10 @@ def _rms_norm_bwd_kernel(
 #     the first step stores instead of adding).
 # Pass 2 re-reads dy and x, which pass 1 has just brought into L2.
 @triton.jit
-def _rms_norm_bwd_looped_kernel(
-    DY,  # (N, D) upstream gradient, rows stride_dy apart
-    X,  # (N, D) forward input, rows stride_x apart
-    W,  # (D,) weight
-    RSTD,  # (N,) fp32 from the forward
-    DX,  # (N, D) input gradient (may alias DY), rows stride_dx apart
-    DW_PARTIAL,  # (n_programs, D) fp32 per-program sums of dy * xhat
-    stride_dy,
-    stride_x,
-    stride_dx,
-    n_rows,
-    n_cols,
-    rows_per_program,  # a multiple of BLOCK_M
-    offset,
-    CAST_LLAMA: tl.constexpr,
-    HAS_DX: tl.constexpr,  # x requires grad
-    HAS_DW: tl.constexpr,  # weight requires grad
-    BLOCK_M: tl.constexpr,  # rows per step
-    BLOCK_N: tl.constexpr,  # columns per step
-):
-    pid = tl.program_id(0)
-    row_start = pid.to(tl.int64) * rows_per_program
-    row_end = tl.minimum(row_start + rows_per_program, n_rows)
+def _rms_norm_bwd_looped(DY, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_x, stride_dx, n_cols, offset, pid,
+                         row_start, row_end, CAST_LLAMA: tl.constexpr, HAS_DX: tl.constexpr,
+                         HAS_DW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program's rows [row_start, row_end), BLOCK_M rows at a time, in column blocks of BLOCK_N."""
     cols = tl.arange(0, BLOCK_N)
     if HAS_DW:
         dw_row = DW_PARTIAL + pid.to(tl.int64) * n_cols
@@ -286,6 +248,41 @@ def _rms_norm_bwd_looped_kernel(
         start += BLOCK_M
 
 
+@triton.jit
+def _rms_norm_bwd_kernel(
+    DY,  # (N, D) upstream gradient, rows stride_dy apart
+    X,  # (N, D) forward input, rows stride_x apart
+    W,  # (D,) weight
+    RSTD,  # (N,) fp32 from the forward
+    DX,  # (N, D) input gradient (may alias DY), rows stride_dx apart
+    DW_PARTIAL,  # (n_programs, D) fp32 per-program sums of dy * xhat
+    stride_dy,
+    stride_x,
+    stride_dx,
+    n_rows,
+    n_cols,
+    rows_per_program,  # a multiple of BLOCK_M
+    offset,
+    CAST_LLAMA: tl.constexpr,
+    HAS_DX: tl.constexpr,  # x requires grad
+    HAS_DW: tl.constexpr,  # weight requires grad
+    BLOCK_M: tl.constexpr,  # rows per step
+    BLOCK_N: tl.constexpr,  # the whole row (one register tile), or columns per step when LOOPED
+    LOOPED: tl.constexpr,  # rows wider than one register tile: two passes over column blocks
+    STAGES: tl.constexpr,  # > 0: software-pipelined row loop (GPU, not LOOPED); 0: a while loop
+):
+    pid = tl.program_id(0)
+    row_start = pid.to(tl.int64) * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, n_rows)
+    if LOOPED:
+        _rms_norm_bwd_looped(DY, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_x, stride_dx, n_cols, offset,
+                             pid, row_start, row_end, CAST_LLAMA, HAS_DX, HAS_DW, BLOCK_M, BLOCK_N)
+    else:
+        _rms_norm_bwd_fused(DY, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_x, stride_dx, n_cols, offset,
+                            pid, row_start, row_end, rows_per_program, CAST_LLAMA, HAS_DX, HAS_DW, BLOCK_M,
+                            BLOCK_N, STAGES)
+
+
 def _rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, opts: RMSNormOptions):
     assert x.ndim == 2 and weight.ndim == 1 and x.shape[1] == weight.shape[0], (x.shape, weight.shape)
     assert opts.casting in CASTING_MODES, opts.casting
@@ -306,7 +303,7 @@ def _rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, opts: RMSNormOptions):
 def _rms_norm_bwd(dy, x, weight, rstd, opts: RMSNormOptions, needs_dx: bool, needs_dw: bool):
     dy, dx, plan = norm_bwd_setup(dy, x, needs_dx, opts.in_place, _utils.rms_knobs(_utils.KNOBS))
     sums = launch_norm_bwd(
-        _rms_norm_bwd_kernel, _rms_norm_bwd_looped_kernel, plan, dy, x, dx, (weight, rstd), (opts.offset,),
+        _rms_norm_bwd_kernel, plan, dy, x, dx, (weight, rstd), (opts.offset,),
         int(needs_dw), CAST_LLAMA=opts.casting == "llama", HAS_DX=needs_dx, HAS_DW=needs_dw,
     )
     # One cast unless the weight is fp32.
