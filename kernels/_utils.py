@@ -177,22 +177,14 @@ def norm_dx_buffer(dy: torch.Tensor, x: torch.Tensor, needs_dx: bool, in_place: 
     return torch.empty_like(x)
 
 
-def launch_norm_fwd(fused, looped, plan: FwdPlan, x, y, tensors: tuple, scalars: tuple, **flags) -> None:
-    """Launch a norm's forward, ``fused`` or ``looped`` as ``plan`` says. Both kernels take
-    ``(X, Y, *tensors, stride_x, stride_y, [n_rows,] n_cols, *scalars)``; only the fused one takes ``n_rows``
-    and ``BLOCK_M``; ``flags`` are the kernels' shared compile-time switches."""
-    n_rows, n_cols = x.shape
-    grid = (plan.n_programs,)
-    if plan.looped:
-        looped[grid](
-            x, y, *tensors, x.stride(0), y.stride(0), n_cols, *scalars,
-            BLOCK_N=plan.block_n, num_warps=plan.num_warps, **flags,
-        )  # fmt: skip
-    else:
-        fused[grid](
-            x, y, *tensors, x.stride(0), y.stride(0), n_rows, n_cols, *scalars,
-            BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, num_warps=plan.num_warps, **flags,
-        )  # fmt: skip
+def launch_norm_fwd(kernel, plan: FwdPlan, x, y, tensors: tuple, scalars: tuple, **flags) -> None:
+    """Launch a norm's forward ``kernel`` as ``plan`` says (its ``LOOPED``). The kernel takes ``(X, Y,
+    *tensors, stride_x, stride_y, n_rows, n_cols, *scalars)``; ``flags`` are its other compile-time
+    switches."""
+    kernel[(plan.n_programs,)](
+        x, y, *tensors, x.stride(0), y.stride(0), *x.shape, *scalars,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, LOOPED=plan.looped, num_warps=plan.num_warps, **flags,
+    )  # fmt: skip
 
 
 def norm_bwd_setup(dy: torch.Tensor, x: torch.Tensor, needs_dx: bool, in_place: bool, knobs: NormKnobs):

@@ -15,6 +15,7 @@ import triton.language as tl
 from torch import nn
 
 from . import _utils
+from ._norm_blocks import load_col_block
 from ._utils import lastdim_contiguous, launch_norm_bwd, launch_norm_fwd, norm_bwd_setup, norm_fwd_plan
 
 
@@ -47,21 +48,9 @@ _options = functools.lru_cache(maxsize=64)(LayerNormOptions)  # one instance per
 # Forward, per row:  mean = sum(x) / D,  rstd = 1 / sqrt(sum((x - mean)^2) / D + eps),
 #   xhat = (x - mean) * rstd,  y = xhat * w + b.
 @triton.jit
-def _layer_norm_fwd_kernel(
-    X,  # (N, D) input, rows stride_x apart
-    Y,  # (N, D) output, contiguous
-    W,  # (D,) weight
-    B,  # (D,) bias (unused when HAS_BIAS is False)
-    STATS,  # (N, 2) fp32 mean and rstd of each row, saved for the backward
-    stride_x,
-    stride_y,
-    n_rows,
-    n_cols,
-    eps,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr,  # rows per program (>1 only for short rows)
-    BLOCK_N: tl.constexpr,  # power of two >= D
-):
+def _layer_norm_fwd_fused(X, Y, W, B, STATS, stride_x, stride_y, n_rows, n_cols, eps, HAS_BIAS: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """BLOCK_M whole rows of one register tile each."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     row_mask = rows < n_rows
@@ -86,19 +75,9 @@ def _layer_norm_fwd_kernel(
 #   delta = m_b - m,  m += delta * n_b / (n_a + n_b),  M2 += M2_b + delta^2 * n_a * n_b / (n_a + n_b).
 # Then rstd = 1 / sqrt(M2 / D + eps); pass 2 writes y block by block, re-reading x from L2.
 @triton.jit
-def _layer_norm_fwd_looped_kernel(
-    X,  # (N, D) input, rows stride_x apart
-    Y,  # (N, D) output, contiguous
-    W,  # (D,) weight
-    B,  # (D,) bias (unused when HAS_BIAS is False)
-    STATS,  # (N, 2) fp32 mean and rstd of each row, saved for the backward
-    stride_x,
-    stride_y,
-    n_cols,
-    eps,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr,  # columns per step
-):
+def _layer_norm_fwd_looped(X, Y, W, B, STATS, stride_x, stride_y, n_cols, eps, HAS_BIAS: tl.constexpr,
+                           BLOCK_N: tl.constexpr):
+    """One row, in column blocks of BLOCK_N."""
     row = tl.program_id(0).to(tl.int64)
     x_row = X + row * stride_x
     y_row = Y + row * stride_y
@@ -129,6 +108,30 @@ def _layer_norm_fwd_looped_kernel(
         start += BLOCK_N
     tl.store(STATS + 2 * row, mean)
     tl.store(STATS + 2 * row + 1, rstd)
+
+
+@triton.jit
+def _layer_norm_fwd_kernel(
+    X,  # (N, D) input, rows stride_x apart
+    Y,  # (N, D) output, contiguous
+    W,  # (D,) weight
+    B,  # (D,) bias (unused when HAS_BIAS is False)
+    STATS,  # (N, 2) fp32 mean and rstd of each row, saved for the backward
+    stride_x,
+    stride_y,
+    n_rows,
+    n_cols,
+    eps,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows per program (>1 only for short rows; 1 when LOOPED)
+    BLOCK_N: tl.constexpr,  # power of two >= D, or columns per step when LOOPED
+    LOOPED: tl.constexpr,  # rows wider than one register tile: one row per program, two passes
+):
+    if LOOPED:
+        _layer_norm_fwd_looped(X, Y, W, B, STATS, stride_x, stride_y, n_cols, eps, HAS_BIAS, BLOCK_N)
+    else:
+        _layer_norm_fwd_fused(X, Y, W, B, STATS, stride_x, stride_y, n_rows, n_cols, eps, HAS_BIAS, BLOCK_M,
+                              BLOCK_N)
 
 
 @triton.jit
@@ -237,11 +240,7 @@ def _layer_norm_bwd_looped(DY, X, W, STATS, DX, PARTIALS, stride_dy, stride_x, s
             acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             col0 = 0
             while col0 < n_cols:
-                col = col0 + cols
-                col_mask = col < n_cols
-                mask = row_mask[:, None] & col_mask[None, :]
-                dy = tl.load(dy_rows + col[None, :], mask=mask, other=0.0).to(tl.float32)
-                x = tl.load(x_rows + col[None, :], mask=mask, other=0.0).to(tl.float32)
+                col, col_mask, mask, dy, x = load_col_block(dy_rows, x_rows, col0, cols, row_mask, n_cols)
                 wdy = dy * tl.load(W + col, mask=col_mask, other=0.0).to(tl.float32)[None, :]
                 acc1 += wdy * (x - mean[:, None])
                 acc2 += wdy
@@ -250,11 +249,7 @@ def _layer_norm_bwd_looped(DY, X, W, STATS, DX, PARTIALS, stride_dy, stride_x, s
             c2 = tl.sum(acc2, axis=1) / n_cols
         col0 = 0
         while col0 < n_cols:
-            col = col0 + cols
-            col_mask = col < n_cols
-            mask = row_mask[:, None] & col_mask[None, :]
-            dy = tl.load(dy_rows + col[None, :], mask=mask, other=0.0).to(tl.float32)
-            x = tl.load(x_rows + col[None, :], mask=mask, other=0.0).to(tl.float32)
+            col, col_mask, mask, dy, x = load_col_block(dy_rows, x_rows, col0, cols, row_mask, n_cols)
             xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
             if HAS_DX:
                 wdy = dy * tl.load(W + col, mask=col_mask, other=0.0).to(tl.float32)[None, :]
@@ -319,8 +314,7 @@ def _layer_norm_fwd(x, weight, bias, opts: LayerNormOptions):
     stats = torch.empty((n_rows, 2), dtype=torch.float32, device=x.device)  # mean, rstd: one allocation
     plan = norm_fwd_plan(n_rows, n_cols, _utils.KNOBS)
     launch_norm_fwd(
-        _layer_norm_fwd_kernel, _layer_norm_fwd_looped_kernel, plan, x, y, (weight, bias, stats), (opts.eps,),
-        HAS_BIAS=bias is not None,
+        _layer_norm_fwd_kernel, plan, x, y, (weight, bias, stats), (opts.eps,), HAS_BIAS=bias is not None
     )
     return y, x, stats
 

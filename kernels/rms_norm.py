@@ -15,6 +15,7 @@ import triton.language as tl
 from torch import nn
 
 from . import _utils
+from ._norm_blocks import load_col_block
 from ._utils import lastdim_contiguous, launch_norm_bwd, launch_norm_fwd, norm_bwd_setup, norm_fwd_plan
 
 CASTING_MODES = ("llama", "gemma")
@@ -62,21 +63,9 @@ _options = functools.lru_cache(maxsize=64)(RMSNormOptions)  # one instance per o
 # Forward, per row:  rstd = 1 / sqrt(sum(x^2) / D + eps),  xhat = x * rstd,  wt = w + offset,
 #   y = cast(xhat) * wt   ("llama", cast = round to x's dtype)   or   y = xhat * wt   ("gemma").
 @triton.jit
-def _rms_norm_fwd_kernel(
-    X,  # (N, D) input, rows stride_x apart
-    Y,  # (N, D) output, contiguous
-    W,  # (D,) weight
-    RSTD,  # (N,) fp32, reciprocal RMS saved for the backward
-    stride_x,
-    stride_y,
-    n_rows,
-    n_cols,
-    eps,
-    offset,
-    CAST_LLAMA: tl.constexpr,  # round xhat to X's dtype before the scale
-    BLOCK_M: tl.constexpr,  # rows per program (>1 only for short rows)
-    BLOCK_N: tl.constexpr,  # power of two >= D
-):
+def _rms_norm_fwd_fused(X, Y, W, RSTD, stride_x, stride_y, n_rows, n_cols, eps, offset,
+                        CAST_LLAMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """BLOCK_M whole rows of one register tile each."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     row_mask = rows < n_rows
@@ -96,19 +85,9 @@ def _rms_norm_fwd_kernel(
 # pass 1 accumulates x^2 over column blocks of BLOCK_N in an fp32 vector and reduces it once; pass 2 computes
 # xhat and y as above, block by block. Pass 2 re-reads x, which pass 1 has just brought into L2.
 @triton.jit
-def _rms_norm_fwd_looped_kernel(
-    X,  # (N, D) input, rows stride_x apart
-    Y,  # (N, D) output, contiguous
-    W,  # (D,) weight
-    RSTD,  # (N,) fp32, reciprocal RMS saved for the backward
-    stride_x,
-    stride_y,
-    n_cols,
-    eps,
-    offset,
-    CAST_LLAMA: tl.constexpr,  # round xhat to X's dtype before the scale
-    BLOCK_N: tl.constexpr,  # columns per step
-):
+def _rms_norm_fwd_looped(X, Y, W, RSTD, stride_x, stride_y, n_cols, eps, offset, CAST_LLAMA: tl.constexpr,
+                         BLOCK_N: tl.constexpr):
+    """One row, in column blocks of BLOCK_N."""
     row = tl.program_id(0).to(tl.int64)
     x_row = X + row * stride_x
     y_row = Y + row * stride_y
@@ -131,6 +110,30 @@ def _rms_norm_fwd_looped_kernel(
         tl.store(y_row + start + cols, (xhat * wt).to(Y.dtype.element_ty), mask=mask)
         start += BLOCK_N
     tl.store(RSTD + row, rstd)
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(
+    X,  # (N, D) input, rows stride_x apart
+    Y,  # (N, D) output, contiguous
+    W,  # (D,) weight
+    RSTD,  # (N,) fp32, reciprocal RMS saved for the backward
+    stride_x,
+    stride_y,
+    n_rows,
+    n_cols,
+    eps,
+    offset,
+    CAST_LLAMA: tl.constexpr,  # round xhat to X's dtype before the scale
+    BLOCK_M: tl.constexpr,  # rows per program (>1 only for short rows; 1 when LOOPED)
+    BLOCK_N: tl.constexpr,  # power of two >= D, or columns per step when LOOPED
+    LOOPED: tl.constexpr,  # rows wider than one register tile: one row per program, two passes
+):
+    if LOOPED:
+        _rms_norm_fwd_looped(X, Y, W, RSTD, stride_x, stride_y, n_cols, eps, offset, CAST_LLAMA, BLOCK_N)
+    else:
+        _rms_norm_fwd_fused(X, Y, W, RSTD, stride_x, stride_y, n_rows, n_cols, eps, offset, CAST_LLAMA,
+                            BLOCK_M, BLOCK_N)
 
 
 # Backward, per row, with dxhat = dy * wt:
@@ -214,22 +217,14 @@ def _rms_norm_bwd_looped(DY, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_x, st
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             col0 = 0
             while col0 < n_cols:
-                col = col0 + cols
-                col_mask = col < n_cols
-                mask = row_mask[:, None] & col_mask[None, :]
-                dy = tl.load(dy_rows + col[None, :], mask=mask, other=0.0).to(tl.float32)
-                x = tl.load(x_rows + col[None, :], mask=mask, other=0.0).to(tl.float32)
+                col, col_mask, mask, dy, x = load_col_block(dy_rows, x_rows, col0, cols, row_mask, n_cols)
                 wt = tl.load(W + col, mask=col_mask, other=0.0).to(tl.float32) + offset
                 acc += dy * wt[None, :] * x
                 col0 += BLOCK_N
             c = tl.sum(acc, axis=1) * rstd / n_cols
         col0 = 0
         while col0 < n_cols:
-            col = col0 + cols
-            col_mask = col < n_cols
-            mask = row_mask[:, None] & col_mask[None, :]
-            dy = tl.load(dy_rows + col[None, :], mask=mask, other=0.0).to(tl.float32)
-            x = tl.load(x_rows + col[None, :], mask=mask, other=0.0).to(tl.float32)
+            col, col_mask, mask, dy, x = load_col_block(dy_rows, x_rows, col0, cols, row_mask, n_cols)
             xhat = x * rstd[:, None]
             if HAS_DX:
                 wt = tl.load(W + col, mask=col_mask, other=0.0).to(tl.float32) + offset
@@ -294,8 +289,7 @@ def _rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, opts: RMSNormOptions):
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     plan = norm_fwd_plan(n_rows, n_cols, _utils.rms_knobs(_utils.KNOBS))
     launch_norm_fwd(
-        _rms_norm_fwd_kernel, _rms_norm_fwd_looped_kernel, plan, x, y, (weight, rstd),
-        (opts.eps, opts.offset), CAST_LLAMA=cast_llama,
+        _rms_norm_fwd_kernel, plan, x, y, (weight, rstd), (opts.eps, opts.offset), CAST_LLAMA=cast_llama
     )
     return y, x, rstd
 
