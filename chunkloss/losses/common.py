@@ -34,19 +34,6 @@ def pick(z: Tensor, labels: Tensor) -> Tensor:
     return z.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
 
 
-def scaled_label_logprob(
-    logits: Tensor,
-    labels: Tensor,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
-    temperature: float = 1.0,
-) -> Tensor:
-    """``log_softmax(scale_logits(logits.float()))[i, labels[i]]`` (C,) in fp32, in plain PyTorch."""
-    return row_statistics(logits, labels, logit_scale=logit_scale, softcap=softcap, temperature=temperature)[
-        "logp"
-    ]
-
-
 def row_statistics(
     logits: Tensor,
     labels: Tensor,
@@ -104,8 +91,9 @@ def nograd_label_logprob(
 
         return label_logprob_triton(logits, labels, logit_scale, softcap, temperature)
     rows = max(1, NOGRAD_BLOCK_ELEMS // max(logits.shape[-1], 1))
+    scales = dict(logit_scale=logit_scale, softcap=softcap, temperature=temperature)
     parts = [
-        scaled_label_logprob(logits[a : a + rows], labels[a : a + rows], logit_scale, softcap, temperature)
+        row_statistics(logits[a : a + rows], labels[a : a + rows], **scales)["logp"]
         for a in range(0, logits.shape[0], rows)
     ]
     return torch.cat(parts) if parts else logits.new_zeros(0, dtype=torch.float32)

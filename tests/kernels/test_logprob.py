@@ -48,7 +48,7 @@ def test_nograd_label_logprob_blocks_off_cuda(scales, monkeypatch):
     z, y = torch.randn(9, 50).bfloat16(), torch.randint(0, 50, (9,))
     monkeypatch.setattr(common, "NOGRAD_BLOCK_ELEMS", 200)  # 4 rows per block: blocks of 4, 4, 1
     blocks = common.nograd_label_logprob(z, y, **scales)
-    assert torch.equal(blocks, common.scaled_label_logprob(z, y, **scales))
+    assert torch.equal(blocks, common.row_statistics(z, y, **scales)["logp"])
     assert_close_to_ref(blocks, lp.label_logprob_ref(z, y, **scales))
 
 
