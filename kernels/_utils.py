@@ -113,7 +113,12 @@ class BwdPlan(NamedTuple):
     block_n: int
     num_warps: int
     looped: bool
-    stages: int = 0  # fused: pipeline stages of the row loop (0 when looped, and on CPU / the interpreter)
+    stages: int = 0  # fused: pipeline stages of the row loop (0 on CPU / the interpreter)
+
+    @property
+    def extra(self) -> dict:
+        """Launch arguments that only the fused kernel takes."""
+        return {} if self.looped else {"STAGES": self.stages}
 
 
 def _fused_tile(n_cols: int, knobs: NormKnobs) -> tuple[int, int, int]:
@@ -148,7 +153,7 @@ def norm_bwd_plan(n_rows: int, n_cols: int, device: torch.device, knobs: NormKno
     n_programs = max(1, min(num_sms(device) * per_sm, cdiv(n_rows, block_m)))
     rows_per_program = max(1, cdiv(cdiv(n_rows, n_programs), block_m)) * block_m  # >= 1 step, even for 0 rows
     stages = knobs.bwd_stages if block_n <= 4096 else knobs.bwd_stages_wide if block_n <= 8192 else 0
-    stages = stages if device.type == "cuda" and not looped else 0
+    stages = stages if device.type == "cuda" else 0
     n_programs = cdiv(n_rows, rows_per_program)
     return BwdPlan(n_programs, rows_per_program, block_m, block_n, num_warps, looped, stages)
 
@@ -175,40 +180,3 @@ def norm_dx_buffer(dy: torch.Tensor, x: torch.Tensor, needs_dx: bool, in_place: 
     if in_place and dy.dtype == x.dtype and dy.is_contiguous():
         return dy
     return torch.empty_like(x)
-
-
-def launch_norm_fwd(kernel, plan: FwdPlan, x, y, tensors: tuple, scalars: tuple, **flags) -> None:
-    """Launch a norm's forward ``kernel`` as ``plan`` says (its ``LOOPED``). The kernel takes ``(X, Y,
-    *tensors, stride_x, stride_y, n_rows, n_cols, *scalars)``; ``flags`` are its other compile-time
-    switches."""
-    kernel[(plan.n_programs,)](
-        x, y, *tensors, x.stride(0), y.stride(0), *x.shape, *scalars,
-        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, LOOPED=plan.looped, num_warps=plan.num_warps, **flags,
-    )  # fmt: skip
-
-
-def norm_bwd_setup(dy: torch.Tensor, x: torch.Tensor, needs_dx: bool, in_place: bool, knobs: NormKnobs):
-    """A norm backward's ``dy`` (unit last stride), its dx buffer (:func:`norm_dx_buffer`) and its plan."""
-    dy = lastdim_contiguous(dy)
-    dx = norm_dx_buffer(dy, x, needs_dx, in_place)
-    return dy, dx, norm_bwd_plan(x.shape[0], x.shape[1], x.device, knobs)
-
-
-def launch_norm_bwd(kernel, plan: BwdPlan, dy, x, dx, tensors: tuple, scalars: tuple, n_partials: int,
-                    **flags) -> torch.Tensor | None:  # fmt: skip
-    """Launch a norm's backward ``kernel`` as ``plan`` says (its ``LOOPED`` and ``STAGES``), and return the
-    (n_partials, D) fp32 sums of the programs' partial rows (``None`` for none). The kernel takes ``(DY, X,
-    *tensors, DX, PARTIALS, stride_dy, stride_x, stride_dx, n_rows, n_cols, rows_per_program, *scalars)``;
-    ``flags`` are its other compile-time switches."""
-    n_rows, n_cols = x.shape
-    partials = None
-    if n_partials:  # dW (and dB) partials in one buffer: one reduction serves all
-        partials = torch.empty((n_partials, plan.n_programs, n_cols), dtype=torch.float32, device=x.device)
-    kernel[(plan.n_programs,)](
-        dy, x, *tensors, dx, partials,
-        dy.stride(0), x.stride(0), 0 if dx is None else dx.stride(0), n_rows, n_cols, plan.rows_per_program,
-        *scalars,
-        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, LOOPED=plan.looped, STAGES=plan.stages,
-        num_warps=plan.num_warps, **flags,
-    )  # fmt: skip
-    return partials.sum(1) if n_partials else None

@@ -15,8 +15,7 @@ import triton.language as tl
 from torch import nn
 
 from . import _utils
-from ._norm_blocks import load_col_block
-from ._utils import lastdim_contiguous, launch_norm_bwd, launch_norm_fwd, norm_bwd_setup, norm_fwd_plan
+from ._utils import lastdim_contiguous, norm_bwd_plan, norm_dx_buffer, norm_fwd_plan
 
 
 def layer_norm_ref(
@@ -48,9 +47,21 @@ _options = functools.lru_cache(maxsize=64)(LayerNormOptions)  # one instance per
 # Forward, per row:  mean = sum(x) / D,  rstd = 1 / sqrt(sum((x - mean)^2) / D + eps),
 #   xhat = (x - mean) * rstd,  y = xhat * w + b.
 @triton.jit
-def _layer_norm_fwd_fused(X, Y, W, B, STATS, stride_x, stride_y, n_rows, n_cols, eps, HAS_BIAS: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """BLOCK_M whole rows of one register tile each."""
+def _layer_norm_fwd_kernel(
+    X,  # (N, D) input, rows stride_x apart
+    Y,  # (N, D) output, contiguous
+    W,  # (D,) weight
+    B,  # (D,) bias (unused when HAS_BIAS is False)
+    STATS,  # (N, 2) fp32 mean and rstd of each row, saved for the backward
+    stride_x,
+    stride_y,
+    n_rows,
+    n_cols,
+    eps,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows per program (>1 only for short rows)
+    BLOCK_N: tl.constexpr,  # power of two >= D
+):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     row_mask = rows < n_rows
@@ -75,9 +86,19 @@ def _layer_norm_fwd_fused(X, Y, W, B, STATS, stride_x, stride_y, n_rows, n_cols,
 #   delta = m_b - m,  m += delta * n_b / (n_a + n_b),  M2 += M2_b + delta^2 * n_a * n_b / (n_a + n_b).
 # Then rstd = 1 / sqrt(M2 / D + eps); pass 2 writes y block by block, re-reading x from L2.
 @triton.jit
-def _layer_norm_fwd_looped(X, Y, W, B, STATS, stride_x, stride_y, n_cols, eps, HAS_BIAS: tl.constexpr,
-                           BLOCK_N: tl.constexpr):
-    """One row, in column blocks of BLOCK_N."""
+def _layer_norm_fwd_looped_kernel(
+    X,  # (N, D) input, rows stride_x apart
+    Y,  # (N, D) output, contiguous
+    W,  # (D,) weight
+    B,  # (D,) bias (unused when HAS_BIAS is False)
+    STATS,  # (N, 2) fp32 mean and rstd of each row, saved for the backward
+    stride_x,
+    stride_y,
+    n_cols,
+    eps,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # columns per step
+):
     row = tl.program_id(0).to(tl.int64)
     x_row = X + row * stride_x
     y_row = Y + row * stride_y
@@ -108,30 +129,6 @@ def _layer_norm_fwd_looped(X, Y, W, B, STATS, stride_x, stride_y, n_cols, eps, H
         start += BLOCK_N
     tl.store(STATS + 2 * row, mean)
     tl.store(STATS + 2 * row + 1, rstd)
-
-
-@triton.jit
-def _layer_norm_fwd_kernel(
-    X,  # (N, D) input, rows stride_x apart
-    Y,  # (N, D) output, contiguous
-    W,  # (D,) weight
-    B,  # (D,) bias (unused when HAS_BIAS is False)
-    STATS,  # (N, 2) fp32 mean and rstd of each row, saved for the backward
-    stride_x,
-    stride_y,
-    n_rows,
-    n_cols,
-    eps,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr,  # rows per program (>1 only for short rows; 1 when LOOPED)
-    BLOCK_N: tl.constexpr,  # power of two >= D, or columns per step when LOOPED
-    LOOPED: tl.constexpr,  # rows wider than one register tile: one row per program, two passes
-):
-    if LOOPED:
-        _layer_norm_fwd_looped(X, Y, W, B, STATS, stride_x, stride_y, n_cols, eps, HAS_BIAS, BLOCK_N)
-    else:
-        _layer_norm_fwd_fused(X, Y, W, B, STATS, stride_x, stride_y, n_rows, n_cols, eps, HAS_BIAS, BLOCK_M,
-                              BLOCK_N)
 
 
 @triton.jit
@@ -175,11 +172,29 @@ def _layer_norm_bwd_rows(DY, X, STATS, DX, w, rows, row_mask, cols, col_mask, st
 
 
 @triton.jit
-def _layer_norm_bwd_fused(DY, X, W, STATS, DX, PARTIALS, stride_dy, stride_x, stride_dx, n_cols, pid,
-                          row_start, row_end, rows_per_program, HAS_DX: tl.constexpr, HAS_DW: tl.constexpr,
-                          HAS_DB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          STAGES: tl.constexpr):
-    """One program's rows [row_start, row_end), each row in one register tile of BLOCK_N columns."""
+def _layer_norm_bwd_kernel(
+    DY,  # (N, D) upstream gradient, rows stride_dy apart
+    X,  # (N, D) forward input, rows stride_x apart
+    W,  # (D,) weight
+    STATS,  # (N, 2) fp32 mean and rstd from the forward
+    DX,  # (N, D) input gradient (may alias DY), rows stride_dx apart
+    PARTIALS,  # (HAS_DW + HAS_DB, n_programs, D) fp32 per-program sums of dy * xhat (if HAS_DW), then of dy
+    stride_dy,
+    stride_x,
+    stride_dx,
+    n_rows,
+    n_cols,
+    rows_per_program,  # a multiple of BLOCK_M
+    HAS_DX: tl.constexpr,
+    HAS_DW: tl.constexpr,
+    HAS_DB: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    STAGES: tl.constexpr,  # > 0: software-pipelined row loop (GPU); 0: a while loop (the interpreter)
+):
+    pid = tl.program_id(0)
+    row_start = pid.to(tl.int64) * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, n_rows)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -220,10 +235,28 @@ def _layer_norm_bwd_fused(DY, X, W, STATS, DX, PARTIALS, stride_dy, stride_x, st
 #     do not fit in registers; the first step stores instead of adding).
 # Pass 2 re-reads dy and x, which pass 1 has just brought into L2.
 @triton.jit
-def _layer_norm_bwd_looped(DY, X, W, STATS, DX, PARTIALS, stride_dy, stride_x, stride_dx, n_cols, pid,
-                           row_start, row_end, HAS_DX: tl.constexpr, HAS_DW: tl.constexpr,
-                           HAS_DB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program's rows [row_start, row_end), BLOCK_M rows at a time, in column blocks of BLOCK_N."""
+def _layer_norm_bwd_looped_kernel(
+    DY,  # (N, D) upstream gradient, rows stride_dy apart
+    X,  # (N, D) forward input, rows stride_x apart
+    W,  # (D,) weight
+    STATS,  # (N, 2) fp32 mean and rstd from the forward
+    DX,  # (N, D) input gradient (may alias DY), rows stride_dx apart
+    PARTIALS,  # (HAS_DW + HAS_DB, n_programs, D) fp32 per-program sums of dy * xhat (if HAS_DW), then of dy
+    stride_dy,
+    stride_x,
+    stride_dx,
+    n_rows,
+    n_cols,
+    rows_per_program,  # a multiple of BLOCK_M
+    HAS_DX: tl.constexpr,
+    HAS_DW: tl.constexpr,
+    HAS_DB: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows per step
+    BLOCK_N: tl.constexpr,  # columns per step
+):
+    pid = tl.program_id(0)
+    row_start = pid.to(tl.int64) * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, n_rows)
     cols = tl.arange(0, BLOCK_N)
     if HAS_DW or HAS_DB:
         dw_row, db_row = _partial_rows(PARTIALS, pid, n_cols, HAS_DW)
@@ -240,7 +273,11 @@ def _layer_norm_bwd_looped(DY, X, W, STATS, DX, PARTIALS, stride_dy, stride_x, s
             acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             col0 = 0
             while col0 < n_cols:
-                col, col_mask, mask, dy, x = load_col_block(dy_rows, x_rows, col0, cols, row_mask, n_cols)
+                col = col0 + cols
+                col_mask = col < n_cols
+                mask = row_mask[:, None] & col_mask[None, :]
+                dy = tl.load(dy_rows + col[None, :], mask=mask, other=0.0).to(tl.float32)
+                x = tl.load(x_rows + col[None, :], mask=mask, other=0.0).to(tl.float32)
                 wdy = dy * tl.load(W + col, mask=col_mask, other=0.0).to(tl.float32)[None, :]
                 acc1 += wdy * (x - mean[:, None])
                 acc2 += wdy
@@ -249,7 +286,11 @@ def _layer_norm_bwd_looped(DY, X, W, STATS, DX, PARTIALS, stride_dy, stride_x, s
             c2 = tl.sum(acc2, axis=1) / n_cols
         col0 = 0
         while col0 < n_cols:
-            col, col_mask, mask, dy, x = load_col_block(dy_rows, x_rows, col0, cols, row_mask, n_cols)
+            col = col0 + cols
+            col_mask = col < n_cols
+            mask = row_mask[:, None] & col_mask[None, :]
+            dy = tl.load(dy_rows + col[None, :], mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(x_rows + col[None, :], mask=mask, other=0.0).to(tl.float32)
             xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
             if HAS_DX:
                 wdy = dy * tl.load(W + col, mask=col_mask, other=0.0).to(tl.float32)[None, :]
@@ -271,40 +312,6 @@ def _layer_norm_bwd_looped(DY, X, W, STATS, DX, PARTIALS, stride_dy, stride_x, s
         start += BLOCK_M
 
 
-@triton.jit
-def _layer_norm_bwd_kernel(
-    DY,  # (N, D) upstream gradient, rows stride_dy apart
-    X,  # (N, D) forward input, rows stride_x apart
-    W,  # (D,) weight
-    STATS,  # (N, 2) fp32 mean and rstd from the forward
-    DX,  # (N, D) input gradient (may alias DY), rows stride_dx apart
-    PARTIALS,  # (HAS_DW + HAS_DB, n_programs, D) fp32 per-program sums of dy * xhat (if HAS_DW), then of dy
-    stride_dy,
-    stride_x,
-    stride_dx,
-    n_rows,
-    n_cols,
-    rows_per_program,  # a multiple of BLOCK_M
-    HAS_DX: tl.constexpr,
-    HAS_DW: tl.constexpr,
-    HAS_DB: tl.constexpr,
-    BLOCK_M: tl.constexpr,  # rows per step
-    BLOCK_N: tl.constexpr,  # the whole row (one register tile), or columns per step when LOOPED
-    LOOPED: tl.constexpr,  # rows wider than one register tile: two passes over column blocks
-    STAGES: tl.constexpr,  # > 0: software-pipelined row loop (GPU, not LOOPED); 0: a while loop
-):
-    pid = tl.program_id(0)
-    row_start = pid.to(tl.int64) * rows_per_program
-    row_end = tl.minimum(row_start + rows_per_program, n_rows)
-    if LOOPED:
-        _layer_norm_bwd_looped(DY, X, W, STATS, DX, PARTIALS, stride_dy, stride_x, stride_dx, n_cols, pid,
-                               row_start, row_end, HAS_DX, HAS_DW, HAS_DB, BLOCK_M, BLOCK_N)
-    else:
-        _layer_norm_bwd_fused(DY, X, W, STATS, DX, PARTIALS, stride_dy, stride_x, stride_dx, n_cols, pid,
-                              row_start, row_end, rows_per_program, HAS_DX, HAS_DW, HAS_DB, BLOCK_M, BLOCK_N,
-                              STAGES)
-
-
 def _layer_norm_fwd(x, weight, bias, opts: LayerNormOptions):
     assert x.ndim == 2 and weight.shape == (x.shape[1],), (x.shape, weight.shape)
     assert bias is None or bias.shape == weight.shape, bias.shape
@@ -313,24 +320,42 @@ def _layer_norm_fwd(x, weight, bias, opts: LayerNormOptions):
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     stats = torch.empty((n_rows, 2), dtype=torch.float32, device=x.device)  # mean, rstd: one allocation
     plan = norm_fwd_plan(n_rows, n_cols, _utils.KNOBS)
-    launch_norm_fwd(
-        _layer_norm_fwd_kernel, plan, x, y, (weight, bias, stats), (opts.eps,), HAS_BIAS=bias is not None
-    )
+    if plan.looped:
+        _layer_norm_fwd_looped_kernel[(plan.n_programs,)](
+            x, y, weight, bias, stats, x.stride(0), y.stride(0), n_cols, opts.eps,
+            HAS_BIAS=bias is not None, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
+        )
+    else:
+        _layer_norm_fwd_kernel[(plan.n_programs,)](
+            x, y, weight, bias, stats, x.stride(0), y.stride(0), n_rows, n_cols, opts.eps,
+            HAS_BIAS=bias is not None, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
+        )
     return y, x, stats
 
 
 def _layer_norm_bwd(
     dy, x, weight, stats, opts: LayerNormOptions, needs_dx: bool, needs_dw: bool, needs_db: bool
 ):
-    dy, dx, plan = norm_bwd_setup(dy, x, needs_dx, opts.in_place, _utils.KNOBS)
-    sums = launch_norm_bwd(
-        _layer_norm_bwd_kernel, plan, dy, x, dx, (weight, stats), (),
-        needs_dw + needs_db, HAS_DX=needs_dx, HAS_DW=needs_dw, HAS_DB=needs_db,
+    n_rows, n_cols = x.shape
+    dy = lastdim_contiguous(dy)
+    dx = norm_dx_buffer(dy, x, needs_dx, opts.in_place)
+    plan = norm_bwd_plan(n_rows, n_cols, x.device, _utils.KNOBS)
+    # dW and dB partials in one buffer, so one reduction and one cast serve both.
+    n_partials = needs_dw + needs_db
+    partials = None
+    if n_partials:
+        partials = torch.empty((n_partials, plan.n_programs, n_cols), dtype=torch.float32, device=x.device)
+    kernel = _layer_norm_bwd_looped_kernel if plan.looped else _layer_norm_bwd_kernel
+    kernel[(plan.n_programs,)](
+        dy, x, weight, stats, dx, partials,
+        dy.stride(0), x.stride(0), dx.stride(0) if needs_dx else 0, n_rows, n_cols, plan.rows_per_program,
+        HAS_DX=needs_dx, HAS_DW=needs_dw, HAS_DB=needs_db,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, num_warps=plan.num_warps, **plan.extra,
     )
-    if sums is None:
+    if not n_partials:
         return dx, None, None
-    sums = sums.to(weight.dtype)  # one cast serves dW and dB
-    if needs_dw and needs_db:
+    sums = partials.sum(1).to(weight.dtype)
+    if n_partials == 2:
         dw, db = sums.unbind(0)
         return dx, dw, db
     return (dx, sums[0], None) if needs_dw else (dx, None, sums[0])

@@ -15,8 +15,7 @@ import triton.language as tl
 from torch import nn
 
 from . import _utils
-from ._norm_blocks import load_col_block
-from ._utils import lastdim_contiguous, launch_norm_bwd, launch_norm_fwd, norm_bwd_setup, norm_fwd_plan
+from ._utils import lastdim_contiguous, norm_bwd_plan, norm_dx_buffer, norm_fwd_plan
 
 CASTING_MODES = ("llama", "gemma")
 
@@ -63,9 +62,21 @@ _options = functools.lru_cache(maxsize=64)(RMSNormOptions)  # one instance per o
 # Forward, per row:  rstd = 1 / sqrt(sum(x^2) / D + eps),  xhat = x * rstd,  wt = w + offset,
 #   y = cast(xhat) * wt   ("llama", cast = round to x's dtype)   or   y = xhat * wt   ("gemma").
 @triton.jit
-def _rms_norm_fwd_fused(X, Y, W, RSTD, stride_x, stride_y, n_rows, n_cols, eps, offset,
-                        CAST_LLAMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """BLOCK_M whole rows of one register tile each."""
+def _rms_norm_fwd_kernel(
+    X,  # (N, D) input, rows stride_x apart
+    Y,  # (N, D) output, contiguous
+    W,  # (D,) weight
+    RSTD,  # (N,) fp32, reciprocal RMS saved for the backward
+    stride_x,
+    stride_y,
+    n_rows,
+    n_cols,
+    eps,
+    offset,
+    CAST_LLAMA: tl.constexpr,  # round xhat to X's dtype before the scale
+    BLOCK_M: tl.constexpr,  # rows per program (>1 only for short rows)
+    BLOCK_N: tl.constexpr,  # power of two >= D
+):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     row_mask = rows < n_rows
@@ -85,9 +96,19 @@ def _rms_norm_fwd_fused(X, Y, W, RSTD, stride_x, stride_y, n_rows, n_cols, eps, 
 # pass 1 accumulates x^2 over column blocks of BLOCK_N in an fp32 vector and reduces it once; pass 2 computes
 # xhat and y as above, block by block. Pass 2 re-reads x, which pass 1 has just brought into L2.
 @triton.jit
-def _rms_norm_fwd_looped(X, Y, W, RSTD, stride_x, stride_y, n_cols, eps, offset, CAST_LLAMA: tl.constexpr,
-                         BLOCK_N: tl.constexpr):
-    """One row, in column blocks of BLOCK_N."""
+def _rms_norm_fwd_looped_kernel(
+    X,  # (N, D) input, rows stride_x apart
+    Y,  # (N, D) output, contiguous
+    W,  # (D,) weight
+    RSTD,  # (N,) fp32, reciprocal RMS saved for the backward
+    stride_x,
+    stride_y,
+    n_cols,
+    eps,
+    offset,
+    CAST_LLAMA: tl.constexpr,  # round xhat to X's dtype before the scale
+    BLOCK_N: tl.constexpr,  # columns per step
+):
     row = tl.program_id(0).to(tl.int64)
     x_row = X + row * stride_x
     y_row = Y + row * stride_y
@@ -110,30 +131,6 @@ def _rms_norm_fwd_looped(X, Y, W, RSTD, stride_x, stride_y, n_cols, eps, offset,
         tl.store(y_row + start + cols, (xhat * wt).to(Y.dtype.element_ty), mask=mask)
         start += BLOCK_N
     tl.store(RSTD + row, rstd)
-
-
-@triton.jit
-def _rms_norm_fwd_kernel(
-    X,  # (N, D) input, rows stride_x apart
-    Y,  # (N, D) output, contiguous
-    W,  # (D,) weight
-    RSTD,  # (N,) fp32, reciprocal RMS saved for the backward
-    stride_x,
-    stride_y,
-    n_rows,
-    n_cols,
-    eps,
-    offset,
-    CAST_LLAMA: tl.constexpr,  # round xhat to X's dtype before the scale
-    BLOCK_M: tl.constexpr,  # rows per program (>1 only for short rows; 1 when LOOPED)
-    BLOCK_N: tl.constexpr,  # power of two >= D, or columns per step when LOOPED
-    LOOPED: tl.constexpr,  # rows wider than one register tile: one row per program, two passes
-):
-    if LOOPED:
-        _rms_norm_fwd_looped(X, Y, W, RSTD, stride_x, stride_y, n_cols, eps, offset, CAST_LLAMA, BLOCK_N)
-    else:
-        _rms_norm_fwd_fused(X, Y, W, RSTD, stride_x, stride_y, n_rows, n_cols, eps, offset, CAST_LLAMA,
-                            BLOCK_M, BLOCK_N)
 
 
 # Backward, per row, with dxhat = dy * wt:
@@ -163,11 +160,30 @@ def _rms_norm_bwd_rows(DY, X, RSTD, DX, wt, rows, row_mask, cols, col_mask, stri
 
 
 @triton.jit
-def _rms_norm_bwd_fused(DY, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_x, stride_dx, n_cols, offset, pid,
-                        row_start, row_end, rows_per_program, CAST_LLAMA: tl.constexpr, HAS_DX: tl.constexpr,
-                        HAS_DW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        STAGES: tl.constexpr):
-    """One program's rows [row_start, row_end), each row in one register tile of BLOCK_N columns."""
+def _rms_norm_bwd_kernel(
+    DY,  # (N, D) upstream gradient, rows stride_dy apart
+    X,  # (N, D) forward input, rows stride_x apart
+    W,  # (D,) weight
+    RSTD,  # (N,) fp32 from the forward
+    DX,  # (N, D) input gradient (may alias DY), rows stride_dx apart
+    DW_PARTIAL,  # (n_programs, D) fp32 per-program sums of dy * xhat
+    stride_dy,
+    stride_x,
+    stride_dx,
+    n_rows,
+    n_cols,
+    rows_per_program,  # a multiple of BLOCK_M
+    offset,
+    CAST_LLAMA: tl.constexpr,
+    HAS_DX: tl.constexpr,  # x requires grad
+    HAS_DW: tl.constexpr,  # weight requires grad
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    STAGES: tl.constexpr,  # > 0: software-pipelined row loop (GPU); 0: a while loop (the interpreter)
+):
+    pid = tl.program_id(0)
+    row_start = pid.to(tl.int64) * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, n_rows)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
     wt = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
@@ -199,10 +215,29 @@ def _rms_norm_bwd_fused(DY, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_x, str
 #     the first step stores instead of adding).
 # Pass 2 re-reads dy and x, which pass 1 has just brought into L2.
 @triton.jit
-def _rms_norm_bwd_looped(DY, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_x, stride_dx, n_cols, offset, pid,
-                         row_start, row_end, CAST_LLAMA: tl.constexpr, HAS_DX: tl.constexpr,
-                         HAS_DW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program's rows [row_start, row_end), BLOCK_M rows at a time, in column blocks of BLOCK_N."""
+def _rms_norm_bwd_looped_kernel(
+    DY,  # (N, D) upstream gradient, rows stride_dy apart
+    X,  # (N, D) forward input, rows stride_x apart
+    W,  # (D,) weight
+    RSTD,  # (N,) fp32 from the forward
+    DX,  # (N, D) input gradient (may alias DY), rows stride_dx apart
+    DW_PARTIAL,  # (n_programs, D) fp32 per-program sums of dy * xhat
+    stride_dy,
+    stride_x,
+    stride_dx,
+    n_rows,
+    n_cols,
+    rows_per_program,  # a multiple of BLOCK_M
+    offset,
+    CAST_LLAMA: tl.constexpr,
+    HAS_DX: tl.constexpr,  # x requires grad
+    HAS_DW: tl.constexpr,  # weight requires grad
+    BLOCK_M: tl.constexpr,  # rows per step
+    BLOCK_N: tl.constexpr,  # columns per step
+):
+    pid = tl.program_id(0)
+    row_start = pid.to(tl.int64) * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, n_rows)
     cols = tl.arange(0, BLOCK_N)
     if HAS_DW:
         dw_row = DW_PARTIAL + pid.to(tl.int64) * n_cols
@@ -217,14 +252,22 @@ def _rms_norm_bwd_looped(DY, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_x, st
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             col0 = 0
             while col0 < n_cols:
-                col, col_mask, mask, dy, x = load_col_block(dy_rows, x_rows, col0, cols, row_mask, n_cols)
+                col = col0 + cols
+                col_mask = col < n_cols
+                mask = row_mask[:, None] & col_mask[None, :]
+                dy = tl.load(dy_rows + col[None, :], mask=mask, other=0.0).to(tl.float32)
+                x = tl.load(x_rows + col[None, :], mask=mask, other=0.0).to(tl.float32)
                 wt = tl.load(W + col, mask=col_mask, other=0.0).to(tl.float32) + offset
                 acc += dy * wt[None, :] * x
                 col0 += BLOCK_N
             c = tl.sum(acc, axis=1) * rstd / n_cols
         col0 = 0
         while col0 < n_cols:
-            col, col_mask, mask, dy, x = load_col_block(dy_rows, x_rows, col0, cols, row_mask, n_cols)
+            col = col0 + cols
+            col_mask = col < n_cols
+            mask = row_mask[:, None] & col_mask[None, :]
+            dy = tl.load(dy_rows + col[None, :], mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(x_rows + col[None, :], mask=mask, other=0.0).to(tl.float32)
             xhat = x * rstd[:, None]
             if HAS_DX:
                 wt = tl.load(W + col, mask=col_mask, other=0.0).to(tl.float32) + offset
@@ -243,41 +286,6 @@ def _rms_norm_bwd_looped(DY, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_x, st
         start += BLOCK_M
 
 
-@triton.jit
-def _rms_norm_bwd_kernel(
-    DY,  # (N, D) upstream gradient, rows stride_dy apart
-    X,  # (N, D) forward input, rows stride_x apart
-    W,  # (D,) weight
-    RSTD,  # (N,) fp32 from the forward
-    DX,  # (N, D) input gradient (may alias DY), rows stride_dx apart
-    DW_PARTIAL,  # (n_programs, D) fp32 per-program sums of dy * xhat
-    stride_dy,
-    stride_x,
-    stride_dx,
-    n_rows,
-    n_cols,
-    rows_per_program,  # a multiple of BLOCK_M
-    offset,
-    CAST_LLAMA: tl.constexpr,
-    HAS_DX: tl.constexpr,  # x requires grad
-    HAS_DW: tl.constexpr,  # weight requires grad
-    BLOCK_M: tl.constexpr,  # rows per step
-    BLOCK_N: tl.constexpr,  # the whole row (one register tile), or columns per step when LOOPED
-    LOOPED: tl.constexpr,  # rows wider than one register tile: two passes over column blocks
-    STAGES: tl.constexpr,  # > 0: software-pipelined row loop (GPU, not LOOPED); 0: a while loop
-):
-    pid = tl.program_id(0)
-    row_start = pid.to(tl.int64) * rows_per_program
-    row_end = tl.minimum(row_start + rows_per_program, n_rows)
-    if LOOPED:
-        _rms_norm_bwd_looped(DY, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_x, stride_dx, n_cols, offset,
-                             pid, row_start, row_end, CAST_LLAMA, HAS_DX, HAS_DW, BLOCK_M, BLOCK_N)
-    else:
-        _rms_norm_bwd_fused(DY, X, W, RSTD, DX, DW_PARTIAL, stride_dy, stride_x, stride_dx, n_cols, offset,
-                            pid, row_start, row_end, rows_per_program, CAST_LLAMA, HAS_DX, HAS_DW, BLOCK_M,
-                            BLOCK_N, STAGES)
-
-
 def _rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, opts: RMSNormOptions):
     assert x.ndim == 2 and weight.ndim == 1 and x.shape[1] == weight.shape[0], (x.shape, weight.shape)
     assert opts.casting in CASTING_MODES, opts.casting
@@ -288,20 +296,38 @@ def _rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, opts: RMSNormOptions):
     y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     plan = norm_fwd_plan(n_rows, n_cols, _utils.rms_knobs(_utils.KNOBS))
-    launch_norm_fwd(
-        _rms_norm_fwd_kernel, plan, x, y, (weight, rstd), (opts.eps, opts.offset), CAST_LLAMA=cast_llama
-    )
+    if plan.looped:
+        _rms_norm_fwd_looped_kernel[(plan.n_programs,)](
+            x, y, weight, rstd, x.stride(0), y.stride(0), n_cols, opts.eps, opts.offset,
+            CAST_LLAMA=cast_llama, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
+        )
+    else:
+        _rms_norm_fwd_kernel[(plan.n_programs,)](
+            x, y, weight, rstd, x.stride(0), y.stride(0), n_rows, n_cols, opts.eps, opts.offset,
+            CAST_LLAMA=cast_llama, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
+        )
     return y, x, rstd
 
 
 def _rms_norm_bwd(dy, x, weight, rstd, opts: RMSNormOptions, needs_dx: bool, needs_dw: bool):
-    dy, dx, plan = norm_bwd_setup(dy, x, needs_dx, opts.in_place, _utils.rms_knobs(_utils.KNOBS))
-    sums = launch_norm_bwd(
-        _rms_norm_bwd_kernel, plan, dy, x, dx, (weight, rstd), (opts.offset,),
-        int(needs_dw), CAST_LLAMA=opts.casting == "llama", HAS_DX=needs_dx, HAS_DW=needs_dw,
+    n_rows, n_cols = x.shape
+    dy = lastdim_contiguous(dy)
+    dx = norm_dx_buffer(dy, x, needs_dx, opts.in_place)
+    plan = norm_bwd_plan(n_rows, n_cols, x.device, _utils.rms_knobs(_utils.KNOBS))
+    dw_partial = None
+    if needs_dw:
+        dw_partial = torch.empty((plan.n_programs, n_cols), dtype=torch.float32, device=x.device)
+    kernel = _rms_norm_bwd_looped_kernel if plan.looped else _rms_norm_bwd_kernel
+    kernel[(plan.n_programs,)](
+        dy, x, weight, rstd, dx, dw_partial,
+        dy.stride(0), x.stride(0), dx.stride(0) if needs_dx else 0, n_rows, n_cols, plan.rows_per_program,
+        opts.offset,
+        CAST_LLAMA=opts.casting == "llama", HAS_DX=needs_dx, HAS_DW=needs_dw,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, num_warps=plan.num_warps, **plan.extra,
     )
-    # One cast unless the weight is fp32.
-    return dx, None if sums is None else sums[0].to(weight.dtype)
+    # One reduction kernel, and one cast unless the weight is fp32.
+    dw = dw_partial.sum(0).to(weight.dtype) if needs_dw else None
+    return dx, dw
 
 
 class RMSNormFunction(torch.autograd.Function):
