@@ -7,7 +7,7 @@ replaces that math keeps the compiled steps. Triton is imported only when a step
 ==========================  ==========================  ==================================================
 loss                        steps                       kernel
 ==========================  ==========================  ==================================================
-cross-entropy               TOKEN, TOKEN_ROWS           ``kernels/cross_entropy.py`` (two reads per row)
+cross-entropy, multi-token  TOKEN, TOKEN_ROWS           ``kernels/cross_entropy.py`` (two reads per row)
 JSD                         TOKEN                       ``kernels/jsd.py`` (three reads of each head)
 preference (DPO, ORPO, …)   STATS, SEQ_PASS2            ``kernels/logprob.py`` (row statistics, gradient)
 GRPO                        TOKEN, TOKEN_VALUE,         ``kernels/logprob.py``, the loss on the (C,)
@@ -22,7 +22,7 @@ import functools
 import torch
 
 from chunkloss.engine import StepKind, register_gpu_steps
-from chunkloss.losses import cross_entropy, grpo, jsd, preference
+from chunkloss.losses import cross_entropy, grpo, jsd, multi_token, preference
 from chunkloss.losses.preference import LOGP, LOGP_RAW, NLL
 
 __all__: list[str] = []
@@ -54,6 +54,18 @@ def cross_entropy_token(opts, logits, extra_logits, token, scalars):
 def cross_entropy_token_rows(opts, logits, extra_logits, token, scalars, row_weight):
     """``TOKEN_ROWS`` (reduction='none', normaliser 1): the gradient of ``Σ_i w_i·ℓ_i``."""
     _cross_entropy_rows(opts, logits, token, scalars["normaliser"], row_weight)
+    return logits
+
+
+def multi_token_token(opts, logits, extra_logits, token, scalars):
+    """Multi-token heads' ``TOKEN``: the cross-entropy kernel, each row weighted by its head's ``w_k/n_k``."""
+    rows = _cross_entropy_rows(opts, logits, token, scalars["one"], token["row_weight"])
+    return (logits, *multi_token._head_sums(rows, token, scalars, opts))
+
+
+def multi_token_token_rows(opts, logits, extra_logits, token, scalars, row_weight):
+    """Multi-token heads' ``TOKEN_ROWS`` (reduction='none'): the gradient of ``Σ_i row_weight_i·w_k·ℓ_i``."""
+    _cross_entropy_rows(opts, logits, token, scalars["one"], row_weight * token["row_weight"])
     return logits
 
 
@@ -143,6 +155,11 @@ def grpo_pass2(opts: grpo.GRPOOptions, logits, extra_logits, token, coef, rows=N
 register_gpu_steps(
     cross_entropy.FusedLinearCrossEntropyLoss,
     {StepKind.TOKEN: cross_entropy_token, StepKind.TOKEN_ROWS: cross_entropy_token_rows},
+    math=("chunk_loss",),
+)
+register_gpu_steps(
+    multi_token.FusedLinearMultiTokenLoss,
+    {StepKind.TOKEN: multi_token_token, StepKind.TOKEN_ROWS: multi_token_token_rows},
     math=("chunk_loss",),
 )
 register_gpu_steps(jsd.FusedLinearJSDLoss, {StepKind.TOKEN: jsd_token}, math=("chunk_loss",))

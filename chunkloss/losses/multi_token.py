@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from chunkloss.engine import Batch, FusedLinearBase, StepKind, register_gpu_steps
+from chunkloss.engine import Batch, FusedLinearBase
 from chunkloss.losses.common import check_head, check_labels, item_count
 from chunkloss.losses.cross_entropy import CrossEntropyOptions, cross_entropy_rows
 
@@ -93,38 +93,6 @@ def _head_sums(rows: dict[str, Tensor], token, scalars, opts: MultiTokenOptions)
 def multi_token_chunk(logits, extra_logits, token, scalars, opts: MultiTokenOptions):
     """Loss of one chunk of stacked heads' rows: ``Σ_i (w_k/n_k)_i · ℓ_i``, and the per-head sums."""
     return _head_sums(cross_entropy_rows(logits, token["labels"], opts), token, scalars, opts)
-
-
-def _kernel_rows(opts: MultiTokenOptions, logits, token, scalars, row_weight):
-    """The cross-entropy Triton kernel on a chunk: per-row values, ``d(Σ_i row_weight_i·ℓ_i)/dlogits`` written
-    over the logits."""
-    from chunkloss.kernels.cross_entropy import cross_entropy_step  # Triton is imported only on CUDA
-
-    return cross_entropy_step(
-        logits,
-        token["labels"],
-        scalars["one"],
-        row_weight.float().contiguous(),
-        label_smoothing=opts.label_smoothing,
-        lse_square_scale=opts.lse_square_scale,
-        softcap=opts.softcap,
-        temperature=opts.temperature,
-        logit_scale=opts.logit_scale,
-        want_accuracy=opts.return_token_accuracy,
-        want_entropy=opts.return_entropy,
-    )
-
-
-def _gpu_token(opts: MultiTokenOptions, logits, extra_logits, token, scalars):
-    """``TOKEN`` on CUDA: ``grad_and_value(multi_token_chunk)``, rows weighted by their head's ``w_k/n_k``."""
-    rows = _kernel_rows(opts, logits, token, scalars, token["row_weight"])
-    return (logits, *_head_sums(rows, token, scalars, opts))
-
-
-def _gpu_token_rows(opts: MultiTokenOptions, logits, extra_logits, token, scalars, row_weight):
-    """``TOKEN_ROWS`` on CUDA (reduction='none'): the gradient of ``Σ_i row_weight_i·w_k·ℓ_i``."""
-    _kernel_rows(opts, logits, token, scalars, row_weight * token["row_weight"])
-    return logits
 
 
 def _per_head(value, k: int, name: str, dims: int, optional: bool = False) -> list:
@@ -396,11 +364,3 @@ def _autocast_cast(dtype: torch.dtype):
         return value
 
     return cast
-
-
-# On CUDA the token steps are the cross-entropy Triton kernel (no torch.compile graph).
-register_gpu_steps(
-    FusedLinearMultiTokenLoss,
-    {StepKind.TOKEN: _gpu_token, StepKind.TOKEN_ROWS: _gpu_token_rows},
-    math=("chunk_loss",),
-)
