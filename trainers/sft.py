@@ -17,10 +17,10 @@ import torch
 from trl import SFTConfig, SFTTrainer
 
 from chunkloss.losses.cross_entropy import FusedLinearCrossEntropyLoss
+from chunkloss.losses.dft import FusedLinearDFTLoss
 
 from ._common import ChunkedArguments, DeferredMetrics, refuse
 from ._head import left_pad
-from ._losses import FusedLinearDFTLoss
 from ._setup import ChunkedTrainerSetup
 
 __all__ = ["ChunkedSFTConfig", "ChunkedSFTTrainer"]

@@ -8,6 +8,7 @@ replaces that math keeps the compiled steps. Triton is imported only when a step
 loss                        steps                       kernel
 ==========================  ==========================  ==================================================
 cross-entropy, multi-token  TOKEN, TOKEN_ROWS           ``kernels/cross_entropy.py`` (two reads per row)
+DFT (SFT)                   TOKEN                       ``kernels/logprob.py`` (statistics, gradient)
 JSD                         TOKEN                       ``kernels/jsd.py`` (three reads of each head)
 preference (DPO, ORPO, …)   STATS, SEQ_PASS2            ``kernels/logprob.py`` (row statistics, gradient)
 GRPO                        TOKEN, TOKEN_VALUE,         ``kernels/logprob.py``, the loss on the (C,)
@@ -22,7 +23,7 @@ import functools
 import torch
 
 from chunkloss.engine import StepKind, register_gpu_steps
-from chunkloss.losses import cross_entropy, grpo, jsd, multi_token, preference
+from chunkloss.losses import cross_entropy, dft, grpo, jsd, multi_token, preference
 from chunkloss.losses.preference import LOGP, LOGP_RAW, NLL
 
 __all__: list[str] = []
@@ -67,6 +68,21 @@ def multi_token_token_rows(opts, logits, extra_logits, token, scalars, row_weigh
     """Multi-token heads' ``TOKEN_ROWS`` (reduction='none'): the gradient of ``Σ_i row_weight_i·w_k·ℓ_i``."""
     _cross_entropy_rows(opts, logits, token, scalars["one"], row_weight * token["row_weight"])
     return logits
+
+
+def dft_token(opts, logits, extra_logits, token, scalars):
+    """The "token" step on CUDA: the rows' statistics from ``chunkloss.kernels.logprob`` (one read of the
+    logits), the loss on them, and ``dL/dlogits = -sg(p_y)/n · (onehot - p)`` written in place (one more
+    read)."""
+    from chunkloss.kernels.logprob import row_grad_from_loss_, row_stats  # Triton is imported only on CUDA
+
+    rows = row_stats(logits, token["labels"], **dft.row_kw(opts))
+    with torch.enable_grad():
+        rows["logp"].requires_grad_(True)
+        loss, metrics = dft.dft_sums(rows, token, scalars, opts)
+    scalings = dict(logit_scale=opts.logit_scale, softcap=opts.softcap, temperature=opts.temperature)
+    row_grad_from_loss_(logits, token["labels"], rows, loss, **scalings)
+    return logits, loss.detach(), metrics
 
 
 # --------------------------------------------------------------------------------------------------
@@ -162,6 +178,8 @@ register_gpu_steps(
     {StepKind.TOKEN: multi_token_token, StepKind.TOKEN_ROWS: multi_token_token_rows},
     math=("chunk_loss",),
 )
+# DFT is a cross-entropy subclass: its step runs on the row kernels, never the cross-entropy kernel.
+register_gpu_steps(dft.FusedLinearDFTLoss, {StepKind.TOKEN: dft_token}, math=("chunk_loss",))
 register_gpu_steps(jsd.FusedLinearJSDLoss, {StepKind.TOKEN: jsd_token}, math=("chunk_loss",))
 register_gpu_steps(
     preference.FusedLinearPreferenceLoss,

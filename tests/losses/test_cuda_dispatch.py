@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from chunkloss.trainers._losses import FusedLinearDFTLoss
 
 from chunkloss.losses.common import scale_logits
 from chunkloss.losses.cross_entropy import FusedLinearCrossEntropyLoss
+from chunkloss.losses.dft import FusedLinearDFTLoss
 from chunkloss.losses.grpo import FusedLinearGRPOLoss, grpo_chunk
 from chunkloss.losses.jsd import FusedLinearJSDLoss, jsd_chunk
 from tests.losses import test_grpo as tg

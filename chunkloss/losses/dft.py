@@ -1,17 +1,18 @@
-"""Small token losses the trainers need beyond chunkloss.losses, written on the same engine."""
+"""DFT (arXiv:2508.05629): ``-Σ sg(p_y)·log p_y / n``, TRL's ``SFTTrainer`` with ``loss_type="dft"``.
+
+A cross-entropy subclass on the same engine; its Triton step is registered in
+``chunkloss/losses/gpu_steps.py``.
+"""
 
 from __future__ import annotations
 
-import torch
-
-from chunkloss.engine import StepKind, register_gpu_steps
 from chunkloss.losses.common import row_statistics
 from chunkloss.losses.cross_entropy import CrossEntropyOptions, FusedLinearCrossEntropyLoss
 
 __all__ = ["FusedLinearDFTLoss"]
 
 
-def _row_kw(opts: CrossEntropyOptions) -> dict:
+def row_kw(opts: CrossEntropyOptions) -> dict:
     return dict(
         logit_scale=opts.logit_scale,
         softcap=opts.softcap,
@@ -22,7 +23,7 @@ def _row_kw(opts: CrossEntropyOptions) -> dict:
     )
 
 
-def _dft_sums(rows: dict, token, scalars, opts: CrossEntropyOptions):
+def dft_sums(rows: dict, token, scalars, opts: CrossEntropyOptions):
     """The chunk's DFT loss and metric sums from its rows' statistics (``row_statistics`` names)."""
     logp = rows["logp"]
     loss = -(logp * logp.detach().exp()).sum() / scalars["normaliser"]
@@ -39,22 +40,7 @@ def _dft_sums(rows: dict, token, scalars, opts: CrossEntropyOptions):
 def dft_chunk(logits, extra_logits, token, scalars, opts: CrossEntropyOptions):
     """DFT (arXiv:2508.05629), TRL's ``SFTTrainer`` with ``loss_type="dft"``: ``-sg(p_y)·log p_y`` summed over
     the chunk and divided by the global normaliser; metrics as in the cross-entropy."""
-    return _dft_sums(row_statistics(logits, token["labels"], **_row_kw(opts)), token, scalars, opts)
-
-
-def _dft_triton_step(opts: CrossEntropyOptions, logits, extra_logits, token, scalars):
-    """The "token" step on CUDA: the rows' statistics from ``chunkloss.kernels.logprob`` (one read of the
-    logits), the loss on them, and ``dL/dlogits = -sg(p_y)/n · (onehot - p)`` written in place (one more
-    read)."""
-    from chunkloss.kernels.logprob import row_grad_from_loss_, row_stats  # Triton is imported only on CUDA
-
-    rows = row_stats(logits, token["labels"], **_row_kw(opts))
-    with torch.enable_grad():
-        rows["logp"].requires_grad_(True)
-        loss, metrics = _dft_sums(rows, token, scalars, opts)
-    scalings = dict(logit_scale=opts.logit_scale, softcap=opts.softcap, temperature=opts.temperature)
-    row_grad_from_loss_(logits, token["labels"], rows, loss, **scalings)
-    return logits, loss.detach(), metrics
+    return dft_sums(row_statistics(logits, token["labels"], **row_kw(opts)), token, scalars, opts)
 
 
 class FusedLinearDFTLoss(FusedLinearCrossEntropyLoss):
@@ -72,7 +58,3 @@ class FusedLinearDFTLoss(FusedLinearCrossEntropyLoss):
             raise ValueError(
                 "FusedLinearDFTLoss takes no label_smoothing, lse_square_scale or reduction='none'"
             )
-
-
-# On CUDA the step with grad runs on the row kernels (never the cross-entropy kernel of the parent class).
-register_gpu_steps(FusedLinearDFTLoss, {StepKind.TOKEN: _dft_triton_step}, math=("chunk_loss",))
