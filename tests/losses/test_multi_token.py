@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from chunkloss import FusedLinearCrossEntropyLoss, FusedLinearMultiTokenLoss
 from chunkloss.engine import FusedLinearBase
 from chunkloss.losses.common import scale_logits
+from tests.losses.test_cross_entropy import OPTION_CASES as CE_OPTION_CASES
 from tests.tolerances import assert_close_to_ref
 
 # Odd shapes: N = 3·17 rows per head is no multiple of the chunk sizes used, H and V are odd.
@@ -156,23 +157,12 @@ def test_matches_reference(dtype, form, listed, bias, ignore_frac):
     check(ours, ref, low, names, dtype=dtype)
 
 
+# The cross-entropy's option grid (its last case sets every option at once), with per-head counts.
 OPTION_CASES = [
-    {"label_smoothing": 0.1},
-    {"lse_square_scale": 1e-2},
-    {"softcap": 3.0},
-    {"temperature": 0.7},
-    {"logit_scale": 0.5},
-    {"reduction": "sum"},
-    {"reduction": "none"},
+    *CE_OPTION_CASES[:-1],
     {"num_items_in_batch": 40},
     {"num_items_in_batch": [40, 35, 30]},
-    {
-        "label_smoothing": 0.2,
-        "lse_square_scale": 1e-3,
-        "softcap": 5.0,
-        "temperature": 1.3,
-        "logit_scale": 2.0,
-    },
+    CE_OPTION_CASES[-1],
 ]
 
 
