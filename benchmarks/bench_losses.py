@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from benchmarks.harness import PEAK_TFLOPS, measure, stamp
+from benchmarks.harness import PEAK_TFLOPS, measure, measure_or_error, stamp
 from benchmarks.render import write_set
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -54,12 +54,7 @@ def run(only=None, repeats=7, impl_filter=None) -> list[dict]:
                     "floor_ms": case.floor_ms,
                     **case.meta,
                 }
-                try:
-                    row.update(measure(fn, inputs, repeats=repeats))
-                except torch.OutOfMemoryError:
-                    row["error"] = "OOM"
-                except Exception as e:  # a peer failing is a result, not a crash of the benchmark
-                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                row.update(measure_or_error(measure, fn, inputs, repeats))
                 for t in inputs.values():
                     if isinstance(t, torch.Tensor):
                         t.grad = None

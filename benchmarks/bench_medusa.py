@@ -31,7 +31,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from benchmarks.harness import PEAK_TFLOPS, grad_leaves, measure, stamp
+from benchmarks.harness import PEAK_TFLOPS, grad_leaves, measure, measure_or_error, stamp
 from benchmarks.render import write_set
 from chunkloss import FusedLinearCrossEntropyLoss, FusedLinearMultiTokenLoss
 
@@ -145,12 +145,7 @@ def run(heads=(3, 5), forms=("shared", "per_head"), repeats=7, smoke=False) -> l
     rows = []
 
     def record(row, fn, inputs):
-        try:
-            row.update(timer(fn, inputs, repeats=repeats))
-        except torch.OutOfMemoryError:
-            row["error"] = "OOM"
-        except Exception as exc:  # a peer failing is a result, not the end of the run
-            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        row.update(measure_or_error(timer, fn, inputs, repeats))
         rows.append(row)
         gc.collect()
         if device.type == "cuda":

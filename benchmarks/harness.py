@@ -136,3 +136,14 @@ def measure(fn: Callable[[dict], torch.Tensor], inputs: dict, warmup: int = 2, r
     for t in leaves:
         t.grad = None
     return out
+
+
+def measure_or_error(timer: Callable[..., dict], fn, inputs: dict, repeats: int = 7) -> dict:
+    """``timer(fn, inputs, repeats=repeats)``, or ``{"error": ...}`` when the implementation runs out of
+    memory or fails: a peer failing is a result, not the end of the benchmark."""
+    try:
+        return timer(fn, inputs, repeats=repeats)
+    except torch.OutOfMemoryError:
+        return {"error": "OOM"}
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
