@@ -83,8 +83,12 @@ def main(argv=None) -> int:
     ap.add_argument("--impls", default=None, help="comma-separated implementation names to run")
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--name", default="losses", help="result set name: <out>/<name>.json, .md, .png")
+    ap.add_argument(
+        "--name", default="losses", help="losses or losses_<suffix>: writes <out>/<name>.json, .md, .png"
+    )
     args = ap.parse_args(argv)
+    if args.name.split("_", 1)[0] != "losses":
+        ap.error(f"--name must be losses or losses_<suffix>, got {args.name!r}")
     if not torch.cuda.is_available():
         print(
             "bench_losses: no CUDA device; CPU timings would mean nothing, so nothing was run.",

@@ -81,8 +81,9 @@ def first_table(md: str) -> list[str]:
 
 
 def kind(name: str) -> str:
-    """The benchmark of a result set named ``name`` (``e2e_dpo`` -> ``e2e``)."""
-    return "e2e" if name.startswith("e2e") else name
+    """The benchmark of a result set named ``name``: the part before the first ``_`` (``e2e_dpo`` -> ``e2e``,
+    ``losses_ce`` -> ``losses``)."""
+    return name.split("_", 1)[0]
 
 
 def write_set(out_dir: pathlib.Path | str, name: str, data: dict, plot: bool = True) -> None:
