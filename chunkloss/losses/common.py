@@ -211,6 +211,19 @@ def check_labels(
     return padded[:n_keep] if rows else None
 
 
+def check_choice(name: str, value, choices: tuple) -> None:
+    """An option's value is one of ``choices``: a ``ValueError`` naming the option otherwise."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def check_range(name: str, value: float, low: float, high: float) -> None:
+    """An option's value lies in ``[low, high]`` (NaN does not): a ``ValueError`` naming the option
+    otherwise."""
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+
+
 def options_of(arguments: dict) -> dict:
     """A loss constructor's options from its ``locals()``: every name but ``self`` and ``__class__``."""
     return {k: v for k, v in arguments.items() if k not in ("self", "__class__")}

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from chunkloss.losses.common import options_of
+from chunkloss.losses.common import check_choice, check_range, options_of
 from chunkloss.losses.preference import FusedLinearPreferenceLoss, PreferenceOptions
 
 __all__ = ["CPO_LOSS_TYPES", "CPOOptions", "FusedLinearCPOLoss"]
@@ -41,10 +41,8 @@ class CPOOptions(PreferenceOptions):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.loss_type not in CPO_LOSS_TYPES:
-            raise ValueError(f"loss_type must be one of {CPO_LOSS_TYPES}, got {self.loss_type!r}")
-        if not 0.0 <= self.label_smoothing <= 0.5:
-            raise ValueError(f"label_smoothing must be in [0, 0.5], got {self.label_smoothing}")
+        check_choice("loss_type", self.loss_type, CPO_LOSS_TYPES)
+        check_range("label_smoothing", self.label_smoothing, 0, 0.5)
 
     @property
     def avg_logps(self) -> bool:

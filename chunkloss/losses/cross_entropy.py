@@ -21,7 +21,15 @@ import torch
 from torch import Tensor
 
 from chunkloss.engine import Batch, FusedLinearBase, FusedOptions
-from chunkloss.losses.common import check_head, check_labels, item_count, options_of, row_statistics
+from chunkloss.losses.common import (
+    check_choice,
+    check_head,
+    check_labels,
+    check_range,
+    item_count,
+    options_of,
+    row_statistics,
+)
 
 __all__ = ["CrossEntropyOptions", "FusedLinearCrossEntropyLoss", "cross_entropy_rows"]
 
@@ -44,10 +52,8 @@ class CrossEntropyOptions(FusedOptions):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.reduction not in _REDUCTIONS:
-            raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {self.reduction!r}")
-        if not 0.0 <= self.label_smoothing <= 1.0:
-            raise ValueError(f"label_smoothing must be in [0, 1], got {self.label_smoothing}")
+        check_choice("reduction", self.reduction, _REDUCTIONS)
+        check_range("label_smoothing", self.label_smoothing, 0, 1)
         if self.temperature <= 0:
             raise ValueError(f"temperature must be positive, got {self.temperature}")
         if self.softcap is not None and self.softcap <= 0:

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from chunkloss.losses.common import options_of
+from chunkloss.losses.common import check_choice, check_range, options_of
 from chunkloss.losses.preference import FusedLinearPreferenceLoss, PreferenceOptions
 
 __all__ = ["DPOOptions", "FusedLinearDPOLoss", "DPO_LOSS_TYPES"]
@@ -86,10 +86,7 @@ class DPOOptions(PreferenceOptions):
                 f"loss_weights must have one weight per loss_type: {len(weights)} weights for {list(types)}"
             )
         object.__setattr__(self, "loss_weights", weights)
-        if self.f_divergence_type not in F_DIVERGENCES:
-            raise ValueError(
-                f"f_divergence_type must be one of {F_DIVERGENCES}, got {self.f_divergence_type!r}"
-            )
+        check_choice("f_divergence_type", self.f_divergence_type, F_DIVERGENCES)
         if self.f_divergence_type != "reverse_kl" and not set(types) <= _F_DIVERGENCE_LOSS_TYPES:
             raise ValueError(
                 f"f_divergence_type={self.f_divergence_type!r} only supports loss types "
@@ -103,8 +100,7 @@ class DPOOptions(PreferenceOptions):
             raise ValueError(
                 f"'exo_pair' needs 0 < label_smoothing < 1 (EXO suggests 1e-3), got {self.label_smoothing}"
             )
-        if not 0.0 <= self.label_smoothing <= 1.0:
-            raise ValueError(f"label_smoothing must be in [0, 1], got {self.label_smoothing}")
+        check_range("label_smoothing", self.label_smoothing, 0, 1)
         if "robust" in types and not self.label_smoothing < 0.5:
             raise ValueError(f"'robust' needs label_smoothing in [0, 0.5), got {self.label_smoothing}")
         if self.ld_alpha is not None and not 0.0 <= self.ld_alpha <= 1.0:

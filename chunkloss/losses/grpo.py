@@ -60,7 +60,15 @@ import torch
 from torch import Tensor
 
 from chunkloss.engine import FusedLinearBase, FusedOptions, segment_sum, sequence_batch
-from chunkloss.losses.common import check_head, nograd_label_logprob, options_of, quantile, row_statistics
+from chunkloss.losses.common import (
+    check_choice,
+    check_head,
+    check_range,
+    nograd_label_logprob,
+    options_of,
+    quantile,
+    row_statistics,
+)
 from chunkloss.losses.grpo_batch import (
     GLOBAL_COUNT_LOSS_TYPES,
     LOG_RATIO_MIN,
@@ -118,13 +126,8 @@ class GRPOOptions(FusedOptions):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
-        if self.importance_sampling_level not in IS_LEVELS:
-            raise ValueError(
-                f"importance_sampling_level must be one of {IS_LEVELS}, "
-                f"got {self.importance_sampling_level!r}"
-            )
+        check_choice("loss_type", self.loss_type, LOSS_TYPES)
+        check_choice("importance_sampling_level", self.importance_sampling_level, IS_LEVELS)
         if self.loss_type == "dr_grpo" and (
             self.max_completion_length is None or self.max_completion_length <= 0
         ):
@@ -143,8 +146,7 @@ class GRPOOptions(FusedOptions):
             raise ValueError(f"logit_scale must be positive, got {self.logit_scale}")
         if self.softcap is not None and not self.softcap > 0:
             raise ValueError(f"softcap must be positive or None, got {self.softcap}")
-        if not 0.0 <= self.top_entropy_quantile <= 1.0:
-            raise ValueError(f"top_entropy_quantile must be in [0, 1], got {self.top_entropy_quantile}")
+        check_range("top_entropy_quantile", self.top_entropy_quantile, 0, 1)
         if self.sapo_temperature_pos <= 0 or self.sapo_temperature_neg <= 0:
             raise ValueError("sapo_temperature_pos and sapo_temperature_neg must be positive")
 

@@ -40,7 +40,15 @@ import torch
 from torch import Tensor
 
 from chunkloss.engine import Batch, FusedLinearBase, FusedOptions, Head
-from chunkloss.losses.common import check_head, check_labels, item_count, options_of, pick, scale_logits
+from chunkloss.losses.common import (
+    check_head,
+    check_labels,
+    check_range,
+    item_count,
+    options_of,
+    pick,
+    scale_logits,
+)
 
 __all__ = ["FusedLinearJSDLoss", "JSDOptions", "jsd_chunk", "jsd_rows"]
 
@@ -64,8 +72,7 @@ class JSDOptions(FusedOptions):
 
     def __post_init__(self):
         super().__post_init__()
-        if not 0.0 <= self.beta <= 1.0:
-            raise ValueError(f"beta must be in [0, 1], got {self.beta}")
+        check_range("beta", self.beta, 0, 1)
         if self.temperature <= 0:
             raise ValueError(f"temperature must be positive, got {self.temperature}")
         if self.reduction not in _REDUCTIONS:
