@@ -30,15 +30,11 @@ __all__ = ["FusedLinearORPOLoss", "ORPOOptions"]
 
 @dataclass(frozen=True)
 class ORPOOptions(PreferenceOptions):
-    """The validated options of :class:`FusedLinearORPOLoss` (documented on its constructor)."""
+    """The validated options of :class:`FusedLinearORPOLoss` (documented on its constructor). ORPO fixes what
+    the base leaves to options: ℓ is the mean completion log-prob and the NLL term weighs 1."""
 
-    @property
-    def avg_logps(self) -> bool:
-        return True
-
-    @property
-    def nll_coef(self) -> float:
-        return 1.0
+    avg_logps = True
+    nll_coef = 1.0
 
 
 def orpo_pair_loss(pair, scalars, opts: ORPOOptions):
