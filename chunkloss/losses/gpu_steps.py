@@ -168,16 +168,13 @@ def grpo_pass2(opts: grpo.GRPOOptions, logits, extra_logits, token, coef, rows=N
 
 
 # --------------------------------------------------------------------------------------------------
-register_gpu_steps(
-    cross_entropy.FusedLinearCrossEntropyLoss,
-    {StepKind.TOKEN: cross_entropy_token, StepKind.TOKEN_ROWS: cross_entropy_token_rows},
-    math=("chunk_loss",),
-)
-register_gpu_steps(
-    multi_token.FusedLinearMultiTokenLoss,
-    {StepKind.TOKEN: multi_token_token, StepKind.TOKEN_ROWS: multi_token_token_rows},
-    math=("chunk_loss",),
-)
+# The two users of the cross-entropy kernel: a chunk's loss and its per-row losses.
+for loss_cls, token_step, token_rows_step in (
+    (cross_entropy.FusedLinearCrossEntropyLoss, cross_entropy_token, cross_entropy_token_rows),
+    (multi_token.FusedLinearMultiTokenLoss, multi_token_token, multi_token_token_rows),
+):
+    steps = {StepKind.TOKEN: token_step, StepKind.TOKEN_ROWS: token_rows_step}
+    register_gpu_steps(loss_cls, steps, math=("chunk_loss",))
 # DFT is a cross-entropy subclass: its step runs on the row kernels, never the cross-entropy kernel.
 register_gpu_steps(dft.FusedLinearDFTLoss, {StepKind.TOKEN: dft_token}, math=("chunk_loss",))
 register_gpu_steps(jsd.FusedLinearJSDLoss, {StepKind.TOKEN: jsd_token}, math=("chunk_loss",))
