@@ -43,35 +43,25 @@ class TrainerSpec:
     data: str  # kind passed to chunkloss.data.tiny_dataset
     about: str  # one line for --help
 
+    @classmethod
+    def of(cls, name: str, stem: str, about: str, data: str | None = None) -> TrainerSpec:
+        """``Chunked<stem>Trainer`` and ``Chunked<stem>Config`` of ``chunkloss.trainers.<name>``, trained on
+        data of kind ``data`` (default: ``name``)."""
+        trainer, config = f"Chunked{stem}Trainer", f"Chunked{stem}Config"
+        return cls(f"chunkloss.trainers.{name}", trainer, config, data or name, about)
+
 
 TRAINERS: dict[str, TrainerSpec] = {
-    "sft": TrainerSpec(
-        "chunkloss.trainers.sft", "ChunkedSFTTrainer", "ChunkedSFTConfig", "sft",
-        "supervised fine-tuning (chunked cross-entropy / DFT)",
+    "sft": TrainerSpec.of("sft", "SFT", "supervised fine-tuning (chunked cross-entropy / DFT)"),
+    "grpo": TrainerSpec.of("grpo", "GRPO", "online RL with group-relative advantages (needs reward_funcs)"),
+    "dpo": TrainerSpec.of("dpo", "DPO", "direct preference optimisation (prompt/chosen/rejected)"),
+    "orpo": TrainerSpec.of("orpo", "ORPO", "odds-ratio preference optimisation, no reference model"),
+    "gkd": TrainerSpec.of("gkd", "GKD", "generalised knowledge distillation (needs a teacher)"),
+    "distillation": TrainerSpec.of(
+        "distillation", "Distillation", "on-policy distillation (needs a teacher)"
     ),
-    "grpo": TrainerSpec(
-        "chunkloss.trainers.grpo", "ChunkedGRPOTrainer", "ChunkedGRPOConfig", "grpo",
-        "online RL with group-relative advantages (needs reward_funcs)",
-    ),
-    "dpo": TrainerSpec(
-        "chunkloss.trainers.dpo", "ChunkedDPOTrainer", "ChunkedDPOConfig", "dpo",
-        "direct preference optimisation (prompt/chosen/rejected)",
-    ),
-    "orpo": TrainerSpec(
-        "chunkloss.trainers.orpo", "ChunkedORPOTrainer", "ChunkedORPOConfig", "orpo",
-        "odds-ratio preference optimisation, no reference model",
-    ),
-    "gkd": TrainerSpec(
-        "chunkloss.trainers.gkd", "ChunkedGKDTrainer", "ChunkedGKDConfig", "gkd",
-        "generalised knowledge distillation (needs a teacher)",
-    ),
-    "distillation": TrainerSpec(
-        "chunkloss.trainers.distillation", "ChunkedDistillationTrainer", "ChunkedDistillationConfig",
-        "distillation", "on-policy distillation (needs a teacher)",
-    ),
-    "medusa": TrainerSpec(
-        "chunkloss.trainers.medusa", "ChunkedMedusaTrainer", "ChunkedMedusaConfig", "sft",
-        "Medusa heads: extra heads predicting tokens further ahead (SFT data)",
+    "medusa": TrainerSpec.of(
+        "medusa", "Medusa", "Medusa heads: extra heads predicting tokens further ahead (SFT data)", data="sft"
     ),
 }
 
