@@ -45,7 +45,8 @@ class ChunkedTrainerSetup:
 
     _trains_lm_head_lora = True
     _patch_forward = True
-    #: PEFT types refused, with why (TRL's trainer fails on them mid-training: no objective to match).
+    #: PEFT types refused, with what goes wrong with them in TRL's trainer, which fails on them mid-training
+    #: (no objective to match).
     _prompt_learning_refused: tuple[tuple[str, ...], str] = ((), "")
 
     def __init_subclass__(cls, **kwargs):
@@ -86,7 +87,11 @@ class ChunkedTrainerSetup:
 
     def _refuse_prompt_learning(self) -> None:
         kinds = prompt_learning_types(self.accelerator.unwrap_model(self.model))
-        refused, why = self._prompt_learning_refused
+        refused, what = self._prompt_learning_refused
+        why = (
+            f"TRL's {self._trl_trainer.__name__} fails on it mid-training ({what}), so there is no objective "
+            "to match; prefix tuning and LoRA are supported"
+        )
         for kind in sorted(kinds & set(refused)):
             refuse(type(self).__name__, f"PEFT {kind.lower()}", why)
         if PREFIX_TUNING in kinds and self.args.gradient_checkpointing:

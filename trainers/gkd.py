@@ -27,7 +27,7 @@ from trl.experimental.gkd import GKDConfig, GKDTrainer
 from chunkloss.losses.jsd import FusedLinearJSDLoss
 
 from ._common import ChunkedArguments, jsd_loss_for, refuse
-from ._setup import ChunkedTrainerSetup, teacher_head
+from ._setup import P_TUNING, PROMPT_TUNING, ChunkedTrainerSetup, teacher_head
 
 __all__ = ["ChunkedGKDConfig", "ChunkedGKDTrainer"]
 
@@ -48,9 +48,8 @@ class ChunkedGKDTrainer(ChunkedTrainerSetup, GKDTrainer):
     _tag_names = ["trl", "gkd", "chunkloss"]
 
     _prompt_learning_refused = (
-        ("PROMPT_TUNING", "P_TUNING"),
-        "TRL's GKDTrainer fails on it mid-training (the student's logits carry the virtual tokens, the "
-        "teacher's do not), so there is no objective to match; prefix tuning and LoRA are supported",
+        (PROMPT_TUNING, P_TUNING),
+        "the student's logits carry the virtual tokens, the teacher's do not",
     )
 
     def _refuse_early(self, call: dict) -> None:

@@ -17,7 +17,7 @@ from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 from chunkloss.losses.orpo import FusedLinearORPOLoss
 
 from ._common import ChunkedArguments, DeferredMetrics, refuse
-from ._setup import ChunkedTrainerSetup
+from ._setup import P_TUNING, PROMPT_TUNING, ChunkedTrainerSetup
 
 __all__ = ["ChunkedORPOConfig", "ChunkedORPOTrainer"]
 
@@ -60,9 +60,8 @@ class ChunkedORPOTrainer(ChunkedTrainerSetup, DeferredMetrics, ORPOTrainer):
     _tag_names = ["trl", "orpo", "chunkloss"]
 
     _prompt_learning_refused = (
-        ("PROMPT_TUNING", "P_TUNING"),
-        "TRL's ORPOTrainer fails on it mid-training (its logits carry the virtual tokens, its labels do "
-        "not), so there is no objective to match; prefix tuning and LoRA are supported",
+        (PROMPT_TUNING, P_TUNING),
+        "its logits carry the virtual tokens, its labels do not",
     )
 
     def _refuse_early(self, call: dict) -> None:
