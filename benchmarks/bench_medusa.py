@@ -7,7 +7,13 @@ Llama-3-8B's head (H=4096, V=128256, bf16), N=8192 positions (8 x 1024), K heads
 state and predicts the token k places ahead (K - 1 fewer targets per sequence for head K - 1), weights 0.8^k.
 Each case runs forward + backward of the K heads' loss, with one shared (V, H) head or K per-head heads:
 
-* ``chunkloss``: ``FusedLinearMultiTokenLoss`` (one chunk loop per distinct weight);
+* ``chunkloss``: ``FusedLinearMultiTokenLoss`` (one chunk loop per distinct weight), its default fp32
+  weight-gradient accumulator;
+* ``chunkloss_bf16_accum``: the same with ``accum_dtype=torch.bfloat16`` (the weight gradient accumulated in
+  the weight's dtype, as Liger accumulates it), chunks sized by the library (``chunk_size=None``);
+* ``chunkloss_bf16_accum_liger_chunks``: the same with ``chunk_size`` set to the rows Liger's fused
+  cross-entropy takes per chunk of one head's N rows, ``next_pow2(ceil(N / ceil(V / H)))`` (256 here), so
+  that both hold the logits of as many rows at a time;
 * ``torch``: materialised logits, ``F.cross_entropy`` per head on the fp32 upcast (what Medusa's code does);
 * ``liger``: ``LigerFusedLinearCrossEntropyLoss`` applied once per head (skipped when not installed);
 * ``chunkloss_single_head``: our ``FusedLinearCrossEntropyLoss`` on one head's N rows, the unit of the
@@ -16,7 +22,8 @@ Each case runs forward + backward of the K heads' loss, with one shared (V, H) h
 Time: CUDA events after warm-up, median of ``--repeats``. Memory: peak allocated during one step minus the
 memory allocated before it, less the gradients the step returns (``benchmarks.render.MEMORY_DEFINITION``).
 Writes the result set ``medusa.json`` (stamped with date, GPU and versions), ``medusa.md`` and ``medusa.png``
-under ``--out`` (``benchmarks.render``: tables, and the summary against K · single head and the peers).
+under ``--out`` (``benchmarks.render``: tables, and the summary of each chunkloss row against K · single head
+and the peers).
 """
 
 from __future__ import annotations
@@ -73,9 +80,21 @@ def _head(inputs: dict, i: int):
     return inputs[f"hidden{i}"], inputs.get("weight", inputs.get(f"weight{i}")), target
 
 
-def impls(k: int, device: torch.device, compile: bool) -> dict:
-    """Implementation name -> ``inputs -> loss``."""
+def liger_chunk_rows(n: int, hidden: int, vocab: int) -> int:
+    """The rows per chunk of Liger's fused linear cross-entropy on n rows,
+    ``next_pow2(ceil(n / ceil(V / H)))`` (its logits chunk then holds about as many elements as the input)."""
+    rows = -(-n // -(-vocab // hidden))
+    return 1 << (rows - 1).bit_length()
+
+
+def impls(k: int, device: torch.device, compile: bool, small_chunk: int) -> dict:
+    """Implementation name -> ``inputs -> loss``; ``small_chunk``: the chunk rows of
+    ``chunkloss_bf16_accum_liger_chunks``."""
     ours = FusedLinearMultiTokenLoss(head_weights(k), compile=compile)
+    bf16_acc = FusedLinearMultiTokenLoss(head_weights(k), accum_dtype=torch.bfloat16, compile=compile)
+    bf16_small = FusedLinearMultiTokenLoss(
+        head_weights(k), accum_dtype=torch.bfloat16, chunk_size=small_chunk, compile=compile
+    )
 
     def torch_materialised(inputs):
         loss = 0.0
@@ -88,6 +107,8 @@ def impls(k: int, device: torch.device, compile: bool) -> dict:
 
     out = {
         "chunkloss": lambda i: ours(*_lists(i, k), i["labels"]),
+        "chunkloss_bf16_accum": lambda i: bf16_acc(*_lists(i, k), i["labels"]),
+        "chunkloss_bf16_accum_liger_chunks": lambda i: bf16_small(*_lists(i, k), i["labels"]),
         "torch": torch_materialised,
     }
     if device.type == "cuda":
@@ -160,13 +181,16 @@ def run(heads=(3, 5), forms=("shared", "per_head"), repeats=7, smoke=False) -> l
         lambda i: ce(i["hidden"], i["weight"], i["labels"]), single,
     )  # fmt: skip
     del single
+    small_chunk = liger_chunk_rows(n, size["hidden"], size["vocab"])
     for k in heads:
         for form in forms:
             inputs = make_inputs(k, form, size, device)
             rows_valid = sum(n - size["batch"] * i for i in range(k))
-            for impl, fn in impls(k, device, compile).items():
+            for impl, fn in impls(k, device, compile, small_chunk).items():
                 row = {"case": f"K={k} {form} N={n}", "heads": k, "form": form, "impl": impl,
                        "floor_ms": rows_valid * flops_per_head / (PEAK_TFLOPS * 1e12) * 1e3}  # fmt: skip
+                if impl == "chunkloss_bf16_accum_liger_chunks":
+                    row["chunk_size"] = small_chunk
                 record(row, fn, inputs)
             del inputs
     return rows

@@ -57,6 +57,8 @@ CALL_PEAK_MEANING = (
 )
 MEDUSA_IMPLS = {
     "chunkloss": "chunkloss",
+    "chunkloss_bf16_accum": "chunkloss, bf16 accum",
+    "chunkloss_bf16_accum_liger_chunks": "chunkloss, bf16 accum, Liger's chunk size",
     "torch": "torch (materialised logits)",
     "liger": "Liger (once per head)",
     "chunkloss_single_head": "chunkloss CE, one head",
@@ -525,22 +527,29 @@ def decoder_png(data: dict, plt):
 # --- multi-token (Medusa) heads ---------------------------------------------------------------------------
 
 
+MEDUSA_OURS = ("chunkloss", "chunkloss_bf16_accum", "chunkloss_bf16_accum_liger_chunks")
+
+
 def medusa_summary(rows: list[dict]) -> list[dict]:
-    """Per K-head case: chunkloss's time over K × one head's, and its time and memory against each peer."""
+    """Per K-head case and chunkloss row (``MEDUSA_OURS``, those measured): its time over K × one head's, and
+    its time and memory against each peer."""
     single = next((r for r in rows if r["impl"] == "chunkloss_single_head" and _ok(r)), None)
     out = []
     for case in dict.fromkeys(r["case"] for r in rows if r["heads"] > 1):
         by = {r["impl"]: r for r in rows if r["case"] == case and _ok(r)}
-        ours = by.get("chunkloss")
-        if ours is None:
-            continue
-        s = {"case": case, "k_single": single and ours["ms"] / (ours["heads"] * single["ms"])}
-        for peer in ("torch", "liger"):
-            p = by.get(peer, {})
-            s[f"speedup_{peer}"] = p["ms"] / ours["ms"] if "ms" in p else None
-            mem = p.get("peak_extra_bytes"), ours.get("peak_extra_bytes")
-            s[f"memory_{peer}"] = mem[1] / mem[0] if all(mem) else None
-        out.append(s)
+        for impl in (i for i in MEDUSA_OURS if i in by):
+            ours = by[impl]
+            s = {
+                "case": case,
+                "impl": impl,
+                "k_single": single and ours["ms"] / (ours["heads"] * single["ms"]),
+            }
+            for peer in ("torch", "liger"):
+                p = by.get(peer, {})
+                s[f"speedup_{peer}"] = p["ms"] / ours["ms"] if "ms" in p else None
+                mem = p.get("peak_extra_bytes"), ours.get("peak_extra_bytes")
+                s[f"memory_{peer}"] = mem[1] / mem[0] if all(mem) else None
+            out.append(s)
     return out
 
 
@@ -559,14 +568,29 @@ def medusa_rows_table(data: dict) -> list[str]:
 
 def medusa_summary_table(data: dict) -> list[str]:
     lines = [
-        "| case | chunkloss / (K × one head) | speed-up vs torch | speed-up vs Liger | memory / torch's "
-        "| memory / Liger's |",
-        "|---|---|---|---|---|---|",
+        "| case | chunkloss | time / (K × one head) | speed-up vs torch | speed-up vs Liger "
+        "| memory / torch's | memory / Liger's |",
+        "|---|---|---|---|---|---|---|",
     ]
     keys = ("k_single", "speedup_torch", "speedup_liger", "memory_torch", "memory_liger")
     for s in medusa_summary(data["rows"]):
-        lines.append(f"| {s['case']} | " + " | ".join(_num(s[k], ".2f") for k in keys) + " |")
+        cells = [s["case"], MEDUSA_IMPLS[s["impl"]], *(_num(s[k], ".2f") for k in keys)]
+        lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def medusa_chunk_note(data: dict) -> str:
+    """The sentence naming the chunk size of the ``chunkloss_bf16_accum_liger_chunks`` rows (empty without
+    them)."""
+    sizes = sorted({r["chunk_size"] for r in data["rows"] if r.get("chunk_size")})
+    if not sizes:
+        return ""
+    return (
+        " bf16 accum: the weight gradient accumulated in bf16 (the weight's dtype, as Liger accumulates it) "
+        "instead of fp32, chunks sized by chunkloss; with Liger's chunk size: chunk_size = "
+        f"{', '.join(map(str, sizes))} rows, what Liger's fused cross-entropy takes on one head's N rows "
+        "(next_pow2(ceil(N / ceil(V / H))))."
+    )
 
 
 def medusa_md(data: dict) -> str:
@@ -581,7 +605,7 @@ def medusa_md(data: dict) -> str:
         + MEMORY_DEFINITION
         + " GEMM floor: the logits and their two gradients of every head's labelled rows at "
         f"{data['peak_tflops']:.0f} TFLOP/s. One head: chunkloss's cross-entropy on N rows, the unit of "
-        "the second table's first column.",
+        "the second table's time column." + medusa_chunk_note(data),
         "",
         *medusa_rows_table(data),
         "",

@@ -187,12 +187,13 @@ def medusa_section(data: dict) -> list[str]:
         f"{size['seq']} positions: head k predicts the token k places ahead with loss weight 0.8^k, the "
         "heads sharing one weight or each with its own. chunkloss's multi-token loss against materialised "
         "logits with `F.cross_entropy` per head and Liger's fused cross-entropy once per head. Milliseconds "
-        f"(median) and {MEMORY_LABEL}; the GEMM floor counts every head's labelled rows.",
+        f"(median) and {MEMORY_LABEL}; the GEMM floor counts every head's labelled rows."
+        + render.medusa_chunk_note(data),
         "",
         *render.medusa_rows_table(data),
         "",
-        "Against chunkloss's cross-entropy on one head (first row above) times K, and against the peers "
-        "(time: theirs over ours; memory: ours over theirs):",
+        "Each chunkloss row against chunkloss's cross-entropy on one head (first row above) times K, and "
+        "against the peers (time: theirs over ours; memory: ours over theirs):",
         "",
         *render.medusa_summary_table(data),
         "",

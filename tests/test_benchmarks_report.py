@@ -87,7 +87,7 @@ def test_committed_decoder_and_medusa_sets_cover_every_case_and_implementation()
     assert list(dict.fromkeys((r["heads"], r["form"]) for r in medusa["rows"] if r["heads"] > 1)) == cases
     assert [r["impl"] for r in medusa["rows"]].count("chunkloss_single_head") == 1
     summary = render.medusa_summary(medusa["rows"])
-    assert [s["case"] for s in summary] == [f"K={k} {f} N=8192" for k, f in cases]
+    assert [s["case"] for s in summary if s["impl"] == "chunkloss"] == [f"K={k} {f} N=8192" for k, f in cases]
     for s in summary:
         assert all(v is not None for v in s.values()), s
 
@@ -110,6 +110,20 @@ def test_medusa_summary_divides_by_k_single_heads_and_skips_failed_peers():
     assert s["k_single"] == pytest.approx(33.0 / 30.0)
     assert s["speedup_torch"] == pytest.approx(2.0) and s["memory_torch"] == pytest.approx(0.25)
     assert s["speedup_liger"] is None and s["memory_liger"] is None
+
+
+def test_medusa_summary_has_a_row_per_chunkloss_variant_measured():
+    rows = _medusa_rows()
+    rows.insert(2, {**rows[1], "impl": "chunkloss_bf16_accum", "ms": 36.0, "peak_extra_bytes": 2**29})
+    rows.insert(3, {**rows[1], "impl": "chunkloss_bf16_accum_liger_chunks", "ms": 44.0, "chunk_size": 256,
+                    "peak_extra_bytes": 2**26})  # fmt: skip
+    summary = render.medusa_summary(rows)
+    assert [s["impl"] for s in summary] == list(render.MEDUSA_OURS)
+    assert summary[1]["memory_torch"] == pytest.approx(1 / 16) and summary[2]["speedup_torch"] == 1.5
+    data = {"rows": rows}
+    assert "chunk_size = 256 rows" in render.medusa_chunk_note(data)
+    assert any(line.startswith("| K=3 | chunkloss, bf16 accum, Liger's chunk size | 1.47 | 1.50 |")
+               for line in render.medusa_summary_table(data))  # fmt: skip
 
 
 def test_decoder_and_medusa_render_failed_and_unmeasured_rows(tmp_path):
