@@ -116,9 +116,9 @@ class BwdPlan(NamedTuple):
     stages: int = 0  # fused: pipeline stages of the row loop (0 on CPU / the interpreter)
 
     @property
-    def extra(self) -> dict:
-        """Launch arguments that only the fused kernel takes."""
-        return {} if self.looped else {"STAGES": self.stages}
+    def switches(self) -> dict:
+        """The backward kernel's compile-time switches: the looped path, or the fused path's stages."""
+        return {"LOOPED": self.looped, "STAGES": 0 if self.looped else self.stages}
 
 
 def _fused_tile(n_cols: int, knobs: NormKnobs) -> tuple[int, int, int]:

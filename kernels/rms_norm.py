@@ -15,6 +15,7 @@ import triton.language as tl
 from torch import nn
 
 from . import _utils
+from ._norm import column_block
 from ._utils import lastdim_contiguous, norm_bwd_plan, norm_dx_buffer, norm_fwd_plan
 
 CASTING_MODES = ("llama", "gemma")
@@ -61,6 +62,10 @@ _options = functools.lru_cache(maxsize=64)(RMSNormOptions)  # one instance per o
 
 # Forward, per row:  rstd = 1 / sqrt(sum(x^2) / D + eps),  xhat = x * rstd,  wt = w + offset,
 #   y = cast(xhat) * wt   ("llama", cast = round to x's dtype)   or   y = xhat * wt   ("gemma").
+# Fused (rows of one register tile): BLOCK_M rows per program. Looped (LOOPED, rows wider than one register
+# tile, ``NormKnobs.max_fused_cols``): one row per program; pass 1 accumulates x^2 over column blocks of
+# BLOCK_N in an fp32 vector and reduces it once; pass 2 computes xhat and y as above, block by block. Pass 2
+# re-reads x, which pass 1 has just brought into L2.
 @triton.jit
 def _rms_norm_fwd_kernel(
     X,  # (N, D) input, rows stride_x apart
@@ -74,63 +79,47 @@ def _rms_norm_fwd_kernel(
     eps,
     offset,
     CAST_LLAMA: tl.constexpr,  # round xhat to X's dtype before the scale
-    BLOCK_M: tl.constexpr,  # rows per program (>1 only for short rows)
-    BLOCK_N: tl.constexpr,  # power of two >= D
+    LOOPED: tl.constexpr,  # rows wider than one register tile: the looped forward
+    BLOCK_M: tl.constexpr,  # rows per program (fused; >1 only for short rows)
+    BLOCK_N: tl.constexpr,  # power of two >= D (fused) or columns per step (looped)
 ):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
-    cols = tl.arange(0, BLOCK_N)
-    row_mask = rows < n_rows
-    mask = row_mask[:, None] & (cols < n_cols)[None, :]
-    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    wt = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32) + offset
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
-    xhat = x * rstd[:, None]
-    if CAST_LLAMA:
-        xhat = xhat.to(X.dtype.element_ty).to(tl.float32)
-    y = xhat * wt[None, :]
-    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
-    tl.store(RSTD + rows, rstd, mask=row_mask)
-
-
-# Looped forward, for rows wider than one register tile (``NormKnobs.max_fused_cols``), one row per program:
-# pass 1 accumulates x^2 over column blocks of BLOCK_N in an fp32 vector and reduces it once; pass 2 computes
-# xhat and y as above, block by block. Pass 2 re-reads x, which pass 1 has just brought into L2.
-@triton.jit
-def _rms_norm_fwd_looped_kernel(
-    X,  # (N, D) input, rows stride_x apart
-    Y,  # (N, D) output, contiguous
-    W,  # (D,) weight
-    RSTD,  # (N,) fp32, reciprocal RMS saved for the backward
-    stride_x,
-    stride_y,
-    n_cols,
-    eps,
-    offset,
-    CAST_LLAMA: tl.constexpr,  # round xhat to X's dtype before the scale
-    BLOCK_N: tl.constexpr,  # columns per step
-):
-    row = tl.program_id(0).to(tl.int64)
-    x_row = X + row * stride_x
-    y_row = Y + row * stride_y
-    cols = tl.arange(0, BLOCK_N)
-    sum_sq = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    start = 0
-    while start < n_cols:
-        x = tl.load(x_row + start + cols, mask=start + cols < n_cols, other=0.0).to(tl.float32)
-        sum_sq += x * x
-        start += BLOCK_N
-    rstd = 1.0 / tl.sqrt(tl.sum(sum_sq, axis=0) / n_cols + eps)
-    start = 0
-    while start < n_cols:
-        mask = start + cols < n_cols
-        x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
-        wt = tl.load(W + start + cols, mask=mask, other=0.0).to(tl.float32) + offset
-        xhat = x * rstd
+    if LOOPED:
+        row = tl.program_id(0).to(tl.int64)
+        x_row = X + row * stride_x
+        y_row = Y + row * stride_y
+        cols = tl.arange(0, BLOCK_N)
+        sum_sq = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        start = 0
+        while start < n_cols:
+            x = tl.load(x_row + start + cols, mask=start + cols < n_cols, other=0.0).to(tl.float32)
+            sum_sq += x * x
+            start += BLOCK_N
+        rstd = 1.0 / tl.sqrt(tl.sum(sum_sq, axis=0) / n_cols + eps)
+        start = 0
+        while start < n_cols:
+            mask = start + cols < n_cols
+            x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+            wt = tl.load(W + start + cols, mask=mask, other=0.0).to(tl.float32) + offset
+            xhat = x * rstd
+            if CAST_LLAMA:
+                xhat = xhat.to(X.dtype.element_ty).to(tl.float32)
+            tl.store(y_row + start + cols, (xhat * wt).to(Y.dtype.element_ty), mask=mask)
+            start += BLOCK_N
+        tl.store(RSTD + row, rstd)
+    else:
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+        cols = tl.arange(0, BLOCK_N)
+        row_mask = rows < n_rows
+        mask = row_mask[:, None] & (cols < n_cols)[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        wt = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32) + offset
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+        xhat = x * rstd[:, None]
         if CAST_LLAMA:
             xhat = xhat.to(X.dtype.element_ty).to(tl.float32)
-        tl.store(y_row + start + cols, (xhat * wt).to(Y.dtype.element_ty), mask=mask)
-        start += BLOCK_N
-    tl.store(RSTD + row, rstd)
+        y = xhat * wt[None, :]
+        tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+        tl.store(RSTD + rows, rstd, mask=row_mask)
 
 
 # Backward, per row, with dxhat = dy * wt:
@@ -159,6 +148,15 @@ def _rms_norm_bwd_rows(DY, X, RSTD, DX, wt, rows, row_mask, cols, col_mask, stri
     return dw
 
 
+# The backward: each program steps through its contiguous block of rows BLOCK_M at a time. Fused (rows of one
+# register tile): ``_rms_norm_bwd_rows`` per step, the column sums kept in registers. Looped (LOOPED, rows
+# wider than one register tile): the same math in two passes over column blocks of BLOCK_N per step:
+#   pass 1 (only when dx is needed):  c = rstd * sum(dxhat * x) / D  ( = sum(dxhat * xhat) / D ),
+#     accumulated in an fp32 (BLOCK_M, BLOCK_N) tile and reduced once;
+#   pass 2:  dx = rstd * (dxhat - xhat * c), written block by block, and sum(dy * xhat) over the BLOCK_M rows
+#     added into the program's own row of DW_PARTIAL (in memory: a whole fp32 row does not fit in registers;
+#     the first step stores instead of adding).
+# Pass 2 re-reads dy and x, which pass 1 has just brought into L2.
 @triton.jit
 def _rms_norm_bwd_kernel(
     DY,  # (N, D) upstream gradient, rows stride_dy apart
@@ -177,63 +175,10 @@ def _rms_norm_bwd_kernel(
     CAST_LLAMA: tl.constexpr,
     HAS_DX: tl.constexpr,  # x requires grad
     HAS_DW: tl.constexpr,  # weight requires grad
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,  # > 0: software-pipelined row loop (GPU); 0: a while loop (the interpreter)
-):
-    pid = tl.program_id(0)
-    row_start = pid.to(tl.int64) * rows_per_program
-    row_end = tl.minimum(row_start + rows_per_program, n_rows)
-    cols = tl.arange(0, BLOCK_N)
-    col_mask = cols < n_cols
-    wt = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
-    dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if STAGES > 0:
-        # tl.range prefetches the next steps' rows while this one computes; the interpreter cannot run it
-        # (its scalar arguments are not indices).
-        for step in tl.range(0, rows_per_program // BLOCK_M, num_stages=STAGES):
-            rows = row_start + step * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
-            dw_acc += _rms_norm_bwd_rows(DY, X, RSTD, DX, wt, rows, rows < row_end, cols, col_mask, stride_dy,
-                                         stride_x, stride_dx, n_cols, CAST_LLAMA, HAS_DX, HAS_DW)
-    else:
-        start = row_start
-        while start < row_end:
-            rows = start + tl.arange(0, BLOCK_M).to(tl.int64)
-            start += BLOCK_M
-            dw_acc += _rms_norm_bwd_rows(DY, X, RSTD, DX, wt, rows, rows < row_end, cols, col_mask, stride_dy,
-                                         stride_x, stride_dx, n_cols, CAST_LLAMA, HAS_DX, HAS_DW)
-    if HAS_DW:
-        tl.store(DW_PARTIAL + pid.to(tl.int64) * n_cols + cols, dw_acc, mask=col_mask)
-
-
-# Looped backward, for rows wider than one register tile; same math as above in two passes over column blocks
-# of BLOCK_N, for BLOCK_M rows at a time:
-#   pass 1 (only when dx is needed):  c = rstd * sum(dxhat * x) / D  ( = sum(dxhat * xhat) / D ),
-#     accumulated in an fp32 (BLOCK_M, BLOCK_N) tile and reduced once;
-#   pass 2:  dx = rstd * (dxhat - xhat * c), written block by block, and sum(dy * xhat) over the BLOCK_M rows
-#     added into the program's own row of DW_PARTIAL (in memory: a whole fp32 row does not fit in registers;
-#     the first step stores instead of adding).
-# Pass 2 re-reads dy and x, which pass 1 has just brought into L2.
-@triton.jit
-def _rms_norm_bwd_looped_kernel(
-    DY,  # (N, D) upstream gradient, rows stride_dy apart
-    X,  # (N, D) forward input, rows stride_x apart
-    W,  # (D,) weight
-    RSTD,  # (N,) fp32 from the forward
-    DX,  # (N, D) input gradient (may alias DY), rows stride_dx apart
-    DW_PARTIAL,  # (n_programs, D) fp32 per-program sums of dy * xhat
-    stride_dy,
-    stride_x,
-    stride_dx,
-    n_rows,
-    n_cols,
-    rows_per_program,  # a multiple of BLOCK_M
-    offset,
-    CAST_LLAMA: tl.constexpr,
-    HAS_DX: tl.constexpr,  # x requires grad
-    HAS_DW: tl.constexpr,  # weight requires grad
+    LOOPED: tl.constexpr,  # rows wider than one register tile: the looped backward
     BLOCK_M: tl.constexpr,  # rows per step
-    BLOCK_N: tl.constexpr,  # columns per step
+    BLOCK_N: tl.constexpr,  # the whole row (fused) or columns per step (looped)
+    STAGES: tl.constexpr,  # fused, > 0: software-pipelined row loop (GPU); 0: a while loop (the interpreter)
 ):
     pid = tl.program_id(0)
     row_start = pid.to(tl.int64) * rows_per_program
@@ -241,49 +186,65 @@ def _rms_norm_bwd_looped_kernel(
     cols = tl.arange(0, BLOCK_N)
     if HAS_DW:
         dw_row = DW_PARTIAL + pid.to(tl.int64) * n_cols
-    start = row_start
-    while start < row_end:
-        rows = start + tl.arange(0, BLOCK_M).to(tl.int64)
-        row_mask = rows < row_end
-        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
-        dy_rows = DY + rows[:, None] * stride_dy
-        x_rows = X + rows[:, None] * stride_x
-        if HAS_DX:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if LOOPED:
+        start = row_start
+        while start < row_end:
+            rows = start + tl.arange(0, BLOCK_M).to(tl.int64)
+            row_mask = rows < row_end
+            rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+            dy_rows = DY + rows[:, None] * stride_dy
+            x_rows = X + rows[:, None] * stride_x
+            if HAS_DX:
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                col0 = 0
+                while col0 < n_cols:
+                    col, col_mask, mask, dy, x = column_block(dy_rows, x_rows, row_mask, col0, cols, n_cols)
+                    wt = tl.load(W + col, mask=col_mask, other=0.0).to(tl.float32) + offset
+                    acc += dy * wt[None, :] * x
+                    col0 += BLOCK_N
+                c = tl.sum(acc, axis=1) * rstd / n_cols
             col0 = 0
             while col0 < n_cols:
-                col = col0 + cols
-                col_mask = col < n_cols
-                mask = row_mask[:, None] & col_mask[None, :]
-                dy = tl.load(dy_rows + col[None, :], mask=mask, other=0.0).to(tl.float32)
-                x = tl.load(x_rows + col[None, :], mask=mask, other=0.0).to(tl.float32)
-                wt = tl.load(W + col, mask=col_mask, other=0.0).to(tl.float32) + offset
-                acc += dy * wt[None, :] * x
+                col, col_mask, mask, dy, x = column_block(dy_rows, x_rows, row_mask, col0, cols, n_cols)
+                xhat = x * rstd[:, None]
+                if HAS_DX:
+                    wt = tl.load(W + col, mask=col_mask, other=0.0).to(tl.float32) + offset
+                    dx = rstd[:, None] * (dy * wt[None, :] - xhat * c[:, None])
+                    tl.store(DX + rows[:, None] * stride_dx + col[None, :], dx.to(DX.dtype.element_ty),
+                             mask=mask)
+                if HAS_DW:
+                    if CAST_LLAMA:
+                        xhat = xhat.to(X.dtype.element_ty).to(tl.float32)
+                    # The first row step starts the partial sums (a where: see the LayerNorm kernel).
+                    dw = tl.where(start > row_start, tl.load(dw_row + col, mask=col_mask, other=0.0), 0.0)
+                    tl.store(dw_row + col, dw + tl.sum(dy * xhat, axis=0), mask=col_mask)
                 col0 += BLOCK_N
-            c = tl.sum(acc, axis=1) * rstd / n_cols
-        col0 = 0
-        while col0 < n_cols:
-            col = col0 + cols
-            col_mask = col < n_cols
-            mask = row_mask[:, None] & col_mask[None, :]
-            dy = tl.load(dy_rows + col[None, :], mask=mask, other=0.0).to(tl.float32)
-            x = tl.load(x_rows + col[None, :], mask=mask, other=0.0).to(tl.float32)
-            xhat = x * rstd[:, None]
-            if HAS_DX:
-                wt = tl.load(W + col, mask=col_mask, other=0.0).to(tl.float32) + offset
-                dx = rstd[:, None] * (dy * wt[None, :] - xhat * c[:, None])
-                tl.store(DX + rows[:, None] * stride_dx + col[None, :], dx.to(DX.dtype.element_ty), mask=mask)
             if HAS_DW:
-                if CAST_LLAMA:
-                    xhat = xhat.to(X.dtype.element_ty).to(tl.float32)
-                # The first row step starts the partial sums (a where: see the LayerNorm kernel).
-                dw = tl.where(start > row_start, tl.load(dw_row + col, mask=col_mask, other=0.0), 0.0)
-                tl.store(dw_row + col, dw + tl.sum(dy * xhat, axis=0), mask=col_mask)
-            col0 += BLOCK_N
+                # The next step's loads of dw_row may come from other threads than this step's stores.
+                tl.debug_barrier()
+            start += BLOCK_M
+    else:
+        col_mask = cols < n_cols
+        wt = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
+        dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        if STAGES > 0:
+            # tl.range prefetches the next steps' rows while this one computes; the interpreter cannot run it
+            # (its scalar arguments are not indices).
+            for step in tl.range(0, rows_per_program // BLOCK_M, num_stages=STAGES):
+                rows = row_start + step * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+                dw_acc += _rms_norm_bwd_rows(DY, X, RSTD, DX, wt, rows, rows < row_end, cols, col_mask,
+                                             stride_dy, stride_x, stride_dx, n_cols,
+                                             CAST_LLAMA, HAS_DX, HAS_DW)
+        else:
+            start = row_start
+            while start < row_end:
+                rows = start + tl.arange(0, BLOCK_M).to(tl.int64)
+                start += BLOCK_M
+                dw_acc += _rms_norm_bwd_rows(DY, X, RSTD, DX, wt, rows, rows < row_end, cols, col_mask,
+                                             stride_dy, stride_x, stride_dx, n_cols,
+                                             CAST_LLAMA, HAS_DX, HAS_DW)
         if HAS_DW:
-            # The next step's loads of dw_row may come from other threads than this step's stores.
-            tl.debug_barrier()
-        start += BLOCK_M
+            tl.store(dw_row + cols, dw_acc, mask=col_mask)
 
 
 def _rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, opts: RMSNormOptions):
@@ -296,16 +257,11 @@ def _rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, opts: RMSNormOptions):
     y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     plan = norm_fwd_plan(n_rows, n_cols, _utils.rms_knobs(_utils.KNOBS))
-    if plan.looped:
-        _rms_norm_fwd_looped_kernel[(plan.n_programs,)](
-            x, y, weight, rstd, x.stride(0), y.stride(0), n_cols, opts.eps, opts.offset,
-            CAST_LLAMA=cast_llama, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
-        )
-    else:
-        _rms_norm_fwd_kernel[(plan.n_programs,)](
-            x, y, weight, rstd, x.stride(0), y.stride(0), n_rows, n_cols, opts.eps, opts.offset,
-            CAST_LLAMA=cast_llama, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
-        )
+    _rms_norm_fwd_kernel[(plan.n_programs,)](
+        x, y, weight, rstd, x.stride(0), y.stride(0), n_rows, n_cols, opts.eps, opts.offset,
+        CAST_LLAMA=cast_llama, LOOPED=plan.looped, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+        num_warps=plan.num_warps,
+    )
     return y, x, rstd
 
 
@@ -317,13 +273,12 @@ def _rms_norm_bwd(dy, x, weight, rstd, opts: RMSNormOptions, needs_dx: bool, nee
     dw_partial = None
     if needs_dw:
         dw_partial = torch.empty((plan.n_programs, n_cols), dtype=torch.float32, device=x.device)
-    kernel = _rms_norm_bwd_looped_kernel if plan.looped else _rms_norm_bwd_kernel
-    kernel[(plan.n_programs,)](
+    _rms_norm_bwd_kernel[(plan.n_programs,)](
         dy, x, weight, rstd, dx, dw_partial,
         dy.stride(0), x.stride(0), dx.stride(0) if needs_dx else 0, n_rows, n_cols, plan.rows_per_program,
         opts.offset,
         CAST_LLAMA=opts.casting == "llama", HAS_DX=needs_dx, HAS_DW=needs_dw,
-        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, num_warps=plan.num_warps, **plan.extra,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, num_warps=plan.num_warps, **plan.switches,
     )
     # One reduction kernel, and one cast unless the weight is fp32.
     dw = dw_partial.sum(0).to(weight.dtype) if needs_dw else None
