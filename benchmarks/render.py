@@ -2,7 +2,8 @@
 
 A result set is ``<name>.json`` (the measurements and a ``stamp``: date, GPU, library versions), ``<name>.md``
 and ``<name>.png``, all three written by :func:`write_set`. The benchmark of a set follows from its name:
-``losses``, ``kernels``, ``decoder``, ``medusa``, ``multigpu`` or ``e2e_<task>``. Runs on a CPU (Agg backend).
+``losses``, ``kernels``, ``decoder``, ``medusa``, ``medusa_e2e``, ``multigpu`` or ``e2e_<task>``. Runs on a
+CPU (Agg backend).
 """
 
 from __future__ import annotations
@@ -83,9 +84,10 @@ def first_table(md: str) -> list[str]:
 
 
 def kind(name: str) -> str:
-    """The benchmark of a result set named ``name``: the part before the first ``_`` (``e2e_dpo`` -> ``e2e``,
-    ``losses_ce`` -> ``losses``)."""
-    return name.split("_", 1)[0]
+    """The benchmark of a result set named ``name``: the name itself where it has its own renderer
+    (``medusa_e2e``), else the part before the first ``_`` (``e2e_dpo`` -> ``e2e``, ``losses_ce`` ->
+    ``losses``)."""
+    return name if name in RENDERERS else name.split("_", 1)[0]
 
 
 def write_set(out_dir: pathlib.Path | str, name: str, data: dict, plot: bool = True) -> None:
@@ -641,11 +643,170 @@ def medusa_png(data: dict, plt):
     return fig
 
 
+# --- end-to-end Medusa training ---------------------------------------------------------------------------
+
+MEDUSA_E2E_IMPLS = {
+    "hf": "hf (materialised logits)",
+    "chunkloss": "chunkloss (ChunkedMedusaTrainer)",
+}
+
+
+def _pairs(data: dict) -> list[tuple[int, int]]:
+    """The (stage, K) pairs of a ``medusa_e2e`` set, in the order they ran."""
+    return list(dict.fromkeys((r["stage"], r["heads"]) for r in data["runs"]))
+
+
+def _span(values: dict) -> str:
+    """``lo–hi (batches b0–b1)`` of {batch: value}, one value as ``v (batch b)``, ``–`` for none."""
+    if not values:
+        return "–"
+    lo, hi, b = min(values.values()), max(values.values()), sorted(values)
+    if len(b) == 1:
+        return f"{lo:.2f} (batch {b[0]})"
+    return f"{lo:.2f}–{hi:.2f} (batches {b[0]}–{b[-1]})"
+
+
+def medusa_e2e_summary(data: dict) -> list[dict]:
+    """Per (stage, K): per implementation the largest batch that ran (``largest``; None if none did) and why
+    the sweep went no further (``stop``: ``"OOM at b"``, ``"time budget"`` or ``"last batch tried"``), its
+    tokens/s there (``tokens``); chunkloss over hf at each batch both ran (``time_ratios``,
+    ``memory_ratios``: {batch: ratio}); the largest relative difference of their first-step losses
+    (``loss_diff``; None without a common batch)."""
+    out = []
+    for stage, k in _pairs(data):
+        runs = [r for r in data["runs"] if (r["stage"], r["heads"]) == (stage, k)]
+        budget = any((s["stage"], s["heads"]) == (stage, k) for s in data.get("skipped", []))
+        s = {"stage": stage, "heads": k, "largest": {}, "stop": {}, "tokens": {}}
+        ok = {
+            impl: {r["batch"]: r for r in runs if r["impl"] == impl and not r["oom"]}
+            for impl in MEDUSA_E2E_IMPLS
+        }
+        for impl in MEDUSA_E2E_IMPLS:
+            oom = [r["batch"] for r in runs if r["impl"] == impl and r["oom"]]
+            largest = max(ok[impl], default=None)
+            s["largest"][impl] = largest
+            s["tokens"][impl] = None if largest is None else ok[impl][largest].get("tokens_per_s")
+            s["stop"][impl] = f"OOM at {oom[0]}" if oom else "time budget" if budget else "last batch tried"
+        common = sorted(set(ok["hf"]) & set(ok["chunkloss"]))
+        hf, ours = ok["hf"], ok["chunkloss"]
+        s["time_ratios"] = {b: ours[b]["step_time_s"] / hf[b]["step_time_s"] for b in common}
+        s["memory_ratios"] = {
+            b: ours[b]["peak_mem_gib"] / hf[b]["peak_mem_gib"]
+            for b in common
+            if ours[b].get("peak_mem_gib") and hf[b].get("peak_mem_gib")
+        }
+        diffs = [abs(ours[b]["first_loss"] - hf[b]["first_loss"]) / abs(hf[b]["first_loss"]) for b in common]
+        s["loss_diff"] = max(diffs, default=None)
+        out.append(s)
+    return out
+
+
+def medusa_e2e_summary_table(data: dict) -> list[str]:
+    lines = [
+        "| stage | K | largest batch: hf | largest batch: chunkloss | tokens/s there (hf / chunkloss) "
+        "| chunkloss / hf step time | chunkloss / hf peak memory | first-step loss, relative difference |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for s in medusa_e2e_summary(data):
+        largest = [
+            "none" if s["largest"][i] is None else f"{s['largest'][i]} ({s['stop'][i]})"
+            for i in MEDUSA_E2E_IMPLS
+        ]
+        tokens = " / ".join(_num(s["tokens"][i], ".0f") for i in MEDUSA_E2E_IMPLS)
+        cells = [s["stage"], s["heads"], *largest, tokens, _span(s["time_ratios"]), _span(s["memory_ratios"]),
+                 _num(s["loss_diff"], ".1e")]  # fmt: skip
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return lines
+
+
+def medusa_e2e_pair_table(data: dict, stage: int, k: int) -> list[str]:
+    lines = [
+        "| batch | implementation | step time (s) | tokens/s | peak memory (GiB) | time / hf | memory / hf "
+        "| first-step loss |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    runs = [r for r in data["runs"] if (r["stage"], r["heads"]) == (stage, k)]
+    hf = {r["batch"]: r for r in runs if r["impl"] == "hf" and not r["oom"]}
+    for r in sorted(runs, key=lambda r: (r["batch"], list(MEDUSA_E2E_IMPLS).index(r["impl"]))):
+        impl = MEDUSA_E2E_IMPLS[r["impl"]]
+        if r["oom"]:
+            lines.append(f"| {r['batch']} | {impl} | OOM | | | | | |")
+            continue
+        base = hf.get(r["batch"]) if r["impl"] != "hf" else None
+        mem = r.get("peak_mem_gib")
+        mem_ratio = _ratio(mem, base and base.get("peak_mem_gib")) if mem else "–"
+        time_ratio = _ratio(r["step_time_s"], base and base["step_time_s"])
+        cells = [r["batch"], impl, f"{r['step_time_s']:.3f}", f"{r['tokens_per_s']:.0f}", _num(mem, ".2f"),
+                 time_ratio, mem_ratio, f"{r['first_loss']:.4f}"]  # fmt: skip
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return lines
+
+
+def medusa_e2e_md(data: dict) -> str:
+    lines = [
+        "# End to end: Medusa heads trained with materialised logits (hf) and with chunkloss",
+        "",
+        f"{stamp_line(data['stamp'])}. {data['model']}, {data['dtype']}, K Medusa heads (one residual "
+        f"block and an own LM head each), sequences of {data['seq']} random tokens. Stage 1: backbone frozen "
+        f"and run without autograd, the heads train on Σ_k {data['decay']}^k · L_k; stage 2: heads and model "
+        f"train jointly, plus {data['base_weight']:g} × the base head's loss. hf: each head's logits "
+        "materialised and upcast to fp32 for `F.cross_entropy`, as Medusa's training code does; chunkloss: "
+        "`ChunkedMedusaTrainer.compute_loss` (`FusedLinearMultiTokenLoss`). Same model, batches, initial "
+        f"weights and AdamW; one training step = forward, backward and optimizer step. Step time: median of "
+        f"{data['steps']} steps after {data['warmup']} warm-up steps; tokens/s: batch × {data['seq']} / step "
+        "time; peak memory: the highest CUDA memory allocated during the run (weights, gradients, optimizer "
+        "state, activations). Ratios: chunkloss over hf at the same batch (below 1: faster / less). A sweep "
+        "stops at an implementation's first OOM, or before a batch its share of the time budget "
+        f"({data['time_budget_s']:.0f} s for all) cannot fit.",
+        "",
+        *medusa_e2e_summary_table(data),
+    ]
+    for stage, k in _pairs(data):
+        lines += ["", f"## Stage {stage}, K = {k}", "", *medusa_e2e_pair_table(data, stage, k)]
+    return "\n".join(lines) + "\n"
+
+
+def medusa_e2e_png(data: dict, plt):
+    pairs = _pairs(data)
+    fig, axes = plt.subplots(2, max(1, len(pairs)), figsize=(4.2 * max(1, len(pairs)), 7), squeeze=False)
+    colors = _colors(MEDUSA_E2E_IMPLS)
+    limit = data.get("device_memory_gib")
+    for col, (stage, k) in enumerate(pairs):
+        ax_m, ax_t = axes[0][col], axes[1][col]
+        runs = [r for r in data["runs"] if (r["stage"], r["heads"]) == (stage, k)]
+        for impl, name in MEDUSA_E2E_IMPLS.items():
+            ok = sorted((r["batch"], r) for r in runs if r["impl"] == impl and not r["oom"])
+            oom = [r["batch"] for r in runs if r["impl"] == impl and r["oom"]]
+            label = name + (f", OOM at {oom[0]}" if oom else "")
+            mem = [(b, r["peak_mem_gib"]) for b, r in ok if r.get("peak_mem_gib") is not None]
+            if mem:
+                ax_m.plot(*zip(*mem), marker="o", color=colors[impl], label=label)
+            if oom and limit:
+                ax_m.plot([oom[0]], [limit], marker="x", markersize=10, color=colors[impl], linestyle="none")
+            if ok:
+                tokens = [r["tokens_per_s"] for _, r in ok]
+                ax_t.plot([b for b, _ in ok], tokens, marker="o", color=colors[impl], label=label)
+        if limit:
+            ax_m.axhline(limit, color="k", linestyle="--", linewidth=0.8, label="GPU memory (x: OOM)")
+        ax_m.set_title(f"stage {stage}, K={k}: peak memory (GiB)", fontsize=10)
+        ax_t.set_title(f"stage {stage}, K={k}: tokens/s", fontsize=10)
+        for ax in (ax_m, ax_t):
+            ax.set_xscale("log", base=2)
+            ax.xaxis.set_major_formatter(_plain())
+            ax.set_xlabel(f"batch (sequences of {data['seq']} tokens)")
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7)
+    fig.suptitle(f"Medusa training step, {data['model']} ({data['stamp'].get('gpu')})", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
 RENDERERS = {
     "losses": (losses_md, losses_png),
     "kernels": (kernels_md, kernels_png),
     "decoder": (decoder_md, decoder_png),
     "medusa": (medusa_md, medusa_png),
+    "medusa_e2e": (medusa_e2e_md, medusa_e2e_png),
     "e2e": (e2e_md, e2e_png),
     "multigpu": (multigpu_md, multigpu_png),
 }

@@ -24,7 +24,8 @@ def test_results_hold_one_json_md_png_set_per_benchmark_and_nothing_else():
     names = {p.name for p in RESULTS.iterdir()}
     expected = {f"{s}.{ext}" for s in SETS for ext in ("json", "md", "png")}
     assert names == expected
-    assert {render.kind(s) for s in SETS} == {"losses", "kernels", "decoder", "medusa", "e2e", "multigpu"}
+    kinds = {render.kind(s) for s in SETS}
+    assert {"losses", "kernels", "decoder", "medusa", "e2e", "multigpu"} <= kinds <= set(render.RENDERERS)
 
 
 @pytest.mark.parametrize("name", SETS, ids=[f"{s}.json" for s in SETS])
@@ -145,6 +146,50 @@ def test_decoder_and_medusa_render_failed_and_unmeasured_rows(tmp_path):
     assert "| 8, 4, 16 | cuBLAS + Liger SwiGLU | OOM |" in md
     assert "| 8, 4, 16 | chunkloss fused, recompute=True | 2.000 | 2.00 | 1 | 1.00 | n/a |" in md
     assert (tmp_path / "decoder.png").stat().st_size > 0 and (tmp_path / "medusa.png").stat().st_size > 0
+
+
+def _medusa_e2e_set() -> dict:
+    def run(stage, batch, impl, step=None, mem=None, loss=10.0):
+        r = {"stage": stage, "heads": 3, "batch": batch, "impl": impl, "steps": 5, "oom": step is None}
+        if step is not None:
+            r |= {"step_time_s": step, "tokens_per_s": batch * 1024 / step, "peak_mem_gib": mem,
+                  "first_loss": loss}  # fmt: skip
+        return r
+
+    runs = [
+        run(1, 1, "hf", 0.10, 20.0), run(1, 1, "chunkloss", 0.08, 10.0, 10.001),
+        run(1, 2, "hf", 0.20, 40.0), run(1, 2, "chunkloss", 0.14, 12.0, 10.002),
+        run(1, 4, "hf"), run(1, 4, "chunkloss", 0.28, 16.0),
+        run(2, 1, "hf", 0.30, 30.0), run(2, 1, "chunkloss", 0.25, 25.0),
+    ]  # fmt: skip
+    return {"stamp": {"gpu": "cpu", "date": "2026-01-01", "versions": {}}, "model": "tiny",
+            "dtype": "bfloat16", "seq": 1024, "warmup": 2, "steps": 5, "decay": 0.8, "base_weight": 1.0,
+            "time_budget_s": 400.0, "device_memory_gib": 80.0, "runs": runs,
+            "skipped": [{"stage": 2, "heads": 3, "batch": 2, "reason": "time budget"}]}  # fmt: skip
+
+
+def test_medusa_e2e_summary_gives_the_largest_batches_and_ratios_at_common_batches():
+    one, two = render.medusa_e2e_summary(_medusa_e2e_set())
+    assert (one["stage"], two["stage"]) == (1, 2)
+    assert one["largest"] == {"hf": 2, "chunkloss": 4}
+    assert one["stop"] == {"hf": "OOM at 4", "chunkloss": "last batch tried"}
+    assert two["stop"] == {"hf": "time budget", "chunkloss": "time budget"}
+    assert one["time_ratios"] == pytest.approx({1: 0.8, 2: 0.7})
+    assert one["memory_ratios"] == pytest.approx({1: 0.5, 2: 0.3})
+    assert one["loss_diff"] == pytest.approx(2e-4)
+    assert one["tokens"]["chunkloss"] == pytest.approx(4 * 1024 / 0.28)
+
+
+def test_medusa_e2e_set_renders_through_its_own_name(tmp_path):
+    assert render.kind("medusa_e2e") == "medusa_e2e"
+    assert [render.kind(n) for n in ("medusa", "losses_ce", "e2e_dpo")] == ["medusa", "losses", "e2e"]
+    render.write_set(tmp_path, "medusa_e2e", _medusa_e2e_set())
+    md = (tmp_path / "medusa_e2e.md").read_text()
+    assert "| 1 | 3 | 2 (OOM at 4) | 4 (last batch tried) | 10240 / 14629 | 0.70–0.80 (batches 1–2) " in md
+    assert "| 4 | hf (materialised logits) | OOM |" in md
+    assert "| 2 | chunkloss (ChunkedMedusaTrainer) | 0.140 | 14629 | 12.00 | 0.70 | 0.30 | 10.0020 |" in md
+    assert md.count("## Stage") == 2
+    assert (tmp_path / "medusa_e2e.png").stat().st_size > 10_000
 
 
 def _set(curves: list[dict], gen: bool = False) -> dict:
