@@ -9,11 +9,20 @@
   the same shape and depth with other weights (initialised from another seed, frozen). ``lmbda=0``: off-policy
   only, so no step generates and the step time is the loss path's; ``beta`` is TRL's default (0.5, the JSD).
 
-Implementations (``--impls``, all three by default): ``trl`` (TRL's trainer), ``chunkloss`` (the chunked
-trainer) and ``chunkloss+kernels`` (the chunked trainer with ``chunk_kernels=True``: the model's RMSNorms,
-rotary embedding and gated MLPs, and DPO's reference model's or GKD's teacher's, on chunkloss's Triton
-kernels). The rotary patch is process-wide, so it is undone after each ``chunkloss+kernels`` run
-(``unpatch_rotary``) and the other implementations run on transformers' own.
+Implementations (``--impls``; the first three by default): ``trl`` (TRL's trainer), ``chunkloss`` (the
+chunked trainer), ``chunkloss+kernels`` (the chunked trainer with ``chunk_kernels=True``: the model's
+RMSNorms, rotary embedding and gated MLPs, and DPO's reference model's or GKD's teacher's, on chunkloss's
+Triton kernels) and ``chunkloss+kernels+recompute`` (the same with ``chunk_kernels_mlp_recompute=True``: the
+fused MLP saves only its input and replays its gate/up GEMM in the backward). The rotary patch is
+process-wide, so it is undone after each run with the kernels (``unpatch_rotary``) and the other
+implementations run on transformers' own.
+
+Gradient checkpointing is off unless ``--gradient-checkpointing`` (TRL's configs turn it on by default; here
+every implementation gets the same explicit setting); a run with it writes its result sets as
+``e2e_<task>_gc``, beside the ones without. SFT, DPO, ORPO and GKD sequences are ``--seq-len`` tokens: by
+default each completion has ``--seq-len`` words (a word is at least one token), so every sequence is
+truncated to exactly ``--seq-len`` (each run records the length its first training forward saw:
+``seq_tokens``, the padded length of the policy's input, ``rows`` and ``mean_tokens`` per row).
 
 Per task, first a batch-size sweep: per-device batch sizes grow, the implementations run in turn at each size,
 until all have gone out of memory or the task's share of the time budget is spent; each run records the median
@@ -30,7 +39,10 @@ both trainers; each GRPO run also records the time spent per step in ``_generate
 sweep's step times say the full curves would overrun the task's share). ``--time-budget-s`` is split evenly
 over the tasks still to run, so time one task leaves over goes to the next. Each task's result set,
 ``e2e_<task>.json`` (stamped with date, GPU and versions) and ``e2e_<task>.md`` in ``--out``, is rewritten
-after every run, so a run that is cut off still leaves its results; ``e2e_<task>.png`` after every task.
+after every run, so a run that is cut off still leaves its results; ``e2e_<task>.png`` after every task. The
+md file ends with a summary per implementation against TRL's: the growth of peak memory per added example
+(the least-squares slope over the batches that ran), the largest batch that fit, the step-time ratio at each
+batch both ran, and how far the loss curve strays from TRL's.
 
 Every run starts from the same weights: each task's model is initialised once, directly on the device in
 its dtype, and each run builds its model on the device and loads that saved copy (kept in host memory, so it
@@ -46,6 +58,7 @@ full size either way); each result records its layer count.
 
     python -m benchmarks.bench_e2e --out benchmarks/results                     # grpo,dpo,orpo; H100, ~7 min
     python -m benchmarks.bench_e2e --out benchmarks/results --tasks sft,gkd     # the other two
+    python -m benchmarks.bench_e2e --out /tmp/e2e --tasks sft --seq-len 1024 --gradient-checkpointing  # *_gc
     python -m benchmarks.bench_e2e --out /tmp/e2e --tiny                        # CPU smoke run
     TRITON_INTERPRET=1 python -m benchmarks.bench_e2e --out /tmp/e2e --tiny     # ... with the kernels
 
@@ -65,7 +78,7 @@ import time
 
 import torch
 from datasets import Dataset
-from transformers import AutoConfig, AutoModelForCausalLM, TrainerCallback
+from transformers import AutoConfig, AutoModelForCausalLM, TrainerCallback, TrainingArguments
 
 from benchmarks.harness import stamp
 from benchmarks.render import write_set
@@ -83,7 +96,9 @@ SHAPES = {
     ),
     "tiny": dict(family="qwen3", vocab=4096, hidden=64, inter=128, layers=1, heads=4, kv=2, head_dim=16),
 }
-IMPLS = ("trl", "chunkloss", "chunkloss+kernels")
+IMPLS = ("trl", "chunkloss", "chunkloss+kernels", "chunkloss+kernels+recompute")
+DEFAULT_IMPLS = IMPLS[:3]
+KERNEL_IMPLS = ("chunkloss+kernels", "chunkloss+kernels+recompute")
 TASKS = ("grpo", "sft", "dpo", "orpo", "gkd")
 # Where each chunked trainer keeps its loss module(s); shared by a task's runs so it compiles once.
 LOSS_ATTR = {
@@ -95,6 +110,14 @@ LOSS_ATTR = {
 }
 # The trainer method that generates a step's completions, timed apart from the rest of the step.
 GEN_ATTR = {"grpo": "_generate_and_score_completions"}
+# Words of GRPO's answers: only its counting reward reads them (completions are generated).
+GRPO_WORDS = 200
+# transformers 5 renamed TrainingArguments' gradient_checkpointing (the old name still works, with a warning).
+CHECKPOINTING = (
+    "activation_checkpointing"
+    if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
+    else "gradient_checkpointing"
+)
 
 
 def build_model(
@@ -227,8 +250,13 @@ def make_trainer(task: str, impl: str, model, ref, tokenizer, ds, out_dir: str, 
         use_cpu=a.device == "cpu",
         dataloader_num_workers=0,
         seed=0,
+        **{CHECKPOINTING: a.gradient_checkpointing},
     )
-    chunk = dict(chunk_compile=not a.no_compile, chunk_kernels=impl == "chunkloss+kernels")
+    chunk = dict(
+        chunk_compile=not a.no_compile,
+        chunk_kernels=impl in KERNEL_IMPLS,
+        chunk_kernels_mlp_recompute=impl == "chunkloss+kernels+recompute",
+    )
     if task == "grpo":
         from chunkloss.trainers.grpo import ChunkedGRPOConfig, ChunkedGRPOTrainer
         from trl import GRPOConfig, GRPOTrainer
@@ -311,6 +339,26 @@ def _share_loss(trainer, task: str, shared: dict) -> None:
         shared[task] = getattr(trainer, attr)
 
 
+class InputProbe:
+    """The policy's input in its first forward with gradients on (the training forward; generation and
+    reference forwards run without): ``seq_tokens`` (the padded length), ``rows`` and ``mean_tokens``
+    (non-padding tokens per row). Removes itself after that forward."""
+
+    def __init__(self, model):
+        self.seen: dict = {}
+        self._handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if not torch.is_grad_enabled() or ids is None:
+            return
+        mask = kwargs.get("attention_mask")
+        rows, length = ids.shape
+        mean = float(mask.sum()) / rows if mask is not None and mask.dim() == 2 else float(length)
+        self.seen = {"seq_tokens": length, "rows": rows, "mean_tokens": mean}
+        self._handle.remove()
+
+
 def run_one(task, impl, shape, batch, steps, a, tokenizer, ds, state, ref_state, shared):
     """Train ``steps`` steps from ``state`` (DPO's reference or GKD's teacher from ``ref_state``); returns a
     result dict (``oom`` set when it ran out of memory)."""
@@ -333,6 +381,7 @@ def run_one(task, impl, shape, batch, steps, a, tokenizer, ds, state, ref_state,
         if task in GEN_ATTR:
             timer.time_method(trainer, GEN_ATTR[task])
         trainer.add_callback(timer)
+        probe = InputProbe(model)
         t2 = time.perf_counter()
         res["build_s"], res["setup_s"] = t1 - t0, t2 - t1
         if torch.cuda.is_available():
@@ -340,6 +389,7 @@ def run_one(task, impl, shape, batch, steps, a, tokenizer, ds, state, ref_state,
         trainer.train()
         res["train_s"] = time.perf_counter() - t2
         res["steps_s"] = sum(timer.times)
+        res.update(probe.seen)
         skip = a.warmup if len(timer.times) > a.warmup else 0
         times = timer.times[skip:]
         # The median: single steps of 50-90 ms moved by up to 40% between runs with a mean of two.
@@ -368,7 +418,7 @@ def run_one(task, impl, shape, batch, steps, a, tokenizer, ds, state, ref_state,
             raise
         res["oom"] = True
     finally:
-        if impl == "chunkloss+kernels":
+        if impl in KERNEL_IMPLS:
             # The rotary patch is process-wide: the next trl / chunkloss run gets transformers' own again.
             from chunkloss.kernels import unpatch_rotary
 
@@ -428,7 +478,8 @@ def _fmt(r: dict) -> str:
     gen = ""
     if r.get("gen_time_s") is not None:
         gen = f" (generation {r['gen_time_s']:.3f} s, rest {r['train_time_s']:.3f} s)"
-    return f"{r['step_time_s']:.3f} s/step{gen}, {tps:.0f} tok/s, peak {mem} GiB ({parts})"
+    seq = f", {r['rows']} x {r['seq_tokens']} tokens" if "seq_tokens" in r else ""
+    return f"{r['step_time_s']:.3f} s/step{gen}, {tps:.0f} tok/s, peak {mem} GiB{seq} ({parts})"
 
 
 def run_task(task, shape, a, tokenizer, results, deadline, t_start):
@@ -438,7 +489,7 @@ def run_task(task, shape, a, tokenizer, results, deadline, t_start):
     sizes = [int(b) for b in a.batch_sizes.split(",")]
     # A run whose steps need more rows starts another epoch, between steps (outside their timing).
     n = max(64, max(sizes) * a.sweep_steps, a.curve_batch * a.curve_steps)
-    ds = counting_dataset(task, n, a.words)
+    ds = counting_dataset(task, n, a.words or (GRPO_WORDS if task == "grpo" else a.seq_len))
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
     state = initial_state(shape, a, tokenizer, dtype)
     ref_state = None
@@ -500,7 +551,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--tasks", default="grpo,dpo,orpo", help=f"comma-separated, from {', '.join(TASKS)}")
-    p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated, from {', '.join(IMPLS)}")
+    p.add_argument(
+        "--impls", default=",".join(DEFAULT_IMPLS), help=f"comma-separated, from {', '.join(IMPLS)}"
+    )
     p.add_argument(
         "--layers",
         type=int,
@@ -519,7 +572,14 @@ def main(argv=None):
     p.add_argument("--curve-batch", type=int, default=8)
     p.add_argument("--completion-len", type=int, default=128, help="GRPO max_completion_length")
     p.add_argument("--seq-len", type=int, default=512, help="SFT/DPO/ORPO/GKD max_length")
-    p.add_argument("--words", type=int, default=200, help="words per SFT/DPO/ORPO/GKD completion")
+    p.add_argument("--words", type=int, default=0,
+                   help=f"words per completion; 0 (default): --seq-len for SFT/DPO/ORPO/GKD (every sequence "
+                        f"truncated to --seq-len tokens), {GRPO_WORDS} for GRPO's answers")  # fmt: skip
+    p.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="TRL's gradient_checkpointing=True for every implementation; result sets e2e_<task>_gc",
+    )
     p.add_argument("--time-budget-s", type=float, default=360.0,
                    help="for all tasks together, split evenly over the tasks still to run")  # fmt: skip
     p.add_argument("--sweep-share", type=float, default=0.6, help="part of a task's time for its sweep")
@@ -531,9 +591,10 @@ def main(argv=None):
     unknown = sorted(set(a.impls) - set(IMPLS))
     if unknown or not a.impls:
         p.error(f"--impls: unknown {unknown}; choose from {', '.join(IMPLS)}")
-    if "chunkloss+kernels" in a.impls and a.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        print("note: chunkloss+kernels left out: on a CPU its Triton kernels need TRITON_INTERPRET=1")
-        a.impls.remove("chunkloss+kernels")
+    kernels = [i for i in a.impls if i in KERNEL_IMPLS]
+    if kernels and a.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        print(f"note: {', '.join(kernels)} left out: on a CPU the Triton kernels need TRITON_INTERPRET=1")
+        a.impls = [i for i in a.impls if i not in KERNEL_IMPLS]
         if not a.impls:
             p.error("--impls: nothing left to run")
     tasks = [t for t in a.tasks.split(",") if t]
@@ -546,7 +607,7 @@ def main(argv=None):
         a.layers, a.batch_sizes, a.sweep_steps, a.warmup = 1, "2,4", 2, 1
         a.min_timed_s, a.max_timed_steps = 0.05, 4
         a.curve_steps, a.min_curve_steps, a.curve_batch = min(a.curve_steps, 3), 3, 2
-        a.completion_len, a.seq_len, a.words = 4, 48, 6
+        a.completion_len, a.seq_len = 4, 48
         a.no_compile = True
     os.makedirs(a.out, exist_ok=True)
     t_start = time.perf_counter()
@@ -578,7 +639,8 @@ def model_description(shape: str, layers: int, task: str) -> str:
 
 
 def write_outputs(results: dict, out: str, plot: bool = True) -> None:
-    """Write each task's result set ``e2e_<task>`` (json, md and, if ``plot``, png) under ``out``."""
+    """Write each task's result set ``e2e_<task>`` (``e2e_<task>_gc`` with gradient checkpointing: json, md
+    and, if ``plot``, png) under ``out``."""
     for task in dict.fromkeys(r["task"] for r in results["sweep"] + results["curves"]):
         data = {
             "stamp": results["stamp"],
@@ -590,7 +652,8 @@ def write_outputs(results: dict, out: str, plot: bool = True) -> None:
             "skipped": [s for s in results["skipped"] if s["task"] == task],
             "wall_s": results.get("wall_s"),
         }
-        write_set(out, f"e2e_{task}", data, plot=plot)
+        name = f"e2e_{task}_gc" if results["args"]["gradient_checkpointing"] else f"e2e_{task}"
+        write_set(out, name, data, plot=plot)
 
 
 if __name__ == "__main__":

@@ -232,12 +232,16 @@ def e2e_section(sets: dict) -> list[str]:
         "generation.",
     ]
     for task in E2E_TASKS:
-        data = sets.get(f"e2e_{task}")
-        if data is None:
-            continue
-        lines += ["", f"### {task.upper()}", "", f"{data.get('model', '')} {stamp_line(data['stamp'])}.", ""]
-        lines += render.first_table(render.e2e_md(data))
-        lines += ["", f"![e2e {task}](../benchmarks/results/e2e_{task}.png)"]
+        for name in (f"e2e_{task}", f"e2e_{task}_gc"):  # without, then with gradient checkpointing
+            data = sets.get(name)
+            if data is None:
+                continue
+            lines += ["", f"### {task.upper()}{render.checkpointing(data)}", "",
+                      f"{data.get('model', '')} {stamp_line(data['stamp'])}.", ""]  # fmt: skip
+            lines += render.first_table(render.e2e_md(data))
+            if render.records_sequences(data):
+                lines += ["", *render.e2e_summary_table(data)]
+            lines += ["", f"![{name.replace('_', ' ')}](../benchmarks/results/{name}.png)"]
     return lines
 
 
