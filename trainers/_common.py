@@ -42,6 +42,9 @@ class ChunkedArguments:
         chunk_kernels: run the model's RMSNorms, rotary embedding and gated MLPs on chunkloss's Triton kernels
             (``chunkloss.kernels.patch(model, loss=False)``), and a reference or teacher model's too; see
             :func:`apply_chunk_kernels`.
+        chunk_kernels_mlp_recompute: with ``chunk_kernels``, the fused MLP saves only its input and replays
+            the gate/up GEMM in the backward (``patch(..., mlp_recompute=True)``): less activation memory, one
+            more GEMM per MLP. Off by default (the gate and up pre-activations are saved).
     """
 
     chunk_size: int | None = field(
@@ -63,6 +66,14 @@ class ChunkedArguments:
             "gemma2 (chunkloss.kernels.patch.SUPPORTED_MODEL_TYPES); CUDA only. Off by default: results "
             "then equal TRL's up to rounding. The rotary patch replaces the family's apply_rotary_pos_emb "
             "for the whole process (chunkloss.kernels.unpatch_rotary undoes it)."
+        },
+    )
+    chunk_kernels_mlp_recompute: bool = field(
+        default=False,
+        metadata={
+            "help": "With chunk_kernels: the fused MLP saves only its input and replays the gate/up GEMM in "
+            "the backward (chunkloss.kernels.patch(model, mlp_recompute=True)): less activation memory, one "
+            "more GEMM per MLP."
         },
     )
 
@@ -168,7 +179,8 @@ def _off_device(model) -> set[str]:
 
 
 def apply_chunk_kernels(trainer) -> None:
-    """``chunk_kernels=True``: patch the trainer's models with ``chunkloss.kernels.patch(model, loss=False)``.
+    """``chunk_kernels=True``: patch the trainer's models with ``chunkloss.kernels.patch(model, loss=False,
+    mlp_recompute=chunk_kernels_mlp_recompute)``.
 
     Called by every chunked trainer once TRL's constructor has built and placed its models. The trained model
     is patched (a PEFT model's base model; LoRA layers stay as they are), or the trainer is refused with a
@@ -185,11 +197,15 @@ def apply_chunk_kernels(trainer) -> None:
     process run the Triton rotary embedding from here on; ``chunkloss.kernels.unpatch_rotary()`` restores
     transformers' function.
     """
+    name = type(trainer).__name__
+    recompute = bool(getattr(trainer.args, "chunk_kernels_mlp_recompute", False))
     if not getattr(trainer.args, "chunk_kernels", False):
+        if recompute:
+            refuse(name, "chunk_kernels_mlp_recompute=True without chunk_kernels=True",
+                   "it selects how the kernels' fused MLP saves for the backward")  # fmt: skip
         return
     from chunkloss.kernels.patch import SUPPORTED_MODEL_TYPES, patch
 
-    name = type(trainer).__name__
     if getattr(trainer.args, "use_liger_kernel", False):
         refuse(name, "chunk_kernels=True with use_liger_kernel=True",
                "both replace the model's norms, rotary embedding and MLPs; choose one")  # fmt: skip
@@ -216,7 +232,7 @@ def apply_chunk_kernels(trainer) -> None:
             refuse(name, f"chunk_kernels=True with {attr} on {other_off}",
                    "it shares the trained model's rotary embedding, which runs on CUDA only")  # fmt: skip
     try:
-        patch(model, loss=False)
+        patch(model, loss=False, mlp_recompute=recompute)
     except ValueError as e:  # e.g. a model class outside its family's modeling module
         refuse(name, "chunk_kernels=True on this model", str(e))
     for attr, other, other_off in others:
@@ -226,7 +242,7 @@ def apply_chunk_kernels(trainer) -> None:
             warnings.warn(f"chunk_kernels: {attr} ({where}) keeps transformers' modules", stacklevel=2)
             continue
         try:
-            patch(other, loss=False)
+            patch(other, loss=False, mlp_recompute=recompute)
         except ValueError as e:  # e.g. a wrapper class outside the family's modeling module (FSDP2)
             warnings.warn(f"chunk_kernels: {attr} left partly unpatched: {e}", stacklevel=2)
 

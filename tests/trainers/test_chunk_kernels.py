@@ -149,6 +149,27 @@ def test_sft_chunk_kernels_gradient_checkpointing(tmp_path, reentrant):
     assert_same_grads(plain.model, kern.model)
 
 
+def _mlp_recompute_flags(model) -> list[bool]:
+    """Each patched MLP's ``recompute`` (patch binds its forward as a functools.partial)."""
+    mlps = [m for m in model.modules() if type(m).__name__ == "Qwen3MLP"]
+    return [m.forward.__func__.keywords["recompute"] for m in mlps]
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_sft_chunk_kernels_mlp_recompute_option(tmp_path, recompute):
+    """chunk_kernels_mlp_recompute reaches every patched MLP; either way the step is the plain one."""
+    m_plain, m_kern = model_pair()
+    plain = _sft(tmp_path, m_plain, False)
+    build = lambda: _sft(tmp_path, m_kern, True, chunk_kernels_mlp_recompute=recompute)  # noqa: E731
+    _compare(plain, build, _sft_batch(plain))
+    assert _mlp_recompute_flags(m_kern) == [recompute]
+
+
+def test_mlp_recompute_without_chunk_kernels_refused(tmp_path):
+    with pytest.raises(ValueError, match="chunk_kernels_mlp_recompute=True without chunk_kernels=True"):
+        _sft(tmp_path, model_pair()[0], False, chunk_kernels_mlp_recompute=True)
+
+
 def test_sft_chunk_kernels_peft(tmp_path):
     peft = pytest.importorskip("peft")
     config = peft.LoraConfig(r=4, target_modules=["q_proj", "gate_proj"])
