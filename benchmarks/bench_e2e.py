@@ -12,8 +12,9 @@
 Implementations (``--impls``; the first three by default): ``trl`` (TRL's trainer), ``chunkloss`` (the
 chunked trainer), ``chunkloss+kernels`` (the chunked trainer with ``chunk_kernels=True``: the model's
 RMSNorms, rotary embedding and gated MLPs, and DPO's reference model's or GKD's teacher's, on chunkloss's
-Triton kernels) and ``chunkloss+kernels+recompute`` (the same with ``chunk_kernels_mlp_recompute=True``: the
-fused MLP saves only its input and replays its gate/up GEMM in the backward). The rotary patch is
+Triton kernels) and ``chunkloss+kernels+recompute`` (the same with ``chunk_kernels_mlp_recompute=True`` and
+``chunk_kernels_norm_recompute=True``: the fused MLP saves only its input and replays its gate/up GEMM in the
+backward, and the norms before attention and MLP keep no output). The rotary patch is
 process-wide, so it is undone after each run with the kernels (``unpatch_rotary``) and the other
 implementations run on transformers' own.
 
@@ -256,6 +257,7 @@ def make_trainer(task: str, impl: str, model, ref, tokenizer, ds, out_dir: str, 
         chunk_compile=not a.no_compile,
         chunk_kernels=impl in KERNEL_IMPLS,
         chunk_kernels_mlp_recompute=impl == "chunkloss+kernels+recompute",
+        chunk_kernels_norm_recompute=impl == "chunkloss+kernels+recompute",
     )
     if task == "grpo":
         from chunkloss.trainers.grpo import ChunkedGRPOConfig, ChunkedGRPOTrainer

@@ -4,6 +4,9 @@
 
 * every RMSNorm module's forward for :func:`~chunkloss.kernels.rms_norm` (Gemma: ``1 + w`` in fp32);
 * the family's ``apply_rotary_pos_emb`` for the Triton one (q and k rotated in place);
+* with ``norm_recompute=True``, every decoder layer's forward for one that does not keep its pre-norms'
+  outputs (the input / post-attention / pre-feedforward RMSNorm) for the backward; the projections that read
+  them get them back by running the norm kernel again (``kernels/saved_norms.py``);
 * every gated MLP for :func:`~chunkloss.kernels.mlp.gated_mlp`: the gate and up projections in one GEMM
   whose epilogue applies the activation, the backward replaying that GEMM so only the MLP's input is saved.
   An MLP whose projections are not plain ``nn.Linear`` modules (PEFT/LoRA layers, quantised linears, or
@@ -25,17 +28,21 @@ import sys
 import types
 import warnings
 
+import torch
 from torch import nn
 
 from . import glu as _glu
 from . import mlp as _mlp
 from . import rms_norm as _rms
 from . import rope as _rope
+from . import saved_norms as _saved
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
 _GEMMA_TYPES = ("gemma", "gemma2")
 _RMSNORM_CLASSES = {f"{name}RMSNorm" for name in ("Llama", "Mistral", "Qwen2", "Qwen3", "Gemma", "Gemma2")}
 _MLP_CLASSES = {f"{name}MLP" for name in ("Llama", "Mistral", "Qwen2", "Qwen3", "Gemma", "Gemma2")}
+_PRE_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm")
+_LAYER_CLASSES = {f"{name}DecoderLayer" for name in ("Llama", "Mistral", "Qwen2", "Qwen3", "Gemma", "Gemma2")}
 # Modeling module name -> the apply_rotary_pos_emb it had before patch() replaced it, for unpatch_rotary.
 _ORIGINAL_ROPE: dict[str, object] = {}
 
@@ -57,8 +64,24 @@ def _norm_in_place_safe(name: str, model_type: str) -> bool:
     return leaf == "post_attention_layernorm" and model_type != "gemma2"
 
 
-def _norm_forward(module, x, *, eps, offset, casting, in_place):
-    return _rms.rms_norm(x, module.weight, eps, offset, casting, in_place)
+def _pre_norm(name: str) -> bool:
+    """Norms whose output the next projections save for their backward (what ``norm_recompute`` drops)."""
+    return name.rsplit(".", 1)[-1] in _PRE_NORMS
+
+
+def _norm_forward(module, x, *, eps, offset, casting, in_place, offer=False):
+    out = _rms.rms_norm(x, module.weight, eps, offset, casting, in_place)
+    if offer:
+        _saved.offer(out, lambda: _rms.rms_norm(x, module.weight, eps, offset, casting, in_place))
+    return out
+
+
+def _layer_forward(module, *args, _forward, **kwargs):
+    """A decoder layer's forward that keeps no pre-norm output for the backward (``norm_recompute``)."""
+    if not torch.is_grad_enabled() or (module.training and getattr(module, "gradient_checkpointing", False)):
+        return _forward(*args, **kwargs)
+    with _saved.SavedNorms():
+        return _forward(*args, **kwargs)
 
 
 def _plain_linear(module: nn.Module) -> bool:
@@ -140,7 +163,8 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
 
 
 def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, loss: bool = True,
-          loss_options: dict | None = None, mlp_recompute: bool = False) -> nn.Module:
+          loss_options: dict | None = None, mlp_recompute: bool = False, norm_recompute: bool = False,
+          ) -> nn.Module:
     """Make a transformers Llama / Mistral / Qwen2 / Qwen3 / Gemma / Gemma-2 model use chunkloss's kernels.
 
     Args:
@@ -158,6 +182,10 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, mlp: bo
         mlp_recompute: the fused MLP saves only its input and replays the gate/up GEMM in the backward
             (least memory, one more GEMM); False (the default) saves the gate and up pre-activations too
             (2·I more elements per token, no replayed GEMM, faster). docs/design.md has the measurement.
+        norm_recompute: the decoder layers do not keep their pre-norms' outputs for the backward (H elements
+            per token for each of the two norms before the attention and the MLP); the backward runs those
+            norms again, once each. Needs ``rms_norm``; a layer run under gradient checkpointing is left as
+            it is. Not for a model compiled with ``torch.compile`` (saved-tensor hooks).
 
     Returns:
         ``model`` (the object passed in), patched in place.
@@ -174,6 +202,8 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, mlp: bo
             f"chunkloss.kernels.patch supports model types {', '.join(SUPPORTED_MODEL_TYPES)}; "
             f"got {model_type!r} ({type(model).__name__})."
         )
+    if norm_recompute and not rms_norm:
+        raise ValueError("chunkloss.kernels.patch: norm_recompute=True needs rms_norm=True")
     _check_device(model)
     gemma = model_type in _GEMMA_TYPES
     for name, module in model.named_modules():
@@ -182,8 +212,12 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, mlp: bo
             eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
             module.forward = types.MethodType(functools.partial(
                 _norm_forward, eps=eps, offset=1.0 if gemma else 0.0, casting="gemma" if gemma else "llama",
-                in_place=_norm_in_place_safe(name, model_type),
+                in_place=_norm_in_place_safe(name, model_type), offer=norm_recompute and _pre_norm(name),
             ), module)
+        elif norm_recompute and cls in _LAYER_CLASSES:
+            forward = getattr(module, "_chunkloss_forward", module.forward)  # patching twice: the original
+            module._chunkloss_forward = forward
+            module.forward = types.MethodType(functools.partial(_layer_forward, _forward=forward), module)
         elif mlp and cls in _MLP_CLASSES:
             activation = _mlp_activation(module)
             if activation is None:

@@ -45,6 +45,9 @@ class ChunkedArguments:
         chunk_kernels_mlp_recompute: with ``chunk_kernels``, the fused MLP saves only its input and replays
             the gate/up GEMM in the backward (``patch(..., mlp_recompute=True)``): less activation memory, one
             more GEMM per MLP. Off by default (the gate and up pre-activations are saved).
+        chunk_kernels_norm_recompute: with ``chunk_kernels``, the decoder layers keep no output of the norms
+            before attention and MLP for the backward, which runs those norms again
+            (``patch(..., norm_recompute=True)``): 2·H fewer elements per token and layer. Off by default.
     """
 
     chunk_size: int | None = field(
@@ -74,6 +77,14 @@ class ChunkedArguments:
             "help": "With chunk_kernels: the fused MLP saves only its input and replays the gate/up GEMM in "
             "the backward (chunkloss.kernels.patch(model, mlp_recompute=True)): less activation memory, one "
             "more GEMM per MLP."
+        },
+    )
+    chunk_kernels_norm_recompute: bool = field(
+        default=False,
+        metadata={
+            "help": "With chunk_kernels: the decoder layers keep no output of the norms before attention and "
+            "MLP for the backward, which runs those norms again (chunkloss.kernels.patch(model, "
+            "norm_recompute=True)): 2*H fewer activation elements per token and layer."
         },
     )
 
@@ -180,7 +191,7 @@ def _off_device(model) -> set[str]:
 
 def apply_chunk_kernels(trainer) -> None:
     """``chunk_kernels=True``: patch the trainer's models with ``chunkloss.kernels.patch(model, loss=False,
-    mlp_recompute=chunk_kernels_mlp_recompute)``.
+    mlp_recompute=chunk_kernels_mlp_recompute, norm_recompute=chunk_kernels_norm_recompute)``.
 
     Called by every chunked trainer once TRL's constructor has built and placed its models. The trained model
     is patched (a PEFT model's base model; LoRA layers stay as they are), or the trainer is refused with a
@@ -198,11 +209,15 @@ def apply_chunk_kernels(trainer) -> None:
     transformers' function.
     """
     name = type(trainer).__name__
-    recompute = bool(getattr(trainer.args, "chunk_kernels_mlp_recompute", False))
+    options = {
+        "mlp_recompute": bool(getattr(trainer.args, "chunk_kernels_mlp_recompute", False)),
+        "norm_recompute": bool(getattr(trainer.args, "chunk_kernels_norm_recompute", False)),
+    }
     if not getattr(trainer.args, "chunk_kernels", False):
-        if recompute:
-            refuse(name, "chunk_kernels_mlp_recompute=True without chunk_kernels=True",
-                   "it selects how the kernels' fused MLP saves for the backward")  # fmt: skip
+        for key, on in options.items():
+            if on:
+                refuse(name, f"chunk_kernels_{key}=True without chunk_kernels=True",
+                       "it selects what the kernels keep for the backward")  # fmt: skip
         return
     from chunkloss.kernels.patch import SUPPORTED_MODEL_TYPES, patch
 
@@ -232,7 +247,7 @@ def apply_chunk_kernels(trainer) -> None:
             refuse(name, f"chunk_kernels=True with {attr} on {other_off}",
                    "it shares the trained model's rotary embedding, which runs on CUDA only")  # fmt: skip
     try:
-        patch(model, loss=False, mlp_recompute=recompute)
+        patch(model, loss=False, **options)
     except ValueError as e:  # e.g. a model class outside its family's modeling module
         refuse(name, "chunk_kernels=True on this model", str(e))
     for attr, other, other_off in others:
@@ -242,7 +257,7 @@ def apply_chunk_kernels(trainer) -> None:
             warnings.warn(f"chunk_kernels: {attr} ({where}) keeps transformers' modules", stacklevel=2)
             continue
         try:
-            patch(other, loss=False, mlp_recompute=recompute)
+            patch(other, loss=False, **options)
         except ValueError as e:  # e.g. a wrapper class outside the family's modeling module (FSDP2)
             warnings.warn(f"chunk_kernels: {attr} left partly unpatched: {e}", stacklevel=2)
 

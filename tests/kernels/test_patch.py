@@ -245,3 +245,40 @@ def test_cpu_model_is_refused_without_the_interpreter(monkeypatch):
     with pytest.raises(ValueError, match=r"on \['cpu'\].*TRITON_INTERPRET=1"):
         patch(model)
     assert "forward" not in vars(model.model.layers[0].mlp)  # refused before any module was touched
+
+
+def _grads(model, input_ids, labels):
+    model.zero_grad()
+    loss = model(input_ids=input_ids, labels=labels).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma2"])
+def test_norm_recompute_gives_the_same_bits(model_type, restore_rope):
+    """The backward runs the pre-norms again instead of keeping their outputs: the same kernel on the same
+    inputs, so the loss and every gradient equal the run that keeps them, bit for bit."""
+    model = tiny_model(model_type)
+    input_ids = torch.randint(0, VOCAB, (2, 9))
+    labels = input_ids.clone()
+    labels[0, :3] = -100
+    restore_rope(model)
+    keep = copy.deepcopy(model)
+    patch(keep, loss_options={"compile": False}, mlp_recompute=True)
+    loss_keep, grads_keep = _grads(keep, input_ids, labels)
+    patch(model, loss_options={"compile": False}, mlp_recompute=True, norm_recompute=True)
+    loss, grads = _grads(model, input_ids, labels)
+    assert torch.equal(loss, loss_keep)
+    for name, g in grads.items():
+        assert torch.equal(g, grads_keep[name]), name
+    model.gradient_checkpointing_enable()  # checkpointed layers keep nothing anyway: the plain forward runs
+    model.train()
+    loss_gc, grads_gc = _grads(model, input_ids, labels)
+    assert torch.equal(loss_gc, loss_keep)
+    for name, g in grads_gc.items():
+        assert torch.equal(g, grads_keep[name]), name
+
+
+def test_norm_recompute_needs_the_norm_kernel():
+    with pytest.raises(ValueError, match="norm_recompute=True needs rms_norm=True"):
+        patch(tiny_model("llama"), rms_norm=False, norm_recompute=True)

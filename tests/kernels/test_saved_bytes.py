@@ -82,3 +82,16 @@ def test_patched_layer_saves_at_most_0_4_of_transformers(model_type, monkeypatch
         f"{model_type}: {patched / 2 / hidden:.1f} H-elements saved per token and layer patched, "
         f"{eager / 2 / hidden:.1f} with transformers' modules ({ratio:.2f}x > {TARGET})"
     )
+
+
+@pytest.mark.parametrize("model_type", list(CONFIGS))
+def test_norm_recompute_drops_both_pre_norm_outputs(model_type, monkeypatch):
+    """``norm_recompute``: the norms before attention and MLP keep no output, H elements each per token."""
+    model = bf16_model(model_type)
+    modeling = __import__(type(model).__module__, fromlist=["apply_rotary_pos_emb"])
+    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", modeling.apply_rotary_pos_emb)  # undone after
+    patch(model, loss=False)
+    keep = saved_bytes_per_token_layer(model)
+    patch(model, loss=False, norm_recompute=True)
+    dropped = (keep - saved_bytes_per_token_layer(model)) / 2 / model.config.hidden_size  # bf16 elements
+    assert dropped == 2, f"{model_type}: {dropped} H-elements fewer per token and layer, not 2"

@@ -165,9 +165,28 @@ def test_sft_chunk_kernels_mlp_recompute_option(tmp_path, recompute):
     assert _mlp_recompute_flags(m_kern) == [recompute]
 
 
-def test_mlp_recompute_without_chunk_kernels_refused(tmp_path):
-    with pytest.raises(ValueError, match="chunk_kernels_mlp_recompute=True without chunk_kernels=True"):
-        _sft(tmp_path, model_pair()[0], False, chunk_kernels_mlp_recompute=True)
+def test_sft_chunk_kernels_norm_recompute_option(tmp_path, monkeypatch):
+    """chunk_kernels_norm_recompute: the backward runs each layer's two pre-norms again instead of keeping
+    their outputs; the step is the plain one."""
+    from chunkloss.kernels import saved_norms
+
+    runs = []
+    get = saved_norms._Recipe.get
+    monkeypatch.setattr(saved_norms._Recipe, "get", lambda r: runs.append(r) or get(r))
+    m_plain, m_kern = model_pair()
+    plain = _sft(tmp_path, m_plain, False, gradient_checkpointing=False)
+    build = lambda: _sft(  # noqa: E731
+        tmp_path, m_kern, True, chunk_kernels_norm_recompute=True, gradient_checkpointing=False
+    )
+    _compare(plain, build, _sft_batch(plain))
+    layers = [m for m in m_kern.modules() if type(m).__name__ == "Qwen3DecoderLayer"]
+    assert len({id(r) for r in runs}) == 2 * len(layers)  # input and post-attention norms, once a step
+
+
+@pytest.mark.parametrize("option", ["mlp_recompute", "norm_recompute"])
+def test_recompute_without_chunk_kernels_refused(tmp_path, option):
+    with pytest.raises(ValueError, match=f"chunk_kernels_{option}=True without chunk_kernels=True"):
+        _sft(tmp_path, model_pair()[0], False, **{f"chunk_kernels_{option}": True})
 
 
 def test_sft_chunk_kernels_peft(tmp_path):
