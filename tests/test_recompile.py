@@ -272,3 +272,24 @@ def test_guard_location_fix_is_scoped(monkeypatch):
     monkeypatch.setattr(compiled, "_GUARD_LOCATION_BUG", False)  # torch >= 2.13: never touched
     with compiled.guard_location_fix():
         assert SLoc.__str__ is str_2_11
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_no_recompile_as_the_entropy_coefficient_changes(level):
+    """GRPO's entropy-bonus coefficient passed per call (what an adaptive controller changes every optimizer
+    step) is a tensor input of the compiled steps, not a constant baked into them."""
+    torch._dynamo.reset()
+    counters.clear()
+    g = torch.Generator().manual_seed(0)
+    mod = FusedLinearGRPOLoss(chunk_size=CHUNK, entropy_coef=1.0, importance_sampling_level=level)
+    first = True
+    for coef in (0.05, 0.055, 0.0, torch.tensor(0.06)):
+        hidden = torch.randn(2, 21, H, generator=g, requires_grad=True)
+        weight = torch.randn(V, H, generator=g, requires_grad=True)
+        ids = torch.randint(0, V, (2, 21), generator=g)
+        mask = torch.ones(2, 21, dtype=torch.long)
+        mod(hidden, weight, ids, mask, torch.randn(2, generator=g), entropy_coef=coef).backward()
+        if first:
+            graphs, first = dict(counters["stats"]), False
+    assert counters["stats"]["unique_graphs"] == graphs["unique_graphs"], counters["stats"]
+    assert set(_graphs_per_step(mod).values()) == {1}, _graphs_per_step(mod)

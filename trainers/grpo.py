@@ -101,7 +101,8 @@ class ChunkedGRPOTrainer(ChunkedTrainerSetup, DeferredMetrics, GRPOTrainer):
             temperature=float(self.temperature),
             off_policy_mask_threshold=self.off_policy_mask_threshold,
             top_entropy_quantile=float(self.top_entropy_quantile),
-            entropy_coef=self._applied_entropy_coef(),
+            # The bonus on or off; its coefficient, which the adaptive controller moves, goes to each call.
+            entropy_coef=1.0 if self._entropy_bonus_enabled else 0.0,
             max_completion_length=self.max_completion_length,
             **self.head_transforms,
         )
@@ -240,6 +241,7 @@ class ChunkedGRPOTrainer(ChunkedTrainerSetup, DeferredMetrics, GRPOTrainer):
                     num_processes=self.accelerator.num_processes,
                     gradient_accumulation_steps=ga,
                     steps_per_generation=self.args.steps_per_generation if mode == "train" else 1,
+                    entropy_coef=self._applied_entropy_coef() if self._entropy_bonus_enabled else None,
                 )
             return loss, dict(loss_mod.metrics)
 

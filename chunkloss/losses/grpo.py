@@ -68,6 +68,7 @@ from chunkloss.losses.common import (
     options_of,
     quantile,
     row_statistics,
+    to_scalar,
 )
 from chunkloss.losses.grpo_batch import (
     GLOBAL_COUNT_LOSS_TYPES,
@@ -138,7 +139,8 @@ class GRPOOptions(FusedOptions):
         if self.use_adaptive_entropy:
             raise ValueError(
                 "use_adaptive_entropy=True is not supported: the adaptive controller is trainer state that "
-                "changes entropy_coef between optimizer steps; pass its current value as entropy_coef"
+                "changes entropy_coef between optimizer steps; pass its current value to each call as "
+                "entropy_coef (the constructor's entropy_coef != 0 switches the bonus on)"
             )
         if self.temperature <= 0:
             raise ValueError(f"temperature must be positive, got {self.temperature}")
@@ -242,7 +244,7 @@ def _row_loss(logp, ent, ref, log_w, token, scalars, opts: GRPOOptions, keep=Non
         metrics["policy_loss"] = loss.detach() * scalars["policy_scale"]
         eff = ent * token["emask"] if "emask" in token else ent
         n_eff = scalars["n_bonus"] if n_bonus is None else n_bonus
-        loss = loss - opts.entropy_coef * eff.sum() / n_eff / scalars["grad_accum"]
+        loss = loss - scalars["entropy_coef"] * eff.sum() / n_eff / scalars["grad_accum"]
     metrics["entropy"] = ent.detach().sum() / scalars["n_valid"]
     c = coef_1.detach()
     if opts.loss_type in CLIP_LOSS_TYPES:
@@ -441,9 +443,10 @@ class FusedLinearGRPOLoss(FusedLinearBase):
             off_policy_mask_threshold: drop negative-advantage sequences whose mean KL(sampler ‖ policy)
                 exceeds it (DeepSeek-V3.2 off-policy sequence masking); ``None`` for off.
             top_entropy_quantile: keep only the top ρ of tokens by entropy in the policy loss (1.0: all).
-            entropy_coef: coefficient of the entropy bonus (loss -= coef · mean entropy / GA).
+            entropy_coef: coefficient of the entropy bonus (loss -= coef · mean entropy / GA); ≠ 0 switches
+                the bonus on, and a call may pass another value (see ``forward``).
             use_adaptive_entropy: must be False: the adaptive controller is trainer state; pass its current
-                coefficient as ``entropy_coef``.
+                coefficient to each call as ``entropy_coef``.
             max_completion_length: the dr_grpo normaliser's constant (required for dr_grpo).
             chunk_size, logits_budget_mb, accum_dtype, compile: the engine's options
                 (:class:`chunkloss.engine.FusedOptions`).
@@ -504,6 +507,7 @@ class FusedLinearGRPOLoss(FusedLinearBase):
         num_processes: int = 1,
         gradient_accumulation_steps: int = 1,
         steps_per_generation: int | None = None,
+        entropy_coef: float | Tensor | None = None,
     ) -> Tensor:
         """Args:
             hidden: (B, T, H) the policy's hidden states; row t predicts ``completion_ids[:, t]``.
@@ -524,6 +528,9 @@ class FusedLinearGRPOLoss(FusedLinearBase):
             gradient_accumulation_steps: TRL's ``current_gradient_accumulation_steps``.
             steps_per_generation: TRL's ``steps_per_generation``; ``None`` means
                 ``gradient_accumulation_steps``.
+            entropy_coef: this call's entropy-bonus coefficient (a float or a 0-d tensor) in place of the
+                constructor's, which must be ≠ 0 (it switches the bonus on). A value that changes from step
+                to step, such as an adaptive controller's, runs the same compiled step.
 
         Returns:
             The 0-d loss.
@@ -543,6 +550,14 @@ class FusedLinearGRPOLoss(FusedLinearBase):
         token, sequence, scalars = batch_tensors(
             self.options, completion_ids, mask, advantages, per_token, importance_sampling_ratio, norm, ga
         )
+        if self.options.entropy_coef != 0.0:
+            coef = self.options.entropy_coef if entropy_coef is None else entropy_coef
+            scalars["entropy_coef"] = to_scalar(coef, hidden.device)
+        elif entropy_coef is not None:
+            raise ValueError(
+                "entropy_coef given to the call needs the entropy bonus switched on: construct the loss "
+                "with entropy_coef != 0"
+            )
         b, t, h = hidden.shape
         batch, _ = sequence_batch(
             mask, torch.arange(b, device=hidden.device), token=token, sequence=sequence, scalars=scalars,

@@ -660,3 +660,22 @@ def test_quantile_equals_torch_and_compiles():
     for n in (2, 37, 1000):
         e = torch.rand(n, generator=g)
         assert torch.equal(compiled(e, 0.8), torch.quantile(e, 0.8))
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_entropy_coef_per_call(compile):
+    """A coefficient passed to the call (a float or a 0-d tensor) acts as the constructor's would, and one
+    compiled module takes every value: the adaptive controller's steps do not recompile."""
+    inp, kw = make_inputs()
+    base = grid_opts("dapo", "token", top_entropy_quantile=0.5)
+    mod = FusedLinearGRPOLoss(**dict(base, entropy_coef=1.0, compile=compile))
+    for coef in (0.07, torch.tensor(0.02), 0.0):
+        ref = run_ref(inp, kw, dict(base, entropy_coef=float(coef)))
+        ref = (ref[0], ref[1], {**ref[2], "policy_loss": ref[2].get("policy_loss", ref[0])})
+        for x in leaves(inp):
+            x.grad = None
+        loss = mod(**inp, **kw, entropy_coef=coef)
+        loss.backward()
+        assert_close_fp32((loss.detach(), [x.grad for x in leaves(inp)], mod.metrics), ref)
+    with pytest.raises(ValueError, match="needs the entropy bonus switched on"):
+        FusedLinearGRPOLoss(**base)(**inp, **kw, entropy_coef=0.1)
