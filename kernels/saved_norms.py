@@ -113,6 +113,7 @@ class SavedNorms:
 
 def offer(out: Tensor, recompute: Callable[[], Tensor]) -> None:
     """Register a norm's ``out`` with the innermost open :class:`SavedNorms`, if any: ``recompute()`` gives
-    the same values from tensors the backward keeps anyway."""
+    the same values from tensors the backward keeps anyway. An output without grad is left alone: its norm
+    has no backward to keep the input, and holding the input instead of the output would save nothing."""
     if _ACTIVE and out.requires_grad:
         _ACTIVE[-1].add(out, recompute)

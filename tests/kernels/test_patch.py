@@ -251,7 +251,7 @@ def _grads(model, input_ids, labels):
     model.zero_grad()
     loss = model(input_ids=input_ids, labels=labels).loss
     loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    return loss.detach(), {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma2"])
@@ -282,3 +282,32 @@ def test_norm_recompute_gives_the_same_bits(model_type, restore_rope):
 def test_norm_recompute_needs_the_norm_kernel():
     with pytest.raises(ValueError, match="norm_recompute=True needs rms_norm=True"):
         patch(tiny_model("llama"), rms_norm=False, norm_recompute=True)
+
+
+def test_norm_recompute_with_lora_gives_the_same_bits(restore_rope, monkeypatch):
+    """LoRA layers (base linear, dropout, adapters) read the recomputed norm output like plain linears."""
+    import peft
+    from chunkloss.kernels import saved_norms
+
+    runs = []
+    get = saved_norms._Recipe.get
+    monkeypatch.setattr(saved_norms._Recipe, "get", lambda r: runs.append(r.value is None) or get(r))
+
+    model = tiny_model("llama")
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "gate_proj"]))
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.1)
+    input_ids = torch.randint(0, VOCAB, (2, 6))
+    restore_rope(lora.get_base_model())
+    keep = copy.deepcopy(lora)
+    patch(keep, loss_options={"compile": False})
+    patch(lora, loss_options={"compile": False}, norm_recompute=True)
+    out = [_grads(m, input_ids, input_ids) for m in (keep, lora)]
+    # Every pre-norm ran again in the backward, once, but the first: its input, the frozen embeddings' output,
+    # needs no gradient, so the norm keeps nothing and holding that input instead of the output saves nothing.
+    assert sum(runs) == 2 * N_LAYERS - 1
+    assert torch.equal(out[0][0], out[1][0])
+    for name, g in out[0][1].items():
+        assert (g is None and out[1][1][name] is None) or torch.equal(g, out[1][1][name]), name
