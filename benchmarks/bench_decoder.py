@@ -1,6 +1,6 @@
-"""Gated MLP block (Llama's ``down(silu(gate(x)) * up(x))``), forward + backward, ours vs the alternatives.
+"""Decoder blocks, forward + backward, ours vs the alternatives: the gated MLP and the attention input.
 
-Implementations, all on the same bf16 leaves (``x`` and the three weights need grad):
+**mlp**, Llama's ``down(silu(gate(x)) * up(x))`` on bf16 leaves ``x`` (N, H) and the three weights:
 
 * ``eager``: transformers' ``LlamaMLP`` math in PyTorch (cuBLAS GEMMs, eager SiLU and product);
 * ``compile``: the same function under ``torch.compile``;
@@ -9,15 +9,36 @@ Implementations, all on the same bf16 leaves (``x`` and the three weights need g
 * ``ours``: :func:`chunkloss.kernels.gated_mlp`, which saves only ``x`` and replays the gate/up GEMM;
 * ``ours_saved``: the same with ``recompute=False`` (``g | u`` saved, no replayed GEMM).
 
-Per implementation: the median time of ``repeats`` forward + backward calls (``torch.autograd.grad`` of
-all four leaves) timed with CUDA events after warm-up; the bytes autograd saves for the backward (distinct
-storages, weights excluded, ``x`` included); the peak memory of one call minus what was allocated before
-it, the output and the gradients included (``render.CALL_PEAK_MEANING``); and the error of ``y`` and every
-gradient against an fp32 evaluation of the same math (``max|err| / max|ref|``). Writes the result set
-``decoder.json`` (stamped with date, GPU and versions), ``decoder.md`` and ``decoder.png`` under ``--out``
-(``benchmarks.render``).
+**attn_in**, what a Llama attention layer computes before attention: ``h = RMSNorm(x)`` (eps 1e-5), the q, k
+and v projections of ``h`` split into heads as ``LlamaAttention`` does ((B, heads, T, head_dim) views of the
+(B, T, heads·head_dim) products), then rotate-half RoPE on q and k. bf16 leaves: ``x`` (B, T, H), the norm
+weight (H,), ``w_q`` (heads·head_dim, H), ``w_k`` and ``w_v`` (kv_heads·head_dim, H); ``cos`` / ``sin``
+(B, T, head_dim) for positions 0..T-1 as ``LlamaRotaryEmbedding`` returns them (theta 500000, no scaling):
 
-    python -m benchmarks.bench_decoder [--out benchmarks/results] [--smoke]
+* ``eager``: :func:`chunkloss.kernels.rms_norm_ref` (``LlamaRMSNorm`` op for op), ``F.linear`` and
+  transformers' ``apply_rotary_pos_emb`` (``transformers.models.llama.modeling_llama``);
+* ``compile``: the same function under ``torch.compile``;
+* ``unfused``: chunkloss's RMSNorm kernel + cuBLAS ``F.linear`` + chunkloss's RoPE kernel, both with
+  ``in_place=True``, as ``chunkloss.kernels.patch`` runs them on a Llama;
+* ``norm_recompute``: the same inside ``saved_norms.SavedNorms()`` with the norm output offered
+  (``patch(norm_recompute=True)``): the projections' saved input is packed as a recipe, and the backward
+  runs the norm kernel again instead of keeping its output;
+* ``liger``: Liger's RMSNorm and RoPE + ``F.linear``, when ``liger_kernel`` is importable.
+
+Per block, shape and implementation: the median time of ``repeats`` forward + backward calls
+(``torch.autograd.grad`` of every leaf; the output gradients are a fresh copy per call, made before the
+timed region, since in-place RoPE backwards write over them) timed with CUDA events after warm-up; the bytes
+autograd saves for the backward, recorded by ``saved_tensors_hooks`` opened outside the implementation (so
+``SavedNorms`` packs through them and they see every saved tensor but the recomputed norm output; distinct
+storages, the weights and the cos/sin tables excluded, ``x`` included); the peak memory of one call minus
+what was allocated before it, the outputs and the gradients included (``render.CALL_PEAK_MEANING``,
+``render.ATTN_CALL_PEAK_MEANING``); and the error of every output and every gradient against an fp32
+evaluation of the eager math (``max|err| / max|ref|``). The GEMM floor: the block's matrix multiplications
+(forward, input gradient and weight gradient of each projection) at ``PEAK_TFLOPS``. Writes the result sets
+``decoder`` (mlp) and ``decoder_attn`` (attn_in), each ``.json`` (stamped with date, GPU and versions),
+``.md`` and ``.png`` under ``--out`` (``benchmarks.render``).
+
+    python -m benchmarks.bench_decoder [--out benchmarks/results] [--blocks mlp,attn_in] [--smoke]
 
 ``--smoke`` runs tiny shapes (on CPU under ``TRITON_INTERPRET=1`` when there is no GPU) to check the
 script, not to time anything.
@@ -28,51 +49,139 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 if "--smoke" in sys.argv and not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read by Triton when chunkloss.kernels is imported
 
 import torch
 import torch.nn.functional as F
-from chunkloss.kernels import gated_mlp, gated_mlp_ref, swiglu
+from chunkloss.kernels import (
+    apply_rotary_pos_emb,
+    gated_mlp,
+    gated_mlp_ref,
+    rms_norm,
+    rms_norm_ref,
+    saved_norms,
+    swiglu,
+)
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_apply_rotary_pos_emb
 
 from benchmarks.harness import PEAK_TFLOPS, stamp
 from benchmarks.render import write_set
 
-SHAPES = [(8192, 4096, 14336), (16384, 2048, 8192)]  # (tokens N, hidden H, intermediate I)
-SMOKE_SHAPES = [(40, 48, 80)]
+BLOCKS = ("mlp", "attn_in")
+SET_NAMES = {"mlp": "decoder", "attn_in": "decoder_attn"}  # block -> result set
+SHAPES = {
+    "mlp": [(8192, 4096, 14336), (16384, 2048, 8192)],  # (tokens N, hidden H, intermediate I)
+    # (model, batch B, sequence T, hidden H, heads, KV heads, head_dim): N = B·T = 8192 tokens
+    "attn_in": [("Llama-3-8B", 4, 2048, 4096, 32, 8, 128), ("Llama-3.2-1B", 4, 2048, 2048, 32, 8, 64)],
+}
+SMOKE_SHAPES = {"mlp": [(40, 48, 80)], "attn_in": [("tiny", 2, 5, 48, 4, 2, 12)]}
 GRADS = ("x", "w_gate", "w_up", "w_down")
+ATTN_GRADS = ("x", "norm_w", "w_q", "w_k", "w_v")
+EPS = 1e-5  # Llama-3's rms_norm_eps
+ROPE_THETA = 500000.0  # Llama-3's rope_theta
 
 
-def _liger_mlp():
-    try:
-        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
-    except Exception as exc:  # noqa: BLE001 - any import failure means "not available"
-        print(f"liger_kernel unavailable: {exc!r}", file=sys.stderr)
-        return None
+@dataclass
+class Case:
+    """One shape of one block with its inputs built: what every implementation of the block is called on."""
 
-    def liger(x, wg, wu, wd):  # LigerSwiGLUMLP.forward on our leaves
-        return F.linear(LigerSiLUMulFunction.apply(F.linear(x, wg), F.linear(x, wu)), wd)
+    row: dict  # the shape's fields, the first of every row
+    leaves: dict[str, torch.Tensor]  # bf16 leaves needing grad, in the implementations' argument order
+    consts: tuple[torch.Tensor, ...]  # further arguments, needing no grad (RoPE's cos and sin)
+    dys: tuple[torch.Tensor, ...]  # gradients of the outputs
+    uncounted: tuple[torch.Tensor, ...]  # inputs whose storage saved_bytes does not count (weights, cos/sin)
+    outputs: tuple[str, ...]  # names of the outputs, for the errors
+    floor_ms: float
+    reference: Callable  # the eager math, run on fp32 copies for the errors
 
-    return liger
+
+# --- the attention input ----------------------------------------------------------------------------------
 
 
-def implementations(smoke: bool) -> dict:
-    impls = {
-        "eager": gated_mlp_ref,
-        "cublas_swiglu": lambda x, wg, wu, wd: F.linear(swiglu(F.linear(x, wg), F.linear(x, wu), True), wd),
-        "ours": gated_mlp,
-        "ours_saved": lambda x, wg, wu, wd: gated_mlp(x, wg, wu, wd, recompute=False),
+def attn_in_block(norm, rope):
+    """``(x, norm_w, w_q, w_k, w_v, cos, sin) -> (q, k, v)`` with the given norm and RoPE, split into heads
+    as ``LlamaAttention.forward`` does before attention; q, k, v are (B, heads, T, head_dim)."""
+
+    def block(x, norm_w, w_q, w_k, w_v, cos, sin):
+        h = norm(x, norm_w)
+        head_dim = cos.shape[-1]
+
+        def heads(w):
+            return F.linear(h, w).view(*x.shape[:-1], -1, head_dim).transpose(1, 2)
+
+        q, k, v = heads(w_q), heads(w_k), heads(w_v)
+        q, k = rope(q, k, cos, sin)
+        return q, k, v
+
+    return block
+
+
+def _kernel_norm(x, w):  # patch's _norm_forward on an input_layernorm: in_place, its dy feeds nothing else
+    return rms_norm(x, w, EPS, 0.0, "llama", True)
+
+
+def _offered_norm(x, w):  # the same with offer=True, as patch(norm_recompute=True) runs the pre-norms
+    out = _kernel_norm(x, w)
+    saved_norms.offer(out, lambda: _kernel_norm(x, w))
+    return out
+
+
+def _kernel_rope(q, k, cos, sin):  # patch's _rotary_fn: q and k are fresh projections, rotated in place
+    return apply_rotary_pos_emb(q, k, cos, sin, None, 1, in_place=True)
+
+
+attn_in_ref = attn_in_block(lambda x, w: rms_norm_ref(x, w, EPS), hf_apply_rotary_pos_emb)
+attn_in_unfused = attn_in_block(_kernel_norm, _kernel_rope)
+_attn_in_offered = attn_in_block(_offered_norm, _kernel_rope)
+
+
+def attn_in_norm_recompute(*args):
+    """:func:`attn_in_unfused` in a ``SavedNorms`` context, as a patched decoder layer runs it."""
+    with saved_norms.SavedNorms():
+        return _attn_in_offered(*args)
+
+
+def attn_in_case(model, batch, seq, hidden, n_heads, n_kv, head_dim, device, dtype=torch.bfloat16) -> Case:
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def rand(*shape, scale=1.0, shift=0.0):
+        return (torch.randn(*shape, generator=gen) * scale + shift).to(device, dtype).requires_grad_(True)
+
+    leaves = {
+        "x": rand(batch, seq, hidden),
+        "norm_w": rand(hidden, scale=0.1, shift=1.0),
+        "w_q": rand(n_heads * head_dim, hidden, scale=hidden**-0.5),
+        "w_k": rand(n_kv * head_dim, hidden, scale=hidden**-0.5),
+        "w_v": rand(n_kv * head_dim, hidden, scale=hidden**-0.5),
     }
-    if not smoke:  # inductor on CPU needs a C++ toolchain and minutes; the smoke run checks the script only
-        impls["compile"] = torch.compile(gated_mlp_ref, dynamic=False)
-    liger = _liger_mlp()
-    if liger is not None:
-        impls["liger"] = liger
-    return impls
+    inv_freq = 1.0 / ROPE_THETA ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    freqs = torch.arange(seq, dtype=torch.float32)[:, None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1).expand(batch, seq, head_dim)
+    cos, sin = (t.to(device, dtype).contiguous() for t in (emb.cos(), emb.sin()))
+
+    def grad_of(n):  # laid out as the projection's head view: (B, T, n, D) memory, (B, n, T, D) shape
+        return torch.randn(batch, seq, n, head_dim, generator=gen).to(device, dtype).transpose(1, 2)
+
+    n = batch * seq
+    width = (n_heads + 2 * n_kv) * head_dim  # the three projections' output columns together
+    row = {"case": f"{model} B={batch} T={seq}", "model": model, "B": batch, "T": seq, "N": n, "H": hidden,
+           "heads": n_heads, "kv_heads": n_kv, "head_dim": head_dim}  # fmt: skip
+    return Case(
+        row=row, leaves=leaves, consts=(cos, sin), dys=(grad_of(n_heads), grad_of(n_kv), grad_of(n_kv)),
+        uncounted=(*(leaves[k] for k in ATTN_GRADS[1:]), cos, sin), outputs=("q", "k", "v"),
+        floor_ms=6 * n * hidden * width / (PEAK_TFLOPS * 1e12) * 1e3,  # 3 GEMMs of 2·N·H·width FLOPs
+        reference=attn_in_ref,
+    )  # fmt: skip
 
 
-def make_inputs(n, hidden, inter, device, dtype=torch.bfloat16):
+# --- the gated MLP ----------------------------------------------------------------------------------------
+
+
+def mlp_case(n, hidden, inter, device, dtype=torch.bfloat16) -> Case:
     gen = torch.Generator(device="cpu").manual_seed(0)
 
     def rand(*shape, scale=1.0):
@@ -85,22 +194,79 @@ def make_inputs(n, hidden, inter, device, dtype=torch.bfloat16):
         "w_down": rand(hidden, inter, scale=inter**-0.5),
     }
     dy = (torch.randn(n, hidden, generator=gen)).to(device, dtype)
-    return leaves, dy
+    return Case(
+        row={"case": f"N={n} H={hidden} I={inter}", "N": n, "H": hidden, "I": inter},
+        leaves=leaves, consts=(), dys=(dy,), uncounted=tuple(leaves[k] for k in GRADS[1:]), outputs=("y",),
+        floor_ms=18 * n * hidden * inter / (PEAK_TFLOPS * 1e12) * 1e3,  # 9 GEMMs of 2·N·H·I FLOPs
+        reference=gated_mlp_ref,
+    )  # fmt: skip
 
 
-def saved_bytes(fn, leaves) -> int:
-    """Distinct storages autograd saves during ``fn()``, the weights excluded."""
-    weights = {leaves[k].untyped_storage().data_ptr() for k in GRADS[1:]}
+# --- implementations --------------------------------------------------------------------------------------
+
+
+def _liger(block: str):
+    """Liger's version of ``block`` on our leaves, or None when liger_kernel (or the part used) is missing."""
+    try:
+        if block == "mlp":
+            from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+
+            def liger(x, wg, wu, wd):  # LigerSwiGLUMLP.forward on our leaves
+                return F.linear(LigerSiLUMulFunction.apply(F.linear(x, wg), F.linear(x, wu)), wd)
+
+            return liger
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+        from liger_kernel.transformers.rope import liger_rotary_pos_emb
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not available"
+        print(f"liger_kernel unavailable for {block}: {exc!r}", file=sys.stderr)
+        return None
+    # Liger's autograd Functions on our leaves (LigerRMSNorm's defaults: llama casting, in place).
+    return attn_in_block(lambda x, w: LigerRMSNormFunction.apply(x, w, EPS, 0.0, "llama", True),
+                         lambda q, k, cos, sin: liger_rotary_pos_emb(q, k, cos, sin))  # fmt: skip
+
+
+def implementations(block: str, smoke: bool) -> dict:
+    if block == "mlp":
+        impls = {
+            "eager": gated_mlp_ref,
+            "cublas_swiglu": lambda x, wg, wu, wd: F.linear(
+                swiglu(F.linear(x, wg), F.linear(x, wu), True), wd
+            ),
+            "ours": gated_mlp,
+            "ours_saved": lambda x, wg, wu, wd: gated_mlp(x, wg, wu, wd, recompute=False),
+        }
+        eager = gated_mlp_ref
+    else:
+        impls = {"eager": attn_in_ref, "unfused": attn_in_unfused, "norm_recompute": attn_in_norm_recompute}
+        eager = attn_in_ref
+    if not smoke:  # inductor on CPU needs a C++ toolchain and minutes; the smoke run checks the script only
+        impls["compile"] = torch.compile(eager, dynamic=False)
+    liger = _liger(block)
+    if liger is not None:
+        impls["liger"] = liger
+    return impls
+
+
+# --- measurement ------------------------------------------------------------------------------------------
+
+
+def saved_bytes(fn, case: Case) -> int:
+    """Distinct storages autograd saves during one forward of ``fn``, ``case.uncounted`` excluded.
+
+    The hooks open here, outside ``fn``: a ``SavedNorms`` context inside it packs every tensor but the norm
+    output it recomputes through them, so the recomputed output is not counted and everything else is.
+    """
+    skip = {t.untyped_storage().data_ptr() for t in case.uncounted}
     storages = {}
 
     def pack(t):
         s = t.untyped_storage()
-        if s.data_ptr() not in weights:
+        if s.data_ptr() not in skip:
             storages[s.data_ptr()] = s.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
+        out = fn(*case.leaves.values(), *case.consts)
     del out
     return sum(storages.values())
 
@@ -110,42 +276,50 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def measure(fn, leaves, dy, warmup, repeats):
-    """Median ms of forward + backward, saved bytes, peak bytes of one call, and the last call's outputs."""
-    args = [leaves[k] for k in GRADS]
+def measure(fn, case: Case, warmup, repeats):
+    """Median ms of forward + backward, saved bytes, peak bytes of one call, and the last call's outputs and
+    gradients."""
+    args = list(case.leaves.values())
 
-    def step():
-        y = fn(*args)
-        return y, torch.autograd.grad(y, args, dy)
+    def fresh():  # the output gradients, a new copy per call: in-place RoPE backwards write over them
+        return [d.clone() for d in case.dys]
 
-    device = dy.device
+    def step(dys):
+        ys = fn(*args, *case.consts)
+        ys = ys if isinstance(ys, tuple) else (ys,)
+        return ys, torch.autograd.grad(ys, args, dys)
+
+    device = case.dys[0].device
     for _ in range(warmup):
-        step()
+        step(fresh())
     _sync(device)
     times = []
     for _ in range(repeats):
+        dys = fresh()
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            step()
+            step(dys)
             end.record()
             torch.cuda.synchronize()
             times.append(start.elapsed_time(end))
         else:
             t0 = time.perf_counter()
-            step()
+            step(dys)
             times.append((time.perf_counter() - t0) * 1e3)
-    saved = saved_bytes(lambda: fn(*args), leaves)
+        del dys
+    saved = saved_bytes(fn, case)
     peak = None
+    dys = fresh()
     if device.type == "cuda":
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        out = step()
+        out = step(dys)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - before
     else:
-        out = step()
+        out = step(dys)
     result = {"ms": statistics.median(times), "ms_all": times, "saved_bytes": saved, "peak_bytes": peak}
     return result, out
 
@@ -154,40 +328,40 @@ def max_rel_err(x, ref) -> float:
     return float((x.detach().float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
-def reference(leaves, dy):
-    """y and the gradients of the same math in fp32."""
-    ref_leaves = {k: v.detach().float().requires_grad_(True) for k, v in leaves.items()}
-    args = [ref_leaves[k] for k in GRADS]
-    y = gated_mlp_ref(*args)
-    grads = torch.autograd.grad(y, args, dy.float())
-    return [y.detach(), *grads]
+def reference(case: Case):
+    """The outputs and the gradients of the block's eager math in fp32."""
+    args = [t.detach().float().requires_grad_(True) for t in case.leaves.values()]
+    ys = case.reference(*args, *(t.float() for t in case.consts))
+    ys = ys if isinstance(ys, tuple) else (ys,)
+    grads = torch.autograd.grad(ys, args, [d.float() for d in case.dys])
+    return [*(y.detach() for y in ys), *grads]
 
 
-def run_shape(n, hidden, inter, impls, device, warmup, repeats) -> list[dict]:
+def run_case(case: Case, impls, device, warmup, repeats) -> list[dict]:
     """One row per implementation: the shape, ``floor_ms`` and :func:`measure`'s fields, or ``error``."""
-    leaves, dy = make_inputs(n, hidden, inter, device)
-    ref = reference(leaves, dy)
-    floor_ms = 18 * n * hidden * inter / (PEAK_TFLOPS * 1e12) * 1e3  # 9 GEMMs of 2·N·H·I FLOPs
+    ref = reference(case)
+    names = (*case.outputs, *case.leaves)
     rows = []
     for name, fn in impls.items():
-        row = {"case": f"N={n} H={hidden} I={inter}", "N": n, "H": hidden, "I": inter, "impl": name,
-               "floor_ms": floor_ms}  # fmt: skip
+        row = {**case.row, "impl": name, "floor_ms": case.floor_ms}
         rows.append(row)
         try:
-            result, (y, grads) = measure(fn, leaves, dy, warmup, repeats)
+            result, (ys, grads) = measure(fn, case, warmup, repeats)
         except Exception as exc:  # noqa: BLE001 - one failing peer is recorded, not fatal
             oom = isinstance(exc, torch.OutOfMemoryError)
             row["error"] = "OOM" if oom else f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-            print(f"N={n} H={hidden} I={inter} / {name}: {exc!r}", file=sys.stderr)
+            print(f"{case.row['case']} / {name}: {exc!r}", file=sys.stderr)
             continue
-        result["err"] = {k: max_rel_err(t, r) for k, t, r in zip(("y", *GRADS), (y, *grads), ref)}
-        del y, grads
+        result["err"] = {k: max_rel_err(t, r) for k, t, r in zip(names, (*ys, *grads), ref, strict=True)}
+        del ys, grads
         row.update(result)
-        mib, peak = result["saved_bytes"] / 2**20, result["peak_bytes"]
+        saved, peak, err = result["saved_bytes"], result["peak_bytes"], result["err"]
+        saved = f"{saved / 2**20:8.1f} MiB" if saved >= 2**20 else f"{saved:8d} B  "
         peak = "" if peak is None else f"  peak +{peak / 2**20:8.1f} MiB"
-        err = result["err"]
-        print(f"N={n:<6} H={hidden:<5} I={inter:<6} {name:<14} {result['ms']:8.3f} ms  saved {mib:8.1f} MiB"
-              f"{peak}  err y {err['y']:.1e} dx {err['x']:.1e}", flush=True)
+        out_err = max(err[k] for k in case.outputs)
+        dw_err = max(err[k] for k in list(case.leaves)[1:])
+        print(f"{case.row['case']:<28} {name:<14} {result['ms']:8.3f} ms  saved {saved}{peak}  "
+              f"err out {out_err:.1e} dx {err['x']:.1e} dW {dw_err:.1e}", flush=True)  # fmt: skip
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
@@ -195,24 +369,34 @@ def run_shape(n, hidden, inter, impls, device, warmup, repeats) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="benchmarks/results", help="folder of decoder.json, .md and .png")
+    parser.add_argument("--out", default="benchmarks/results", help="folder of the result sets")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script (CPU works)")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--blocks", default=",".join(BLOCKS),
+                        help=f"comma-separated blocks to measure, of {', '.join(BLOCKS)}")  # fmt: skip
     args = parser.parse_args(argv)
+    blocks = [b for b in args.blocks.split(",") if b]
+    if not blocks or set(blocks) - set(BLOCKS):
+        parser.error(f"--blocks takes a comma-separated subset of {', '.join(BLOCKS)}; got {args.blocks!r}")
     if not torch.cuda.is_available() and not args.smoke:
         print("bench_decoder: no CUDA device; use --smoke to check the script on CPU.", file=sys.stderr)
         return 2
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     warmup, repeats = (1, 2) if args.smoke else (3, max(args.repeats, 5))
-    impls = implementations(args.smoke)
-    start = time.time()
-    shapes = SMOKE_SHAPES if args.smoke else SHAPES
-    rows = [row for shape in shapes for row in run_shape(*shape, impls, device, warmup, repeats)]
     command = "python -m benchmarks.bench_decoder " + " ".join(argv if argv is not None else sys.argv[1:])
-    data = {"stamp": stamp(command=command.strip()), "dtype": "bfloat16", "warmup": warmup,
-            "repeats": repeats, "peak_tflops": PEAK_TFLOPS, "rows": rows}  # fmt: skip
-    write_set(args.out, "decoder", data)
-    print(f"wrote decoder.json, .md and .png under {args.out} in {time.time() - start:.0f} s")
+    for block in blocks:
+        start = time.time()
+        impls = implementations(block, args.smoke)
+        rows = []
+        for shape in (SMOKE_SHAPES if args.smoke else SHAPES)[block]:
+            case = (mlp_case if block == "mlp" else attn_in_case)(*shape, device)
+            rows += run_case(case, impls, device, warmup, repeats)
+            del case
+        data = {"stamp": stamp(command=command.strip()), "dtype": "bfloat16", "warmup": warmup,
+                "repeats": repeats, "peak_tflops": PEAK_TFLOPS, "rows": rows}  # fmt: skip
+        name = SET_NAMES[block]
+        write_set(args.out, name, data)
+        print(f"wrote {name}.json, .md and .png under {args.out} in {time.time() - start:.0f} s")
     return 0
 
 

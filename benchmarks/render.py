@@ -2,8 +2,8 @@
 
 A result set is ``<name>.json`` (the measurements and a ``stamp``: date, GPU, library versions), ``<name>.md``
 and ``<name>.png``, all three written by :func:`write_set`. The benchmark of a set follows from its name:
-``losses``, ``kernels``, ``decoder``, ``medusa``, ``medusa_e2e``, ``multigpu`` or ``e2e_<task>``. Runs on a
-CPU (Agg backend).
+``losses``, ``kernels``, ``decoder``, ``decoder_attn``, ``medusa``, ``medusa_e2e``, ``multigpu`` or
+``e2e_<task>``. Runs on a CPU (Agg backend).
 """
 
 from __future__ import annotations
@@ -46,15 +46,31 @@ DECODER_IMPLS = {
     "ours_saved": "chunkloss fused, recompute=False",
     "ours": "chunkloss fused, recompute=True",
 }
+# The attention input block's implementations (bench_decoder's names) and what each one is.
+ATTN_IN_IMPLS = {
+    "eager": "eager PyTorch",
+    "compile": "torch.compile",
+    "liger": "Liger RMSNorm + cuBLAS + Liger RoPE",
+    "unfused": "chunkloss RMSNorm + cuBLAS + chunkloss RoPE",
+    "norm_recompute": "chunkloss RMSNorm + cuBLAS + chunkloss RoPE, norm recomputed",
+}
 SAVED_LABEL = "saved for backward (MiB)"
 SAVED_MEANING = (
     "the bytes of the tensors autograd keeps from the forward for the backward (distinct storages; the "
     "input x counted, the weights not)"
 )
+ATTN_SAVED_MEANING = (
+    "the bytes of the tensors autograd keeps from the forward for the backward (distinct storages; the "
+    "input x counted, the weights and the cos/sin tables, which every layer shares, not)"
+)
 CALL_PEAK_LABEL = "peak of one call, gradients included (MiB)"
 CALL_PEAK_MEANING = (
     "the highest memory allocated during one forward + backward minus the memory allocated before it, the "
     "output and the four gradients included"
+)
+ATTN_CALL_PEAK_MEANING = (
+    "the highest memory allocated during one forward + backward minus the memory allocated before it, q, k, "
+    "v and the five gradients included"
 )
 MEDUSA_IMPLS = {
     "chunkloss": "chunkloss",
@@ -582,9 +598,7 @@ def decoder_md(data: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     eager = {r["case"]: r["saved_bytes"] for r in data["rows"] if r["impl"] == "eager" and _ok(r)}
-    cases, order = list(dict.fromkeys(r["case"] for r in data["rows"])), list(DECODER_IMPLS)
-    rank = {impl: i for i, impl in enumerate(order)}
-    for r in sorted(data["rows"], key=lambda r: (cases.index(r["case"]), rank.get(r["impl"], len(order)))):
+    for r in _by_case_and_impl(data["rows"], DECODER_IMPLS):
         shape, impl = f"{r['N']}, {r['H']}, {r['I']}", DECODER_IMPLS.get(r["impl"], r["impl"])
         if not _ok(r):
             lines.append(f"| {shape} | {impl} | {r['error']} | | | | | | | |")
@@ -597,6 +611,13 @@ def decoder_md(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _by_case_and_impl(rows: list[dict], impls: dict) -> list[dict]:
+    """``rows`` in the order of their cases' first rows, and within a case in the order of ``impls`` (others
+    last)."""
+    cases, rank = list(dict.fromkeys(r["case"] for r in rows)), {impl: i for i, impl in enumerate(impls)}
+    return sorted(rows, key=lambda r: (cases.index(r["case"]), rank.get(r["impl"], len(impls))))
+
+
 def _grouped_bars(ax, rows, cases, impls, key, scale, colors, names) -> None:
     """Bars of ``row[key] / scale`` per case (x) and implementation (colour); 0 where a row is missing."""
     width = 0.8 / len(impls)
@@ -607,26 +628,81 @@ def _grouped_bars(ax, rows, cases, impls, key, scale, colors, names) -> None:
         ax.bar(xs, ys, width, color=colors[impl], label=names[impl])
 
 
-def decoder_png(data: dict, plt):
+def _block_png(data: dict, plt, names: dict, label, title: str):
+    """Two panels per case (x) and implementation (colour): time, with the GEMM floor, and saved bytes."""
     rows = data["rows"]
     cases = list(dict.fromkeys(r["case"] for r in rows))
-    impls = [i for i in DECODER_IMPLS if any(r["impl"] == i for r in rows)]
+    impls = [i for i in names if any(r["impl"] == i for r in rows)]
     colors = _colors(impls)
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 5.2))
-    _grouped_bars(ax_t, rows, cases, impls, "ms", 1, colors, DECODER_IMPLS)
-    _grouped_bars(ax_m, rows, cases, impls, "saved_bytes", 2**20, colors, DECODER_IMPLS)
+    _grouped_bars(ax_t, rows, cases, impls, "ms", 1, colors, names)
+    _grouped_bars(ax_m, rows, cases, impls, "saved_bytes", 2**20, colors, names)
     for c, case in enumerate(cases):
         floor = next(r["floor_ms"] for r in rows if r["case"] == case)
-        label = "GEMM floor" if c == 0 else None
-        ax_t.hlines(floor, c - 0.45, c + 0.45, colors="k", linestyles="--", label=label)
-    labels = [next(f"N={r['N']}, H={r['H']}, I={r['I']}" for r in rows if r["case"] == c) for c in cases]
-    for ax, title in ((ax_t, "ms, forward + backward"), (ax_m, SAVED_LABEL)):
+        legend = "GEMM floor" if c == 0 else None
+        ax_t.hlines(floor, c - 0.45, c + 0.45, colors="k", linestyles="--", label=legend)
+    labels = [label(next(r for r in rows if r["case"] == c)) for c in cases]
+    for ax, panel in ((ax_t, "ms, forward + backward"), (ax_m, SAVED_LABEL)):
         ax.set_xticks(range(len(cases)), labels, fontsize=8)
-        ax.set_title(title, fontsize=10)
+        ax.set_title(panel, fontsize=10)
     fig.legend(*ax_t.get_legend_handles_labels(), loc="lower center", ncol=4, fontsize=8)
-    fig.suptitle(f"Gated MLP block, bf16 ({data['stamp'].get('gpu')}; lower is better)", fontsize=10)
+    fig.suptitle(f"{title}, bf16 ({data['stamp'].get('gpu')}; lower is better)", fontsize=10)
     fig.tight_layout(rect=(0, 0.1, 1, 1))
     return fig
+
+
+def decoder_png(data: dict, plt):
+    return _block_png(data, plt, DECODER_IMPLS, lambda r: f"N={r['N']}, H={r['H']}, I={r['I']}",
+                      "Gated MLP block")  # fmt: skip
+
+
+# --- attention input block (decoder_attn) -----------------------------------------------------------------
+
+
+def _attn_shape(r: dict) -> str:
+    return f"{r['B']}×{r['T']}, {r['H']}, {r['heads']}/{r['kv_heads']} × {r['head_dim']}"
+
+
+def decoder_attn_md(data: dict) -> str:
+    lines = [
+        "# Attention input block, forward + backward",
+        "",
+        f"{stamp_line(data['stamp'])}. bf16, what a Llama attention layer computes before attention: "
+        "`h = RMSNorm(x)`, the q, k and v projections of h split into heads, and rotate-half RoPE on q and "
+        "k. x (B, T, H), the norm weight (H,), the q weight (heads·head_dim, H), the k and v weights "
+        "(KV heads·head_dim, H), all five needing grad; cos and sin (B, T, head_dim) for positions 0..T-1. "
+        "chunkloss's kernels run as `patch` runs them (norm and RoPE in place); with the norm output "
+        "recomputed, inside the context of `patch(norm_recompute=True)`: the projections' saved input is "
+        "not kept and the backward runs the norm kernel again. Time: CUDA events, median of "
+        f"{data['repeats']} calls after {data['warmup']} warm-up calls. **{SAVED_LABEL}**: "
+        f"{ATTN_SAVED_MEANING}. **{CALL_PEAK_LABEL}**: {ATTN_CALL_PEAK_MEANING}. Error: max |error| / "
+        "max |value| against the same math in fp32, of the worst of q, k and v, of dx and of the worst "
+        "weight gradient (norm, q, k, v). GEMM floor: the three projections' forward, input-gradient and "
+        "weight-gradient products (6·N·H·(heads + 2·KV heads)·head_dim FLOPs, N = B·T) at "
+        f"{data['peak_tflops']:.0f} TFLOP/s.",
+        "",
+        f"| model | B×T, H, heads/KV heads × head_dim | implementation | ms | × GEMM floor | {SAVED_LABEL} "
+        f"| saved / eager | {CALL_PEAK_LABEL} | error q, k, v | error dx | error dW |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    eager = {r["case"]: r["saved_bytes"] for r in data["rows"] if r["impl"] == "eager" and _ok(r)}
+    for r in _by_case_and_impl(data["rows"], ATTN_IN_IMPLS):
+        head = f"| {r['model']} | {_attn_shape(r)} | {ATTN_IN_IMPLS.get(r['impl'], r['impl'])} |"
+        if not _ok(r):
+            lines.append(f"{head} {r['error']} | | | | | | | |")
+            continue
+        err = r["err"]
+        cells = [f"{r['ms']:.3f}", f"{r['ms'] / r['floor_ms']:.2f}", _mib(r["saved_bytes"]),
+                 _ratio(r["saved_bytes"], eager.get(r["case"])), _mib(r["peak_bytes"]),
+                 f"{max(err['q'], err['k'], err['v']):.1e}", f"{err['x']:.1e}",
+                 f"{max(err['norm_w'], err['w_q'], err['w_k'], err['w_v']):.1e}"]  # fmt: skip
+        lines.append(f"{head} " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def decoder_attn_png(data: dict, plt):
+    return _block_png(data, plt, ATTN_IN_IMPLS, lambda r: f"{r['model']}\n{_attn_shape(r)}",
+                      "Attention input block (RMSNorm, q/k/v projections, RoPE)")  # fmt: skip
 
 
 # --- multi-token (Medusa) heads ---------------------------------------------------------------------------
@@ -908,6 +984,7 @@ RENDERERS = {
     "losses": (losses_md, losses_png),
     "kernels": (kernels_md, kernels_png),
     "decoder": (decoder_md, decoder_png),
+    "decoder_attn": (decoder_attn_md, decoder_attn_png),
     "medusa": (medusa_md, medusa_png),
     "medusa_e2e": (medusa_e2e_md, medusa_e2e_png),
     "e2e": (e2e_md, e2e_png),

@@ -177,6 +177,28 @@ def decoder_section(data: dict) -> list[str]:
     ]
 
 
+def decoder_attn_section(data: dict) -> list[str]:
+    table = render.first_table(render.decoder_attn_md(data))
+    return [
+        "## Attention input block",
+        "",
+        f"`python -m benchmarks.bench_decoder` ({stamp_line(data['stamp'])}). Forward + backward of what a "
+        "Llama attention layer computes before attention, in bf16: RMSNorm, the q, k and v projections "
+        "split into heads, and RoPE on q and k, x, the norm weight and the three projection weights needing "
+        "grad. chunkloss's RMSNorm and RoPE kernels with cuBLAS projections, as `patch` runs them, with and "
+        "without the norm output kept for the backward (`patch(norm_recompute=True)` recomputes it), "
+        "against eager PyTorch (transformers' math), torch.compile and Liger's RMSNorm and RoPE. "
+        f"Milliseconds (median); **{render.SAVED_LABEL}**: {render.ATTN_SAVED_MEANING}; "
+        f"**{render.CALL_PEAK_LABEL}**: {render.ATTN_CALL_PEAK_MEANING}. Errors: max |error| / max |value| "
+        "against the same math in fp32. GEMM floor: the three projections' six matrix multiplications at "
+        f"{data['peak_tflops']:.0f} TFLOP/s.",
+        "",
+        *table,
+        "",
+        "![decoder attn](../benchmarks/results/decoder_attn.png)",
+    ]
+
+
 def medusa_section(data: dict) -> list[str]:
     size = data["size"]
     return [
@@ -288,6 +310,8 @@ def docs_page(sets: dict) -> str:
         lines += ["", *kernels_section(sets["kernels"])]
     if "decoder" in sets:
         lines += ["", *decoder_section(sets["decoder"])]
+    if "decoder_attn" in sets:
+        lines += ["", *decoder_attn_section(sets["decoder_attn"])]
     if "medusa" in sets:
         lines += ["", *medusa_section(sets["medusa"])]
     if "medusa_e2e" in sets:

@@ -148,6 +148,47 @@ def test_decoder_and_medusa_render_failed_and_unmeasured_rows(tmp_path):
     assert (tmp_path / "decoder.png").stat().st_size > 0 and (tmp_path / "medusa.png").stat().st_size > 0
 
 
+def _attn_in_set() -> dict:
+    ok = {"case": "tiny B=2 T=4", "model": "tiny", "B": 2, "T": 4, "N": 8, "H": 16, "heads": 4, "kv_heads": 2,
+          "head_dim": 4, "floor_ms": 1.0, "ms": 2.0, "saved_bytes": 2**21, "peak_bytes": None,
+          "err": dict.fromkeys(("q", "k", "v", "x", "norm_w", "w_q", "w_k", "w_v"), 1e-3)}  # fmt: skip
+    failed = {k: v for k, v in ok.items() if k not in ("ms", "saved_bytes", "peak_bytes", "err")}
+    rows = [{**ok, "impl": "norm_recompute", "saved_bytes": 2**20}, {**ok, "impl": "eager"},
+            {**failed, "impl": "liger", "error": "OOM"}]  # fmt: skip
+    return {"stamp": {"gpu": "cpu", "date": "2026-01-01", "versions": {}}, "warmup": 1, "repeats": 2,
+            "peak_tflops": 800.0, "rows": rows}  # fmt: skip
+
+
+def test_decoder_attn_set_renders_its_own_table_plot_and_docs_section(tmp_path):
+    assert render.kind("decoder_attn") == "decoder_attn"
+    data = _attn_in_set()
+    render.write_set(tmp_path, "decoder_attn", data)
+    md = (tmp_path / "decoder_attn.md").read_text()
+    eager = "| tiny | 2×4, 16, 4/2 × 4 | eager PyTorch | 2.000 | 2.00 | 2 | 1.00 | n/a |"
+    recomputed = ("| tiny | 2×4, 16, 4/2 × 4 | chunkloss RMSNorm + cuBLAS + chunkloss RoPE, norm recomputed "
+                  "| 2.000 | 2.00 | 1 | 0.50 | n/a | 1.0e-03 | 1.0e-03 | 1.0e-03 |")  # fmt: skip
+    assert md.index(eager) < md.index(recomputed)  # implementations in render's order, eager first
+    assert "| tiny | 2×4, 16, 4/2 × 4 | Liger RMSNorm + cuBLAS + Liger RoPE | OOM |" in md
+    assert render.ATTN_SAVED_MEANING in md and render.ATTN_CALL_PEAK_MEANING in md
+    assert (tmp_path / "decoder_attn.png").stat().st_size > 10_000
+    sets = {name: d for name, d in report.load_sets().items() if name != "decoder_attn"}
+    assert "## Attention input block" not in report.docs_page(sets)
+    sets["decoder_attn"] = data
+    docs = report.docs_page(sets)
+    section = docs[docs.index("## Attention input block") : docs.index("## Multi-token (Medusa) heads")]
+    assert recomputed in section and render.ATTN_SAVED_MEANING in section
+    assert docs.index("## Gated MLP block") < docs.index("## Attention input block")
+
+
+def test_committed_decoder_attn_set_covers_both_shapes_and_every_implementation():
+    if not (RESULTS / "decoder_attn.json").exists():
+        pytest.skip("no decoder_attn set committed")
+    data = json.loads((RESULTS / "decoder_attn.json").read_text())
+    assert {r["model"] for r in data["rows"]} == {"Llama-3-8B", "Llama-3.2-1B"}
+    for case in {r["case"] for r in data["rows"]}:
+        assert {r["impl"] for r in data["rows"] if r["case"] == case} == set(render.ATTN_IN_IMPLS), case
+
+
 def _medusa_e2e_set() -> dict:
     def run(stage, batch, impl, step=None, mem=None, loss=10.0):
         r = {"stage": stage, "heads": 3, "batch": batch, "impl": impl, "steps": 5, "oom": step is None}
