@@ -139,6 +139,10 @@ class ChunkLoop:
     def backprop(self, g, x, rows, a, b, add=False, last=False):
         """Gradients of positions [a, b) from their logits gradient ``g``; ``add``: onto the hidden rows'
         gradient from pass 1 rather than over it; ``last``: the loop's last weight-gradient contribution."""
+        if self.need_w:
+            self.grad_w.add(g, x, last)
+        if self.need_b:
+            self.grad_b.add_(g.sum(0, dtype=self.accum))
         if self.need_h:
             grad_h, weight = self.grad_h, self.weight
             if rows is None:
@@ -146,14 +150,14 @@ class ChunkLoop:
                     grad_h[a:b].addmm_(g, weight)
                 else:
                     torch.mm(g, weight, out=grad_h[a:b])
-            elif add:
-                grad_h.index_add_(0, rows[a:b], g @ weight)
+                return
+            # x is the chunk's gathered copy and the weight gradient has read it (same stream): the rows'
+            # hidden gradient goes into its buffer rather than into a new (C, H) tensor.
+            dx = torch.mm(g, weight, out=x) if x.dtype == g.dtype and x.is_contiguous() else g @ weight
+            if add:
+                grad_h.index_add_(0, rows[a:b], dx)
             else:
-                grad_h.index_copy_(0, rows[a:b], g @ weight)
-        if self.need_w:
-            self.grad_w.add(g, x, last)
-        if self.need_b:
-            self.grad_b.add_(g.sum(0, dtype=self.accum))
+                grad_h.index_copy_(0, rows[a:b], dx)
 
     def add_metrics(self, m):
         for k, v in m.items():
