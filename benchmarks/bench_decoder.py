@@ -68,7 +68,7 @@ from chunkloss.kernels import (
 )
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_apply_rotary_pos_emb
 
-from benchmarks.harness import PEAK_TFLOPS, stamp
+from benchmarks.harness import PEAK_TFLOPS, is_oom, stamp, sync
 from benchmarks.render import write_set
 
 BLOCKS = ("mlp", "attn_in")
@@ -271,11 +271,6 @@ def saved_bytes(fn, case: Case) -> int:
     return sum(storages.values())
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def measure(fn, case: Case, warmup, repeats):
     """Median ms of forward + backward, saved bytes, peak bytes of one call, and the last call's outputs and
     gradients."""
@@ -292,7 +287,7 @@ def measure(fn, case: Case, warmup, repeats):
     device = case.dys[0].device
     for _ in range(warmup):
         step(fresh())
-    _sync(device)
+    sync(device)
     times = []
     for _ in range(repeats):
         dys = fresh()
@@ -348,7 +343,7 @@ def run_case(case: Case, impls, device, warmup, repeats) -> list[dict]:
         try:
             result, (ys, grads) = measure(fn, case, warmup, repeats)
         except Exception as exc:  # noqa: BLE001 - one failing peer is recorded, not fatal
-            oom = isinstance(exc, torch.OutOfMemoryError)
+            oom = is_oom(exc)
             row["error"] = "OOM" if oom else f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
             print(f"{case.row['case']} / {name}: {exc!r}", file=sys.stderr)
             continue

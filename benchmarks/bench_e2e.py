@@ -81,7 +81,7 @@ import torch
 from datasets import Dataset
 from transformers import AutoConfig, AutoModelForCausalLM, TrainerCallback, TrainingArguments
 
-from benchmarks.harness import stamp
+from benchmarks.harness import free_memory, is_oom, stamp
 from benchmarks.render import write_set
 from chunkloss.data import count_reward, tiny_tokenizer
 
@@ -318,16 +318,10 @@ def make_trainer(task: str, impl: str, model, ref, tokenizer, ds, out_dir: str, 
     raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
 
 
-def _is_oom(e: BaseException) -> bool:
-    return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
-
-
 def _cleanup():
     # Objects alive at the last cleanup are frozen (gc.freeze), so this scans only what the run made.
-    gc.collect()
+    free_memory()
     gc.freeze()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def _share_loss(trainer, task: str, shared: dict) -> None:
@@ -416,7 +410,7 @@ def run_one(task, impl, shape, batch, steps, a, tokenizer, ds, state, ref_state,
             res["tokens_per_s"] = per_step / res["step_time_s"]
         res["oom"] = False
     except Exception as e:  # noqa: BLE001 - an OOM ends the sweep; anything else is reported
-        if not _is_oom(e):
+        if not is_oom(e):
             raise
         res["oom"] = True
     finally:

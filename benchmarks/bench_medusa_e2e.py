@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 import statistics
 import sys
@@ -59,7 +58,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from benchmarks.harness import stamp
+from benchmarks.harness import free_memory, is_oom, stamp, sync
 from benchmarks.render import write_set
 from chunkloss.data import tiny_dataset, tiny_tokenizer
 from chunkloss.heads import add_medusa_heads
@@ -146,24 +145,11 @@ def make_batch(batch: int, seq: int, vocab: int, device: torch.device, seed: int
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _free(params: list[torch.Tensor], device: torch.device) -> None:
-    for p in params:
-        p.grad = None
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def train_steps(loss_fn, params: list, inputs: dict, warmup: int, steps: int, device: torch.device) -> dict:
     """``warmup + steps`` training steps with a fresh AdamW: the first step's loss, the timed steps' times,
     their median, and the peak memory allocated over the run."""
     cuda = device.type == "cuda"
-    _sync(device)
+    sync(device)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     opt = torch.optim.AdamW(params, lr=1e-5, fused=cuda)
@@ -174,7 +160,7 @@ def train_steps(loss_fn, params: list, inputs: dict, warmup: int, steps: int, de
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        _sync(device)
+        sync(device)
         elapsed = time.perf_counter() - t0
         if i == 0:
             first = float(loss.detach().float())
@@ -196,13 +182,13 @@ def run_impl(loss_fn, params, initial, inputs, warmup, steps, device) -> dict:
             p.copy_(w, non_blocking=True)
     try:
         result = {"oom": False, **train_steps(loss_fn, params, inputs, warmup, steps, device)}
-    except torch.OutOfMemoryError:
-        result = {"oom": True}
-    except RuntimeError as e:  # cuBLAS reports a failed workspace allocation as its own error
-        if "ALLOC_FAILED" not in str(e):
+    except RuntimeError as e:  # torch.OutOfMemoryError is one
+        if not is_oom(e):
             raise
         result = {"oom": True}
-    _free(params, device)  # after the except block: its traceback no longer holds the step's tensors
+    for p in params:
+        p.grad = None
+    free_memory()  # after the except block: its traceback no longer holds the step's tensors
     return result
 
 
@@ -267,7 +253,7 @@ def sweep(a, device: torch.device, dtype: torch.dtype, data: dict, save) -> None
     for n, (stage, k) in enumerate(pairs):
         share_end = time.perf_counter() + max(0.0, deadline - time.perf_counter()) / (len(pairs) - n)
         sweep_pair(a, stage, k, share_end, device, dtype, tokenizer, data, save)
-        _free([], device)  # the pair's model, trainer and optimizer state
+        free_memory()  # the pair's model, trainer and optimizer state
 
 
 def check_losses(runs: list[dict], rtol: float) -> None:

@@ -79,6 +79,29 @@ class Case:
         return self.floor_flops / (PEAK_TFLOPS * 1e12) * 1e3
 
 
+def is_oom(e: BaseException) -> bool:
+    """Whether ``e`` is the GPU running out of memory: PyTorch's error, or cuBLAS failing to allocate its
+    workspace (reported as a RuntimeError of its own)."""
+    if isinstance(e, torch.OutOfMemoryError):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and ("out of memory" in text.lower() or "ALLOC_FAILED" in text)
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op off CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def free_memory() -> None:
+    """Collect unreachable objects and hand cached CUDA blocks back, between runs that must not see each
+    other's memory."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def grad_leaves(inputs: dict) -> list[torch.Tensor]:
     """The tensors of ``inputs`` that require grad."""
     return [t for t in inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -143,7 +166,7 @@ def measure_or_error(timer: Callable[..., dict], fn, inputs: dict, repeats: int 
     memory or fails: a peer failing is a result, not the end of the benchmark."""
     try:
         return timer(fn, inputs, repeats=repeats)
-    except torch.OutOfMemoryError:
-        return {"error": "OOM"}
     except Exception as e:
+        if is_oom(e):
+            return {"error": "OOM"}
         return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
