@@ -6,8 +6,12 @@
 * ``compile``: the same function under ``torch.compile``;
 * ``cublas_swiglu``: cuBLAS GEMMs + chunkloss's SwiGLU kernel (what ``patch`` ran before the fused MLP);
 * ``liger``: cuBLAS GEMMs + Liger's SwiGLU (``LigerSwiGLUMLP``), when ``liger_kernel`` is importable;
-* ``ours``: :func:`chunkloss.kernels.gated_mlp`, which saves only ``x`` and replays the gate/up GEMM;
-* ``ours_saved``: the same with ``recompute=False`` (``g | u`` saved, no replayed GEMM).
+* ``ours``: :func:`chunkloss.kernels.gated_mlp` as ``patch`` runs it with ``mlp_recompute=True``: cuBLAS
+  GEMMs and the gating kernels in one autograd Function that saves only ``x`` and replays the gate/up GEMMs;
+* ``ours_saved``: the same with ``recompute=False`` (``g`` and ``u`` saved, ``h`` recomputed in the backward's
+  gating pass), what ``patch`` runs by default;
+* ``triton``, ``triton_saved``: the same two with ``gate_up_gemm="triton"`` (the gate and up projections as
+  one Triton GEMM with the gating applied before anything is written).
 
 **attn_in**, what a Llama attention layer computes before attention: ``h = RMSNorm(x)`` (eps 1e-5), the q, k
 and v projections of ``h`` split into heads as ``LlamaAttention`` does ((B, heads, T, head_dim) views of the
@@ -234,6 +238,10 @@ def implementations(block: str, smoke: bool) -> dict:
             ),
             "ours": gated_mlp,
             "ours_saved": lambda x, wg, wu, wd: gated_mlp(x, wg, wu, wd, recompute=False),
+            "triton": lambda x, wg, wu, wd: gated_mlp(x, wg, wu, wd, gate_up_gemm="triton"),
+            "triton_saved": lambda x, wg, wu, wd: gated_mlp(
+                x, wg, wu, wd, recompute=False, gate_up_gemm="triton"
+            ),
         }
         eager = gated_mlp_ref
     else:

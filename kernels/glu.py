@@ -90,7 +90,8 @@ def _glu_fwd_kernel(
     tl.store(C + offs, (act * b).to(C.dtype.element_ty), mask=mask)
 
 
-# Backward of c = act(a) * b:  da = dc * b * act'(a),  db = dc * act(a).
+# Backward of c = act(a) * b:  da = dc * b * act'(a),  db = dc * act(a); with WRITE_C also c itself, for a
+# caller that did not keep it (the gated MLP's down-projection weight gradient).
 @triton.jit
 def _glu_bwd_kernel(
     DC,  # (n,) upstream gradient
@@ -98,9 +99,11 @@ def _glu_bwd_kernel(
     B,  # (n,) saved up input
     DA,  # (n,) gate gradient (may alias A)
     DB,  # (n,) up gradient (may alias B)
+    C,  # (n,) act(a) * b, written when WRITE_C (may alias DC)
     n_elements,
     ACT: tl.constexpr,
     K0: tl.constexpr,
+    WRITE_C: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
@@ -111,6 +114,8 @@ def _glu_bwd_kernel(
     act, dact = _act_and_grad(a, ACT, K0)
     tl.store(DA + offs, (dc * b * dact).to(DA.dtype.element_ty), mask=mask)
     tl.store(DB + offs, (dc * act).to(DB.dtype.element_ty), mask=mask)
+    if WRITE_C:
+        tl.store(C + offs, (act * b).to(C.dtype.element_ty), mask=mask)
 
 
 # Elementwise: big tiles so each thread issues wide vector loads (the sweep behind these values is in
@@ -132,13 +137,15 @@ def _glu_fwd(a, b, opts: GLUOptions):
     return c, a, b
 
 
-def _glu_bwd(dc, a, b, opts: GLUOptions):
+def _glu_bwd(dc, a, b, opts: GLUOptions, c: torch.Tensor | None = None):
+    """``da, db`` (over ``a``, ``b`` with ``opts.in_place``); with ``c`` (which may be ``dc``) also writes
+    ``act(a) * b`` into it. ``a``, ``b`` and ``c`` contiguous."""
     dc = dc.contiguous()
     da, db = (a, b) if opts.in_place else (torch.empty_like(a), torch.empty_like(b))
     n = a.numel()
     _glu_bwd_kernel[(cdiv(n, BLOCK_SIZE),)](
-        dc, a, b, da, db, n, ACT=_ACT_ID[opts.activation], K0=_SQRT_2_OVER_PI, BLOCK_SIZE=BLOCK_SIZE,
-        num_warps=NUM_WARPS,
+        dc, a, b, da, db, dc if c is None else c, n, ACT=_ACT_ID[opts.activation], K0=_SQRT_2_OVER_PI,
+        WRITE_C=c is not None, BLOCK_SIZE=BLOCK_SIZE, num_warps=NUM_WARPS,
     )
     return da, db
 

@@ -1,12 +1,20 @@
-"""Gated MLP ``down(act(gate(x)) * up(x))`` with the gating in the gate/up GEMM's epilogue, in Triton.
+"""Gated MLP ``down(act(gate(x)) * up(x))`` as one autograd Function keeping at most ``x``, ``g`` and ``u``.
 
 Equals the forward of ``transformers``' ``LlamaMLP`` / ``GemmaMLP``,
 ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, for ``act`` in silu (SwiGLU), tanh-approximated gelu and
-exact gelu (GeGLU).
+exact gelu (GeGLU). The gated product ``h`` is never saved: the backward recomputes it in the pass that
+computes ``dg`` and ``du``.
 
-Forward: one Triton GEMM computes a tile of ``g = x Wg^T + bg`` and the same tile of ``u = x Wu^T + bu``
-(two fp32 accumulators that share each loaded tile of ``x``) and writes only ``h = act(g) * u``; the
-pre-activations never reach memory. The down projection ``y = h Wd^T + bd`` is one cuBLAS GEMM.
+The gate/up projections run one of two ways (``gate_up_gemm``):
+
+* ``"cublas"`` (default): ``g``, ``u`` by cuBLAS, ``h`` by the Triton GLU kernel; in the backward, one Triton
+  pass over ``g``, ``u`` and ``dh`` writes ``dg``, ``du`` and ``h`` (over ``dh``).
+* ``"triton"``: one Triton GEMM computes a tile of ``g = x Wg^T + bg`` and the same tile of
+  ``u = x Wu^T + bu`` (two fp32 accumulators that share each loaded tile of ``x``) and writes only
+  ``h = act(g) * u``; the pre-activations never reach memory, and the backward's gating is in a Triton
+  GEMM's epilogue too.
+
+The down projection ``y = h Wd^T + bd`` is one cuBLAS GEMM.
 
 Backward, with ``dy`` the upstream gradient (``'`` is the activation's derivative)::
 
@@ -14,11 +22,11 @@ Backward, with ``dy`` the upstream gradient (``'`` is the activation's derivativ
     dg = dh * u * act'(g),  du = dh * act(g)
     dWd = dy^T h,  dx = dg Wg + du Wu,  [dWg; dWu] = [dg du]^T x,  dbg, dbu, dbd = column sums
 
-``recompute=True`` (default) saves only ``x``: a Triton kernel replays the gate/up GEMM (one extra GEMM, not
-a checkpoint of the layer) and its epilogue reads ``dh`` and writes ``dg | du`` and ``h`` (over ``dh``).
-``recompute=False`` also writes and saves ``g | u`` in the forward (2·I more elements per token); its
-backward computes ``dh`` in Triton with ``dg``, ``du`` and ``h`` in that GEMM's epilogue, so ``dh`` never
-reaches memory and no GEMM is replayed. Saved per token: H elements against ``H + 2I``.
+``recompute=True`` (default) saves only ``x``: the backward replays the gate/up GEMM (one extra GEMM, not a
+checkpoint of the layer; with ``"triton"`` its epilogue reads ``dh`` and writes ``dg | du`` and ``h`` over
+``dh``). ``recompute=False`` also saves ``g`` and ``u`` (2·I more elements per token) and replays nothing
+(with ``"triton"`` the backward computes ``dh`` in Triton with ``dg``, ``du`` and ``h`` in that GEMM's
+epilogue, so ``dh`` never reaches memory). Saved per token: H elements against ``H + 2I``.
 """
 
 import os
@@ -31,12 +39,13 @@ import triton.language as tl
 from torch import nn
 
 from ._utils import cdiv, next_power_of_2
-from .glu import _ACT_ID, _SQRT_2_OVER_PI, ACTIVATIONS, _act_and_grad, glu_ref
+from .glu import _ACT_ID, _SQRT_2_OVER_PI, ACTIVATIONS, GLUOptions, _act_and_grad, _glu_bwd, _glu_fwd, glu_ref
 
 # Set at import, as Triton reads it: kernels then run in the interpreter (tests on CPU).
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # Kernel modes (constexpr MODE).
 _FWD, _FWD_SAVE, _BWD_REPLAY, _BWD_SAVED = 0, 1, 2, 3
+GATE_UP_GEMMS = ("cublas", "triton")
 
 
 def gated_mlp_ref(
@@ -63,6 +72,7 @@ def gated_mlp_ref(
 class MLPOptions:
     activation: str = "silu"
     recompute: bool = True  # save only x; the backward replays the gate/up GEMM
+    gate_up_gemm: str = "cublas"  # "cublas": cuBLAS GEMMs + GLU kernels; "triton": gating in a Triton GEMM
 
 
 def _configs(one_acc: bool):
@@ -222,19 +232,38 @@ def _launch(kernel, mode, a, b1, b2, bias1, bias2, h, gu_in, gu_out, opts: MLPOp
 
 
 def _forward(x, w_gate, w_up, b_gate, b_up, opts: MLPOptions):
-    """h (M, I), and g | u (M, 2I) when ``opts.recompute`` is off (else None)."""
+    """h (M, I), and what the backward keeps of the pre-activations: () with ``opts.recompute``, else
+    (g, u), each (M, I), from cuBLAS or (g | u,) (M, 2I) from the Triton GEMM."""
+    if opts.gate_up_gemm == "cublas":
+        g, u = F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up)
+        h, g, u = _glu_fwd(g, u, GLUOptions(opts.activation))
+        return h, () if opts.recompute else (g, u)
     m, n = x.shape[0], w_gate.shape[0]
     h = x.new_empty(m, n)
     gu = None if opts.recompute else x.new_empty(m, 2 * n)
     mode = _FWD if opts.recompute else _FWD_SAVE
     _launch(_fwd_kernel, mode, x, w_gate, w_up, b_gate, b_up, h, None, gu if gu is not None else h, opts)
-    return h, gu
+    return h, () if gu is None else (gu,)
 
 
-def _backward_gated(dy, x, w_gate, w_up, w_down, b_gate, b_up, gu, opts: MLPOptions):
-    """(h (M, I), dg | du (M, 2I)) from the upstream gradient dy (M, H)."""
+def _backward_cublas(dy, x, w_gate, w_up, w_down, b_gate, b_up, saved, opts: MLPOptions):
+    """(h, dg, du), each (M, I), from the upstream gradient dy (M, H): cuBLAS for ``dh`` (and, without
+    ``saved``, the replayed ``g``, ``u``, whose buffers then take ``dg``, ``du``), and one GLU pass that
+    writes ``dg``, ``du`` and ``h`` over ``dh``."""
+    dh = dy @ w_down
+    if saved:
+        g, u = saved
+    else:
+        g, u = F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up)
+    dg, du = _glu_bwd(dh, g, u, GLUOptions(opts.activation, in_place=not saved), c=dh)
+    return dh, dg, du
+
+
+def _backward_gated(dy, x, w_gate, w_up, w_down, b_gate, b_up, saved, opts: MLPOptions):
+    """(h (M, I), dg | du (M, 2I)) from the upstream gradient dy (M, H), with the Triton GEMMs."""
     m, n = x.shape[0], w_gate.shape[0]
     dgu = x.new_empty(m, 2 * n)
+    gu = saved[0] if saved else None
     if gu is None:
         h = dy @ w_down  # dh, overwritten with h tile by tile
         _launch(_replay_kernel, _BWD_REPLAY, x, w_gate, w_up, b_gate, b_up, h, None, dgu, opts)
@@ -247,41 +276,46 @@ def _backward_gated(dy, x, w_gate, w_up, w_down, b_gate, b_up, gu, opts: MLPOpti
 class GatedMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down, b_gate, b_up, b_down, opts: MLPOptions):
-        h, gu = _forward(x, w_gate, w_up, b_gate, b_up, opts)
+        h, saved = _forward(x, w_gate, w_up, b_gate, b_up, opts)
         y = F.linear(h, w_down, b_down)
-        ctx.save_for_backward(x, w_gate, w_up, w_down, b_gate, b_up, gu)
+        ctx.save_for_backward(x, w_gate, w_up, w_down, b_gate, b_up, *saved)
         ctx.opts = opts
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, w_gate, w_up, w_down, b_gate, b_up, gu = ctx.saved_tensors
-        need = ctx.needs_input_grad
+        x, w_gate, w_up, w_down, b_gate, b_up, *saved = ctx.saved_tensors
+        need, opts, n = ctx.needs_input_grad, ctx.opts, w_gate.shape[0]
         dy = dy.contiguous()
-        h, dgu = _backward_gated(dy, x, w_gate, w_up, w_down, b_gate, b_up, gu, ctx.opts)
+        dgu = None
+        if opts.gate_up_gemm == "cublas":
+            h, dg, du = _backward_cublas(dy, x, w_gate, w_up, w_down, b_gate, b_up, saved, opts)
+        else:
+            h, dgu = _backward_gated(dy, x, w_gate, w_up, w_down, b_gate, b_up, saved, opts)
+            dg, du = dgu[:, :n], dgu[:, n:]
         dw_down = dy.t() @ h if need[3] else None
         del h  # freed before the input and gate/up weight gradients are allocated
-        n = w_gate.shape[0]
-        dg, du = dgu[:, :n], dgu[:, n:]
         dx = None
         if need[0]:
             dx = dg @ w_gate
             dx.addmm_(du, w_up)
         dw_gate = dw_up = None
-        if need[1] and need[2]:
+        if need[1] and need[2] and dgu is not None:
             dw_gate, dw_up = (dgu.t() @ x).split(n)  # one GEMM for both: [dWg; dWu] = [dg du]^T x
-        elif need[1] or need[2]:
-            dw = (dg if need[1] else du).t() @ x
-            dw_gate, dw_up = (dw, None) if need[1] else (None, dw)
+        else:
+            dw_gate = dg.t() @ x if need[1] else None
+            dw_up = du.t() @ x if need[2] else None
         db_gate = dg.sum(0) if need[4] else None
         db_up = du.sum(0) if need[5] else None
         db_down = dy.sum(0) if need[6] else None
         return dx, dw_gate, dw_up, dw_down, db_gate, db_up, db_down, None
 
 
-def _check(x, w_gate, w_up, w_down, biases, activation):
+def _check(x, w_gate, w_up, w_down, biases, activation, gate_up_gemm):
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if gate_up_gemm not in GATE_UP_GEMMS:
+        raise ValueError(f"gate_up_gemm must be one of {GATE_UP_GEMMS}, got {gate_up_gemm!r}")
     hidden, inter = x.shape[-1], w_gate.shape[0]
     if w_gate.shape != (inter, hidden) or w_up.shape != (inter, hidden) or w_down.shape != (hidden, inter):
         raise ValueError(
@@ -300,13 +334,13 @@ def _check(x, w_gate, w_up, w_down, biases, activation):
 def gated_mlp(
     x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, *,
     b_gate: torch.Tensor | None = None, b_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None,
-    activation: str = "silu", recompute: bool = True,
+    activation: str = "silu", recompute: bool = True, gate_up_gemm: str = "cublas",
 ) -> torch.Tensor:
     """Fused ``F.linear(act(F.linear(x, w_gate, b_gate)) * F.linear(x, w_up, b_up), w_down, b_down)``.
 
-    Equals :func:`gated_mlp_ref` (``LlamaMLP`` / ``GemmaMLP``); the activation is applied to the fp32 GEMM
-    accumulator, so ``g`` and ``u`` are not rounded to ``x.dtype`` before gating. Under ``torch.autocast``
-    the operands are cast to the autocast dtype, as ``nn.Linear`` would be.
+    Equals :func:`gated_mlp_ref` (``LlamaMLP`` / ``GemmaMLP``). With ``gate_up_gemm="triton"`` the activation
+    is applied to the fp32 GEMM accumulator, so ``g`` and ``u`` are not rounded to ``x.dtype`` before gating.
+    Under ``torch.autocast`` the operands are cast to the autocast dtype, as ``nn.Linear`` would be.
 
     Args:
         x: (..., H) input.
@@ -314,20 +348,23 @@ def gated_mlp(
         b_gate, b_up: (I,) biases or None; b_down: (H,) bias or None.
         activation: "silu" (SwiGLU), "gelu_tanh" or "gelu" (exact; GeGLU).
         recompute: save only ``x`` for the backward, which replays the gate/up GEMM (H elements saved per
-            token); False saves ``x`` and the pre-activations ``g | u`` (H + 2I) and replays nothing.
+            token); False saves ``x`` and the pre-activations ``g``, ``u`` (H + 2I) and replays nothing.
+        gate_up_gemm: "cublas" (cuBLAS GEMMs and Triton gating kernels) or "triton" (the gate and up
+            projections as one Triton GEMM with the gating applied to its result before it is written).
 
     Returns:
         (..., H) in ``x.dtype`` (the autocast dtype under autocast).
 
     Raises:
-        ValueError: an unknown activation or mismatched shapes. TypeError: mixed dtypes outside autocast.
+        ValueError: an unknown activation or ``gate_up_gemm``, or mismatched shapes.
+        TypeError: mixed dtypes outside autocast.
     """
     biases = (b_gate, b_up, b_down)
     if torch.is_autocast_enabled(x.device.type):
         dtype = torch.get_autocast_dtype(x.device.type)
         x, w_gate, w_up, w_down = (t.to(dtype) for t in (x, w_gate, w_up, w_down))
         biases = tuple(None if b is None else b.to(dtype) for b in biases)
-    _check(x, w_gate, w_up, w_down, biases, activation)
+    _check(x, w_gate, w_up, w_down, biases, activation, gate_up_gemm)
     b_gate, b_up, b_down = biases
     if (b_gate is None) != (b_up is None):  # the kernel takes both or neither
         b_gate = torch.zeros_like(b_up) if b_gate is None else b_gate
@@ -342,7 +379,7 @@ def gated_mlp(
     w_gate, w_up, w_down = w_gate.contiguous(), w_up.contiguous(), w_down.contiguous()
     with torch.autocast(x.device.type, enabled=False):
         y = GatedMLPFunction.apply(x2, w_gate, w_up, w_down, b_gate, b_up, b_down,
-                                   MLPOptions(activation, recompute))
+                                   MLPOptions(activation, recompute, gate_up_gemm))
     return y.view(*shape[:-1], y.shape[-1])
 
 
@@ -354,24 +391,26 @@ class FusedGatedMLP(nn.Module):
         intermediate_size: I.
         activation: "silu", "gelu_tanh" or "gelu".
         bias: biases on all three projections (Llama's ``mlp_bias``).
-        recompute: see :func:`gated_mlp`.
+        recompute, gate_up_gemm: see :func:`gated_mlp`.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu", bias: bool = False,
-                 recompute: bool = True, device=None, dtype=None):
+                 recompute: bool = True, gate_up_gemm: str = "cublas", device=None, dtype=None):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        if gate_up_gemm not in GATE_UP_GEMMS:
+            raise ValueError(f"gate_up_gemm must be one of {GATE_UP_GEMMS}, got {gate_up_gemm!r}")
         kw = {"bias": bias, "device": device, "dtype": dtype}
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kw)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
-        self.activation, self.recompute = activation, recompute
+        self.activation, self.recompute, self.gate_up_gemm = activation, recompute, gate_up_gemm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return gated_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
                          b_gate=self.gate_proj.bias, b_up=self.up_proj.bias, b_down=self.down_proj.bias,
-                         activation=self.activation, recompute=self.recompute)
+                         activation=self.activation, recompute=self.recompute, gate_up_gemm=self.gate_up_gemm)
 
     def extra_repr(self) -> str:
-        return f"activation={self.activation}, recompute={self.recompute}"
+        return f"activation={self.activation}, recompute={self.recompute}, gate_up_gemm={self.gate_up_gemm}"

@@ -144,7 +144,7 @@ def test_decoder_and_medusa_render_failed_and_unmeasured_rows(tmp_path):
     assert "| K=3 | torch (materialised logits) | 66.00 | 66.00 | n/a |" in md
     md = (tmp_path / "decoder.md").read_text()
     assert "| 8, 4, 16 | cuBLAS + Liger SwiGLU | OOM |" in md
-    assert "| 8, 4, 16 | chunkloss fused, recompute=True | 2.000 | 2.00 | 1 | 1.00 | n/a |" in md
+    assert "| 8, 4, 16 | chunkloss, cuBLAS + gating kernels, recompute=True | 2.000 | 2.00 | 1 | 1.00 | n/a |" in md
     assert (tmp_path / "decoder.png").stat().st_size > 0 and (tmp_path / "medusa.png").stat().st_size > 0
 
 

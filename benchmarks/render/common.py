@@ -34,8 +34,10 @@ DECODER_IMPLS = {
     "compile": "torch.compile",
     "cublas_swiglu": "cuBLAS + chunkloss SwiGLU",
     "liger": "cuBLAS + Liger SwiGLU",
-    "ours_saved": "chunkloss fused, recompute=False",
-    "ours": "chunkloss fused, recompute=True",
+    "ours_saved": "chunkloss, cuBLAS + gating kernels, recompute=False",
+    "ours": "chunkloss, cuBLAS + gating kernels, recompute=True",
+    "triton_saved": "chunkloss, gating in a Triton GEMM, recompute=False",
+    "triton": "chunkloss, gating in a Triton GEMM, recompute=True",
 }
 # The attention input block's implementations (bench_decoder's names) and what each one is.
 ATTN_IN_IMPLS = {
