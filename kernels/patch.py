@@ -7,8 +7,9 @@
 * with ``norm_recompute=True``, every decoder layer's forward for one that does not keep its pre-norms'
   outputs (the input / post-attention / pre-feedforward RMSNorm) for the backward; the projections that read
   them get them back by running the norm kernel again (``kernels/saved_norms.py``);
-* every gated MLP for :func:`~chunkloss.kernels.mlp.gated_mlp`: the gate and up projections in one GEMM
-  whose epilogue applies the activation, the backward replaying that GEMM so only the MLP's input is saved.
+* every gated MLP for :func:`~chunkloss.kernels.mlp.gated_mlp`: one autograd Function that keeps the
+  MLP's input and its gate and up pre-activations but not the gated product (recomputed in the backward), or
+  with ``mlp_recompute=True`` the input only (the backward replays the gate and up GEMMs).
   An MLP whose projections are not plain ``nn.Linear`` modules (PEFT/LoRA layers, quantised linears, or
   linears with forward hooks) keeps its projections, checked at every call, and only its
   ``act(gate) * up`` runs on :func:`~chunkloss.kernels.swiglu` / :func:`~chunkloss.kernels.geglu`;
