@@ -284,6 +284,25 @@ def multigpu_section(data: dict) -> list[str]:
     ]
 
 
+def multigpu_scale_section(data: dict) -> list[str]:
+    table = render.first_table(render.multigpu_scale_md(data))
+    return [
+        "## Multi-GPU scale",
+        "",
+        f"`bash benchmarks/multigpu_scale.sh OUT` ({stamp_line(data['stamp'])}). chunkloss's SFT, DPO "
+        "and GRPO trainers and TRL 1.16's under FSDP2 and DeepSpeed ZeRO-3 at a real model shape (random "
+        "weights, bf16), the per-GPU batch growing until out of memory or out of the time budget: the "
+        "largest batch of each, tokens/s there, and chunkloss over TRL in median step time and in peak "
+        "memory of the fullest GPU at the batches both ran. GRPO's completions are fixed tokens, not "
+        "sampled. Every batch and the LM head's memory per GPU: "
+        "[`multigpu_scale.md`](../benchmarks/results/multigpu_scale.md).",
+        "",
+        *table,
+        "",
+        "![multigpu scale](../benchmarks/results/multigpu_scale.png)",
+    ]
+
+
 def docs_page(sets: dict) -> str:
     losses = sets["losses"]
     lines = [
@@ -319,6 +338,8 @@ def docs_page(sets: dict) -> str:
     lines += ["", *e2e_section(sets)]
     if "multigpu" in sets:
         lines += ["", *multigpu_section(sets["multigpu"])]
+    if "multigpu_scale" in sets:
+        lines += ["", *multigpu_scale_section(sets["multigpu_scale"])]
     return "\n".join(lines) + "\n"
 
 

@@ -2,8 +2,8 @@
 
 A result set is ``<name>.json`` (the measurements and a ``stamp``: date, GPU, library versions), ``<name>.md``
 and ``<name>.png``, all three written by :func:`write_set`. The benchmark of a set follows from its name:
-``losses``, ``kernels``, ``decoder``, ``decoder_attn``, ``medusa``, ``medusa_e2e``, ``multigpu`` or
-``e2e_<task>``. Runs on a CPU (Agg backend).
+``losses``, ``kernels``, ``decoder``, ``decoder_attn``, ``medusa``, ``medusa_e2e``, ``multigpu``,
+``multigpu_scale`` or ``e2e_<task>``. Runs on a CPU (Agg backend).
 """
 
 from __future__ import annotations
@@ -74,6 +74,12 @@ from benchmarks.render.multigpu import (
     multigpu_md,
     multigpu_png,
 )
+from benchmarks.render.multigpu_scale import (
+    SCALE_IMPLS,
+    multigpu_scale_md,
+    multigpu_scale_png,
+    scale_summary,
+)
 
 __all__ = [
     "MEDUSA_OURS",
@@ -120,11 +126,15 @@ __all__ = [
     "MEMORY_MEANING",
     "multigpu_md",
     "multigpu_png",
+    "multigpu_scale_md",
+    "multigpu_scale_png",
     "records_sequences",
     "render",
     "RENDERERS",
     "SAVED_LABEL",
     "SAVED_MEANING",
+    "SCALE_IMPLS",
+    "scale_summary",
     "stamp_line",
     "write_set",
     "_e2e_panels",
@@ -140,6 +150,7 @@ RENDERERS = {
     "medusa_e2e": (medusa_e2e_md, medusa_e2e_png),
     "e2e": (e2e_md, e2e_png),
     "multigpu": (multigpu_md, multigpu_png),
+    "multigpu_scale": (multigpu_scale_md, multigpu_scale_png),
 }
 
 

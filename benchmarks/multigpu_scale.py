@@ -1,0 +1,600 @@
+"""Multi-GPU scale: chunkloss's trainers and TRL's at a real model size under FSDP2 or DeepSpeed ZeRO-3.
+
+Under ``accelerate launch`` (configs/accelerate/fsdp2.yaml or zero3.yaml) this trains a randomly initialised
+model of a real shape (``--model``: ``qwen3-4b``, ``llama3-8b``, or ``tiny`` for a CPU check) with
+``--impl chunked`` (``ChunkedSFTTrainer``, ``ChunkedDPOTrainer``, ``ChunkedGRPOTrainer``) or ``--impl trl``
+(TRL's ``SFTTrainer``, ``DPOTrainer``, ``GRPOTrainer``), for each per-GPU batch of ``--batch-sizes`` in turn,
+in one process: a fresh model (the same seed, so the same weights), trainer and dataset per batch. The run
+folder ``OUT`` gets ``setting.json`` (what the run is), ``batch_<B>.started`` when a batch starts, and
+``batch_<B>.json`` when it ends: every rank's peak allocated and reserved CUDA memory
+(``torch.cuda.max_memory_allocated``, reset when training begins, after the model is sharded), the step
+times and their median after ``--warmup`` steps, tokens/s (non-padding tokens of the policy's training
+forwards on all ranks, per median step) and the date, GPUs and versions. Sequences are ``--seq-len`` tokens:
+SFT prompt-completion rows and DPO chosen/rejected rows are truncated to it (a DPO batch of B pairs trains
+2·B sequences); a GRPO sequence is a prompt of a few tokens and a completion that fills the rest.
+
+Gradient checkpointing is on, as TRL's configs default, unless ``--no-gradient-checkpointing``; both
+implementations get the same setting, the same data and the same TRL options otherwise (``learning_rate``
+1e-5, bf16 on CUDA). The chunked trainers compile their per-chunk step on CUDA (``chunk_compile``) unless
+``--no-chunk-compile``, and never on CPU.
+
+GRPO does not sample: its completions are a fixed function of the prompt's token ids and the completion's
+index in its group (random digits of the tokenizer, seeded by both), every one ``max_completion_length``
+tokens long, for TRL's trainer and for the chunked one alike. Generation under FSDP2 or ZeRO-3 gathers every
+layer for every new token, which would dominate the step; the step here is scoring, the loss, the backward and
+the optimizer. The reward (the fraction of even token ids) differs between the completions of a group, so
+the advantages are not zero.
+
+Out of memory: the batch writes ``OUT/batch_<B>.oom.rank<R>.json`` from each rank that ran out and the sweep
+stops (larger batches would too). With several processes the rank then exits at once with status 3, so that
+the launcher ends the ranks still waiting in a collective. ``--time-budget-s``: a batch whose predicted time
+(the previous batch's time outside its steps, plus its step time scaled by the batch, times ``--steps``) does
+not fit in the time left writes ``OUT/batch_<B>.skipped.json`` and the sweep stops. ``--remaining RUN_DIR``
+prints the batches of ``--batch-sizes`` a run folder still lacks, for the driver to relaunch after a failure
+that left earlier batches done (empty when the sweep ended in an OOM or a skip, or the first batch itself
+failed). ``--summary DIR`` gathers every run under DIR into the result set ``DIR/multigpu_scale.json``,
+``.md`` and ``.png``; ``--head-memory`` prints the LM head's memory per rank for each shape.
+``benchmarks/multigpu_scale.sh`` runs it all::
+
+    export NCCL_NVLS_ENABLE=0
+    accelerate launch --config_file configs/accelerate/fsdp2.yaml --num_processes 2 \\
+        -m benchmarks.multigpu_scale --trainer sft --impl chunked --model qwen3-4b --seq-len 2048 \\
+        --batch-sizes 1,2,4,8,16,32,64 --out DIR/sft_fsdp2_chunked
+    python -m benchmarks.multigpu_scale --summary DIR
+    python -m benchmarks.multigpu_scale --trainer sft --impl trl --model tiny --seq-len 32 \\
+        --batch-sizes 1,2 --steps 3 --warmup 1 --out /tmp/scale/sft_none_trl   # one CPU process
+"""
+
+from __future__ import annotations
+
+import time
+
+_T0 = time.monotonic()  # the time budget counts from the start of the process, imports included
+
+import os  # noqa: E402
+
+# Before anything can initialise NCCL: NVLink multicast (NVLS) stays off on the shared H200 hosts.
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+import argparse  # noqa: E402
+import copy  # noqa: E402
+import importlib  # noqa: E402
+import importlib.metadata  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import zlib  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+from benchmarks.harness import free_memory, is_oom, stamp  # noqa: E402
+from benchmarks.multigpu_parity import TRAINERS, _peak_memory_gib, _reason  # noqa: E402
+
+# Shapes of the models (random weights). tied: the LM head shares the input embedding's weight.
+MODELS = {
+    "tiny": dict(family="qwen3", vocab=4096, hidden=64, inter=128, layers=2, heads=4, kv=2, head_dim=16,
+                 tied=True),
+    "qwen3-4b": dict(family="qwen3", vocab=151936, hidden=2560, inter=9728, layers=36, heads=32, kv=8,
+                     head_dim=128, tied=True),
+    "llama3-8b": dict(family="llama", vocab=128256, hidden=4096, inter=14336, layers=32, heads=32, kv=8,
+                      head_dim=128, tied=False),
+}  # fmt: skip
+IMPLS = ("chunked", "trl")
+DEFAULT_BATCHES = [1, 2, 4, 8, 16, 32, 64]
+NUM_GENERATIONS = 2
+SEED = 0
+RESULT = "multigpu_scale"
+COMMAND = "bash benchmarks/multigpu_scale.sh OUT"
+# Memory a batch may find still allocated from the earlier batches of its process before the summary names it.
+LEFTOVER_GIB = 0.5
+
+
+def backend_name() -> str:
+    """The backend ``accelerate launch`` set up for this process: ``fsdp2`` (or ``fsdp1``), ``zero<stage>``,
+    or ``none`` (one process without a sharding backend)."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        return f"zero{os.environ.get('ACCELERATE_DEEPSPEED_ZERO_STAGE', '3')}"
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+        return f"fsdp{os.environ.get('FSDP_VERSION', '1')}"
+    return "none"
+
+
+def head_memory(model: str, weight_bytes: int = 2) -> dict:
+    """What the chunked LM head holds on every rank for ``model``'s shape, in bytes and GiB: the gathered
+    (V, H) weight in the compute dtype, the fp32 weight-gradient accumulator (V·H·4 bytes), the weight-dtype
+    gradient handed to autograd, and the most rows one call may hold in a single chunk, which needs no
+    accumulator (a compiled step on CUDA without an extra head, as ``chunkloss.engine.plan.chunk_rows``
+    decides)."""
+    from chunkloss.engine.options import default_chunk_size
+
+    s = MODELS[model]
+    v, h = s["vocab"], s["hidden"]
+    out = {"vocab": v, "hidden": h, "tied": s["tied"], "weight_bytes": weight_bytes}
+    for key, nbytes in (
+        ("gathered_weight", v * h * weight_bytes),
+        ("fp32_accumulator", v * h * 4),
+        ("weight_grad", v * h * weight_bytes),
+    ):
+        out[f"{key}_bytes"] = nbytes
+        out[f"{key}_gib"] = nbytes / 2**30
+    out["one_chunk_max_rows"] = default_chunk_size(v, weight_bytes, v * h * 4 // 2**20, grad_in_place=True)
+    return out
+
+
+def build_model(model: str, tokenizer, device, dtype, seq_len: int):
+    """``model``'s shape with random weights from ``SEED``, built directly on ``device`` in ``dtype`` (no
+    host copy: a 4B model initialises on the GPU in seconds)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    s = MODELS[model]
+    cfg = AutoConfig.for_model(
+        s["family"],
+        vocab_size=s["vocab"],
+        hidden_size=s["hidden"],
+        intermediate_size=s["inter"],
+        num_hidden_layers=s["layers"],
+        num_attention_heads=s["heads"],
+        num_key_value_heads=s["kv"],
+        head_dim=s["head_dim"],
+        max_position_embeddings=max(4096, 2 * seq_len),
+        tie_word_embeddings=s["tied"],
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    torch.manual_seed(SEED)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+
+
+def fixed_completions(base):
+    """``base`` (TRL's ``GRPOTrainer`` or ``ChunkedGRPOTrainer``) whose completions are random digits of the
+    tokenizer seeded by the prompt's token ids and the completion's index in its group, each
+    ``max_completion_length`` tokens long, without EOS; nothing is sampled from the model.
+
+    TRL lays a generation batch out group after group, each process holding a contiguous slice of it; the
+    index of a completion in its group is its global position modulo ``num_generations``."""
+
+    class FixedCompletions(base):
+        def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, **kwargs):
+            if not hasattr(self, "_digit_ids"):
+                vocab = self.processing_class.get_vocab()
+                self._digit_ids = torch.tensor(sorted(i for t, i in vocab.items() if t.isdigit()))
+            first = self.accelerator.process_index * len(prompt_ids)
+            completions = []
+            for i, ids in enumerate(prompt_ids):
+                k = (first + i) % num_generations
+                g = torch.Generator().manual_seed(zlib.crc32(json.dumps([list(ids), k]).encode()))
+                pick = torch.randint(len(self._digit_ids), (self.max_completion_length,), generator=g)
+                completions.append(self._digit_ids[pick].tolist())
+            return completions, None  # no sampling log-probs, as TRL's transformers generation
+
+    FixedCompletions.__name__ = f"FixedCompletions{base.__name__}"
+    return FixedCompletions
+
+
+class TokenCount:
+    """Non-padding tokens of the policy's forwards with gradients on (the training forwards; generation,
+    reference and no-grad scoring forwards are not counted), summed per training step."""
+
+    def __init__(self, model):
+        self.current = 0
+        self.per_step: list[int] = []
+        self._handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if not torch.is_grad_enabled() or ids is None:
+            return
+        mask = kwargs.get("attention_mask")
+        self.current += int(mask.sum()) if mask is not None and mask.dim() == 2 else ids.numel()
+
+    def end_step(self) -> None:
+        self.per_step.append(self.current)
+        self.current = 0
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+def _callback(timer, tokens):
+    """A ``TrainerCallback`` that resets the CUDA peak when training begins (after the model is sharded and
+    the optimizer built: weights, gradients and optimizer states count, the unsharded model built before
+    does not) and closes each step's token count after ``timer`` (``bench_e2e.StepTimer``) timed it."""
+    from transformers import TrainerCallback
+
+    class Callback(TrainerCallback):
+        def __init__(self):
+            self.train_begin_gib = None  # this rank's allocated memory when training begins
+
+        def on_train_begin(self, args, state, control, **kw):
+            free_memory()
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+                self.train_begin_gib = torch.cuda.memory_allocated() / 2**30
+
+        def on_step_begin(self, *a, **kw):
+            timer.on_step_begin(*a, **kw)
+
+        def on_step_end(self, *a, **kw):
+            timer.on_step_end(*a, **kw)
+            tokens.end_step()
+
+    return Callback()
+
+
+def trainer_classes(kind: str, impl: str) -> tuple[type, type]:
+    """The config and trainer classes of ``kind`` (sft, dpo, grpo): TRL's (``trl``) or chunkloss's
+    (``chunked``)."""
+    if kind not in TRAINERS:
+        raise ValueError(f"--trainer must be one of {TRAINERS}, got {kind!r}")
+    name = kind.upper()
+    if impl == "trl":
+        import trl
+
+        return getattr(trl, f"{name}Config"), getattr(trl, f"{name}Trainer")
+    module = importlib.import_module(f"chunkloss.trainers.{kind}")
+    return getattr(module, f"Chunked{name}Config"), getattr(module, f"Chunked{name}Trainer")
+
+
+def make_trainer(kind: str, impl: str, model, tokenizer, ds, out: Path, batch: int, a):
+    """The trainer of ``kind`` (sft, dpo, grpo) and ``impl`` (chunked or TRL's) on ``model``."""
+    from benchmarks.bench_e2e import CHECKPOINTING, even_id_reward
+
+    cuda = torch.cuda.is_available()
+    common = dict(
+        output_dir=str(out / "trainer"),
+        report_to="none",
+        per_device_train_batch_size=batch,
+        max_steps=a.steps,
+        learning_rate=1e-5,
+        logging_steps=1,
+        save_strategy="no",
+        seed=SEED,
+        bf16=cuda,
+        use_cpu=not cuda,
+        dataloader_num_workers=0,
+        **{CHECKPOINTING: a.gradient_checkpointing},
+    )
+    chunk = dict(chunk_compile=cuda and a.chunk_compile) if impl == "chunked" else {}
+    Config, Trainer = trainer_classes(kind, impl)
+    if kind == "sft":
+        cfg = Config(**common, **chunk, max_length=a.seq_len)
+        return Trainer(model, cfg, train_dataset=ds, processing_class=tokenizer)
+    if kind == "dpo":
+        # The reference is the initial policy, given: TRL would load it from the policy's path, which a
+        # random model lacks.
+        ref = copy.deepcopy(model).requires_grad_(False)
+        cfg = Config(**common, **chunk, max_length=a.seq_len, precompute_ref_log_probs=False)
+        return Trainer(model, ref, args=cfg, train_dataset=ds, processing_class=tokenizer)
+    if kind == "grpo":
+        prompt = max(len(tokenizer(p)["input_ids"]) for p in ds["prompt"])
+        cfg = Config(
+            **common,
+            **chunk,
+            num_generations=NUM_GENERATIONS,
+            max_completion_length=max(a.seq_len - prompt, 1),
+            temperature=1.0,
+        )
+        return fixed_completions(Trainer)(model, [even_id_reward], cfg, train_dataset=ds,
+                                          processing_class=tokenizer)  # fmt: skip
+    raise ValueError(f"--trainer must be one of {TRAINERS}, got {kind!r}")
+
+
+def _versions() -> dict:
+    st = stamp()
+    for name in ("datasets", "deepspeed"):
+        try:
+            st["versions"][name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            st["versions"][name] = None
+    return st
+
+
+def _setting(a, world: int) -> dict:
+    return dict(
+        trainer=a.trainer,
+        backend=backend_name(),
+        impl=a.impl,
+        model=a.model,
+        seq_len=a.seq_len,
+        world=world,
+        gradient_checkpointing=a.gradient_checkpointing,
+        chunk_compile=a.impl == "chunked" and a.chunk_compile and torch.cuda.is_available(),
+        dtype="bfloat16" if torch.cuda.is_available() else "float32",
+    )
+
+
+def run_batch(batch: int, a, tokenizer, shared: dict) -> dict:
+    """Train ``a.steps`` steps at per-GPU ``batch``; the result on every rank (``oom`` set when this rank ran
+    out of memory; peak memory and tokens gathered over ranks otherwise)."""
+    from benchmarks.bench_e2e import LOSS_ATTR, StepTimer, _share_loss, counting_dataset
+
+    cuda = torch.cuda.is_available()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    res = {**_setting(a, world), "batch": batch, "steps": a.steps, "warmup": a.warmup, "oom": False}
+    if cuda:  # what earlier batches of this process left allocated (0 unless something of theirs lives on)
+        res["allocated_before_gib"] = torch.cuda.memory_allocated() / 2**30
+    trainer = model = tokens = None
+    t0 = time.perf_counter()
+    try:
+        model = build_model(a.model, tokenizer, device, dtype, a.seq_len)
+        ds = counting_dataset(a.trainer, max(2 * batch * world, 8), a.seq_len)
+        t1 = time.perf_counter()
+        trainer = make_trainer(a.trainer, a.impl, model, tokenizer, ds, a.out, batch, a)
+        if a.impl == "chunked" and a.trainer in LOSS_ATTR:
+            _share_loss(trainer, a.trainer, shared)  # one compiled per-chunk step for the whole sweep
+        timer, tokens = StepTimer(), TokenCount(model)
+        callback = _callback(timer, tokens)
+        trainer.add_callback(callback)
+        t2 = time.perf_counter()
+        trainer.train()
+        t3 = time.perf_counter()
+        timed = timer.times[a.warmup :] if len(timer.times) > a.warmup else timer.times
+        median = statistics.median(timed)
+        acc = trainer.accelerator
+        # Collective (every rank calls both): the timed steps' tokens on all ranks, and peak memory per rank.
+        skip = len(timer.times) - len(timed)
+        mine = torch.tensor([float(sum(tokens.per_step[skip:])), float(len(timed))], device=acc.device)
+        total = acc.gather(mine[None]).reshape(-1, 2).sum(0).tolist()
+        per_step = total[0] / max(total[1] / acc.num_processes, 1)
+        res.update(
+            backend=backend_name(),
+            distributed_type=str(acc.distributed_type),
+            world=acc.num_processes,
+            build_s=t1 - t0,
+            setup_s=t2 - t1,
+            train_s=t3 - t2,
+            steps_s=sum(timer.times),
+            step_times_s=timer.times,
+            median_step_time_s=median,
+            tokens_per_step=per_step,
+            tokens_per_s=per_step / median,
+            tokens_per_s_per_gpu=per_step / median / acc.num_processes,
+            peak_memory_gib=_peak_memory_gib(trainer),
+            train_begin_allocated_gib_rank0=callback.train_begin_gib,
+            losses=[h["loss"] for h in trainer.state.log_history if "loss" in h],
+        )
+    except Exception as e:  # noqa: BLE001 - an OOM ends the sweep; anything else is raised
+        if not is_oom(e):
+            raise
+        res.update(oom=True, error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+        if cuda:
+            res["peak_memory_gib_at_oom"] = torch.cuda.max_memory_allocated() / 2**30
+    finally:
+        if tokens is not None:
+            tokens.remove()
+        del trainer, model
+        free_memory()
+    res["wall_s"] = time.perf_counter() - t0
+    return res
+
+
+def _predict_s(prev: dict, batch: int, steps: int) -> float:
+    """Wall time at ``batch`` from the previous batch's run: its time outside the steps, plus its step time
+    scaled linearly in the batch (an overestimate while the GPU is not saturated) for ``steps`` steps."""
+    overhead = max(prev["wall_s"] - prev["steps_s"], 0.0)
+    return overhead + prev["median_step_time_s"] * batch / prev["batch"] * steps
+
+
+def _write(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def _rank0_says(flag: bool) -> bool:
+    """Rank 0's ``flag`` on every rank (a broadcast once the process group exists), so that all ranks take
+    the same branch."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    t = torch.tensor([float(flag)], device=device)
+    dist.broadcast(t, src=0)
+    return bool(t.item())
+
+
+def sweep(a) -> list[dict]:
+    """Every batch of ``a.batch_sizes`` in turn until an OOM or the time budget; each result is written to
+    ``a.out`` as soon as it is known, beside ``setting.json`` (what the run is)."""
+    from chunkloss.data import tiny_tokenizer
+
+    a.out.mkdir(parents=True, exist_ok=True)
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    # The driver kills these by id if the launch outlives its time limit.
+    pids = a.out / "pids"
+    pids.mkdir(exist_ok=True)
+    (pids / f"rank{rank}.pid").write_text(str(os.getpid()))
+    if rank == 0:
+        _write(a.out / "setting.json", {**_setting(a, world), "batch_sizes": a.batch_sizes})
+    tokenizer = tiny_tokenizer()
+    st = _versions()
+    if torch.cuda.is_available():
+        st["gpu"] = f"{world} x {torch.cuda.get_device_name()}"
+    results, shared, prev = [], {}, None
+    for batch in a.batch_sizes:
+        if a.time_budget_s and prev is not None:
+            left = a.time_budget_s - (time.monotonic() - _T0)
+            need = _predict_s(prev, batch, a.steps)
+            if _rank0_says(need > left):
+                if rank == 0:
+                    reason = f"time budget: {need:.0f} s predicted, {left:.0f} s left"
+                    _write(a.out / f"batch_{batch}.skipped.json", {**_setting(a, world), "batch": batch,
+                                                                   "skipped": reason})  # fmt: skip
+                    print(f"[multigpu_scale] batch {batch}: skipped ({reason})", flush=True)
+                break
+        if rank == 0:
+            (a.out / f"batch_{batch}.started").write_text(f"{time.time():.0f}\n")
+        r = run_batch(batch, a, tokenizer, shared)
+        r["stamp"] = st
+        r["nccl_nvls_enable"] = os.environ.get("NCCL_NVLS_ENABLE")
+        r["head_memory"] = head_memory(a.model)
+        results.append(r)
+        if r["oom"]:
+            _write(a.out / f"batch_{batch}.oom.rank{rank}.json", {**r, "rank": rank})
+            print(f"[multigpu_scale] batch {batch}: out of memory on rank {rank}: {r['error']}", flush=True)
+            if world > 1:
+                # The other ranks may wait in a collective this rank will never join: end the process now,
+                # and the launcher ends them.
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(3)
+            break
+        if rank == 0:
+            _write(a.out / f"batch_{batch}.json", r)
+            peaks = [round(m["allocated"], 2) for m in r["peak_memory_gib"] or []] or "n/a"
+            print(
+                f"[multigpu_scale] batch {batch}: {r['median_step_time_s']:.3f} s/step, "
+                f"{r['tokens_per_s']:.0f} tokens/s, peak GiB per rank {peaks}",
+                flush=True,
+            )
+        prev = r
+    return results
+
+
+def remaining(run_dir: Path, batches: list[int]) -> list[int]:
+    """The batches of ``batches`` (the list the last launch in ``run_dir`` was given) still to run: none once
+    a batch ran out of memory or was skipped for time, or when the launch failed at its first batch (it made
+    no progress, so another launch would fail the same way)."""
+    if any(run_dir.glob("batch_*.oom.rank*.json")) or any(run_dir.glob("batch_*.skipped.json")):
+        return []
+    rest = [b for b in batches if not (run_dir / f"batch_{b}.json").exists()]
+    if not rest or rest[0] == batches[0]:
+        return []
+    return rest
+
+
+def _batch_of(path: Path) -> int:
+    return int(re.match(r"batch_(\d+)", path.name).group(1))
+
+
+def collect(folder: Path) -> tuple[list[dict], list[str]]:
+    """Every batch result under ``folder`` (a run folder with its ``setting.json`` per trainer, backend and
+    implementation), as rows with ``status`` ok, oom, skipped or failed (a batch started without a result);
+    and notes on the failures, with the reason from the driver's ``<run>.error`` (the latest of a run's
+    launches), and on launches that left no run folder."""
+    runs, notes = [], []
+    for run_dir in sorted(p for p in folder.iterdir() if (p / "setting.json").exists()):
+        setting = json.loads((run_dir / "setting.json").read_text())
+        setting.pop("batch_sizes", None)
+        by_batch: dict[int, dict] = {}
+        for f in run_dir.glob("batch_*.json"):
+            b, r = _batch_of(f), json.loads(f.read_text())
+            if f.name.endswith(".skipped.json"):
+                by_batch[b] = {**setting, **r, "status": "skipped"}
+            elif ".oom.rank" in f.name:
+                ranks = sorted({*by_batch.get(b, {}).get("oom_ranks", []), r["rank"]})
+                by_batch[b] = {**setting, **r, "status": "oom", "oom_ranks": ranks}
+            else:
+                by_batch[b] = {**setting, **r, "status": "ok"}
+        for f in run_dir.glob("batch_*.started"):
+            b = _batch_of(f)
+            if b not in by_batch:
+                errors = sorted(folder.glob(f"{run_dir.name}*.error"), key=lambda e: e.stat().st_mtime)
+                why = _reason(errors[-1].read_text()) if errors else "no result and no error file"
+                by_batch[b] = {**setting, "batch": b, "status": "failed", "reason": why}
+                notes.append(f"{run_dir.name}, batch {b}: {why}")
+        runs += [{**by_batch[b], "run": run_dir.name} for b in sorted(by_batch)]
+        for b in sorted(by_batch):
+            left = by_batch[b].get("allocated_before_gib") or 0.0
+            if left > LEFTOVER_GIB:
+                notes.append(
+                    f"{run_dir.name}, batch {b}: started with {left:.2f} GiB left allocated by the batches "
+                    "before it in the same process (its peak memory counts them)"
+                )
+    # Launches that left no run folder (a backend that does not import, a crash while starting).
+    seen = {r["run"] for r in runs} | {p.name for p in folder.iterdir() if (p / "setting.json").exists()}
+    for err in sorted(folder.glob("*.error")):
+        name = err.name.split(".")[0]
+        if name not in seen:
+            notes.append(f"{name}: {_reason(err.read_text())}")
+    return runs, notes
+
+
+def summary(folder: Path) -> dict:
+    """Gather every run under ``folder`` into the result set ``folder/multigpu_scale`` (json, md, png),
+    stamped with the first run's date, GPUs and versions."""
+    from benchmarks.render import write_set
+
+    runs, notes = collect(folder)
+    ok = [r for r in runs if r.get("stamp")]
+    st = dict(ok[0]["stamp"]) if ok else stamp()
+    st["command"] = COMMAND
+    keep = (
+        "trainer", "backend", "impl", "model", "seq_len", "world", "gradient_checkpointing", "dtype",
+        "chunk_compile", "batch", "steps", "warmup", "status", "oom_ranks", "reason", "skipped", "error",
+        "median_step_time_s", "step_times_s", "tokens_per_step", "tokens_per_s", "tokens_per_s_per_gpu",
+        "peak_memory_gib", "peak_memory_gib_at_oom", "allocated_before_gib",
+        "train_begin_allocated_gib_rank0", "distributed_type", "build_s", "setup_s", "train_s", "wall_s",
+        "losses",
+    )  # fmt: skip
+    rows = [{k: r[k] for k in keep if k in r} for r in runs]
+    models = sorted({r["model"] for r in rows if r.get("model") in MODELS})
+    data = {
+        "stamp": st,
+        "num_generations": NUM_GENERATIONS,
+        "head_memory": {m: head_memory(m) for m in models},
+        "runs": rows,
+        "notes": notes,
+    }
+    write_set(folder, RESULT, data)
+    return data
+
+
+def _batches(text: str) -> list[int]:
+    out = [int(b) for b in re.split(r"[,\s]+", text.strip()) if b]
+    if not out or any(b <= 0 for b in out):
+        raise argparse.ArgumentTypeError(f"positive batch sizes, comma-separated: {text!r}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--trainer", choices=TRAINERS)
+    p.add_argument("--impl", choices=IMPLS, default="chunked")
+    p.add_argument("--model", choices=tuple(MODELS), default="qwen3-4b")
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
+    p.add_argument("--batch-sizes", type=_batches, default=DEFAULT_BATCHES, help="per-GPU, e.g. 1,2,4")
+    p.add_argument("--steps", type=int, default=6, help="training steps per batch")
+    p.add_argument("--warmup", type=int, default=2, help="steps left out of the median step time")
+    p.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false")
+    p.add_argument(
+        "--no-chunk-compile", dest="chunk_compile", action="store_false", help="chunked: eager per-chunk step"
+    )
+    p.add_argument("--time-budget-s", type=float, default=0.0, help="from the process start; 0: none")
+    p.add_argument("--out", type=Path, help="run folder")
+    p.add_argument("--remaining", type=Path, metavar="RUN_DIR", help="print the batches RUN_DIR still lacks")
+    p.add_argument("--summary", type=Path, metavar="DIR", help=f"write DIR/{RESULT}.{{json,md,png}} from DIR")
+    p.add_argument("--head-memory", action="store_true", help="print the head's memory per rank per shape")
+    a = p.parse_args(argv)
+    if a.head_memory:
+        for m in MODELS:
+            h = head_memory(m)
+            print(
+                f"{m}: V x H = {h['vocab']} x {h['hidden']}: gathered weight {h['gathered_weight_gib']:.3f} "
+                f"GiB, fp32 accumulator {h['fp32_accumulator_gib']:.3f} GiB, weight-dtype gradient "
+                f"{h['weight_grad_gib']:.3f} GiB, one chunk up to {h['one_chunk_max_rows']} rows"
+            )
+        return 0
+    if a.remaining:
+        print(",".join(map(str, remaining(a.remaining, a.batch_sizes))))
+        return 0
+    if a.summary:
+        summary(a.summary)
+        print((a.summary / f"{RESULT}.md").read_text())
+        return 0
+    if a.trainer is None or a.out is None:
+        p.error("--trainer and --out are required (except with --summary, --remaining or --head-memory)")
+    if a.warmup >= a.steps:
+        p.error("--warmup must be below --steps")
+    sweep(a)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
