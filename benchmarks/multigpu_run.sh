@@ -45,54 +45,9 @@ RESERVE=45  # seconds kept after the runs for the comparisons, the pytest and th
 left() { local t=$((BUDGET + 25 - SECONDS)); [ "$t" -lt 10 ] && t=10; echo "$t"; }
 PY=${PYTHON:-python3}
 
-# NVLink multicast stays off on the shared H200 hosts (NCCL's NVLS, torch symmetric memory, NVSHMEM).
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-# Progress bars would fill the logs; the Trainer still logs every step.
-export TQDM_DISABLE=1 HF_DATASETS_DISABLE_PROGRESS_BARS=1 TOKENIZERS_PARALLELISM=false
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-# DeepSpeed's JIT ops build here; a run killed while building leaves a lock that would stall the next runs.
-export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-${TMPDIR:-/tmp}/chunkloss_torch_extensions}
-
-: > "$OUT/runs.tsv"
-note() { echo "[multigpu_run $(date +%T) +${SECONDS}s] $*" | tee -a "$LOGS/driver.log"; }
-
-# --- environment -------------------------------------------------------------------------------------
-SITE=${CHUNKLOSS_SITE:-/tmp/site}
-if [ "${CHUNKLOSS_SKIP_INSTALL:-0}" != 1 ]; then
-  wheels=$(ls .whl/*.whl .whl-ds/*.whl 2>/dev/null)
-  if [ -n "$wheels" ]; then
-    note "installing $(echo "$wheels" | wc -l) wheels into $SITE"
-    # shellcheck disable=SC2086
-    timeout 180 "$PY" -m pip install -q --no-index --no-deps --upgrade --target "$SITE" $wheels \
-      > "$LOGS/install.log" 2>&1 || note "pip install failed (see logs/install.log)"
-  fi
-fi
-export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-export PATH="$SITE/bin:$PATH"  # ninja, for DeepSpeed's JIT ops
-if ! timeout 120 "$PY" -c "import chunkloss.trainers, chunkloss.kernels" > "$LOGS/import_chunkloss.log" 2>&1; then
-  # No install of chunkloss: a package tree of links (chunkloss/ with kernels/ and trainers/ inside, as
-  # pyproject.toml maps them), and the working directory off sys.path so that ./chunkloss does not shadow it.
-  shim=${TMPDIR:-/tmp}/chunkloss_pkg
-  rm -rf "$shim" && mkdir -p "$shim/chunkloss"
-  for f in "$ROOT"/chunkloss/*; do ln -s "$f" "$shim/chunkloss/"; done
-  ln -s "$ROOT/kernels" "$shim/chunkloss/kernels"
-  ln -s "$ROOT/trainers" "$shim/chunkloss/trainers"
-  export PYTHONSAFEPATH=1 PYTHONPATH="$shim:$PYTHONPATH:$ROOT"
-  note "chunkloss is not installed: using the linked tree $shim (PYTHONSAFEPATH=1)"
-fi
-{
-  nvidia-smi -L 2>&1
-  "$PY" - <<'EOF' 2>&1
-import importlib, torch
-print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())
-for name in ("transformers", "accelerate", "trl", "datasets", "chunkloss"):
-    try:
-        print(name, getattr(importlib.import_module(name), "__version__", "?"))
-    except Exception as e:  # reported, not fatal here
-        print(name, "IMPORT FAILED:", repr(e))
-EOF
-} > "$LOGS/env.log"
-cat "$LOGS/env.log"
+MIN_RUN=20 SKIPPED_RC=124 WORKER=multigpu_parity
+# shellcheck source=benchmarks/multigpu_common.sh
+source "$ROOT/benchmarks/multigpu_common.sh"
 
 HAVE_DS=1
 if timeout 180 "$PY" -c "
@@ -111,61 +66,6 @@ fi
 # --- runs -------------------------------------------------------------------------------------------
 DEADLINE=$((BUDGET - RESERVE))
 
-# guarded NAME LIMIT_S RUN_DIR CMD...: runs CMD in its own session, output tee'd to logs/NAME.log; at the limit
-# (cut to the time before the deadline) its session is sent TERM, then KILL, and the worker processes the run
-# recorded in RUN_DIR/pids are killed by id (torchrun starts them in sessions of their own). A run that fails
-# leaves OUT_DIR/NAME.error.
-guarded() {
-  local name=$1 limit=$2 dir=$3
-  shift 3
-  local left=$((DEADLINE - SECONDS))
-  [ "$limit" -gt "$left" ] && limit=$left
-  if [ "$limit" -lt 20 ]; then
-    note "$name: skipped, ${left}s left before the deadline"
-    printf '%s\tskipped\t0\n' "$name" >> "$OUT/runs.tsv"
-    echo "skipped: no time left before the ${BUDGET}s deadline" > "$OUT/$name.error"
-    return 124
-  fi
-  note "$name: start (limit ${limit}s)"
-  local t0=$SECONDS
-  LOG=$LOGS/$name.log setsid bash -c '"$@" 2>&1 | tee "$LOG"; exit "${PIPESTATUS[0]}"' _ "$@" < /dev/null &
-  local pid=$! timed_out=0
-  while kill -0 "$pid" 2> /dev/null; do
-    if [ $((SECONDS - t0)) -ge "$limit" ]; then
-      timed_out=1
-      kill -TERM -- "-$pid" 2> /dev/null
-      sleep 10
-      kill -KILL -- "-$pid" 2> /dev/null
-      break
-    fi
-    sleep 1
-  done
-  wait "$pid"
-  local rc=$?
-  if [ "$timed_out" = 1 ]; then
-    rc=124
-    find "$TORCH_EXTENSIONS_DIR" -name lock -delete 2> /dev/null
-  fi
-  local f p
-  for f in "$dir"/pids/*.pid; do
-    [ -e "$f" ] || continue
-    p=$(cat "$f")
-    if grep -qa multigpu_parity "/proc/$p/cmdline" 2> /dev/null; then
-      kill -KILL "$p" 2> /dev/null && note "$name: killed leftover worker $p"
-    fi
-  done
-  printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" >> "$OUT/runs.tsv"
-  if [ "$rc" = 0 ]; then
-    rm -f "$OUT/$name.error"
-  else
-    # torchrun ends its log with a summary of the failure; the exception lines come before it.
-    { echo "exit $rc; exceptions in logs/$name.log:"; grep -aE '[A-Za-z]+(Error|Exception)\b' "$LOGS/$name.log" |
-      grep -av Warning | tail -n 5; echo "last lines:"; tail -n 15 "$LOGS/$name.log";
-      [ "$timed_out" = 1 ] && echo "timed out after ${limit}s"; } > "$OUT/$name.error"
-  fi
-  note "$name: exit $rc after $((SECONDS - t0))s"
-  return "$rc"
-}
 
 # launch TRAINER BACKEND NPROC PORT NAME [--single --world 2]: benchmarks/multigpu_parity.py under accelerate
 launch() {
