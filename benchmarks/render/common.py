@@ -133,6 +133,16 @@ def _ratio(a, b) -> str:
     return "–" if a is None or b is None else f"{a / b:.2f}"
 
 
+def _span(values: dict) -> str:
+    """``lo–hi (batches b0–b1)`` of {batch: value}, one value as ``v (batch b)``, ``–`` for none."""
+    if not values:
+        return "–"
+    lo, hi, b = min(values.values()), max(values.values()), sorted(values)
+    if len(b) == 1:
+        return f"{lo:.2f} (batch {b[0]})"
+    return f"{lo:.2f}–{hi:.2f} (batches {b[0]}–{b[-1]})"
+
+
 def _grouped_bars(ax, rows, cases, impls, key, scale, colors, names) -> None:
     """Bars of ``row[key] / scale`` per case (x) and implementation (colour); 0 where a row is missing."""
     width = 0.8 / len(impls)

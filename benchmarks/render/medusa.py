@@ -14,6 +14,7 @@ from benchmarks.render.common import (
     _ok,
     _plain,
     _ratio,
+    _span,
     stamp_line,
 )
 
@@ -140,16 +141,6 @@ MEDUSA_E2E_IMPLS = {
 def _pairs(data: dict) -> list[tuple[int, int]]:
     """The (stage, K) pairs of a ``medusa_e2e`` set, in the order they ran."""
     return list(dict.fromkeys((r["stage"], r["heads"]) for r in data["runs"]))
-
-
-def _span(values: dict) -> str:
-    """``lo–hi (batches b0–b1)`` of {batch: value}, one value as ``v (batch b)``, ``–`` for none."""
-    if not values:
-        return "–"
-    lo, hi, b = min(values.values()), max(values.values()), sorted(values)
-    if len(b) == 1:
-        return f"{lo:.2f} (batch {b[0]})"
-    return f"{lo:.2f}–{hi:.2f} (batches {b[0]}–{b[-1]})"
 
 
 def medusa_e2e_summary(data: dict) -> list[dict]:

@@ -8,6 +8,7 @@ from benchmarks.render.common import (
     _num,
     _plain,
     _ratio,
+    _span,
     stamp_line,
 )
 
@@ -34,16 +35,6 @@ def _peak(r: dict) -> float | None:
 
 def _pairs(runs: list[dict]) -> list[tuple[str, str]]:
     return list(dict.fromkeys((r["trainer"], r["backend"]) for r in runs))
-
-
-def _span(values: dict) -> str:
-    """``lo–hi (batches b0–b1)`` of {batch: value}, one value as ``v (batch b)``, ``–`` for none."""
-    if not values:
-        return "–"
-    lo, hi, b = min(values.values()), max(values.values()), sorted(values)
-    if len(b) == 1:
-        return f"{lo:.2f} (batch {b[0]})"
-    return f"{lo:.2f}–{hi:.2f} (batches {b[0]}–{b[-1]})"
 
 
 def scale_summary(data: dict) -> list[dict]:
