@@ -53,10 +53,10 @@ EOF
 } > "$LOGS/env.log"
 cat "$LOGS/env.log"
 
-# guarded NAME LIMIT_S RUN_DIR CMD...: runs CMD in its own session, output tee'd to logs/NAME.log; at the limit
-# (cut to the time before the deadline) its session is sent TERM, then KILL, and the worker processes the run
-# recorded in RUN_DIR/pids are killed by id (torchrun starts them in sessions of their own). A run that fails
-# leaves OUT_DIR/NAME.error.
+# guarded NAME LIMIT_S RUN_DIR CMD...: runs CMD under setsid, output tee'd to logs/NAME.log; at the limit (cut
+# to the time before the deadline) its process group is sent TERM, then KILL, and the worker processes the run
+# recorded in RUN_DIR/pids are killed by id (torchrun starts them in process groups of their own). A run that
+# fails leaves OUT_DIR/NAME.error.
 guarded() {
   local name=$1 limit=$2 dir=$3
   shift 3
