@@ -299,7 +299,6 @@ class GatedMLPFunction(torch.autograd.Function):
         if need[0]:
             dx = dg @ w_gate
             dx.addmm_(du, w_up)
-        dw_gate = dw_up = None
         if need[1] and need[2] and dgu is not None:
             dw_gate, dw_up = (dgu.t() @ x).split(n)  # one GEMM for both: [dWg; dWu] = [dg du]^T x
         else:
