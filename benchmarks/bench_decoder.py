@@ -27,6 +27,8 @@ weight (H,), ``w_q`` (heads·head_dim, H), ``w_k`` and ``w_v`` (kv_heads·head_d
 * ``norm_recompute``: the same inside ``saved_norms.SavedNorms()`` with the norm output offered
   (``patch(norm_recompute=True)``): the projections' saved input is packed as a recipe, and the backward
   runs the norm kernel again instead of keeping its output;
+* ``fused``: :func:`chunkloss.kernels.attention_input`, the norm, one GEMM over the concatenated q/k/v
+  weights and RoPE in one autograd Function;
 * ``liger``: Liger's RMSNorm and RoPE + ``F.linear``, when ``liger_kernel`` is importable.
 
 Per block, shape and implementation: the median time of ``repeats`` forward + backward calls
@@ -63,6 +65,7 @@ import torch
 import torch.nn.functional as F
 from chunkloss.kernels import (
     apply_rotary_pos_emb,
+    attention_input,
     gated_mlp,
     gated_mlp_ref,
     rms_norm,
@@ -245,7 +248,8 @@ def implementations(block: str, smoke: bool) -> dict:
         }
         eager = gated_mlp_ref
     else:
-        impls = {"eager": attn_in_ref, "unfused": attn_in_unfused, "norm_recompute": attn_in_norm_recompute}
+        impls = {"eager": attn_in_ref, "unfused": attn_in_unfused, "norm_recompute": attn_in_norm_recompute,
+                 "fused": lambda *args: attention_input(*args, eps=EPS)}  # fmt: skip
         eager = attn_in_ref
     if not smoke:  # inductor on CPU needs a C++ toolchain and minutes; the smoke run checks the script only
         impls["compile"] = torch.compile(eager, dynamic=False)

@@ -1,4 +1,4 @@
-"""Triton kernels (RMSNorm, LayerNorm, RoPE, SwiGLU, GeGLU, the fused gated MLP) and one-call model patching.
+"""Triton kernels (RMSNorm, LayerNorm, RoPE, SwiGLU, GeGLU, the gated MLP, the attention input) and patching.
 
 Every kernel has a pure-PyTorch ``*_ref`` beside it that matches the corresponding ``transformers`` module.
 
@@ -9,6 +9,7 @@ Example::
     loss = model(input_ids=ids, labels=ids).loss   # output.logits is None: the loss never builds them
 """
 
+from .attention_input import attention_input, attention_input_ref
 from .glu import GeGLU, SwiGLU, geglu, geglu_ref, swiglu, swiglu_ref
 from .layer_norm import LayerNorm, layer_norm, layer_norm_ref
 from .mlp import FusedGatedMLP, gated_mlp, gated_mlp_ref
@@ -35,6 +36,8 @@ __all__ = [
     "FusedGatedMLP",
     "gated_mlp",
     "gated_mlp_ref",
+    "attention_input",
+    "attention_input_ref",
     "patch",
     "unpatch_rotary",
     "SUPPORTED_MODEL_TYPES",

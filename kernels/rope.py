@@ -208,16 +208,22 @@ def _rope_plan(n_rows: int, n_q: int, n_k: int, head_dim: int, rot: int, copy_pa
     return (cdiv(n_rows, knobs.tokens),), meta
 
 
-def _rope_launch(q, k, cos, sin, opts: RoPEOptions, backward: bool):
+def _rope_launch(q, k, cos, sin, opts: RoPEOptions, backward: bool, out=None):
     """Rotate (or un-rotate, for the backward) q and k; returns the outputs (q, k when in place).
 
     Either of q and k may be None (a gradient that is not needed): it is skipped and its output is None.
+    ``out``: the (qo, ko) to write, with q's and k's shapes and unit last strides, in place of the choice
+    ``opts.in_place`` makes (``out=(q, k)`` rotates views of one projection output in place).
     """
     q = q if q is None or q.stride(-1) == 1 else q.contiguous()
     k = k if k is None or k.stride(-1) == 1 else k.contiguous()
     present = [x for x in (q, k) if x is not None]
-    in_place = opts.in_place and all(_dense(x) for x in present)
-    qo, ko = (q, k) if in_place else [None if x is None else torch.empty_like(x) for x in (q, k)]
+    if out is not None:
+        qo, ko = out
+        in_place = qo is q and ko is k
+    else:
+        in_place = opts.in_place and all(_dense(x) for x in present)
+        qo, ko = (q, k) if in_place else [None if x is None else torch.empty_like(x) for x in (q, k)]
     first = present[0]
     batch, seq_len, head_dim = first.shape[0], first.shape[3 - opts.head_axis], first.shape[-1]
     n_q = 0 if q is None else q.shape[opts.head_axis]

@@ -46,6 +46,7 @@ ATTN_IN_IMPLS = {
     "liger": "Liger RMSNorm + cuBLAS + Liger RoPE",
     "unfused": "chunkloss RMSNorm + cuBLAS + chunkloss RoPE",
     "norm_recompute": "chunkloss RMSNorm + cuBLAS + chunkloss RoPE, norm recomputed",
+    "fused": "chunkloss, norm + one q/k/v GEMM + RoPE in one autograd Function",
 }
 SAVED_LABEL = "saved for backward (MiB)"
 SAVED_MEANING = (

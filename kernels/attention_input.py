@@ -1,0 +1,151 @@
+"""A pre-norm attention layer's input, ``RMSNorm -> q/k/v projections -> RoPE``, as one autograd Function.
+
+Equals ``LlamaDecoderLayer.input_layernorm`` followed by what ``LlamaAttention.forward`` computes before
+attention: ``h = RMSNorm(x)``, ``q, k, v = q_proj(h), k_proj(h), v_proj(h)`` split into heads as
+``(B, heads, T, head_dim)`` views, then ``apply_rotary_pos_emb`` on q and k (rotate-half, partial rotary
+dims too).
+
+Forward: the RMSNorm kernel (its per-row ``rstd`` kept); one cuBLAS GEMM of ``h`` with the concatenated
+``[Wq; Wk; Wv]`` writes ``q | k | v`` as one (N, (Hq + 2·Hkv)·D) tensor; the RoPE kernel rotates its q and k
+columns in place. q, k and v are returned as views of it.
+
+Backward: the RoPE kernel un-rotates ``dq`` and ``dk`` straight into one (N, (Hq + 2·Hkv)·D) buffer beside
+``dv``; one GEMM gives ``dh = [dq dk dv]·[Wq; Wk; Wv]`` (where three projections would give three products
+and two additions), one GEMM gives ``[dWq; dWk; dWv] = [dq dk dv]ᵀ·h``; the RMSNorm kernel's backward gives
+``dx`` and the norm weight's gradient. Saved for the backward: ``x``, ``h`` and ``rstd``, as the separate
+modules keep.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .rms_norm import RMSNormOptions, _rms_norm_bwd, _rms_norm_fwd, rms_norm_ref
+from .rope import RoPEOptions, _rope_launch, _tables, apply_rotary_pos_emb_ref
+
+_ROPE = RoPEOptions(head_axis=1)
+
+
+def attention_input_ref(
+    x: torch.Tensor, norm_weight: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor,
+    cos: torch.Tensor, sin: torch.Tensor, *, b_q: torch.Tensor | None = None, b_k: torch.Tensor | None = None,
+    b_v: torch.Tensor | None = None, head_dim: int | None = None, eps: float = 1e-6, offset: float = 0.0,
+    casting: str = "llama",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pure PyTorch, op for op as transformers' Llama modules; arguments as :func:`attention_input`."""
+    head_dim = head_dim or cos.shape[-1]
+    h = rms_norm_ref(x, norm_weight, eps, offset, casting)
+
+    def heads(w, b):
+        return F.linear(h, w, b).view(*x.shape[:-1], -1, head_dim).transpose(1, 2)
+
+    q, k = apply_rotary_pos_emb_ref(heads(w_q, b_q), heads(w_k, b_k), cos, sin)
+    return q, k, heads(w_v, b_v)
+
+
+@dataclass(frozen=True)
+class AttentionInputOptions:
+    norm: RMSNormOptions
+    head_dim: int
+    widths: tuple[int, int, int]  # output columns of the q, k and v projections
+
+
+def _cat(tensors):
+    return None if tensors[0] is None else torch.cat(tensors)
+
+
+def _head_views(qkv: torch.Tensor, batch: int, opts: AttentionInputOptions):
+    """q, k, v as (B, heads, T, head_dim) views of the (B·T, width) ``qkv``."""
+    return tuple(part.view(batch, -1, part.shape[1] // opts.head_dim, opts.head_dim).transpose(1, 2)
+                 for part in qkv.split(opts.widths, dim=1))  # fmt: skip
+
+
+class AttentionInputFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, norm_weight, w_q, w_k, w_v, b_q, b_k, b_v, cos, sin, opts: AttentionInputOptions):
+        batch = x.shape[0]
+        h, x2, rstd = _rms_norm_fwd(x.reshape(-1, x.shape[-1]), norm_weight, opts.norm)
+        qkv = F.linear(h, torch.cat((w_q, w_k, w_v)), _cat((b_q, b_k, b_v)))
+        q, k, v = _head_views(qkv, batch, opts)
+        _rope_launch(q, k, cos, sin, _ROPE, backward=False, out=(q, k))
+        ctx.save_for_backward(x2, norm_weight, rstd, h, w_q, w_k, w_v, cos, sin)
+        ctx.opts, ctx.batch, ctx.x_shape, ctx.has_bias = opts, batch, x.shape, b_q is not None
+        return q, k, v
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        x, norm_weight, rstd, h, w_q, w_k, w_v, cos, sin = ctx.saved_tensors
+        opts, need = ctx.opts, ctx.needs_input_grad
+        dqkv = h.new_empty(h.shape[0], sum(opts.widths))
+        dq_out, dk_out, dv_out = _head_views(dqkv, ctx.batch, opts)
+        _rope_launch(dq, dk, cos, sin, _ROPE, backward=True, out=(dq_out, dk_out))
+        dv_out.copy_(dv)
+        dx = dnorm_w = None
+        if need[0] or need[1]:
+            dh = dqkv @ torch.cat((w_q, w_k, w_v))
+            dx, dnorm_w = _rms_norm_bwd(dh, x, norm_weight, rstd, opts.norm, need[0], need[1])
+            dx = None if dx is None else dx.view(ctx.x_shape)
+        dws = (None, None, None)
+        if any(need[2:5]):
+            dws = (dqkv.t() @ h).split(opts.widths)
+        dbs = dqkv.sum(0).split(opts.widths) if ctx.has_bias and any(need[5:8]) else (None, None, None)
+        grads = [g if n else None for g, n in zip((*dws, *dbs), need[2:8], strict=True)]
+        return dx, dnorm_w, *grads, None, None, None
+
+
+def _check(x, norm_weight, weights, biases, cos, head_dim):
+    hidden = x.shape[-1]
+    if x.ndim != 3 or norm_weight.shape != (hidden,):
+        raise ValueError(f"attention_input expects x (B, T, H) and norm_weight (H,); got x {tuple(x.shape)}, "
+                         f"norm_weight {tuple(norm_weight.shape)}")  # fmt: skip
+    for name, w, b in zip(("w_q", "w_k", "w_v"), weights, biases, strict=True):
+        if w.ndim != 2 or w.shape[1] != hidden or w.shape[0] % head_dim:
+            raise ValueError(f"attention_input: {name} must be (heads * {head_dim}, {hidden}), "
+                             f"got {tuple(w.shape)}")  # fmt: skip
+        if b is not None and b.shape != (w.shape[0],):
+            raise ValueError(f"attention_input: the bias of {name} must be ({w.shape[0]},), "
+                             f"got {tuple(b.shape)}")  # fmt: skip
+    if cos.shape[-1] > head_dim or cos.shape[-1] % 2 or cos.shape[-2] != x.shape[1]:
+        raise ValueError(f"attention_input: cos and sin must be (B or 1, T, R) with R even and <= head_dim "
+                         f"{head_dim}, T = {x.shape[1]}; got {tuple(cos.shape)}")  # fmt: skip
+    dtypes = {t.dtype for t in (x, *weights, *biases) if t is not None}
+    if len(dtypes) > 1:
+        got = sorted(map(str, dtypes))
+        raise TypeError(f"attention_input: x, weights and biases must share a dtype, got {got}")
+
+
+def attention_input(
+    x: torch.Tensor, norm_weight: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor,
+    cos: torch.Tensor, sin: torch.Tensor, *, b_q: torch.Tensor | None = None, b_k: torch.Tensor | None = None,
+    b_v: torch.Tensor | None = None, head_dim: int | None = None, eps: float = 1e-6, offset: float = 0.0,
+    casting: str = "llama",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RMSNorm, the q/k/v projections and RoPE in one autograd Function; equals :func:`attention_input_ref`.
+
+    Args:
+        x: (B, T, H) the layer's input (the residual stream).
+        norm_weight: (H,) the input RMSNorm's weight; ``eps``, ``offset`` and ``casting`` as
+            :func:`~chunkloss.kernels.rms_norm` takes them (Gemma: ``offset=1.0, casting="gemma"``).
+        w_q, w_k, w_v: (Hq·D, H), (Hkv·D, H), (Hkv·D, H) projection weights; ``b_q``, ``b_k``, ``b_v`` their
+            biases (Qwen2) or None.
+        cos, sin: (B or 1, T, R) rotary tables as transformers' rotary embedding returns them, R <= D even.
+        head_dim: D; default R.
+
+    Returns:
+        q (B, Hq, T, D) rotated, k (B, Hkv, T, D) rotated, v (B, Hkv, T, D): views of one projection output,
+        the layout ``LlamaAttention`` gives them (not to be modified in place).
+
+    Raises:
+        ValueError: mismatched shapes. TypeError: mixed dtypes.
+    """
+    head_dim = head_dim or cos.shape[-1]
+    weights, biases = (w_q, w_k, w_v), (b_q, b_k, b_v)
+    _check(x, norm_weight, weights, biases, cos, head_dim)
+    if any(b is not None for b in biases):  # one concatenated bias, zeros where a projection has none
+        biases = tuple(torch.zeros(w.shape[0], dtype=w.dtype, device=w.device) if b is None else b
+                       for w, b in zip(weights, biases, strict=True))  # fmt: skip
+    cos, sin = _tables(cos, sin, None, x.shape[0])
+    norm = RMSNormOptions(eps, offset, casting, in_place=True)
+    opts = AttentionInputOptions(norm, head_dim, tuple(w.shape[0] for w in weights))
+    return AttentionInputFunction.apply(x, norm_weight, *weights, *biases, cos, sin, opts)
