@@ -81,7 +81,7 @@ import torch
 from datasets import Dataset
 from transformers import AutoConfig, AutoModelForCausalLM, TrainerCallback, TrainingArguments
 
-from benchmarks.harness import free_memory, is_oom, stamp
+from benchmarks.harness import free_memory, is_oom, stamp, training_input
 from benchmarks.render import write_set
 from chunkloss.data import count_reward, tiny_tokenizer
 
@@ -345,12 +345,12 @@ class InputProbe:
         self._handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
 
     def _hook(self, module, args, kwargs):
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if not torch.is_grad_enabled() or ids is None:
+        seen = training_input(args, kwargs)
+        if seen is None:
             return
-        mask = kwargs.get("attention_mask")
+        ids, mask = seen
         rows, length = ids.shape
-        mean = float(mask.sum()) / rows if mask is not None and mask.dim() == 2 else float(length)
+        mean = float(mask.sum()) / rows if mask is not None else float(length)
         self.seen = {"seq_tokens": length, "rows": rows, "mean_tokens": mean}
         self._handle.remove()
 

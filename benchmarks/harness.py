@@ -102,6 +102,17 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def training_input(args: tuple, kwargs: dict):
+    """``(input_ids, attention_mask or None)`` as a forward pre-hook (``with_kwargs=True``) sees them, for a
+    forward with gradients on (a training forward: generation and reference forwards run without), else
+    None. A mask that is not (B, T) padding is returned as None."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if not torch.is_grad_enabled() or ids is None:
+        return None
+    mask = kwargs.get("attention_mask")
+    return ids, (mask if mask is not None and mask.dim() == 2 else None)
+
+
 def grad_leaves(inputs: dict) -> list[torch.Tensor]:
     """The tensors of ``inputs`` that require grad."""
     return [t for t in inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]

@@ -69,7 +69,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from benchmarks.harness import free_memory, is_oom, stamp  # noqa: E402
+from benchmarks.harness import free_memory, is_oom, stamp, training_input  # noqa: E402
 from benchmarks.multigpu_parity import TRAINERS, _peak_memory_gib, _reason  # noqa: E402
 
 # Shapes of the models (random weights). tied: the LM head shares the input embedding's weight.
@@ -185,11 +185,10 @@ class TokenCount:
         self._handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
 
     def _hook(self, module, args, kwargs):
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if not torch.is_grad_enabled() or ids is None:
-            return
-        mask = kwargs.get("attention_mask")
-        self.current += int(mask.sum()) if mask is not None and mask.dim() == 2 else ids.numel()
+        seen = training_input(args, kwargs)
+        if seen is not None:
+            ids, mask = seen
+            self.current += int(mask.sum()) if mask is not None else ids.numel()
 
     def end_step(self) -> None:
         self.per_step.append(self.current)
