@@ -172,7 +172,9 @@ def counting_dataset(kind: str, n: int, length: int) -> Dataset:
         prompts.append(f"count {start} to {start + length - 1} :")
         seq = [str((start + j) % 30) for j in range(length)]
         good.append(" " + " ".join(seq))
-        bad.append(" " + " ".join(reversed(seq)))
+        slips = {(i * 7 + 3) % length, (i * 13 + length // 2) % length}  # two wrong numbers: a pair that
+        bad.append(" " + " ".join(str((int(w) + 1) % 30) if j in slips else w  # is not separable at step 1
+                                  for j, w in enumerate(seq)))
     if kind == "grpo":
         return Dataset.from_dict({"prompt": prompts, "answer": good})
     if kind == "sft":

@@ -13,7 +13,8 @@ Backward: the RoPE kernel un-rotates ``dq`` and ``dk`` straight into one (N, (Hq
 ``dv``; one GEMM gives ``dh = [dq dk dv]·[Wq; Wk; Wv]`` (where three projections would give three products
 and two additions), one GEMM gives ``[dWq; dWk; dWv] = [dq dk dv]ᵀ·h``; the RMSNorm kernel's backward gives
 ``dx`` and the norm weight's gradient. Saved for the backward: ``x``, ``h`` and ``rstd``, as the separate
-modules keep.
+modules keep; with ``norm_recompute=True`` only ``x`` and ``rstd``, and the backward runs the norm kernel
+again for ``h`` (the same kernel on the same input: the same bits).
 """
 
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ class AttentionInputOptions:
     norm: RMSNormOptions
     head_dim: int
     widths: tuple[int, int, int]  # output columns of the q, k and v projections
+    norm_recompute: bool = False  # keep x and rstd, not h: the backward runs the norm again
 
 
 def _cat(tensors):
@@ -69,7 +71,8 @@ class AttentionInputFunction(torch.autograd.Function):
         qkv = F.linear(h, torch.cat((w_q, w_k, w_v)), _cat((b_q, b_k, b_v)))
         q, k, v = _head_views(qkv, batch, opts)
         _rope_launch(q, k, cos, sin, _ROPE, backward=False, out=(q, k))
-        ctx.save_for_backward(x2, norm_weight, rstd, h, w_q, w_k, w_v, cos, sin)
+        kept = None if opts.norm_recompute else h
+        ctx.save_for_backward(x2, norm_weight, rstd, kept, w_q, w_k, w_v, cos, sin)
         ctx.opts, ctx.batch, ctx.x_shape, ctx.has_bias = opts, batch, x.shape, b_q is not None
         return q, k, v
 
@@ -77,6 +80,8 @@ class AttentionInputFunction(torch.autograd.Function):
     def backward(ctx, dq, dk, dv):
         x, norm_weight, rstd, h, w_q, w_k, w_v, cos, sin = ctx.saved_tensors
         opts, need = ctx.opts, ctx.needs_input_grad
+        if h is None:
+            h = _rms_norm_fwd(x, norm_weight, opts.norm)[0]
         dqkv = h.new_empty(h.shape[0], sum(opts.widths))
         dq_out, dk_out, dv_out = _head_views(dqkv, ctx.batch, opts)
         _rope_launch(dq, dk, cos, sin, _ROPE, backward=True, out=(dq_out, dk_out))
@@ -92,6 +97,14 @@ class AttentionInputFunction(torch.autograd.Function):
         dbs = dqkv.sum(0).split(opts.widths) if ctx.has_bias and any(need[5:8]) else (None, None, None)
         grads = [g if n else None for g, n in zip((*dws, *dbs), need[2:8], strict=True)]
         return dx, dnorm_w, *grads, None, None, None
+
+
+def autocast_changes_dtype(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether autocast is on and would cast x or a weight, which :func:`attention_input` does not take."""
+    if not torch.is_autocast_enabled(x.device.type):
+        return False
+    dtype = torch.get_autocast_dtype(x.device.type)
+    return any(t.dtype != dtype for t in (x, *weights))
 
 
 def _check(x, norm_weight, weights, biases, cos, head_dim):
@@ -119,7 +132,7 @@ def attention_input(
     x: torch.Tensor, norm_weight: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor,
     cos: torch.Tensor, sin: torch.Tensor, *, b_q: torch.Tensor | None = None, b_k: torch.Tensor | None = None,
     b_v: torch.Tensor | None = None, head_dim: int | None = None, eps: float = 1e-6, offset: float = 0.0,
-    casting: str = "llama",
+    casting: str = "llama", norm_recompute: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """RMSNorm, the q/k/v projections and RoPE in one autograd Function; equals :func:`attention_input_ref`.
 
@@ -131,21 +144,32 @@ def attention_input(
             biases (Qwen2) or None.
         cos, sin: (B or 1, T, R) rotary tables as transformers' rotary embedding returns them, R <= D even.
         head_dim: D; default R.
+        norm_recompute: do not keep the normalised ``h`` for the backward (H elements per token); the
+            backward runs the norm kernel again.
+
+    Under ``torch.autocast``, x, the projection weights and biases must already be in the autocast dtype (a
+    bf16 model under bf16 autocast): the separate modules would normalise x in its own dtype and cast only the
+    projections' operands, a rounding this function does not reproduce.
 
     Returns:
         q (B, Hq, T, D) rotated, k (B, Hkv, T, D) rotated, v (B, Hkv, T, D): views of one projection output,
         the layout ``LlamaAttention`` gives them (not to be modified in place).
 
     Raises:
-        ValueError: mismatched shapes. TypeError: mixed dtypes.
+        ValueError: mismatched shapes. TypeError: mixed dtypes, or dtypes autocast would change.
     """
     head_dim = head_dim or cos.shape[-1]
     weights, biases = (w_q, w_k, w_v), (b_q, b_k, b_v)
     _check(x, norm_weight, weights, biases, cos, head_dim)
+    if autocast_changes_dtype(x, *weights):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        raise TypeError(f"attention_input: under autocast to {dtype}, x and the weights must be in that "
+                        f"dtype already; got {x.dtype}")
     if any(b is not None for b in biases):  # one concatenated bias, zeros where a projection has none
         biases = tuple(torch.zeros(w.shape[0], dtype=w.dtype, device=w.device) if b is None else b
                        for w, b in zip(weights, biases, strict=True))  # fmt: skip
     cos, sin = _tables(cos, sin, None, x.shape[0])
     norm = RMSNormOptions(eps, offset, casting, in_place=True)
-    opts = AttentionInputOptions(norm, head_dim, tuple(w.shape[0] for w in weights))
-    return AttentionInputFunction.apply(x, norm_weight, *weights, *biases, cos, sin, opts)
+    opts = AttentionInputOptions(norm, head_dim, tuple(w.shape[0] for w in weights), norm_recompute)
+    with torch.autocast(x.device.type, enabled=False):
+        return AttentionInputFunction.apply(x, norm_weight, *weights, *biases, cos, sin, opts)

@@ -4,6 +4,13 @@
 
 * every RMSNorm module's forward for :func:`~chunkloss.kernels.rms_norm` (Gemma: ``1 + w`` in fp32);
 * the family's ``apply_rotary_pos_emb`` for the Triton one (q and k rotated in place);
+* with ``attention=True`` (the default; not Qwen3, which normalises q and k per head before RoPE), each
+  decoder layer's input RMSNorm, q/k/v projections and RoPE for one
+  :func:`~chunkloss.kernels.attention_input` call run by the attention module: the layer's
+  ``input_layernorm`` then passes its input through, and
+  transformers' attention forward (cache, attention, ``o_proj``) receives the rotated q, k and v as its
+  projections' outputs. Per call, an attention whose q/k/v projections are not plain ``nn.Linear`` modules, or
+  whose dtypes autocast would change, runs the norm kernel and transformers' forward instead;
 * with ``norm_recompute=True``, every decoder layer's forward for one that does not keep its pre-norms'
   outputs (the input / post-attention / pre-feedforward RMSNorm) for the backward; the projections that read
   them get them back by running the norm kernel again (``kernels/saved_norms.py``);
@@ -37,6 +44,7 @@ from . import mlp as _mlp
 from . import rms_norm as _rms
 from . import rope as _rope
 from . import saved_norms as _saved
+from .attention_input import attention_input, autocast_changes_dtype
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
 _GEMMA_TYPES = ("gemma", "gemma2")
@@ -44,11 +52,18 @@ _RMSNORM_CLASSES = {f"{name}RMSNorm" for name in ("Llama", "Mistral", "Qwen2", "
 _MLP_CLASSES = {f"{name}MLP" for name in ("Llama", "Mistral", "Qwen2", "Qwen3", "Gemma", "Gemma2")}
 _PRE_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm")
 _LAYER_CLASSES = {f"{name}DecoderLayer" for name in ("Llama", "Mistral", "Qwen2", "Qwen3", "Gemma", "Gemma2")}
+# Attention modules whose input norm, projections and RoPE attention_input computes (Qwen3's q/k norms sit
+# between the projections and RoPE).
+_ATTENTION_CLASSES = {f"{name}Attention" for name in ("Llama", "Mistral", "Qwen2", "Gemma", "Gemma2")}
+# (q, k) data pointers attention_input rotated already, while transformers' attention forward runs on them.
+_PRE_ROTATED: list[tuple[int, int]] = []
 # Modeling module name -> the apply_rotary_pos_emb it had before patch() replaced it, for unpatch_rotary.
 _ORIGINAL_ROPE: dict[str, object] = {}
 
 
 def _rotary_fn(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    if _PRE_ROTATED and _PRE_ROTATED[-1] == (q.data_ptr(), k.data_ptr()):
+        return q, k  # handed over by _attention_forward, rotated
     # q and k are fresh projections (transposed views) that attention reads only through the result.
     return _rope.apply_rotary_pos_emb(q, k, cos, sin, position_ids, unsqueeze_dim, in_place=True)
 
@@ -85,11 +100,77 @@ def _layer_forward(module, *args, _forward, **kwargs):
         return _forward(*args, **kwargs)
 
 
+def _unhooked(module: nn.Module) -> bool:
+    """No hook (accelerate's offload, DeepSpeed ZeRO-3's gathering, a user's) that a fused call would skip."""
+    return not module._forward_hooks and not module._forward_pre_hooks and not hasattr(module, "_hf_hook")
+
+
+def _input_norm_forward(norm, x, *, norm_options, norm_recompute):
+    """A layer's input RMSNorm: passes ``x`` through when its attention module can run the norm itself
+    (:func:`_attention_forward`), which it tells that module; runs the norm kernel otherwise."""
+    attn = norm._chunkloss_attention
+    projs = (attn.q_proj, attn.k_proj, attn.v_proj)
+    rope_patched = sys.modules[type(attn).__module__].apply_rotary_pos_emb is _rotary_fn
+    fuse = (rope_patched and _unhooked(norm) and all(map(_plain_linear, projs))
+            and not autocast_changes_dtype(x, *(p.weight for p in projs)))  # fmt: skip
+    attn._chunkloss_takes_norm = fuse
+    if fuse:
+        return x
+    return _norm_forward(norm, x, **norm_options, in_place=True, offer=norm_recompute)
+
+
+def _handed(t, x):
+    return t
+
+
+def _attention_forward(module, hidden_states, *args, norm_options, norm_recompute, **kwargs):
+    """Attention that, when its layer's input norm passed ``hidden_states`` through, computes the norm, q/k/v
+    and RoPE in one attention_input call and hands them to transformers' forward (cache, attention,
+    ``o_proj``) as its projections' outputs, which its RoPE call passes through."""
+    if not module.__dict__.pop("_chunkloss_takes_norm", False):
+        return module._chunkloss_forward(hidden_states, *args, **kwargs)
+    projs = (module.q_proj, module.k_proj, module.v_proj)
+    cos, sin = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[0]
+    biases = {"b_q": projs[0].bias, "b_k": projs[1].bias, "b_v": projs[2].bias}
+    q, k, v = attention_input(hidden_states, module._chunkloss_norm.weight, *(p.weight for p in projs), cos,
+                              sin, **biases, head_dim=module.head_dim, **norm_options,
+                              norm_recompute=norm_recompute)  # fmt: skip
+    for proj, t in zip(projs, (q, k, v), strict=True):  # (B, heads, T, D) -> the projection's (B, T, heads·D)
+        proj.forward = functools.partial(_handed, t.transpose(1, 2).flatten(2))
+    _PRE_ROTATED.append((q.data_ptr(), k.data_ptr()))
+    try:
+        return module._chunkloss_forward(hidden_states, *args, **kwargs)
+    finally:
+        _PRE_ROTATED.pop()
+        for proj in projs:
+            del proj.forward
+
+
+def _fuse_attention_input(layer: nn.Module, *, fuse: bool, gemma: bool, norm_recompute: bool) -> None:
+    """Let ``layer``'s attention run its input norm (:func:`_input_norm_forward`), or undo that. The two
+    modules know each other through plain attributes (not submodules), which ``copy.deepcopy`` maps to the
+    copies."""
+    norm, attn = layer.input_layernorm, layer.self_attn
+    if hasattr(attn, "_chunkloss_forward"):  # patched before: start from transformers' forward
+        attn.forward = attn._chunkloss_forward
+        if getattr(getattr(norm.forward, "__func__", None), "func", None) is _input_norm_forward:
+            del norm.forward  # rms_norm=False this time: transformers' norm
+    if not fuse or type(attn).__name__ not in _ATTENTION_CLASSES:
+        return
+    attn._chunkloss_forward = attn.forward
+    options = {"eps": getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)),
+               "offset": 1.0 if gemma else 0.0, "casting": "gemma" if gemma else "llama"}  # fmt: skip
+    object.__setattr__(attn, "_chunkloss_norm", norm)  # not registered as a submodule
+    object.__setattr__(norm, "_chunkloss_attention", attn)
+    kw = {"norm_options": options, "norm_recompute": norm_recompute}
+    attn.forward = types.MethodType(functools.partial(_attention_forward, **kw), attn)
+    norm.forward = types.MethodType(functools.partial(_input_norm_forward, **kw), norm)
+
+
 def _plain_linear(module: nn.Module) -> bool:
     """An ``nn.Linear`` whose forward is ``F.linear(x, weight, bias)``: not a subclass (LoRA, quantised),
     and no hook (accelerate's offload, a user's) that a fused call would skip."""
-    return (type(module) is nn.Linear and not module._forward_hooks and not module._forward_pre_hooks
-            and not hasattr(module, "_hf_hook"))
+    return type(module) is nn.Linear and _unhooked(module)
 
 
 def _mlp_forward(module, x, *, activation, recompute):
@@ -165,7 +246,7 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
 
 def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, loss: bool = True,
           loss_options: dict | None = None, mlp_recompute: bool = False, norm_recompute: bool = False,
-          ) -> nn.Module:
+          attention: bool = True) -> nn.Module:
     """Make a transformers Llama / Mistral / Qwen2 / Qwen3 / Gemma / Gemma-2 model use chunkloss's kernels.
 
     Args:
@@ -187,6 +268,9 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, mlp: bo
             per token for each of the two norms before the attention and the MLP); the backward runs those
             norms again, once each. Needs ``rms_norm``; a layer run under gradient checkpointing is left as
             it is. Not for a model compiled with ``torch.compile`` (saved-tensor hooks).
+        attention: with ``rms_norm`` and ``rope``, run each layer's input norm, q/k/v projections and RoPE as
+            one :func:`~chunkloss.kernels.attention_input` call (one GEMM over the concatenated weights; see
+            the module docstring); the layer's ``input_layernorm`` module then returns its input unchanged.
 
     Returns:
         ``model`` (the object passed in), patched in place.
@@ -228,6 +312,10 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, mlp: bo
             module.forward = types.MethodType(
                 functools.partial(_mlp_forward, activation=activation, recompute=mlp_recompute), module
             )
+    for module in model.modules():
+        if type(module).__name__ in _LAYER_CLASSES:
+            _fuse_attention_input(module, fuse=attention and rms_norm and rope, gemma=gemma,
+                                  norm_recompute=norm_recompute)
     if rope:
         modeling = sys.modules[type(model).__module__]
         if not hasattr(modeling, "apply_rotary_pos_emb"):

@@ -21,7 +21,7 @@ def make_inputs(shape, bias, device=None):
     g = torch.Generator().manual_seed(0)
 
     def rand(*size, scale=1.0, shift=0.0):
-        return (torch.randn(*size, generator=g) * scale + shift).to(device)
+        return (torch.randn(*size, generator=g, device="cpu") * scale + shift).to(device)
 
     tensors = {
         "x": rand(b, t, hidden),
@@ -55,7 +55,7 @@ def check_three_way(shape, dtype, bias=False, device=None, **kw):
     tables = (cos, sin, head_dim)
     probe = attention_input_ref(*(masters[k] for k in LEAVES), cos, sin, head_dim=head_dim)
     g = torch.Generator().manual_seed(1)
-    dys = [torch.randn(o.shape, generator=g, dtype=torch.float64).to(device) for o in probe]
+    dys = [torch.randn(o.shape, generator=g, dtype=torch.float64, device="cpu").to(device) for o in probe]
     ref, g_ref = run(attention_input_ref, masters, tables, torch.float64, dys, **kw)
     tch, g_tch = run(attention_input_ref, masters, tables, dtype, dys, **kw)
     ours, g_ours = run(attention_input, masters, tables, dtype, dys, **kw)
@@ -100,6 +100,47 @@ def test_backward_twice_with_retain_graph():
     first = torch.autograd.grad(loss, leaves, retain_graph=True)
     for a, b in zip(torch.autograd.grad(loss, leaves), first, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _saved_bytes_and_grads(norm_recompute):
+    masters, cos, sin, head_dim = make_inputs(SHAPES[0], bias=True)
+    leaves = {k: v.clone().requires_grad_(True) for k, v in masters.items()}
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        biases = {k: v for k, v in leaves.items() if k.startswith("b_")}
+        outs = attention_input(*(leaves[k] for k in LEAVES), cos, sin, head_dim=head_dim, **biases,
+                               norm_recompute=norm_recompute)
+    params = {leaves[k].untyped_storage().data_ptr() for k in leaves if k != "x"}
+    saved = sum(n for ptr, n in storages.items() if ptr not in params)
+    loss = sum((o * (i + 1)).square().sum() for i, o in enumerate(outs))
+    return saved, torch.autograd.grad(loss, list(leaves.values()))
+
+
+def test_norm_recompute_keeps_less_and_gives_the_same_bits():
+    """Without h the backward runs the same norm kernel on the same x: the gradients are bit-identical."""
+    saved_keep, grads_keep = _saved_bytes_and_grads(False)
+    saved, grads = _saved_bytes_and_grads(True)
+    b, t, hidden = SHAPES[0][:3]
+    assert saved_keep - saved == b * t * hidden * 4  # the fp32 h
+    for a, g in zip(grads, grads_keep, strict=True):
+        assert torch.equal(a, g)
+
+
+def test_autocast_that_would_cast_is_refused():
+    masters, cos, sin, head_dim = make_inputs(SHAPES[0], bias=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(TypeError, match="under autocast"):
+        attention_input(*(masters[k] for k in LEAVES), cos, sin, head_dim=head_dim)
+    bf16 = [masters[k].bfloat16() for k in LEAVES]  # already in the autocast dtype: runs as without autocast
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = attention_input(*bf16, cos.bfloat16(), sin.bfloat16(), head_dim=head_dim)
+    outside = attention_input(*bf16, cos.bfloat16(), sin.bfloat16(), head_dim=head_dim)
+    for a, o in zip(inside, outside, strict=True):
+        assert torch.equal(a, o)
 
 
 def test_bad_arguments_raise_one_line_errors():

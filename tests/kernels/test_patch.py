@@ -87,8 +87,10 @@ def test_patch_matches_unpatched(model_type, restore_rope):
     assert out2.logits is None  # documented: with labels the logits are never materialised
     assert_close_to_ref(out2.loss, out.loss)
     counts = grad_fn_counts(out2.loss)
-    assert counts.get("RMSNormFunctionBackward") == expected_norms(model_type), counts
-    assert counts.get("RoPEFunctionBackward") == N_LAYERS, counts
+    fused = 0 if model_type == "qwen3" else N_LAYERS  # input norm + q/k/v + RoPE as one attention_input
+    assert counts.get("AttentionInputFunctionBackward", 0) == fused, counts
+    assert counts.get("RMSNormFunctionBackward") == expected_norms(model_type) - fused, counts
+    assert counts.get("RoPEFunctionBackward", 0) == N_LAYERS - fused, counts
     assert counts.get("GatedMLPFunctionBackward") == N_LAYERS and "GLUFunctionBackward" not in counts, counts
     assert not any("LogSoftmax" in k for k in counts), counts  # the loss went through the chunked CE
     out2.loss.backward()
@@ -166,10 +168,77 @@ def test_patch_peft_model(restore_rope):
     assert_close_to_ref(loss, ref)
     counts = grad_fn_counts(loss)  # a LoRA gate_proj: its MLP keeps the projections, only the gating is fused
     assert counts.get("GLUFunctionBackward") == N_LAYERS and "GatedMLPFunctionBackward" not in counts, counts
+    # a LoRA q_proj: the norm kernel, then transformers' attention with its projections and our RoPE
+    assert "AttentionInputFunctionBackward" not in counts and counts.get("RoPEFunctionBackward") == N_LAYERS
     loss.backward()
     for name, p in patched.named_parameters():
         if p.requires_grad:
             assert_close_to_ref(p.grad, ref_grads[name], name=name)
+
+
+def _loss_and_fused_layers(model, input_ids):
+    loss = model(input_ids=input_ids, labels=input_ids).loss
+    return loss, grad_fn_counts(loss).get("AttentionInputFunctionBackward", 0)
+
+
+def test_attention_fusion_is_undone_and_redone(restore_rope):
+    """Patching twice, patching again with ``attention=False`` and unpatching the rotary function each leave a
+    model that normalises and rotates exactly once."""
+    from chunkloss.kernels import unpatch_rotary
+
+    model = tiny_model("qwen2")  # q/k/v biases
+    input_ids = torch.randint(0, VOCAB, (2, 7))
+    ref = model(input_ids=input_ids, labels=input_ids).loss
+    restore_rope(model)
+    for options, fused in (({}, N_LAYERS), ({}, N_LAYERS), ({"attention": False}, 0), ({}, N_LAYERS)):
+        patch(model, loss_options={"compile": False}, **options)
+        loss, n = _loss_and_fused_layers(model, input_ids)
+        assert n == fused, options
+        assert_close_to_ref(loss, ref)
+    unpatch_rotary(model)  # attention_input's RoPE would rotate again through transformers' function
+    loss, n = _loss_and_fused_layers(model, input_ids)
+    assert n == 0
+    assert_close_to_ref(loss, ref)
+
+
+def test_attention_fusion_after_deepcopy_and_with_a_hooked_norm(restore_rope):
+    """A copy of a patched model reads its own weights; a norm with a hook (ZeRO-3 gathers parameters in
+    one) runs as a module and its attention as transformers' does."""
+    model = tiny_model("gemma")
+    input_ids = torch.randint(0, VOCAB, (2, 7))
+    ref = model(input_ids=input_ids, labels=input_ids).loss
+    restore_rope(model)
+    patch(model, loss_options={"compile": False})
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)  # the copy must not see this
+    loss, n = _loss_and_fused_layers(twin, input_ids)
+    assert n == N_LAYERS
+    assert_close_to_ref(loss, ref)
+    twin.model.layers[0].input_layernorm.register_forward_pre_hook(lambda module, args: None)
+    loss, n = _loss_and_fused_layers(twin, input_ids)
+    assert n == N_LAYERS - 1
+    assert_close_to_ref(loss, ref)
+
+
+def test_attention_fusion_under_autocast(restore_rope):
+    """fp32 weights under bf16 autocast: the norm runs in fp32 before the projections cast, which the fused
+    call cannot reproduce, so those layers run the norm kernel and transformers' attention; a bf16 model
+    under bf16 autocast takes the fused call."""
+    model = tiny_model("llama")
+    input_ids = torch.randint(0, VOCAB, (2, 7))
+    ref = model(input_ids=input_ids, labels=input_ids).loss
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch_bf16 = model(input_ids=input_ids, labels=input_ids).loss
+    restore_rope(model)
+    fp32, bf16 = copy.deepcopy(model), copy.deepcopy(model).bfloat16()
+    for m, fused in ((fp32, 0), (bf16, N_LAYERS)):
+        patch(m, loss_options={"compile": False})
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, n = _loss_and_fused_layers(m, input_ids)
+        assert n == fused
+        assert_close_to_ref(loss.float(), ref, torch_bf16.float())
 
 
 def test_gemma2_final_logit_softcapping_reaches_the_loss(restore_rope):

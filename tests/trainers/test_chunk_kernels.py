@@ -64,7 +64,8 @@ def _assert_no_kernels(loss):
 
 def _is_patched_norm(module) -> bool:
     fn = getattr(getattr(module.forward, "__func__", None), "func", None)  # patch binds a functools.partial
-    return getattr(fn, "__name__", None) == "_norm_forward"
+    # A layer's input norm whose attention runs it (kernels/patch.py, attention=True) is patched too.
+    return getattr(fn, "__name__", None) in ("_norm_forward", "_input_norm_forward")
 
 
 # Qwen3 (the helpers' default family): input, post-attention, q and k norms per layer, and the final norm.
@@ -342,14 +343,16 @@ def test_unpatch_rotary_restores_transformers_function(tmp_path):
     patch(qwen3, loss=False)
     assert llama_mod.apply_rotary_pos_emb is _rotary_fn and qwen3_mod.apply_rotary_pos_emb is _rotary_fn
     ids = torch.randint(0, len(tokenizer()), (1, 5), device=device)
-    assert "RoPEFunctionBackward" in grad_fn_counts(llama(input_ids=ids, labels=ids).loss)
+    counts = grad_fn_counts(llama(input_ids=ids, labels=ids).loss)
+    assert "AttentionInputFunctionBackward" in counts  # the layer's norm, q/k/v and Triton rotary in one node
     assert unpatch_rotary(llama) == [llama_mod.__name__]
     assert llama_mod.apply_rotary_pos_emb is original
     assert qwen3_mod.apply_rotary_pos_emb is _rotary_fn  # only the given model's family
     assert unpatch_rotary() == [qwen3_mod.__name__]  # None: every family still patched
     assert qwen3_mod.apply_rotary_pos_emb is _ORIGINAL[qwen3_mod.__name__]
     # The restored function is transformers' own again: the model's forward builds no Triton rotary node.
-    assert "RoPEFunctionBackward" not in grad_fn_counts(llama(input_ids=ids, labels=ids).loss)
+    counts = grad_fn_counts(llama(input_ids=ids, labels=ids).loss)
+    assert "RoPEFunctionBackward" not in counts and "AttentionInputFunctionBackward" not in counts
 
 
 def test_liger_kernels_with_chunk_kernels_refused(tmp_path):
