@@ -28,7 +28,9 @@ weight (H,), ``w_q`` (heads·head_dim, H), ``w_k`` and ``w_v`` (kv_heads·head_d
   (``patch(norm_recompute=True)``): the projections' saved input is packed as a recipe, and the backward
   runs the norm kernel again instead of keeping its output;
 * ``fused``: :func:`chunkloss.kernels.attention_input`, the norm, one GEMM over the concatenated q/k/v
-  weights and RoPE in one autograd Function;
+  weights and RoPE in one autograd Function (what ``patch`` runs on Llama, Mistral, Qwen2 and Gemma);
+* ``fused_norm_recompute``: the same with ``norm_recompute=True``: the norm output is not kept and the
+  backward runs the norm kernel again;
 * ``liger``: Liger's RMSNorm and RoPE + ``F.linear``, when ``liger_kernel`` is importable.
 
 Per block, shape and implementation: the median time of ``repeats`` forward + backward calls
@@ -249,7 +251,8 @@ def implementations(block: str, smoke: bool) -> dict:
         eager = gated_mlp_ref
     else:
         impls = {"eager": attn_in_ref, "unfused": attn_in_unfused, "norm_recompute": attn_in_norm_recompute,
-                 "fused": lambda *args: attention_input(*args, eps=EPS)}  # fmt: skip
+                 "fused": lambda *args: attention_input(*args, eps=EPS),
+                 "fused_norm_recompute": lambda *a: attention_input(*a, eps=EPS, norm_recompute=True)}  # fmt: skip
         eager = attn_in_ref
     if not smoke:  # inductor on CPU needs a C++ toolchain and minutes; the smoke run checks the script only
         impls["compile"] = torch.compile(eager, dynamic=False)

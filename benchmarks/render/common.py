@@ -47,6 +47,8 @@ ATTN_IN_IMPLS = {
     "unfused": "chunkloss RMSNorm + cuBLAS + chunkloss RoPE",
     "norm_recompute": "chunkloss RMSNorm + cuBLAS + chunkloss RoPE, norm recomputed",
     "fused": "chunkloss, norm + one q/k/v GEMM + RoPE in one autograd Function",
+    "fused_norm_recompute": "chunkloss, norm + one q/k/v GEMM + RoPE in one autograd Function, norm "
+    "recomputed",
 }
 SAVED_LABEL = "saved for backward (MiB)"
 SAVED_MEANING = (
