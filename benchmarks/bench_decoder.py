@@ -53,6 +53,7 @@ script, not to time anything.
 """
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -250,9 +251,13 @@ def implementations(block: str, smoke: bool) -> dict:
         }
         eager = gated_mlp_ref
     else:
-        impls = {"eager": attn_in_ref, "unfused": attn_in_unfused, "norm_recompute": attn_in_norm_recompute,
-                 "fused": lambda *args: attention_input(*args, eps=EPS),
-                 "fused_norm_recompute": lambda *a: attention_input(*a, eps=EPS, norm_recompute=True)}  # fmt: skip
+        impls = {
+            "eager": attn_in_ref,
+            "unfused": attn_in_unfused,
+            "norm_recompute": attn_in_norm_recompute,
+            "fused": functools.partial(attention_input, eps=EPS),
+            "fused_norm_recompute": functools.partial(attention_input, eps=EPS, norm_recompute=True),
+        }
         eager = attn_in_ref
     if not smoke:  # inductor on CPU needs a C++ toolchain and minutes; the smoke run checks the script only
         impls["compile"] = torch.compile(eager, dynamic=False)
