@@ -199,7 +199,7 @@ def multigpu_scale_md(data: dict) -> str:
     for setting in _settings(data):
         lines += ["", f"## {_setting_title(setting)}", "", *scale_rows_table(data, setting)]
     if data.get("notes"):
-        lines += ["", "Runs without a result:", "", *[f"- {n}" for n in data["notes"]]]
+        lines += ["", "Notes on the runs:", "", *[f"- {n}" for n in data["notes"]]]
     return "\n".join(lines) + "\n"
 
 
