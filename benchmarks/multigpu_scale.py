@@ -306,58 +306,67 @@ def _setting(a, world: int) -> dict:
     )
 
 
-def run_batch(batch: int, a, tokenizer, shared: dict) -> dict:
-    """Train ``a.steps`` steps at per-GPU ``batch``; the result on every rank (``oom`` set when this rank ran
-    out of memory; peak memory and tokens gathered over ranks otherwise)."""
+def _train(batch: int, a, tokenizer, shared: dict, t0: float) -> dict:
+    """Build the model and the trainer, train ``a.steps`` steps at per-GPU ``batch`` and measure them (``t0``:
+    when the batch started). What it builds is referenced from its frame only: ``run_batch`` collects it once
+    it returns."""
     from benchmarks.bench_e2e import LOSS_ATTR, StepTimer, _share_loss, counting_dataset
 
     cuda = torch.cuda.is_available()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
+    model = build_model(a.model, tokenizer, device, torch.bfloat16 if cuda else torch.float32, a.seq_len)
+    ds = counting_dataset(a.trainer, max(2 * batch * world, 8), a.seq_len)
+    t1 = time.perf_counter()
+    trainer = make_trainer(a.trainer, a.impl, model, tokenizer, ds, a.out, batch, a)
+    if a.impl == "chunked" and a.trainer in LOSS_ATTR:
+        _share_loss(trainer, a.trainer, shared)  # one compiled per-chunk step for the whole sweep
+    timer, tokens = StepTimer(), TokenCount(model)
+    callback = _callback(timer, tokens)
+    trainer.add_callback(callback)
+    t2 = time.perf_counter()
+    trainer.train()
+    t3 = time.perf_counter()
+    tokens.remove()
+    timed = timer.times[a.warmup :] if len(timer.times) > a.warmup else timer.times
+    median = statistics.median(timed)
+    acc = trainer.accelerator
+    # Collective (every rank calls both): the timed steps' tokens on all ranks, and peak memory per rank.
+    skip = len(timer.times) - len(timed)
+    mine = torch.tensor([float(sum(tokens.per_step[skip:])), float(len(timed))], device=acc.device)
+    total = acc.gather(mine[None]).reshape(-1, 2).sum(0).tolist()
+    per_step = total[0] / max(total[1] / acc.num_processes, 1)
+    return dict(
+        backend=backend_name(),
+        distributed_type=str(acc.distributed_type),
+        world=acc.num_processes,
+        build_s=t1 - t0,
+        setup_s=t2 - t1,
+        train_s=t3 - t2,
+        steps_s=sum(timer.times),
+        step_times_s=timer.times,
+        median_step_time_s=median,
+        tokens_per_step=per_step,
+        tokens_per_s=per_step / median,
+        tokens_per_s_per_gpu=per_step / median / acc.num_processes,
+        peak_memory_gib=_peak_memory_gib(trainer),
+        train_begin_allocated_gib_rank0=callback.train_begin_gib,
+        losses=[h["loss"] for h in trainer.state.log_history if "loss" in h],
+    )
+
+
+def run_batch(batch: int, a, tokenizer, shared: dict) -> dict:
+    """Train ``a.steps`` steps at per-GPU ``batch``; the result on every rank (``oom`` set when this rank ran
+    out of memory; peak memory and tokens gathered over ranks otherwise). The batch's model, optimizer and
+    trainer are freed before it returns."""
+    cuda = torch.cuda.is_available()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     res = {**_setting(a, world), "batch": batch, "steps": a.steps, "warmup": a.warmup, "oom": False}
     if cuda:  # what earlier batches of this process left allocated (0 unless something of theirs lives on)
         res["allocated_before_gib"] = torch.cuda.memory_allocated() / 2**30
-    trainer = model = tokens = None
     t0 = time.perf_counter()
     try:
-        model = build_model(a.model, tokenizer, device, dtype, a.seq_len)
-        ds = counting_dataset(a.trainer, max(2 * batch * world, 8), a.seq_len)
-        t1 = time.perf_counter()
-        trainer = make_trainer(a.trainer, a.impl, model, tokenizer, ds, a.out, batch, a)
-        if a.impl == "chunked" and a.trainer in LOSS_ATTR:
-            _share_loss(trainer, a.trainer, shared)  # one compiled per-chunk step for the whole sweep
-        timer, tokens = StepTimer(), TokenCount(model)
-        callback = _callback(timer, tokens)
-        trainer.add_callback(callback)
-        t2 = time.perf_counter()
-        trainer.train()
-        t3 = time.perf_counter()
-        timed = timer.times[a.warmup :] if len(timer.times) > a.warmup else timer.times
-        median = statistics.median(timed)
-        acc = trainer.accelerator
-        # Collective (every rank calls both): the timed steps' tokens on all ranks, and peak memory per rank.
-        skip = len(timer.times) - len(timed)
-        mine = torch.tensor([float(sum(tokens.per_step[skip:])), float(len(timed))], device=acc.device)
-        total = acc.gather(mine[None]).reshape(-1, 2).sum(0).tolist()
-        per_step = total[0] / max(total[1] / acc.num_processes, 1)
-        res.update(
-            backend=backend_name(),
-            distributed_type=str(acc.distributed_type),
-            world=acc.num_processes,
-            build_s=t1 - t0,
-            setup_s=t2 - t1,
-            train_s=t3 - t2,
-            steps_s=sum(timer.times),
-            step_times_s=timer.times,
-            median_step_time_s=median,
-            tokens_per_step=per_step,
-            tokens_per_s=per_step / median,
-            tokens_per_s_per_gpu=per_step / median / acc.num_processes,
-            peak_memory_gib=_peak_memory_gib(trainer),
-            train_begin_allocated_gib_rank0=callback.train_begin_gib,
-            losses=[h["loss"] for h in trainer.state.log_history if "loss" in h],
-        )
+        res.update(_train(batch, a, tokenizer, shared, t0))
     except Exception as e:  # noqa: BLE001 - an OOM ends the sweep; anything else is raised
         if not is_oom(e):
             raise
@@ -365,9 +374,9 @@ def run_batch(batch: int, a, tokenizer, shared: dict) -> dict:
         if cuda:
             res["peak_memory_gib_at_oom"] = torch.cuda.max_memory_allocated() / 2**30
     finally:
-        if tokens is not None:
-            tokens.remove()
-        del trainer, model
+        # After _train's frame (or the OOM's traceback) is gone, nothing outside the batch holds its model,
+        # but the model refers to itself (TRL's and chunkloss's trainers set its forward to a method bound to
+        # it): only a collection frees it, with the optimizer and accelerator that hold it.
         free_memory()
     res["wall_s"] = time.perf_counter() - t0
     return res

@@ -4,12 +4,14 @@ out-of-memory batch, one that ends at its time budget, two gloo processes under 
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
 import socket
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -94,6 +96,34 @@ def test_sweeps_and_summary(tmp_path, monkeypatch):
         assert re.search(row, md), row
     assert (tmp_path / "multigpu_scale.png").stat().st_size > 10_000
     assert json.loads((tmp_path / "multigpu_scale.json").read_text())["runs"] == data["runs"]
+
+
+@pytest.mark.parametrize("impl", multigpu_scale.IMPLS)
+def test_a_batch_frees_its_model_before_it_returns(tmp_path, impl, monkeypatch):
+    """The model a batch built is gone once ``run_batch`` returns, with the interpreter's automatic collection
+    off (``run_batch`` frees it itself): the next batch of the process does not start with it allocated."""
+    built, alive = [], []
+    real_build, real_run = multigpu_scale.build_model, multigpu_scale.run_batch
+
+    def build_model(*args, **kwargs):
+        model = real_build(*args, **kwargs)
+        built.append(weakref.ref(model))
+        return model
+
+    def run_batch(*args, **kwargs):
+        gc.disable()
+        try:
+            r = real_run(*args, **kwargs)
+            alive.append(built[-1]() is not None)
+        finally:
+            gc.enable()
+        return r
+
+    monkeypatch.setattr(multigpu_scale, "build_model", build_model)
+    monkeypatch.setattr(multigpu_scale, "run_batch", run_batch)
+    assert multigpu_scale.main(["--trainer", "sft", "--impl", impl, "--batch-sizes", "1", *TINY,
+                                "--out", str(tmp_path / impl)]) == 0  # fmt: skip
+    assert alive == [False]
 
 
 def test_remaining_relaunches_after_progress_and_notes_a_failed_batch(tmp_path):
