@@ -7,10 +7,10 @@
 * with ``attention=True`` (the default; not Qwen3, which normalises q and k per head before RoPE), each
   decoder layer's input RMSNorm, q/k/v projections and RoPE for one
   :func:`~chunkloss.kernels.attention_input` call run by the attention module: the layer's
-  ``input_layernorm`` then passes its input through, and
-  transformers' attention forward (cache, attention, ``o_proj``) receives the rotated q, k and v as its
-  projections' outputs. Per call, an attention whose q/k/v projections are not plain ``nn.Linear`` modules, or
-  whose dtypes autocast would change, runs the norm kernel and transformers' forward instead;
+  ``input_layernorm`` then passes its input through, and transformers' attention forward (cache,
+  attention, ``o_proj``) receives the rotated q, k and v as its projections' outputs. Per call, a layer
+  whose q/k/v projections are not plain ``nn.Linear`` modules, whose norm or projections have hooks, or
+  whose dtypes autocast would change runs the norm kernel and transformers' attention instead;
 * with ``norm_recompute=True``, every decoder layer's forward for one that does not keep its pre-norms'
   outputs (the input / post-attention / pre-feedforward RMSNorm) for the backward; the projections that read
   them get them back by running the norm kernel again (``kernels/saved_norms.py``);
