@@ -79,9 +79,9 @@ import time
 
 import torch
 from datasets import Dataset
-from transformers import AutoConfig, AutoModelForCausalLM, TrainerCallback, TrainingArguments
+from transformers import TrainerCallback, TrainingArguments
 
-from benchmarks.harness import free_memory, is_oom, stamp, training_input
+from benchmarks.harness import free_memory, is_oom, random_model, stamp, training_input
 from benchmarks.render import write_set
 from chunkloss.data import count_reward, tiny_tokenizer
 
@@ -126,24 +126,8 @@ def build_model(
 ):
     """The model, initialised on ``device`` in ``dtype`` from ``seed``, then loaded from ``state``, if any."""
     s = SHAPES[shape]
-    cfg = AutoConfig.for_model(
-        s["family"],
-        vocab_size=s["vocab"],
-        hidden_size=s["hidden"],
-        intermediate_size=s["inter"],
-        num_hidden_layers=layers or s["layers"],
-        num_attention_heads=s["heads"],
-        num_key_value_heads=s["kv"],
-        head_dim=s["head_dim"],
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-    )
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    model = random_model(s, device, dtype, seed, tokenizer, num_hidden_layers=layers or s["layers"],
+                         max_position_embeddings=4096, tie_word_embeddings=True)  # fmt: skip
     if state is not None:
         model.load_state_dict(state)
     return model

@@ -56,9 +56,8 @@ import time
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, LlamaConfig
 
-from benchmarks.harness import free_memory, is_oom, stamp, sync
+from benchmarks.harness import free_memory, is_oom, random_model, stamp, sync
 from benchmarks.render import write_set
 from chunkloss.data import tiny_dataset, tiny_tokenizer
 from chunkloss.heads import add_medusa_heads
@@ -74,20 +73,7 @@ SMOKE_RTOL = 1e-4  # fp32 on the CPU: the two losses sum the same terms in anoth
 
 def build_model(spec: dict, device: torch.device, dtype: torch.dtype, seed: int = 0):
     """A Llama of ``spec``'s shape with tied embeddings, initialised from ``seed`` directly on ``device``."""
-    cfg = LlamaConfig(
-        vocab_size=spec["vocab"],
-        hidden_size=spec["hidden"],
-        intermediate_size=spec["inter"],
-        num_hidden_layers=spec["layers"],
-        num_attention_heads=spec["heads"],
-        num_key_value_heads=spec["kv"],
-        head_dim=spec["head_dim"],
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(seed)
-    with torch.device(device):
-        return AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return random_model(spec, device, dtype, seed, max_position_embeddings=4096, tie_word_embeddings=True)
 
 
 def medusa_trainer(model, stage: int, k: int, device: torch.device, tokenizer, out_dir: str):

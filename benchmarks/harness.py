@@ -113,6 +113,24 @@ def training_input(args: tuple, kwargs: dict):
     return ids, (mask if mask is not None and mask.dim() == 2 else None)
 
 
+def random_model(shape: dict, device, dtype, seed: int, tokenizer=None, **config):
+    """A causal LM of ``shape`` (``family`` (default llama), ``vocab``, ``hidden``, ``inter``, ``layers``,
+    ``heads``, ``kv``, ``head_dim``) with random weights from ``seed``, built directly on ``device`` in
+    ``dtype``; the pad, EOS and BOS ids from ``tokenizer`` when given; ``config`` adds or overrides config
+    fields."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["inter"],
+                  num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
+                  num_key_value_heads=shape["kv"], head_dim=shape["head_dim"])  # fmt: skip
+    if tokenizer is not None:
+        fields.update({f"{k}_token_id": getattr(tokenizer, f"{k}_token_id") for k in ("pad", "eos", "bos")})
+    cfg = AutoConfig.for_model(shape.get("family", "llama"), **{**fields, **config})
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+
+
 def grad_leaves(inputs: dict) -> list[torch.Tensor]:
     """The tensors of ``inputs`` that require grad."""
     return [t for t in inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]

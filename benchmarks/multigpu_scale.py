@@ -69,7 +69,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from benchmarks.harness import free_memory, is_oom, stamp, training_input  # noqa: E402
+from benchmarks.harness import free_memory, is_oom, random_model, stamp, training_input  # noqa: E402
 from benchmarks.multigpu_parity import TRAINERS, _peak_memory_gib, _reason  # noqa: E402
 
 # Shapes of the models (random weights). tied: the LM head shares the input embedding's weight.
@@ -126,27 +126,9 @@ def head_memory(model: str, weight_bytes: int = 2) -> dict:
 def build_model(model: str, tokenizer, device, dtype, seq_len: int):
     """``model``'s shape with random weights from ``SEED``, built directly on ``device`` in ``dtype`` (no
     host copy: a 4B model initialises on the GPU in seconds)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     s = MODELS[model]
-    cfg = AutoConfig.for_model(
-        s["family"],
-        vocab_size=s["vocab"],
-        hidden_size=s["hidden"],
-        intermediate_size=s["inter"],
-        num_hidden_layers=s["layers"],
-        num_attention_heads=s["heads"],
-        num_key_value_heads=s["kv"],
-        head_dim=s["head_dim"],
-        max_position_embeddings=max(4096, 2 * seq_len),
-        tie_word_embeddings=s["tied"],
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-    )
-    torch.manual_seed(SEED)
-    with torch.device(device):
-        return AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return random_model(s, device, dtype, SEED, tokenizer, tie_word_embeddings=s["tied"],
+                        max_position_embeddings=max(4096, 2 * seq_len))  # fmt: skip
 
 
 def fixed_completions(base):
