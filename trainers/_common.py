@@ -39,7 +39,8 @@ class ChunkedArguments:
         chunk_accum_dtype: dtype of the LM-head gradient accumulator across chunks: ``"float32"`` (default),
             ``"bfloat16"``, ``"float16"`` or ``"weight"`` (the weight's own dtype).
         chunk_compile: run the per-chunk math under ``torch.compile``.
-        chunk_kernels: run the model's RMSNorms, rotary embedding and gated MLPs on chunkloss's Triton kernels
+        chunk_kernels: run the model's RMSNorms, rotary embedding and gated MLPs on chunkloss's Triton
+            kernels, and each layer's input norm, q/k/v projections and rotary embedding as one fused call
             (``chunkloss.kernels.patch(model, loss=False)``), and a reference or teacher model's too; see
             :func:`apply_chunk_kernels`.
         chunk_kernels_mlp_recompute: with ``chunk_kernels``, the fused MLP saves only its input and replays
@@ -63,7 +64,8 @@ class ChunkedArguments:
     chunk_kernels: bool = field(
         default=False,
         metadata={
-            "help": "Run the model's RMSNorm, rotary embedding and gated MLP on chunkloss's Triton kernels "
+            "help": "Run the model's RMSNorm, rotary embedding and gated MLP on chunkloss's Triton kernels, "
+            "and each layer's input norm, q/k/v projections and rotary embedding as one fused call "
             "(chunkloss.kernels.patch(model, loss=False); a reference/teacher model of a supported type "
             "too): less activation memory, faster steps. Model types: llama, mistral, qwen2, qwen3, gemma, "
             "gemma2 (chunkloss.kernels.patch.SUPPORTED_MODEL_TYPES); CUDA only. Off by default: results "

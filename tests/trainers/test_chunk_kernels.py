@@ -1,6 +1,6 @@
-"""``chunk_kernels=True`` on the chunked trainers: the model's norms, rotary embedding and gated MLPs run on
-chunkloss's Triton kernels (``chunkloss.kernels.patch(model, loss=False)``) and the step is unchanged up to
-rounding: one batch from one state, with and without the option, equal loss and gradients."""
+"""``chunk_kernels=True`` on the chunked trainers: the model's norms, rotary embedding, attention input and
+gated MLPs run on chunkloss's Triton kernels (``chunkloss.kernels.patch(model, loss=False)``) and the step is
+unchanged up to rounding: one batch from one state, with and without the option, equal loss and gradients."""
 
 from __future__ import annotations
 
