@@ -6,11 +6,11 @@ are cached per shape.
 """
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import inspect
-import sys
-from typing import NamedTuple
+from typing import Generic, NamedTuple, TypeVar
 
 import torch
 
@@ -59,26 +59,65 @@ class NormKnobs:
     loop_bwd_programs_per_sm: int = 1
 
 
-KNOBS = NormKnobs()
+@functools.lru_cache
+def capability(device: torch.device) -> tuple[int, int] | None:
+    """The CUDA compute capability ``(major, minor)`` of ``device``; None off CUDA (the interpreter)."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(index)
 
 
-@contextlib.contextmanager
-def replaced_knobs(module, **changes):
-    """Temporarily replace fields of ``module.KNOBS`` (a frozen dataclass the launchers read per call)."""
-    previous = module.KNOBS
-    module.KNOBS = dataclasses.replace(previous, **changes)
-    try:
-        yield module.KNOBS
-    finally:
-        module.KNOBS = previous
+Knobs = TypeVar("Knobs")
 
 
-def norm_knobs(**changes):
-    """Temporarily replace fields of :data:`KNOBS` (tests force the looped path at small widths with
+class LaunchSettings(Generic[Knobs]):
+    """One kernel family's launch settings per GPU architecture, with an explicit override.
+
+    Launchers call :meth:`get` with their input's device: the setting of that device's compute capability
+    if the table has one, else ``default``. :meth:`use` selects other settings for the code inside a
+    ``with`` block (tests force paths the defaults do not take at small shapes); it is thread- and
+    task-local (a ``ContextVar``), and restored on the way out of an error too.
+    """
+
+    def __init__(self, name: str, default: Knobs, by_capability: dict[tuple[int, int], Knobs] | None = None):
+        self.default = default
+        self.by_capability = dict(by_capability or {})
+        self._forced: contextvars.ContextVar[Knobs | None] = contextvars.ContextVar(name, default=None)
+
+    def for_capability(self, cap: tuple[int, int] | None) -> Knobs:
+        """The table's setting for compute capability ``cap`` (``default`` when it has none)."""
+        return self.by_capability.get(cap, self.default)
+
+    def get(self, device: torch.device) -> Knobs:
+        """The setting a launch on ``device`` uses: the one :meth:`use` selected, else the table's."""
+        forced = self._forced.get()
+        return forced if forced is not None else self.for_capability(capability(device))
+
+    @contextlib.contextmanager
+    def use(self, device: torch.device | None = None, **changes):
+        """Launch with fields of the current setting (``device``'s, else ``default``, or the one an outer
+        :meth:`use` selected) replaced by ``changes``; yields the setting in force."""
+        base = self._forced.get() or (self.get(device) if device is not None else self.default)
+        token = self._forced.set(dataclasses.replace(base, **changes))
+        try:
+            yield self._forced.get()
+        finally:
+            self._forced.reset(token)
+
+
+# sm90 (H100, H200): the sweep behind NormKnobs' defaults. Other architectures take the defaults until a sweep
+# on them gives a row here.
+NORM_SETTINGS: LaunchSettings[NormKnobs] = LaunchSettings("norm", NormKnobs(), {(9, 0): NormKnobs()})
+
+
+def norm_knobs(device: torch.device | None = None, **changes):
+    """``NORM_SETTINGS.use(device, **changes)``, a forced ``max_fused_cols`` applying to both norms unless
+    RMSNorm's own is given (tests force the looped path at small widths with
     ``norm_knobs(max_fused_cols=16, loop_block_n=16)``)."""
-    if "max_fused_cols" in changes:  # a forced threshold applies to both norms unless RMSNorm's is given
+    if "max_fused_cols" in changes:
         changes.setdefault("rms_max_fused_cols", changes["max_fused_cols"])
-    return replaced_knobs(sys.modules[__name__], **changes)
+    return NORM_SETTINGS.use(device, **changes)
 
 
 @functools.lru_cache(maxsize=16)

@@ -279,7 +279,7 @@ def _layer_norm_fwd(x, weight, bias, opts: LayerNormOptions):
     n_rows, n_cols = x.shape
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     stats = torch.empty((n_rows, 2), dtype=torch.float32, device=x.device)  # mean, rstd: one allocation
-    plan = norm_fwd_plan(n_rows, n_cols, _utils.KNOBS)
+    plan = norm_fwd_plan(n_rows, n_cols, _utils.NORM_SETTINGS.get(x.device))
     _layer_norm_fwd_kernel[(plan.n_programs,)](
         x, y, weight, bias, stats, x.stride(0), y.stride(0), n_rows, n_cols, opts.eps,
         HAS_BIAS=bias is not None, LOOPED=plan.looped, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
@@ -294,7 +294,7 @@ def _layer_norm_bwd(
     n_rows, n_cols = x.shape
     dy = lastdim_contiguous(dy)
     dx = norm_dx_buffer(dy, x, needs_dx, opts.in_place)
-    plan = norm_bwd_plan(n_rows, n_cols, x.device, _utils.KNOBS)
+    plan = norm_bwd_plan(n_rows, n_cols, x.device, _utils.NORM_SETTINGS.get(x.device))
     # dW and dB partials in one buffer, so one reduction and one cast serve both.
     n_partials = needs_dw + needs_db
     partials = None

@@ -256,7 +256,7 @@ def _rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, opts: RMSNormOptions):
     out_dtype = torch.promote_types(x.dtype, weight.dtype) if cast_llama else x.dtype
     y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-    plan = norm_fwd_plan(n_rows, n_cols, _utils.rms_knobs(_utils.KNOBS))
+    plan = norm_fwd_plan(n_rows, n_cols, _utils.rms_knobs(_utils.NORM_SETTINGS.get(x.device)))
     _rms_norm_fwd_kernel[(plan.n_programs,)](
         x, y, weight, rstd, x.stride(0), y.stride(0), n_rows, n_cols, opts.eps, opts.offset,
         CAST_LLAMA=cast_llama, LOOPED=plan.looped, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
@@ -269,7 +269,7 @@ def _rms_norm_bwd(dy, x, weight, rstd, opts: RMSNormOptions, needs_dx: bool, nee
     n_rows, n_cols = x.shape
     dy = lastdim_contiguous(dy)
     dx = norm_dx_buffer(dy, x, needs_dx, opts.in_place)
-    plan = norm_bwd_plan(n_rows, n_cols, x.device, _utils.rms_knobs(_utils.KNOBS))
+    plan = norm_bwd_plan(n_rows, n_cols, x.device, _utils.rms_knobs(_utils.NORM_SETTINGS.get(x.device)))
     dw_partial = None
     if needs_dw:
         dw_partial = torch.empty((plan.n_programs, n_cols), dtype=torch.float32, device=x.device)

@@ -9,7 +9,6 @@ with all its q heads and all its k heads (grouped-query attention has fewer k he
 """
 
 import functools
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +16,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from ._utils import cdiv, next_power_of_2, replaced_knobs
+from ._utils import LaunchSettings, cdiv, next_power_of_2
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -75,12 +74,13 @@ class RopeKnobs:
     evict_first: bool = False  # load q, k (or their gradients) with evict_first: each byte is read once
 
 
-KNOBS = RopeKnobs()
+# sm90 (H100, H200): the sweep behind RopeKnobs' defaults; other architectures take the defaults.
+ROPE_SETTINGS: LaunchSettings[RopeKnobs] = LaunchSettings("rope", RopeKnobs(), {(9, 0): RopeKnobs()})
 
 
-def rope_knobs(**changes):
-    """Temporarily replace fields of :data:`KNOBS` (tests force ``tokens=3, block_h=2`` at small shapes)."""
-    return replaced_knobs(sys.modules[__name__], **changes)
+def rope_knobs(device: torch.device | None = None, **changes):
+    """``ROPE_SETTINGS.use(device, **changes)`` (tests force ``tokens=3, block_h=2`` at small shapes)."""
+    return ROPE_SETTINGS.use(device, **changes)
 
 
 # Per head row, the rotary dims split into halves x1 = x[:R/2], x2 = x[R/2:R], and likewise the table rows
@@ -232,7 +232,8 @@ def _rope_launch(q, k, cos, sin, opts: RoPEOptions, backward: bool, out=None):
     n_rows = batch * seq_len
     if n_rows == 0:
         return qo, ko, in_place
-    grid, meta = _rope_plan(n_rows, n_q, n_k, head_dim, rot, not in_place and rot < head_dim, KNOBS)
+    grid, meta = _rope_plan(n_rows, n_q, n_k, head_dim, rot, not in_place and rot < head_dim,
+                             ROPE_SETTINGS.get(first.device))
     _rope_kernel[grid](
         first if q is None else q, first if k is None else k,  # a skipped tensor's pointer is never read
         first if qo is None else qo, first if ko is None else ko, cos, sin,

@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 from chunkloss.kernels import layer_norm, layer_norm_ref, rms_norm, rms_norm_ref
 from chunkloss.kernels._utils import (
-    KNOBS,
+    NORM_SETTINGS,
+    LaunchSettings,
+    NormKnobs,
     cdiv,
     next_power_of_2,
     norm_bwd_plan,
@@ -133,6 +135,8 @@ def test_looped_matches_fused():
 
 def test_plans_follow_knobs_and_are_cached():
     cpu = torch.device("cpu")
+    KNOBS = NORM_SETTINGS.get(cpu)
+    assert KNOBS is NORM_SETTINGS.default  # off CUDA: the default row
     default = norm_fwd_plan(8, 20000, KNOBS)
     assert default.looped and default.block_n == KNOBS.loop_block_n
     assert norm_fwd_plan(8, 20000, KNOBS) is default  # cached: the same object back
@@ -162,3 +166,23 @@ def test_norms_zero_rows(max_fused_cols):
         assert dx.shape == (0, 33) and torch.equal(dw, torch.zeros(33))
         dx, dw, db = torch.autograd.grad(layer_norm(x, w, b), (x, w, b), torch.randn(0, 33))
         assert dx.shape == (0, 33) and torch.equal(dw, torch.zeros(33)) and torch.equal(db, torch.zeros(33))
+
+
+def test_settings_by_capability_and_override():
+    """The table picks a row by compute capability (default for any other); ``use`` overrides it inside the
+    block only, nests on the setting in force, and is undone by an error too."""
+    sm80 = NormKnobs(loop_warps=8)
+    settings = LaunchSettings("test", NormKnobs(), {(8, 0): sm80})
+    assert settings.for_capability((8, 0)) is sm80
+    assert settings.for_capability((9, 0)) is settings.default and settings.for_capability(None) is settings.default
+    cpu = torch.device("cpu")
+    with pytest.raises(RuntimeError), settings.use(loop_block_n=16) as outer:
+        assert settings.get(cpu) is outer and outer.loop_block_n == 16 and outer.loop_warps == 16
+        with settings.use(loop_block_m=2) as inner:
+            assert settings.get(cpu) is inner and (inner.loop_block_n, inner.loop_block_m) == (16, 2)
+        assert settings.get(cpu) is outer
+        raise RuntimeError
+    assert settings.get(cpu) is settings.default
+    with norm_knobs(max_fused_cols=16) as forced:  # the norms' helper: one threshold for both norms
+        assert NORM_SETTINGS.get(cpu) is forced and forced.rms_max_fused_cols == 16
+    assert NORM_SETTINGS.get(cpu) is NORM_SETTINGS.default

@@ -13,8 +13,7 @@ compiler may fuse a product into an FMA, one rounding of a product fewer, at mos
 import pytest
 import torch
 from chunkloss.kernels import apply_rotary_pos_emb, apply_rotary_pos_emb_ref
-from chunkloss.kernels import rope as rope_module
-from chunkloss.kernels.rope import rope_knobs
+from chunkloss.kernels.rope import ROPE_SETTINGS, rope_knobs
 
 from tests.kernels.test_kernels import assert_close3, rope_tables
 from tests.tolerances import assert_close_to_ref
@@ -118,11 +117,13 @@ def test_rope_unused_output_gets_zero_gradient():
 
 
 def test_rope_knobs_context_restores():
-    before = rope_module.KNOBS
+    cpu = torch.device("cpu")
+    before = ROPE_SETTINGS.get(cpu)
+    assert before is ROPE_SETTINGS.default
     with pytest.raises(RuntimeError), rope_knobs(tokens=5) as knobs:
-        assert rope_module.KNOBS is knobs and knobs.tokens == 5 and knobs.num_warps == before.num_warps
+        assert ROPE_SETTINGS.get(cpu) is knobs and knobs.tokens == 5 and knobs.num_warps == before.num_warps
         raise RuntimeError  # restored on the way out of an error too
-    assert rope_module.KNOBS is before
+    assert ROPE_SETTINGS.get(cpu) is before
 
 
 @pytest.mark.gpu
