@@ -1,11 +1,7 @@
 """GRPO cases: Llama-3-8B head (H=4096, V=128256), bf16, loss_type='dapo', β=0.04 with precomputed
-reference log-probs, old log-probs given, the last 1/8 of each completion masked.
-
-Token-level ratios at three shapes, plus the two modes that are sequence losses in chunkloss, at B=16,
-T=1024: sequence-level ratios (GSPO, ``importance_sampling_level='sequence'``; one pass when each
-completion fits a chunk) and entropy masking (``top_entropy_quantile=0.2``; its threshold is a quantile
-over the whole batch, so always two passes).
-
+reference log-probs, old log-probs given, the last 1/8 of each completion masked. Token-level ratios at three
+shapes, and at B=16, T=1024 the modes that are sequence losses in chunkloss: GSPO (sequence-level ratios; one
+pass when each completion fits a chunk) and entropy masking (a quantile over the whole batch: two passes).
 Floor FLOPs: 6·N_valid·H·V (the policy head's forward and its two gradient GEMMs).
 """
 
@@ -24,7 +20,8 @@ SHAPES = ((16, 1024), (2, 16384), (2, 32768))
 MODES = (
     ("gspo", {"importance_sampling_level": "sequence"}),
     ("entropy mask 0.2", {"top_entropy_quantile": 0.2}),
-    # TRL's default β=0: no KL term, so the masked 80% of tokens have no gradient; the second pass skips them.
+    # TRL's default β=0: no KL term, so the masked 80% of tokens have no gradient; the second pass skips
+    # them.
     ("entropy mask 0.2 beta=0", {"top_entropy_quantile": 0.2, "beta": 0.0}),
 )
 
@@ -41,15 +38,7 @@ def _inputs(b: int, t: int):
         old = (-11.8 + 0.1 * torch.randn(b, t, generator=g)).to(device)
         ref = (-11.8 + 0.1 * torch.randn(b, t, generator=g)).to(device)
         adv = torch.randn(b, generator=g).to(device)
-        return {
-            "hidden": hidden,
-            "weight": weight,
-            "ids": ids,
-            "mask": mask.to(device),
-            "adv": adv,
-            "old": old,
-            "ref": ref,
-        }
+        return dict(hidden=hidden, weight=weight, ids=ids, mask=mask.to(device), adv=adv, old=old, ref=ref)
 
     return make
 
@@ -82,15 +71,8 @@ def impls(**mode) -> dict:
     ours = FusedLinearGRPOLoss(**{"loss_type": "dapo", "beta": BETA, **mode})
     with_ref = ours.options.beta != 0.0
     out = {
-        "chunkloss": lambda i: ours(
-            i["hidden"],
-            i["weight"],
-            i["ids"],
-            i["mask"],
-            i["adv"],
-            old_logps=i["old"],
-            ref_logps=i["ref"] if with_ref else None,
-        ),  # fmt: skip
+        "chunkloss": lambda i: ours(i["hidden"], i["weight"], i["ids"], i["mask"], i["adv"],
+                                    old_logps=i["old"], ref_logps=i["ref"] if with_ref else None),
         "torch": lambda i: _torch(i, **mode),
     }
     try:
@@ -99,17 +81,8 @@ def impls(**mode) -> dict:
         def trl_head(i):
             b, t, _ = i["hidden"].shape
             # TRL's trainer asks its fused head for the entropy too (the `entropy` metric).
-            logps, ent = ChunkedLogProbFunction.apply(
-                i["hidden"].reshape(b * t, H),
-                i["weight"],
-                None,
-                i["ids"].reshape(-1),
-                1.0,
-                4096,
-                None,
-                1.0,
-                ("entropy",),
-            )[:2]
+            args = (i["hidden"].reshape(b * t, H), i["weight"], None, i["ids"].reshape(-1), 1.0, 4096)
+            logps, ent = ChunkedLogProbFunction.apply(*args, None, 1.0, ("entropy",))[:2]
             return _trl_loss(logps.view(b, t), i, ent.view(b, t).detach(), **mode)
 
         out["trl 1.16 head"] = trl_head
@@ -123,15 +96,8 @@ def impls(**mode) -> dict:
         liger = LigerFusedLinearGRPOLoss(beta=BETA, use_ref_model=True, loss_type="dapo")
 
         def liger_fn(i):
-            return liger(
-                i["hidden"],
-                i["weight"],
-                i["ids"],
-                i["mask"],
-                i["adv"],
-                ref_per_token_logps=i["ref"],
-                old_per_token_logps=i["old"],
-            )[0]
+            return liger(i["hidden"], i["weight"], i["ids"], i["mask"], i["adv"],
+                         ref_per_token_logps=i["ref"], old_per_token_logps=i["old"])[0]  # fmt: skip
 
         out["liger"] = liger_fn
     except ImportError:
@@ -145,15 +111,7 @@ def cases() -> list[Case]:
     out = []
     for label, group, b, t, mode in runs:
         n_valid = b * (t - t // 8)
-        out.append(
-            Case(
-                f"grpo {label} B={b} T={t}",
-                group,
-                b * t,
-                6 * n_valid * H * V,
-                _inputs(b, t),
-                impls(**mode),
-                {"H": H, "V": V, "B": b, "T": t, "loss_type": "dapo", "beta": BETA, **mode},
-            )
-        )
+        meta = {"H": H, "V": V, "B": b, "T": t, "loss_type": "dapo", "beta": BETA, **mode}
+        flops = 6 * n_valid * H * V
+        out.append(Case(f"grpo {label} B={b} T={t}", group, b * t, flops, _inputs(b, t), impls(**mode), meta))
     return out

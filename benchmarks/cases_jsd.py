@@ -7,6 +7,7 @@ GEMM floor: the student's 3 GEMMs (forward, grad_hidden, grad_weight) and the te
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -45,9 +46,8 @@ def _torch(inp):
     log_s = F.log_softmax(z_s, -1)
     log_t = F.log_softmax(z_t, -1)
     log_m = torch.logaddexp(log_s + math.log1p(-BETA), log_t + math.log(BETA))
-    jsd = BETA * F.kl_div(log_m, log_t, reduction="none", log_target=True) + (1 - BETA) * F.kl_div(
-        log_m, log_s, reduction="none", log_target=True
-    )
+    kl = functools.partial(F.kl_div, reduction="none", log_target=True)
+    jsd = BETA * kl(log_m, log_t) + (1 - BETA) * kl(log_m, log_s)
     valid = inp["labels"] != -100
     return (jsd.sum(-1) * valid).sum() / valid.sum().clamp(min=1)
 

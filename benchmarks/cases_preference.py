@@ -27,12 +27,10 @@ def _inputs(pairs: int, t: int, ref: bool):
         labels[:, : t // 4] = -100
         out = {"hidden": hidden, "weight": weight, "labels": labels.to(device), "pairs": pairs}
         if ref:
-            out["ref_hidden"] = (
-                hidden.detach().float() + 0.1 * torch.randn(2 * pairs, t, H, generator=g).to(device)
-            ).to(torch.bfloat16)
-            out["ref_weight"] = (
-                weight.detach().float() + 0.002 * torch.randn(V, H, generator=g).to(device)
-            ).to(torch.bfloat16)
+            noise = torch.randn(2 * pairs, t, H, generator=g).to(device)
+            out["ref_hidden"] = (hidden.detach().float() + 0.1 * noise).to(torch.bfloat16)
+            noise = torch.randn(V, H, generator=g).to(device)
+            out["ref_weight"] = (weight.detach().float() + 0.002 * noise).to(torch.bfloat16)
         return out
 
     return make
@@ -88,18 +86,16 @@ def _dpo_impls() -> dict:
     def chunkloss(i):
         b = i["pairs"]
         y = i["labels"]
-        return ours(
-            i["hidden"], i["weight"], y[:b], y[b:], ref_hidden=i["ref_hidden"], ref_weight=i["ref_weight"]
-        )
+        return ours(i["hidden"], i["weight"], y[:b], y[b:], ref_hidden=i["ref_hidden"],
+                    ref_weight=i["ref_weight"])  # fmt: skip
 
     out = {"chunkloss": chunkloss, "torch": _torch_dpo}
     try:
         from liger_kernel.chunked_loss import LigerFusedLinearDPOLoss
 
         liger = LigerFusedLinearDPOLoss(use_ref_model=True)
-        out["liger"] = lambda i: liger(
-            i["weight"], i["hidden"], i["labels"], None, i["ref_hidden"], i["ref_weight"]
-        )[0]
+        out["liger"] = lambda i: liger(i["weight"], i["hidden"], i["labels"], None, i["ref_hidden"],
+                                       i["ref_weight"])[0]  # fmt: skip
     except ImportError:
         pass
     try:

@@ -3,41 +3,33 @@
 A benchmark case builds its inputs once and offers one callable per implementation (ours and each
 installed peer). Each callable runs forward + backward of the LM-head step on those inputs. The
 harness times it with CUDA events after warm-up (median of ``repeats``) and measures its peak extra
-memory (``render.MEMORY_DEFINITION``). Every result file carries a :func:`stamp`: date, GPU and library
+memory (``report.MEMORY_DEFINITION``). Every result file carries a :func:`stamp`: date, GPU and library
 versions.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
+import importlib
 import importlib.metadata
+import json
 import statistics
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 PEAK_TFLOPS = 800.0  # bf16 dense GEMM rate measured on the H100 (8192³: 798 TFLOP/s)
-PACKAGES = (
-    "torch",
-    "triton",
-    "transformers",
-    "trl",
-    "accelerate",
-    "chunkloss",
-    "liger-kernel",
-    "cut-cross-entropy",
-)
+PACKAGES = ("torch", "triton", "transformers", "trl", "accelerate", "chunkloss", "liger-kernel",
+            "cut-cross-entropy", "peft", "bitsandbytes", "datasets", "deepspeed")  # fmt: skip
 
 
 def stamp(gpu: str | None = None, command: str = "") -> dict:
-    """Date, GPU name and installed versions of the packages that shape a result (``None`` if absent).
-
-    Args:
-        gpu: device name; by default the current CUDA device's, or "cpu".
-        command: the command line that produced the result.
-    """
+    """Date, GPU name (``gpu``, by default the current CUDA device's or "cpu"), the installed versions of the
+    packages that shape a result (``None`` if absent) and the ``command`` that produced it."""
     if gpu is None:
         gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     versions = {}
@@ -53,18 +45,10 @@ def stamp(gpu: str | None = None, command: str = "") -> dict:
 
 @dataclass
 class Case:
-    """One benchmark case.
-
-    Attributes:
-        name: row label, e.g. "ce N=8192".
-        group: the loss or kernel family ("cross_entropy", "dpo", ...), one table/plot each.
-        tokens: x-axis value for plots (tokens in the batch).
-        floor_flops: FLOPs of the GEMMs the step cannot avoid (e.g. 6·N_valid·H·V for CE;
-            + 2·N_valid·H·V per no-grad head).
-        make_inputs: ``device -> dict`` of tensors (leaf tensors that need grad have requires_grad).
-        impls: implementation name -> ``inputs -> loss`` (a scalar tensor to call .backward() on).
-        meta: anything to record alongside (shapes, options).
-    """
+    """One loss case: ``name`` (the row, e.g. "ce N=8192"), ``group`` (the loss family), ``tokens`` in the
+    batch, ``floor_flops`` (the GEMMs the step cannot avoid: 6·N_valid·H·V, + 2·N_valid·H·V per no-grad
+    head), ``make_inputs`` (``device -> dict`` of tensors, leaves needing grad marked), ``impls`` (name ->
+    ``inputs -> scalar loss``) and ``meta`` (recorded alongside)."""
 
     name: str
     group: str
@@ -86,12 +70,6 @@ def is_oom(e: BaseException) -> bool:
         return True
     text = str(e)
     return isinstance(e, RuntimeError) and ("out of memory" in text.lower() or "ALLOC_FAILED" in text)
-
-
-def sync(device: torch.device) -> None:
-    """Wait for the device's queued work (a no-op off CUDA)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def free_memory() -> None:
@@ -131,19 +109,30 @@ def random_model(shape: dict, device, dtype, seed: int, tokenizer=None, **config
         return AutoModelForCausalLM.from_config(cfg, dtype=dtype)
 
 
+def timed_ms(fn: Callable[[], object], device: torch.device) -> float:
+    """Milliseconds of one call of ``fn``: CUDA events on CUDA (queued work first), else the wall clock."""
+    if device.type != "cuda":
+        t0 = datetime.datetime.now().timestamp()
+        fn()
+        return (datetime.datetime.now().timestamp() - t0) * 1e3
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
 def grad_leaves(inputs: dict) -> list[torch.Tensor]:
     """The tensors of ``inputs`` that require grad."""
     return [t for t in inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
 def measure(fn: Callable[[dict], torch.Tensor], inputs: dict, warmup: int = 2, repeats: int = 7) -> dict:
-    """Median time (ms) of forward + backward and peak extra memory (bytes) of one implementation.
-
-    Returns:
-        ``ms`` (median), ``ms_all``, ``peak_extra_bytes`` (``render.MEMORY_DEFINITION``: every gradient
-        is set to ``None`` before the step, and the bytes of the gradients it returns are subtracted),
-        ``grad_bytes`` and ``loss``.
-    """
+    """``ms`` (the median of ``repeats`` forward + backward after ``warmup``), ``ms_all``,
+    ``peak_extra_bytes`` (``report.MEMORY_DEFINITION``: gradients set to ``None`` before the step, the bytes
+    of those it returns subtracted), ``grad_bytes`` and ``loss`` of one implementation."""
     leaves = grad_leaves(inputs)
 
     def step():
@@ -155,21 +144,9 @@ def measure(fn: Callable[[dict], torch.Tensor], inputs: dict, warmup: int = 2, r
 
     for _ in range(warmup):
         step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        for t in leaves:
-            t.grad = None
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        loss = fn(inputs)
-        loss.backward()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+    times = [timed_ms(step, torch.device("cuda")) for _ in range(repeats)]
     for t in leaves:
         t.grad = None
-    del loss
     gc.collect()
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
@@ -178,24 +155,248 @@ def measure(fn: Callable[[dict], torch.Tensor], inputs: dict, warmup: int = 2, r
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - before
     grad_bytes = sum(t.grad.numel() * t.grad.element_size() for t in leaves if t.grad is not None)
-    out = {
-        "ms": statistics.median(times),
-        "ms_all": times,
-        "peak_extra_bytes": peak - grad_bytes,
-        "grad_bytes": grad_bytes,
-        "loss": float(loss.detach().float()),
-    }
+    out = {"ms": statistics.median(times), "ms_all": times, "peak_extra_bytes": peak - grad_bytes,
+           "grad_bytes": grad_bytes, "loss": float(loss.detach().float())}  # fmt: skip
     for t in leaves:
         t.grad = None
     return out
 
 
-def measure_or_error(timer: Callable[..., dict], fn, inputs: dict, repeats: int = 7) -> dict:
-    """``timer(fn, inputs, repeats=repeats)``, or ``{"error": ...}`` when the implementation runs out of
-    memory or fails: a peer failing is a result, not the end of the benchmark."""
+def measure_or_error(fn, inputs: dict, repeats: int = 7) -> dict:
+    """:func:`measure`, or ``{"error": ...}`` when the implementation runs out of memory or fails: a peer
+    failing is a result, not the end of the benchmark."""
     try:
-        return timer(fn, inputs, repeats=repeats)
+        return measure(fn, inputs, repeats=repeats)
     except Exception as e:
         if is_oom(e):
             return {"error": "OOM"}
         return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+
+
+# transformers 5 renamed TrainingArguments' gradient_checkpointing (the old name still works, with a warning).
+def _checkpointing_field() -> str:
+    from transformers import TrainingArguments
+
+    fields = TrainingArguments.__dataclass_fields__
+    return "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+
+
+# The implementations a user picks with one flag or one class: TRL's trainer, with Liger's kernels, compiled,
+# and chunkloss's chunked trainer (with its kernels unless told otherwise).
+TRAINER_IMPLS = ("trl", "liger", "compile", "chunkloss")
+LOSSES = ("sft", "dpo", "grpo", "orpo", "gkd", "medusa")
+NUM_GENERATIONS = 2
+
+
+def kernels_available() -> bool:
+    """Whether chunkloss's Triton kernels can run here: on CUDA, or through the interpreter
+    (``TRITON_INTERPRET=1``) on a CPU."""
+    import os
+
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def counting_dataset(loss: str, n: int, length: int):
+    """Counting prompts with completions of ``length`` words (each at least one token, so every sequence is
+    truncated to the trainer's max length): prompt-completion rows (SFT, Medusa), chosen/rejected pairs
+    with two wrong numbers (DPO, ORPO), prompts (GRPO) or conversations (GKD)."""
+    from datasets import Dataset
+
+    prompts, good, bad = [], [], []
+    for i in range(n):
+        start = i % 20
+        prompts.append(f"count {start} to {start + length - 1} :")
+        seq = [str((start + j) % 30) for j in range(length)]
+        good.append(" " + " ".join(seq))
+        slips = {(i * 7 + 3) % length, (i * 13 + length // 2) % length}
+        bad.append(" " + " ".join(str((int(w) + 1) % 30) if j in slips else w for j, w in enumerate(seq)))
+    if loss == "grpo":
+        return Dataset.from_dict({"prompt": prompts})
+    if loss in ("sft", "medusa"):
+        return Dataset.from_dict({"prompt": prompts, "completion": good})
+    if loss == "gkd":  # conversational: GKD's collator splits the prompt from the last message
+        chats = [[{"role": "user", "content": p}, {"role": "assistant", "content": g.strip()}]
+                 for p, g in zip(prompts, good, strict=True)]  # fmt: skip
+        return Dataset.from_dict({"messages": chats})
+    return Dataset.from_dict({"prompt": prompts, "chosen": good, "rejected": bad})
+
+
+def even_id_reward(completion_ids, **kwargs) -> list[float]:
+    """Fraction of a completion's token ids that are even: differs between the completions of a group, so
+    GRPO's advantages are not zero."""
+    return [sum(i % 2 == 0 for i in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
+def fixed_completions(base):
+    """``base`` (TRL's ``GRPOTrainer`` or a subclass) whose completions are random digits of the tokenizer,
+    seeded by the prompt's ids and the completion's index in its group, each ``max_completion_length`` tokens
+    long: the step is scoring, loss, backward and optimizer, with nothing sampled. TRL lays a generation batch
+    out group after group, each process holding a contiguous slice; a completion's index in its group is its
+    global position modulo ``num_generations``."""
+
+    class FixedCompletions(base):
+        def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, **kwargs):
+            if not hasattr(self, "_digit_ids"):
+                vocab = self.processing_class.get_vocab()
+                self._digit_ids = torch.tensor(sorted(i for t, i in vocab.items() if t.isdigit()))
+            first = self.accelerator.process_index * len(prompt_ids)
+            completions = []
+            for i, ids in enumerate(prompt_ids):
+                key = json.dumps([list(ids), (first + i) % num_generations]).encode()
+                g = torch.Generator().manual_seed(zlib.crc32(key))
+                pick = torch.randint(len(self._digit_ids), (self.max_completion_length,), generator=g)
+                completions.append(self._digit_ids[pick].tolist())
+            return completions, None
+
+    FixedCompletions.__name__ = f"FixedCompletions{base.__name__}"
+    return FixedCompletions
+
+
+def materialised_medusa(base):
+    """``base`` (``ChunkedMedusaTrainer``) whose heads' loss is Medusa's own: each head's logits
+    ``lm_head_k(block_k(hidden))`` materialised and upcast to fp32 for ``F.cross_entropy`` against the token
+    k + 1 places ahead, weighted ``decay^k``; stage 2 adds ``base_weight`` times the base head's loss."""
+    import torch.nn.functional as F
+
+    class MaterialisedMedusa(base):
+        def __init__(self, *args, **kwargs):  # defined: a subclass without one gets TRL's, not the parent's
+            super().__init__(*args, **kwargs)
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            a, heads, m = self.args, self.medusa_heads, self.accelerator.unwrap_model(model)
+            with contextlib.nullcontext() if a.medusa_stage == 2 else torch.no_grad():
+                hidden = m.model(input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"),
+                                 use_cache=False).last_hidden_state[:, :-1]  # fmt: skip
+            target, t = inputs["labels"][:, 1:], hidden.shape[1]
+            loss = 0.0
+            if a.medusa_stage == 2:
+                logits = m.lm_head(hidden).float()
+                loss = a.medusa_base_weight * F.cross_entropy(logits.flatten(0, 1), target.flatten())
+            for k in range(1, a.medusa_num_heads + 1):
+                logits = heads.lm_heads[k - 1](heads.blocks[k - 1](hidden[:, : t - k])).float()
+                ce = F.cross_entropy(logits.flatten(0, 1), target[:, k:].flatten())
+                loss = loss + a.medusa_decay**k * ce
+            return loss
+
+    return MaterialisedMedusa
+
+
+def trainer_classes(loss: str, impl: str) -> tuple[type, type]:
+    """The config and trainer classes of ``loss``: TRL's for trl/liger/compile, chunkloss's for chunkloss.
+    Medusa has no TRL trainer: its peer is Medusa's own loss on materialised logits
+    (:func:`materialised_medusa`)."""
+    if loss not in LOSSES or impl not in TRAINER_IMPLS:
+        raise ValueError(f"loss must be one of {LOSSES} and impl of {TRAINER_IMPLS}, got {loss!r}, {impl!r}")
+    if loss == "medusa":
+        from chunkloss.trainers.medusa import ChunkedMedusaConfig, ChunkedMedusaTrainer
+
+        return ChunkedMedusaConfig, ChunkedMedusaTrainer if impl == "chunkloss" else materialised_medusa(
+            ChunkedMedusaTrainer)
+    name = loss.upper()
+    if impl != "chunkloss":
+        module = importlib.import_module(f"trl.experimental.{loss}" if loss in ("orpo", "gkd") else "trl")
+        return getattr(module, f"{name}Config"), getattr(module, f"{name}Trainer")
+    module = importlib.import_module(f"chunkloss.trainers.{loss}")
+    return getattr(module, f"Chunked{name}Config"), getattr(module, f"Chunked{name}Trainer")
+
+
+def make_trainer(loss: str, impl: str, model, tokenizer, ds, *, out_dir: str, batch: int, steps: int,
+                 seq: int, gc: bool, ref=None, peft_config=None, kernels: bool = True,
+                 chunk_compile: bool = True, medusa: dict | None = None):  # fmt: skip
+    """``loss``'s trainer of ``impl`` on ``model``: TRL's (``trl``), with ``use_liger_kernel=True``
+    (``liger``), with ``torch_compile=True`` (``compile``), or chunkloss's with ``chunk_kernels=kernels``
+    passed explicitly (``chunkloss``; False where the kernels cannot run: :func:`kernels_available`). ``ref``:
+    DPO's reference or GKD's teacher (None with a ``peft_config``: the adapter-free model is the reference).
+    Sequences are ``seq`` tokens; GRPO's fixed completions fill what the prompt leaves. ``medusa``:
+    ``ChunkedMedusaConfig``'s ``medusa_*`` fields (any ``impl`` but chunkloss: Medusa's own loss). The same
+    options otherwise for every implementation."""
+    cuda = torch.cuda.is_available()
+    cfg = dict(output_dir=out_dir, report_to="none", per_device_train_batch_size=batch, max_steps=steps,
+               learning_rate=1e-5, logging_steps=1, save_strategy="no", seed=0, bf16=cuda, use_cpu=not cuda,
+               dataloader_num_workers=0, **{_checkpointing_field(): gc})  # fmt: skip
+    chunk = dict(chunk_kernels=kernels and kernels_available(), chunk_compile=chunk_compile and cuda)
+    if loss == "medusa":  # both on the chunked trainer's config; the peer swaps in Medusa's own loss
+        cfg.update({f"medusa_{k}": v for k, v in (medusa or {}).items()})
+        cfg.update(chunk if impl == "chunkloss" else {})
+    else:
+        cfg.update({"liger": dict(use_liger_kernel=True), "compile": dict(torch_compile=True),
+                    "chunkloss": chunk}[impl] if impl != "trl" else {})  # fmt: skip
+    if loss == "grpo":
+        prompt = max(len(tokenizer(p)["input_ids"]) for p in ds["prompt"])
+        cfg.update(num_generations=NUM_GENERATIONS, max_completion_length=max(seq - prompt, 1),
+                   temperature=1.0)  # fmt: skip
+    else:
+        cfg["max_length"] = seq
+    if loss == "dpo":
+        cfg["precompute_ref_log_probs"] = False
+    if loss == "gkd":  # off-policy: no step generates; the Trainer counts non-padding tokens
+        cfg.update(lmbda=0.0, include_num_input_tokens_seen="non_padding")
+    Config, Trainer = trainer_classes(loss, impl)
+    kw = dict(train_dataset=ds, processing_class=tokenizer, peft_config=peft_config)
+    if loss == "grpo":
+        return fixed_completions(Trainer)(model, [even_id_reward], Config(**cfg), **kw)
+    if loss in ("dpo", "gkd"):
+        return Trainer(model, ref, Config(**cfg), **kw)
+    return Trainer(model, Config(**cfg), **kw)
+
+
+class StepTimer:
+    """A ``TrainerCallback``'s step hooks: each training step timed with CUDA events (wall clock off CUDA),
+    and the memory allocated when training begins, after which the CUDA peak is reset."""
+
+    def __init__(self):
+        self.events: list[tuple] = []
+        self.allocated_before = 0
+        self._start = None
+
+    def on_train_begin(self, args, state, control, **kw):
+        free_memory()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            self.allocated_before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+
+    def on_step_begin(self, args, state, control, **kw):
+        self._start = self._mark()
+
+    def on_step_end(self, args, state, control, **kw):
+        self.events.append((self._start, self._mark()))
+
+    @staticmethod
+    def _mark():
+        if torch.cuda.is_available():
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return datetime.datetime.now().timestamp()
+
+    @property
+    def times(self) -> list[float]:
+        """Seconds per step (synchronises once)."""
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in self.events]
+        return [b - a for a, b in self.events]
+
+    def peak_extra_gib(self) -> float | None:
+        """The highest memory allocated since training began minus what was allocated then."""
+        if not torch.cuda.is_available():
+            return None
+        return (torch.cuda.max_memory_allocated() - self.allocated_before) / 2**30
+
+    def callback(self):
+        from transformers import TrainerCallback
+
+        timer = self
+
+        class Callback(TrainerCallback):
+            def on_train_begin(self, *a, **kw):
+                timer.on_train_begin(*a, **kw)
+
+            def on_step_begin(self, *a, **kw):
+                timer.on_step_begin(*a, **kw)
+
+            def on_step_end(self, *a, **kw):
+                timer.on_step_end(*a, **kw)
+
+        return Callback()

@@ -1,30 +1,13 @@
 """Multi-GPU parity of the chunked trainers: FSDP2 or DeepSpeed ZeRO-3 on 2 GPUs against 1 GPU.
 
-Under ``accelerate launch`` this trains a tiny random model from ``chunkloss.data`` for 20 steps, saving on
-rank 0 the full gradients of the first step (taken after the backward, before clipping and the optimizer
-step), the loss curve, the step times and every GPU's peak memory. With ``--single`` the run is the reference:
-one process on the global batch (per-device batch x ``--world``). The reference is launched with the same
-accelerate config on one GPU, so that both runs follow one precision recipe (FSDP2's bf16 parameters, ZeRO-3's
-bf16 module) and differ only in the sharding and in how the batch is split; without a launcher, ``--single``
-is a plain one-process Trainer run (bf16 autocast on CUDA, fp32 on CPU). ``--compare`` writes the errors of a
-2-process run against the reference as json, and ``--summary DIR`` gathers every comparison in DIR into the
-result set ``DIR/multigpu.json`` (stamped with date, GPUs and versions), ``.md`` and ``.png``, the files to
-copy into ``benchmarks/results/``. ``benchmarks/multigpu_run.sh`` runs it all::
-
-    export NCCL_NVLS_ENABLE=0
-    accelerate launch --config_file configs/accelerate/fsdp2.yaml --num_processes 2 \\
-        -m benchmarks.multigpu_parity --trainer sft --out DIR/sft_fsdp2
-    CUDA_VISIBLE_DEVICES=0 accelerate launch --config_file configs/accelerate/fsdp2.yaml --num_processes 1 \\
-        -m benchmarks.multigpu_parity --trainer sft --single --world 2 --out DIR/sft_fsdp2_ref
-    python -m benchmarks.multigpu_parity --trainer sft --compare DIR/sft_fsdp2 DIR/sft_fsdp2_ref \\
-        --out DIR/sft_fsdp2.json
-
-GRPO samples completions, which would differ between the runs (other random streams, other rounding). Here
-the completions are a fixed function of the prompt's token ids and the completion's index in its group
-(``FixedCompletionsGRPOTrainer``), so both runs score, weight and train on the same tokens; everything after
-generation is TRL's and ours unchanged. ``num_iterations=2`` reuses each batch for a second step, so every
-other loss carries an importance ratio that depends on the weights (an on-policy GRPO loss value does not),
-and the curve is a check of the training, not of the data alone.
+Under ``accelerate launch`` this trains a tiny random model for 20 steps, saving on rank 0 the full gradients
+of the first step (after the backward, before clipping and the optimizer step), the loss curve, the step times
+and every GPU's peak memory. ``--single``: the reference, one process on the global batch, launched with the
+same accelerate config so that both runs follow one precision recipe. ``--compare`` writes the errors of a
+2-process run against the reference; ``--summary DIR`` gathers them into the set ``DIR/multigpu``.
+``benchmarks/multigpu_run.sh`` runs it all. GRPO's completions are a fixed function of the prompt and the
+completion's index in its group, so both runs train on the same tokens; ``num_iterations=2`` makes every other
+loss carry an importance ratio that depends on the weights.
 """
 
 from __future__ import annotations
@@ -36,7 +19,6 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 import argparse  # noqa: E402
 import copy  # noqa: E402
-import importlib.metadata  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
 import re  # noqa: E402
@@ -52,6 +34,7 @@ NUM_GENERATIONS = 2
 MAX_COMPLETION_LENGTH = 12
 TRAINERS = ("sft", "dpo", "grpo")
 BACKENDS = ("fsdp2", "zero3")
+RUN_KEYS = ("distributed_type", "num_processes", "median_step_time_s", "peak_memory_gib")
 WARMUP_STEPS = 3  # step times before this are compilation and allocator warm-up, left out of the median
 
 
@@ -76,12 +59,9 @@ def _full_grad(param, deepspeed: bool) -> torch.Tensor | None:
 
 
 class GradTap:
-    """The full gradients of the first step, after its backward and before clipping and the optimizer step.
-
-    The Trainer clips before its ``on_pre_optimizer_step`` callback, and under DeepSpeed the engine clips and
-    steps inside ``accelerator.backward``; so the gradients are read when ``training_step`` returns, and under
-    DeepSpeed at the entry of the engine's ``step`` (``safe_get_full_grad`` is valid between the two).
-    """
+    """The full gradients of the first step, after its backward and before clipping and the optimizer step:
+    read when ``training_step`` returns (the Trainer clips later), and under DeepSpeed, whose engine clips and
+    steps inside ``accelerator.backward``, at the entry of the engine's ``step``."""
 
     def __init__(self, trainer):
         self.trainer = trainer
@@ -116,13 +96,8 @@ def _fixed_completions_grpo():
 
     class FixedCompletionsGRPOTrainer(ChunkedGRPOTrainer):
         """``ChunkedGRPOTrainer`` whose completions are a fixed function of the prompt's token ids and of the
-        completion's index in its group, so that a sharded run and one process train on the same tokens.
-
-        TRL lays a generation batch out group after group (``RepeatSampler``), each process holding a
-        contiguous slice of it; the index of a completion in its group is its global position modulo
-        ``num_generations``. A completion is 1 to ``max_completion_length - 1`` number tokens of the counting
-        task, closed by EOS half of the time (the other half is truncated, as TRL's generation can be).
-        """
+        completion's index in its group (as ``harness.fixed_completions``): 1 to ``max_completion_length - 1``
+        number tokens, closed by EOS half of the time (the other half truncated, as generation can be)."""
 
         def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, **kwargs):
             if not hasattr(self, "_number_ids"):
@@ -149,19 +124,9 @@ def _trainer(kind: str, out: Path, steps: int, batch: int, bf16: bool):
     tok = tiny_tokenizer()
     torch.manual_seed(0)
     model = tiny_model(tok, hidden_size=64, num_layers=2)
-    common = dict(
-        output_dir=str(out / "trainer"),
-        report_to="none",
-        per_device_train_batch_size=batch,
-        max_steps=steps,
-        logging_steps=1,
-        save_strategy="no",
-        learning_rate=1e-3,
-        seed=0,
-        bf16=bf16,
-        dataloader_num_workers=0,
-        chunk_compile=False,
-    )
+    common = dict(output_dir=str(out / "trainer"), report_to="none", per_device_train_batch_size=batch,
+                  max_steps=steps, logging_steps=1, save_strategy="no", learning_rate=1e-3, seed=0, bf16=bf16,
+                  dataloader_num_workers=0, chunk_compile=False)  # fmt: skip
     ds = tiny_dataset(kind, n=256)
     if kind == "sft":
         from chunkloss.trainers.sft import ChunkedSFTConfig, ChunkedSFTTrainer
@@ -171,22 +136,13 @@ def _trainer(kind: str, out: Path, steps: int, batch: int, bf16: bool):
         from chunkloss.trainers.dpo import ChunkedDPOConfig, ChunkedDPOTrainer
 
         # The reference is given: TRL would load it from the policy's path, and this random model has none.
-        return ChunkedDPOTrainer(
-            model,
-            copy.deepcopy(model),
-            args=ChunkedDPOConfig(**common, max_length=48),
-            train_dataset=ds,
-            processing_class=tok,
-        )
+        return ChunkedDPOTrainer(model, copy.deepcopy(model), args=ChunkedDPOConfig(**common, max_length=48),
+                                 train_dataset=ds, processing_class=tok)  # fmt: skip
     if kind == "grpo":
         from chunkloss.trainers.grpo import ChunkedGRPOConfig
 
-        cfg = ChunkedGRPOConfig(
-            **common,
-            num_generations=NUM_GENERATIONS,
-            max_completion_length=MAX_COMPLETION_LENGTH,
-            num_iterations=2,
-        )
+        cfg = ChunkedGRPOConfig(**common, num_generations=NUM_GENERATIONS,
+                                max_completion_length=MAX_COMPLETION_LENGTH, num_iterations=2)  # fmt: skip
         return _fixed_completions_grpo()(model, count_reward, cfg, train_dataset=ds, processing_class=tok)
     raise ValueError(f"--trainer must be one of {TRAINERS}, got {kind!r}")
 
@@ -196,11 +152,8 @@ def _peak_memory_gib(trainer) -> list[dict] | None:
     if not torch.cuda.is_available():
         return None
     acc = trainer.accelerator
-    mine = torch.tensor(
-        [torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()],
-        device=acc.device,
-        dtype=torch.float64,
-    )
+    peaks = [torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()]
+    mine = torch.tensor(peaks, device=acc.device, dtype=torch.float64)
     rows = acc.gather(mine[None]).reshape(-1, 2).cpu().tolist()
     return [dict(rank=r, allocated=a / 2**30, reserved=b / 2**30) for r, (a, b) in enumerate(rows)]
 
@@ -214,31 +167,23 @@ def run(kind: str, out: Path, batch: int) -> None:
     (pids / f"rank{os.environ.get('RANK', '0')}.pid").write_text(str(os.getpid()))
     tr = _trainer(kind, out, STEPS, batch, bf16)
     tap = GradTap(tr)
-    from benchmarks.bench_e2e import StepTimer
+    from benchmarks.harness import StepTimer
 
     clock = StepTimer()
-    tr.add_callback(clock)
+    tr.add_callback(clock.callback())
     tr.train()
     memory = _peak_memory_gib(tr)
     if tr.accelerator.is_main_process:
         curve = [h["loss"] for h in tr.state.log_history if "loss" in h]
         torch.save(tap.grads, out / "grads_step1.pt")
         timed = clock.times[WARMUP_STEPS:] or clock.times
-        meta = dict(
-            trainer=kind,
-            num_processes=tr.accelerator.num_processes,
-            distributed_type=str(tr.accelerator.distributed_type),
-            per_device_batch=batch,
-            bf16=bf16,
-            loss_curve=curve,
-            grad_norms=[h["grad_norm"] for h in tr.state.log_history if "grad_norm" in h],
-            step_times_s=clock.times,
-            median_step_time_s=statistics.median(timed) if timed else None,
-            peak_memory_gib=memory,
-            device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"),
-            torch=torch.__version__,
-        )
+        acc, logs = tr.accelerator, tr.state.log_history
+        meta = dict(trainer=kind, num_processes=acc.num_processes, distributed_type=str(acc.distributed_type),
+                    per_device_batch=batch, bf16=bf16, loss_curve=curve,
+                    grad_norms=[h["grad_norm"] for h in logs if "grad_norm" in h], step_times_s=clock.times,
+                    median_step_time_s=statistics.median(timed) if timed else None, peak_memory_gib=memory,
+                    device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                    nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"), torch=torch.__version__)  # fmt: skip
         (out / "run.json").write_text(json.dumps(meta, indent=1))
 
 
@@ -262,18 +207,8 @@ def compare(multi: Path, single: Path, out: Path) -> dict:
     scale = max((abs(b) for b in c_s[:n]), default=0.0)
     result = dict(
         trainer=r_m["trainer"],
-        multi=dict(
-            distributed_type=r_m["distributed_type"],
-            num_processes=r_m["num_processes"],
-            median_step_time_s=r_m.get("median_step_time_s"),
-            peak_memory_gib=r_m.get("peak_memory_gib"),
-        ),
-        single=dict(
-            distributed_type=r_s["distributed_type"],
-            num_processes=r_s["num_processes"],
-            median_step_time_s=r_s.get("median_step_time_s"),
-            peak_memory_gib=r_s.get("peak_memory_gib"),
-        ),
+        multi={k: r_m.get(k) for k in RUN_KEYS},
+        single={k: r_s.get(k) for k in RUN_KEYS},
         missing_grads=sorted(k for k, e in per_param.items() if e is None),
         extra_grads=sorted(set(g_m) - set(g_s)),
         zero_ref_grads=sorted(k for k, g in g_s.items() if not bool(g.any())),
@@ -307,7 +242,7 @@ def summary(folder: Path) -> dict:
     ``folder/multigpu`` (json, md, png); a run that left none is named in ``notes`` with the reason from its
     ``<trainer>_<backend>.error`` or the backend's ``<backend>.error``."""
     from benchmarks.harness import stamp
-    from benchmarks.render import write_set
+    from benchmarks.report import write_set
 
     comparisons, notes = [], []
     for trainer in TRAINERS:
@@ -327,11 +262,6 @@ def summary(folder: Path) -> dict:
     gpus = torch.cuda.device_count()
     gpu = f"{gpus} x {torch.cuda.get_device_name()}" if gpus else "cpu"
     st = stamp(gpu=gpu, command="bash benchmarks/multigpu_run.sh OUT")
-    for name in ("datasets", "deepspeed"):
-        try:
-            st["versions"][name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            st["versions"][name] = None
     data = {"stamp": st, "warmup_steps": WARMUP_STEPS, "comparisons": comparisons, "notes": notes}
     write_set(folder, "multigpu", data)
     return data
@@ -354,13 +284,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--trainer and --out are required (except with --summary)")
     if a.compare:
         r = compare(*a.compare, a.out)
-        keys = (
-            "trainer",
-            "max_abs_grad_error",
-            "max_rel_grad_error",
-            "max_abs_curve_diff",
-            "max_rel_curve_diff",
-        )
+        keys = ("trainer", "max_abs_grad_error", "max_rel_grad_error", "max_abs_curve_diff",
+                "max_rel_curve_diff")  # fmt: skip
         print(json.dumps({k: r[k] for k in keys}))
         return
     batch = PER_DEVICE_BATCH * a.world if a.single else PER_DEVICE_BATCH

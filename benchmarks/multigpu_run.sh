@@ -1,31 +1,17 @@
 #!/usr/bin/env bash
-# Multi-GPU parity of the chunked trainers on one host with two GPUs, in under 9 minutes (from the repository
-# root):
+# Multi-GPU parity of the chunked trainers on one host with two GPUs, in under 9 minutes:
 #
 #     bash benchmarks/multigpu_run.sh OUT_DIR
 #
-# For each of sft, dpo and grpo and each of FSDP2 and DeepSpeed ZeRO-3 (configs/accelerate/{fsdp2,zero3}.yaml):
-# benchmarks/multigpu_parity.py under accelerate launch on 2 GPUs, and the reference with the same config on
-# 1 GPU and the global batch (the references of the two backends side by side, on GPU 0 and GPU 1); then each
-# 2-GPU run compared with its reference (OUT_DIR/<trainer>_<backend>.json: first-step gradient errors, 20-step
-# loss curves, step times, peak memory per GPU), the multigpu pytest reading those comparisons, and the result
-# set OUT_DIR/multigpu.{json,md,png} (copy it into benchmarks/results/). Logs and a run report: OUT_DIR/logs/.
-#
-# Wheels in .whl/ (trl, datasets, ... for a host without network) and .whl-ds/ (both git-ignored) are
-# installed into $CHUNKLOSS_SITE (default /tmp/site) unless CHUNKLOSS_SKIP_INSTALL=1. .whl-ds/ holds DeepSpeed
-# built with its ops left to JIT-build on the host's nvcc, and the runtime dependencies the host lacks:
-#     pip download --no-deps --no-binary :all: deepspeed==0.19.8 -d /tmp/ds
-#     DS_BUILD_OPS=0 DS_ACCELERATOR=cuda pip wheel --no-deps --no-build-isolation -w .whl-ds \
-#         /tmp/ds/deepspeed-0.19.8.tar.gz    # needs torch in the build environment (CPU torch will do)
-#     pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-#         --platform any -d .whl-ds hjson py-cpuinfo msgpack ninja einops nvidia-ml-py pydantic==2.13.4 \
-#         pydantic-core==2.46.4 annotated-types typing-inspection typing-extensions
-# If DeepSpeed does not import, the error goes to OUT_DIR/zero3.error and the rest runs. Every run is killed
-# at its time limit, and the limits are cut to the time left before a deadline of $CHUNKLOSS_BUDGET_S seconds
-# (default 480), so that the script ends in time even when runs hang. CHUNKLOSS_TRAINERS (default
-# "sft dpo grpo") picks the trainers, CHUNKLOSS_ACCELERATE_CONFIGS (default configs/accelerate) the folder of
-# fsdp2.yaml and zero3.yaml.
+# For sft, dpo and grpo ($CHUNKLOSS_TRAINERS) under FSDP2 and DeepSpeed ZeRO-3 (configs/accelerate/*.yaml):
+# benchmarks/multigpu_parity.py on 2 GPUs, and its reference with the same config on 1 GPU, global batch;
+# then the comparisons (OUT_DIR/<trainer>_<backend>.json), the multigpu pytest on them, and the result set
+# OUT_DIR/multigpu.{json,md,png}. Logs and a run report: OUT_DIR/logs/. Wheels in .whl/ and .whl-ds/ are
+# installed into $CHUNKLOSS_SITE first (multigpu_common.sh). If DeepSpeed does not import, its error goes to
+# OUT_DIR/zero3.error and the rest runs. Every run is killed at its limit, cut to a deadline of
+# $CHUNKLOSS_BUDGET_S seconds (default 480). .whl-ds/ holds DeepSpeed 0.19.8 built with DS_BUILD_OPS=0 (ops
+# JIT-build on the host's nvcc) and the runtime dependencies the host lacks (hjson, py-cpuinfo, msgpack,
+# ninja, einops, nvidia-ml-py, pydantic).
 set -u
 
 if [ $# -ne 1 ]; then

@@ -1,48 +1,25 @@
-"""Multi-GPU scale: chunkloss's trainers and TRL's at a real model size under FSDP2 or DeepSpeed ZeRO-3.
+"""Multi-GPU scale: chunkloss's trainers, TRL's and TRL + Liger's at a real model size under FSDP2 or ZeRO-3.
 
 Under ``accelerate launch`` (configs/accelerate/fsdp2.yaml or zero3.yaml) this trains a randomly initialised
-model of a real shape (``--model``: ``qwen3-4b``, ``llama3-8b``, or ``tiny`` for a CPU check) with
-``--impl chunked`` (``ChunkedSFTTrainer``, ``ChunkedDPOTrainer``, ``ChunkedGRPOTrainer``) or ``--impl trl``
-(TRL's ``SFTTrainer``, ``DPOTrainer``, ``GRPOTrainer``), for each per-GPU batch of ``--batch-sizes`` in turn,
-in one process: a fresh model (the same seed, so the same weights), trainer and dataset per batch. The run
-folder ``OUT`` gets ``setting.json`` (what the run is), ``batch_<B>.started`` when a batch starts, and
-``batch_<B>.json`` when it ends: every rank's peak allocated and reserved CUDA memory
-(``torch.cuda.max_memory_allocated``, reset when training begins, after the model is sharded), the step
-times and their median after ``--warmup`` steps, tokens/s (non-padding tokens of the policy's training
-forwards on all ranks, per median step) and the date, GPUs and versions. Sequences are ``--seq-len`` tokens:
-SFT prompt-completion rows and DPO chosen/rejected rows are truncated to it (a DPO batch of B pairs trains
-2·B sequences); a GRPO sequence is a prompt of a few tokens and a completion that fills the rest.
+model of a real shape (``--model``: ``qwen3-4b``, ``llama3-8b``, or ``tiny`` for a CPU check) with ``--impl``
+``chunked`` (``Chunked{SFT,DPO,GRPO}Trainer`` with ``chunk_kernels`` as ``--kernels`` says, on by default),
+``trl`` (TRL's trainers) or ``liger`` (TRL's with ``use_liger_kernel=True``), for each per-GPU batch of
+``--batch-sizes`` in turn until the first OOM, a fresh model (same seed) and trainer per batch. The run folder
+``OUT`` gets ``setting.json``, ``batch_<B>.started`` and ``batch_<B>.json``: every rank's peak allocated CUDA
+memory (reset when training begins, after sharding), the step times (CUDA events) and their median after
+``--warmup``, tokens/s over all ranks, and the stamp naming the GPUs. Sequences are ``--seq-len`` tokens
+(a DPO batch of B pairs trains 2·B sequences); GRPO's completions are fixed tokens filling the sequence
+(``harness.fixed_completions``), so its step is scoring, loss, backward and optimizer. Gradient checkpointing
+is on unless ``--no-gradient-checkpointing``. An OOM writes ``batch_<B>.oom.rank<R>.json`` and ends the rank
+(status 3, so the launcher ends the others); a batch predicted not to fit ``--time-budget-s`` writes
+``batch_<B>.skipped.json``. ``--remaining RUN_DIR`` prints the batches a failed launch still lacks;
+``--summary DIR`` gathers every run under DIR into the set ``DIR/multigpu_scale``; ``--head-memory`` prints
+the LM head's memory per rank. ``benchmarks/multigpu_scale.sh`` runs it all::
 
-Gradient checkpointing is on, as TRL's configs default, unless ``--no-gradient-checkpointing``; both
-implementations get the same setting, the same data and the same TRL options otherwise (``learning_rate``
-1e-5, bf16 on CUDA). The chunked trainers compile their per-chunk step on CUDA (``chunk_compile``) unless
-``--no-chunk-compile``, and never on CPU.
-
-GRPO does not sample: its completions are a fixed function of the prompt's token ids and the completion's
-index in its group (random digits of the tokenizer, seeded by both), every one ``max_completion_length``
-tokens long, for TRL's trainer and for the chunked one alike. Generation under FSDP2 or ZeRO-3 gathers every
-layer for every new token, which would dominate the step; the step here is scoring, the loss, the backward and
-the optimizer. The reward (the fraction of even token ids) differs between the completions of a group, so
-the advantages are not zero.
-
-Out of memory: the batch writes ``OUT/batch_<B>.oom.rank<R>.json`` from each rank that ran out and the sweep
-stops (larger batches would too). With several processes the rank then exits at once with status 3, so that
-the launcher ends the ranks still waiting in a collective. ``--time-budget-s``: a batch whose predicted time
-(the previous batch's time outside its steps, plus its step time scaled by the batch, times ``--steps``) does
-not fit in the time left writes ``OUT/batch_<B>.skipped.json`` and the sweep stops. ``--remaining RUN_DIR``
-prints the batches of ``--batch-sizes`` a run folder still lacks, for the driver to relaunch after a failure
-that left earlier batches done (empty when the sweep ended in an OOM or a skip, or the first batch itself
-failed). ``--summary DIR`` gathers every run under DIR into the result set ``DIR/multigpu_scale.json``,
-``.md`` and ``.png``; ``--head-memory`` prints the LM head's memory per rank for each shape.
-``benchmarks/multigpu_scale.sh`` runs it all::
-
-    export NCCL_NVLS_ENABLE=0
     accelerate launch --config_file configs/accelerate/fsdp2.yaml --num_processes 2 \\
         -m benchmarks.multigpu_scale --trainer sft --impl chunked --model qwen3-4b --seq-len 2048 \\
         --batch-sizes 1,2,4,8,16,32,64 --out DIR/sft_fsdp2_chunked
     python -m benchmarks.multigpu_scale --summary DIR
-    python -m benchmarks.multigpu_scale --trainer sft --impl trl --model tiny --seq-len 32 \\
-        --batch-sizes 1,2 --steps 3 --warmup 1 --out /tmp/scale/sft_none_trl   # one CPU process
 """
 
 from __future__ import annotations
@@ -58,18 +35,25 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 import argparse  # noqa: E402
 import copy  # noqa: E402
-import importlib  # noqa: E402
-import importlib.metadata  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
-import zlib  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from benchmarks.harness import free_memory, is_oom, random_model, stamp, training_input  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    StepTimer,
+    counting_dataset,
+    free_memory,
+    is_oom,
+    kernels_available,
+    make_trainer,
+    random_model,
+    stamp,
+    training_input,
+)
 from benchmarks.multigpu_parity import TRAINERS, _peak_memory_gib, _reason  # noqa: E402
 
 # Shapes of the models (random weights). tied: the LM head shares the input embedding's weight.
@@ -81,7 +65,8 @@ MODELS = {
     "llama3-8b": dict(family="llama", vocab=128256, hidden=4096, inter=14336, layers=32, heads=32, kv=8,
                       head_dim=128, tied=False),
 }  # fmt: skip
-IMPLS = ("chunked", "trl")
+IMPLS = ("chunked", "trl", "liger")
+HARNESS_IMPL = {"chunked": "chunkloss", "trl": "trl", "liger": "liger"}  # harness.make_trainer's names
 DEFAULT_BATCHES = [1, 2, 4, 8, 16, 32, 64]
 NUM_GENERATIONS = 2
 SEED = 0
@@ -112,11 +97,8 @@ def head_memory(model: str, weight_bytes: int = 2) -> dict:
     s = MODELS[model]
     v, h = s["vocab"], s["hidden"]
     out = {"vocab": v, "hidden": h, "tied": s["tied"], "weight_bytes": weight_bytes}
-    for key, nbytes in (
-        ("gathered_weight", v * h * weight_bytes),
-        ("fp32_accumulator", v * h * 4),
-        ("weight_grad", v * h * weight_bytes),
-    ):
+    for key, nbytes in (("gathered_weight", v * h * weight_bytes), ("fp32_accumulator", v * h * 4),
+                        ("weight_grad", v * h * weight_bytes)):  # fmt: skip
         out[f"{key}_bytes"] = nbytes
         out[f"{key}_gib"] = nbytes / 2**30
     out["one_chunk_max_rows"] = default_chunk_size(v, weight_bytes, v * h * 4 // 2**20, grad_in_place=True)
@@ -129,32 +111,6 @@ def build_model(model: str, tokenizer, device, dtype, seq_len: int):
     s = MODELS[model]
     return random_model(s, device, dtype, SEED, tokenizer, tie_word_embeddings=s["tied"],
                         max_position_embeddings=max(4096, 2 * seq_len))  # fmt: skip
-
-
-def fixed_completions(base):
-    """``base`` (TRL's ``GRPOTrainer`` or ``ChunkedGRPOTrainer``) whose completions are random digits of the
-    tokenizer seeded by the prompt's token ids and the completion's index in its group, each
-    ``max_completion_length`` tokens long, without EOS; nothing is sampled from the model.
-
-    TRL lays a generation batch out group after group, each process holding a contiguous slice of it; the
-    index of a completion in its group is its global position modulo ``num_generations``."""
-
-    class FixedCompletions(base):
-        def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, **kwargs):
-            if not hasattr(self, "_digit_ids"):
-                vocab = self.processing_class.get_vocab()
-                self._digit_ids = torch.tensor(sorted(i for t, i in vocab.items() if t.isdigit()))
-            first = self.accelerator.process_index * len(prompt_ids)
-            completions = []
-            for i, ids in enumerate(prompt_ids):
-                k = (first + i) % num_generations
-                g = torch.Generator().manual_seed(zlib.crc32(json.dumps([list(ids), k]).encode()))
-                pick = torch.randint(len(self._digit_ids), (self.max_completion_length,), generator=g)
-                completions.append(self._digit_ids[pick].tolist())
-            return completions, None  # no sampling log-probs, as TRL's transformers generation
-
-    FixedCompletions.__name__ = f"FixedCompletions{base.__name__}"
-    return FixedCompletions
 
 
 class TokenCount:
@@ -180,21 +136,14 @@ class TokenCount:
         self._handle.remove()
 
 
-def _callback(timer, tokens):
-    """A ``TrainerCallback`` that resets the CUDA peak when training begins (after the model is sharded and
-    the optimizer built: weights, gradients and optimizer states count, the unsharded model built before
-    does not) and closes each step's token count after ``timer`` (``bench_e2e.StepTimer``) timed it."""
+def _callback(timer: StepTimer, tokens: TokenCount):
+    """A ``TrainerCallback``: ``timer``'s step hooks (the CUDA peak reset when training begins, after the
+    model is sharded and the optimizer built), closing each step's token count."""
     from transformers import TrainerCallback
 
     class Callback(TrainerCallback):
-        def __init__(self):
-            self.train_begin_gib = None  # this rank's allocated memory when training begins
-
-        def on_train_begin(self, args, state, control, **kw):
-            free_memory()
-            if torch.cuda.is_available():
-                torch.cuda.reset_peak_memory_stats()
-                self.train_begin_gib = torch.cuda.memory_allocated() / 2**30
+        def on_train_begin(self, *a, **kw):
+            timer.on_train_begin(*a, **kw)
 
         def on_step_begin(self, *a, **kw):
             timer.on_step_begin(*a, **kw)
@@ -204,74 +153,6 @@ def _callback(timer, tokens):
             tokens.end_step()
 
     return Callback()
-
-
-def trainer_classes(kind: str, impl: str) -> tuple[type, type]:
-    """The config and trainer classes of ``kind`` (sft, dpo, grpo): TRL's (``trl``) or chunkloss's
-    (``chunked``)."""
-    if kind not in TRAINERS:
-        raise ValueError(f"--trainer must be one of {TRAINERS}, got {kind!r}")
-    name = kind.upper()
-    if impl == "trl":
-        import trl
-
-        return getattr(trl, f"{name}Config"), getattr(trl, f"{name}Trainer")
-    module = importlib.import_module(f"chunkloss.trainers.{kind}")
-    return getattr(module, f"Chunked{name}Config"), getattr(module, f"Chunked{name}Trainer")
-
-
-def make_trainer(kind: str, impl: str, model, tokenizer, ds, out: Path, batch: int, a):
-    """The trainer of ``kind`` (sft, dpo, grpo) and ``impl`` (chunked or TRL's) on ``model``."""
-    from benchmarks.bench_e2e import CHECKPOINTING, even_id_reward
-
-    cuda = torch.cuda.is_available()
-    common = dict(
-        output_dir=str(out / "trainer"),
-        report_to="none",
-        per_device_train_batch_size=batch,
-        max_steps=a.steps,
-        learning_rate=1e-5,
-        logging_steps=1,
-        save_strategy="no",
-        seed=SEED,
-        bf16=cuda,
-        use_cpu=not cuda,
-        dataloader_num_workers=0,
-        **{CHECKPOINTING: a.gradient_checkpointing},
-    )
-    chunk = dict(chunk_compile=cuda and a.chunk_compile) if impl == "chunked" else {}
-    Config, Trainer = trainer_classes(kind, impl)
-    if kind == "sft":
-        cfg = Config(**common, **chunk, max_length=a.seq_len)
-        return Trainer(model, cfg, train_dataset=ds, processing_class=tokenizer)
-    if kind == "dpo":
-        # The reference is the initial policy, given: TRL would load it from the policy's path, which a
-        # random model lacks.
-        ref = copy.deepcopy(model).requires_grad_(False)
-        cfg = Config(**common, **chunk, max_length=a.seq_len, precompute_ref_log_probs=False)
-        return Trainer(model, ref, args=cfg, train_dataset=ds, processing_class=tokenizer)
-    if kind == "grpo":
-        prompt = max(len(tokenizer(p)["input_ids"]) for p in ds["prompt"])
-        cfg = Config(
-            **common,
-            **chunk,
-            num_generations=NUM_GENERATIONS,
-            max_completion_length=max(a.seq_len - prompt, 1),
-            temperature=1.0,
-        )
-        return fixed_completions(Trainer)(model, [even_id_reward], cfg, train_dataset=ds,
-                                          processing_class=tokenizer)  # fmt: skip
-    raise ValueError(f"--trainer must be one of {TRAINERS}, got {kind!r}")
-
-
-def _versions() -> dict:
-    st = stamp()
-    for name in ("datasets", "deepspeed"):
-        try:
-            st["versions"][name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            st["versions"][name] = None
-    return st
 
 
 def _setting(a, world: int) -> dict:
@@ -284,25 +165,28 @@ def _setting(a, world: int) -> dict:
         world=world,
         gradient_checkpointing=a.gradient_checkpointing,
         chunk_compile=a.impl == "chunked" and a.chunk_compile and torch.cuda.is_available(),
+        kernels=a.impl == "chunked" and a.kernels == "on" and kernels_available(),
         dtype="bfloat16" if torch.cuda.is_available() else "float32",
     )
 
 
-def _train(batch: int, a, tokenizer, shared: dict, t0: float) -> dict:
+def _train(batch: int, a, tokenizer, t0: float) -> dict:
     """Build the model and the trainer, train ``a.steps`` steps at per-GPU ``batch`` and measure them (``t0``:
     when the batch started). What it builds is referenced from its frame only: ``run_batch`` collects it once
     it returns."""
-    from benchmarks.bench_e2e import LOSS_ATTR, StepTimer, _share_loss, counting_dataset
-
     cuda = torch.cuda.is_available()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     model = build_model(a.model, tokenizer, device, torch.bfloat16 if cuda else torch.float32, a.seq_len)
     ds = counting_dataset(a.trainer, max(2 * batch * world, 8), a.seq_len)
     t1 = time.perf_counter()
-    trainer = make_trainer(a.trainer, a.impl, model, tokenizer, ds, a.out, batch, a)
-    if a.impl == "chunked" and a.trainer in LOSS_ATTR:
-        _share_loss(trainer, a.trainer, shared)  # one compiled per-chunk step for the whole sweep
+    # DPO's reference is the initial policy, given: TRL would load it from the policy's path, which a random
+    # model lacks.
+    ref = copy.deepcopy(model).requires_grad_(False) if a.trainer == "dpo" else None
+    trainer = make_trainer(a.trainer, HARNESS_IMPL[a.impl], model, tokenizer, ds, batch=batch,
+                           out_dir=str(a.out / "trainer"), steps=a.steps, seq=a.seq_len, ref=ref,
+                           gc=a.gradient_checkpointing, kernels=a.kernels == "on",
+                           chunk_compile=a.chunk_compile)  # fmt: skip
     timer, tokens = StepTimer(), TokenCount(model)
     callback = _callback(timer, tokens)
     trainer.add_callback(callback)
@@ -332,12 +216,12 @@ def _train(batch: int, a, tokenizer, shared: dict, t0: float) -> dict:
         tokens_per_s=per_step / median,
         tokens_per_s_per_gpu=per_step / median / acc.num_processes,
         peak_memory_gib=_peak_memory_gib(trainer),
-        train_begin_allocated_gib_rank0=callback.train_begin_gib,
+        train_begin_allocated_gib_rank0=timer.allocated_before / 2**30,
         losses=[h["loss"] for h in trainer.state.log_history if "loss" in h],
     )
 
 
-def run_batch(batch: int, a, tokenizer, shared: dict) -> dict:
+def run_batch(batch: int, a, tokenizer) -> dict:
     """Train ``a.steps`` steps at per-GPU ``batch``; the result on every rank (``oom`` set when this rank ran
     out of memory; peak memory and tokens gathered over ranks otherwise). The batch's model, optimizer and
     trainer are freed before it returns."""
@@ -348,7 +232,7 @@ def run_batch(batch: int, a, tokenizer, shared: dict) -> dict:
         res["allocated_before_gib"] = torch.cuda.memory_allocated() / 2**30
     t0 = time.perf_counter()
     try:
-        res.update(_train(batch, a, tokenizer, shared, t0))
+        res.update(_train(batch, a, tokenizer, t0))
     except Exception as e:  # noqa: BLE001 - an OOM ends the sweep; anything else is raised
         if not is_oom(e):
             raise
@@ -403,10 +287,10 @@ def sweep(a) -> list[dict]:
     if rank == 0:
         _write(a.out / "setting.json", {**_setting(a, world), "batch_sizes": a.batch_sizes})
     tokenizer = tiny_tokenizer()
-    st = _versions()
+    st = stamp()
     if torch.cuda.is_available():
         st["gpu"] = f"{world} x {torch.cuda.get_device_name()}"
-    results, shared, prev = [], {}, None
+    results, prev = [], None
     for batch in a.batch_sizes:
         if a.time_budget_s and prev is not None:
             left = a.time_budget_s - (time.monotonic() - _T0)
@@ -420,7 +304,7 @@ def sweep(a) -> list[dict]:
                 break
         if rank == 0:
             (a.out / f"batch_{batch}.started").write_text(f"{time.time():.0f}\n")
-        r = run_batch(batch, a, tokenizer, shared)
+        r = run_batch(batch, a, tokenizer)
         r["stamp"] = st
         r["nccl_nvls_enable"] = os.environ.get("NCCL_NVLS_ENABLE")
         r["head_memory"] = head_memory(a.model)
@@ -438,11 +322,8 @@ def sweep(a) -> list[dict]:
         if rank == 0:
             _write(a.out / f"batch_{batch}.json", r)
             peaks = [round(m["allocated"], 2) for m in r["peak_memory_gib"] or []] or "n/a"
-            print(
-                f"[multigpu_scale] batch {batch}: {r['median_step_time_s']:.3f} s/step, "
-                f"{r['tokens_per_s']:.0f} tokens/s, peak GiB per rank {peaks}",
-                flush=True,
-            )
+            print(f"[multigpu_scale] batch {batch}: {r['median_step_time_s']:.3f} s/step, "
+                  f"{r['tokens_per_s']:.0f} tokens/s, peak GiB per rank {peaks}", flush=True)  # fmt: skip
         prev = r
     return results
 
@@ -493,10 +374,8 @@ def collect(folder: Path) -> tuple[list[dict], list[str]]:
         for b in sorted(by_batch):
             left = by_batch[b].get("allocated_before_gib") or 0.0
             if left > LEFTOVER_GIB:
-                notes.append(
-                    f"{run_dir.name}, batch {b}: started with {left:.2f} GiB left allocated by the batches "
-                    "before it in the same process (its peak memory counts them)"
-                )
+                notes.append(f"{run_dir.name}, batch {b}: started with {left:.2f} GiB left allocated by "
+                             "earlier batches of its process (its peak memory counts them)")  # fmt: skip
     # Launches that left no run folder (a backend that does not import, a crash while starting).
     seen = {r["run"] for r in runs} | {p.name for p in folder.iterdir() if (p / "setting.json").exists()}
     for err in sorted(folder.glob("*.error")):
@@ -509,7 +388,7 @@ def collect(folder: Path) -> tuple[list[dict], list[str]]:
 def summary(folder: Path) -> dict:
     """Gather every run under ``folder`` into the result set ``folder/multigpu_scale`` (json, md, png),
     stamped with the first run's date, GPUs and versions."""
-    from benchmarks.render import write_set
+    from benchmarks.report import write_set
 
     runs, notes = collect(folder)
     ok = [r for r in runs if r.get("stamp")]
@@ -517,7 +396,8 @@ def summary(folder: Path) -> dict:
     st["command"] = COMMAND
     keep = (
         "trainer", "backend", "impl", "model", "seq_len", "world", "gradient_checkpointing", "dtype",
-        "chunk_compile", "batch", "steps", "warmup", "status", "oom_ranks", "reason", "skipped", "error",
+        "chunk_compile", "kernels", "batch", "steps", "warmup", "status", "oom_ranks", "reason", "skipped",
+        "error",
         "median_step_time_s", "step_times_s", "tokens_per_step", "tokens_per_s", "tokens_per_s_per_gpu",
         "peak_memory_gib", "peak_memory_gib_at_oom", "allocated_before_gib",
         "train_begin_allocated_gib_rank0", "distributed_type", "build_s", "setup_s", "train_s", "wall_s",
@@ -547,15 +427,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trainer", choices=TRAINERS)
     p.add_argument("--impl", choices=IMPLS, default="chunked")
+    p.add_argument("--kernels", choices=("on", "off"), default="on", help="chunked: chunk_kernels")
     p.add_argument("--model", choices=tuple(MODELS), default="qwen3-4b")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
     p.add_argument("--batch-sizes", type=_batches, default=DEFAULT_BATCHES, help="per-GPU, e.g. 1,2,4")
     p.add_argument("--steps", type=int, default=6, help="training steps per batch")
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the median step time")
     p.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false")
-    p.add_argument(
-        "--no-chunk-compile", dest="chunk_compile", action="store_false", help="chunked: eager per-chunk step"
-    )
+    p.add_argument("--no-chunk-compile", dest="chunk_compile", action="store_false", help="eager chunk step")
     p.add_argument("--time-budget-s", type=float, default=0.0, help="from the process start; 0: none")
     p.add_argument("--out", type=Path, help="run folder")
     p.add_argument("--remaining", type=Path, metavar="RUN_DIR", help="print the batches RUN_DIR still lacks")
@@ -563,13 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-memory", action="store_true", help="print the head's memory per rank per shape")
     a = p.parse_args(argv)
     if a.head_memory:
-        for m in MODELS:
-            h = head_memory(m)
-            print(
-                f"{m}: V x H = {h['vocab']} x {h['hidden']}: gathered weight {h['gathered_weight_gib']:.3f} "
-                f"GiB, fp32 accumulator {h['fp32_accumulator_gib']:.3f} GiB, weight-dtype gradient "
-                f"{h['weight_grad_gib']:.3f} GiB, one chunk up to {h['one_chunk_max_rows']} rows"
-            )
+        print(json.dumps({m: head_memory(m) for m in MODELS}, indent=1))
         return 0
     if a.remaining:
         print(",".join(map(str, remaining(a.remaining, a.batch_sizes))))

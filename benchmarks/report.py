@@ -1,10 +1,18 @@
-"""Regenerate every table, plot and page of benchmark results from the committed result files.
+"""Tables, plots and the benchmarks page from the committed result files.
 
     python -m benchmarks.report
 
-For each ``benchmarks/results/<name>.json`` this rewrites ``<name>.md`` and ``<name>.png``; then it writes
-``docs/benchmarks.md`` and the measured table of ``README.md`` (between the ``<!-- PERF -->`` markers). Needs
-no GPU: it only reads the result files, which the benchmarks write on a GPU.
+Every result set is ``benchmarks/results/<name>.json``: the measurements and a ``stamp`` (date, GPU, library
+versions, the command that wrote it). The benchmark of a set follows from its name (``losses``, ``kernels``,
+``decoder``, ``decoder_attn``, ``medusa``, ``medusa_e2e``, ``e2e_*``, ``profile*``, ``floor*``, ``multigpu``,
+``multigpu_scale``). For each, :func:`records` reads one row per (case, implementation): time, memory and
+a few extra columns. From them this writes ``<name>.md`` (every row, and per case chunkloss against the best
+peer) and ``<name>.png`` (time and memory per case), then ``docs/benchmarks.md`` and the table of
+``README.md`` between the ``<!-- PERF -->`` markers. Needs no GPU.
+
+``python -m benchmarks.report --merge OUT DIR...`` first merges the e2e, profile and floor json files that
+GPU runs wrote into ``DIR...`` into one set per name under ``OUT`` (rows of the same case and
+implementation: the newest wins).
 """
 
 from __future__ import annotations
@@ -13,68 +21,313 @@ import argparse
 import json
 import pathlib
 
-from benchmarks import render
-from benchmarks.render import (
-    GEMM_FLOOR,
-    MEMORY_DEFINITION,
-    MEMORY_LABEL,
-    MEMORY_MEANING,
-    GiB,
-    loss_cell,
-    stamp_line,
-)
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 MARK = "<!-- PERF -->"
+GiB = 2**30
+MEMORY_LABEL = "peak extra memory (GiB)"
+MEMORY_MEANING = (
+    "the highest memory allocated during the step minus the memory allocated before it, not counting the "
+    "gradients the step returns"
+)
+MEMORY_DEFINITION = f"Peak extra memory: {MEMORY_MEANING}."
+# Implementations that are chunkloss's (any other is a peer), by the prefix of their name.
+OURS = ("chunkloss", "chunked", "ours", "fused", "triton", "unfused", "norm_recompute", "cublas_swiglu")
 # The README's table: one representative case per loss, and the peers (TRL's two chunked paths as one column).
-README_CASES = (
-    "ce N=32768",
-    "grpo dapo B=16 T=1024",
-    "jsd N=8192",
-    "orpo 8x1024",
-    "dpo+ref 8x1024",
-    "dpo+ref 1x32768",
-)
-PEERS = {
-    "chunkloss": ("chunkloss",),
-    "torch": ("torch",),
-    "torch.compile": ("torch.compile",),
-    "TRL 1.16": ("trl 1.16 head", "trl 1.16 chunked divergence"),
-    "Liger": ("liger",),
-    "Cut Cross-Entropy": ("cce",),
-}
-E2E_TASKS = ("sft", "dpo", "orpo", "grpo", "gkd")
-# Each case's chunkloss step on the H100 split by kind of GPU work (torch profiler, kernel time per step).
-# Measured once with chunkloss 0.1.0, torch 2.11.0+cu130, 2026-11-25; the profiling script is not kept.
-STEP_BREAKDOWN = (
-    ("ce N=8192", 27.7, 32.7, 28.8, 1.77, 0.21),
-    ("ce N=32768", 110.7, 132.7, 121.3, 7.15, 1.81),
-    ("grpo dapo B=16 T=1024", 56.5, 75.9, 64.6, 4.36, 2.27),
-    ("grpo dapo B=2 T=16384", 113.0, 145.2, 125.3, 8.69, 3.00),
-    ("orpo 8x1024", 48.4, 61.7, 53.0, 3.50, 1.91),
-    ("dpo+ref 8x1024", 64.6, 79.4, 69.9, 4.63, 1.91),
-    ("jsd N=8192", 43.0, 58.5, 48.8, 8.09, 1.14),
-    ("jsd N=16384", 86.1, 115.4, 97.3, 16.14, 1.22),
-)
+README_CASES = ("ce N=32768", "grpo dapo B=16 T=1024", "jsd N=8192", "orpo 8x1024", "dpo+ref 8x1024",
+                "dpo+ref 1x32768")  # fmt: skip
+PEERS = {"chunkloss": ("chunkloss",), "torch": ("torch",), "torch.compile": ("torch.compile",),
+         "TRL 1.16": ("trl 1.16 head", "trl 1.16 chunked divergence"), "Liger": ("liger",),
+         "Cut Cross-Entropy": ("cce",)}  # fmt: skip
+PEAK = "peak memory (GiB)"
+CALL_PEAK = "peak of one call, gradients included (GiB)"
+# Per benchmark: title, time unit, memory column, and what is measured.
+KINDS = {
+    "losses": ("Losses: forward + backward of the LM head and its loss", "ms", MEMORY_LABEL,
+               "bf16, Llama-3-8B head (H=4096, V=128256), every implementation on the same inputs in one "
+               "process. Time: CUDA events, median after warm-up. " + MEMORY_DEFINITION + " floor: the "
+               "logits' three GEMMs at the harness's peak rate (ms)."),
+    "kernels": ("Row kernels, forward + backward", "ms", "peak of one eager step (GiB)",
+                "bf16. Time: the step replayed from a CUDA graph (eager: launched from Python). floor: "
+                "the op's bytes at the GPU's bandwidth (ms)."),
+    "decoder": ("Gated MLP block, forward + backward", "ms", CALL_PEAK,
+                "bf16, Llama's MLP `down(silu(gate(x)) * up(x))`, x and the weights needing grad. saved: "
+                "bytes autograd keeps for the backward (MiB). floor: the nine GEMMs (ms)."),
+    "decoder_attn": ("Attention input block (RMSNorm, q/k/v, RoPE), forward + backward", "ms", CALL_PEAK,
+                     "bf16, x, the norm weight and the q/k/v weights needing grad. saved: bytes autograd "
+                     "keeps for the backward (MiB). floor: the six GEMMs (ms)."),
+    "medusa": ("Multi-token (Medusa) heads' loss, forward + backward", "ms", MEMORY_LABEL,
+               "bf16, Llama-3-8B head, K heads weighted 0.8^k, one shared weight or one per head. "
+               + MEMORY_DEFINITION),
+    "medusa_e2e": ("End to end: Medusa heads", "s", PEAK,
+                   "A training step with K Medusa heads; stage 1 trains the heads on a frozen backbone, "
+                   "stage 2 heads and model. hf: logits materialised as Medusa's code does."),
+    "e2e": ("End to end: a training step of TRL's trainers, its peers and chunkloss's", "s", PEAK,
+            "Random weights of the named shape, the same data and batch for every implementation, each "
+            "in its own process. Step time: median after warm-up; peak memory: the highest CUDA memory "
+            "allocated during training minus what was allocated when it began."),
+    "profile": ("Where the training step's GPU time goes", "ms", PEAK,
+                "torch.profiler over the timed steps: CUDA kernel time per step by kind; idle: step time "
+                "minus the union of kernel intervals (launch and CPU gaps)."),
+    "floor": ("The training step's floor: its GEMMs and attention alone", "ms", PEAK,
+              "The step's matrix products (same M, K, N; forward and backward; no weight gradient for "
+              "frozen weights) and attention (SDPA forward + backward), each timed alone on the same card."),
+    "multigpu": ("Multi-GPU parity: chunked trainers on 2 GPUs vs 1 GPU, same global batch", "s",
+                 "peak GiB per GPU", "Gradients of the first step and a 20-step loss curve against 1 GPU: "
+                 "largest difference relative to each tensor's largest entry."),
+    "multigpu_scale": ("Multi-GPU scale: per-GPU batch until out of memory", "s", "peak GiB (fullest GPU)",
+                       "Random weights of real shape, bf16, one accelerate config per backend; step time: "
+                       "median after warm-up; tokens/s over all GPUs; GRPO's completions are fixed."),
+}  # fmt: skip
 
 
-def load_sets(results: pathlib.Path = RESULTS) -> dict[str, dict]:
-    """Every result set under ``results`` by name (the json file's stem)."""
-    return {p.stem: json.loads(p.read_text()) for p in sorted(results.glob("*.json"))}
+RUNNING = [  # how to produce each set
+    "## Running the benchmarks", "",
+    "Each command fits a 10-minute call on one H100 (the end-to-end ones as a slice: one shape, task, "
+    "loss, length and checkpointing setting per call); `python -m benchmarks.report --merge DIR...` "
+    "gathers the end-to-end files into the sets and rewrites this page.", "", "```",
+    "python -m benchmarks.bench_losses                                 # losses",
+    "python -m benchmarks.bench_losses --only medusa --name medusa     # medusa",
+    "python -m benchmarks.bench_kernels                                # kernels",
+    "python -m benchmarks.bench_decoder                                # decoder, decoder_attn",
+    "python -m benchmarks.bench_e2e --shape llama-3.2-1b --task full --loss sft --seq 1024 --gc off \\",
+    "    --impl trl,liger,compile,chunkloss --batches 8,16 --out OUT/sft_full.json  # e2e_<task>_<loss>",
+    "python -m benchmarks.bench_e2e --profile --impl chunkloss --batches 16 --out OUT/profile.json",
+    "python -m benchmarks.bench_e2e --floor --batches 16 --out OUT/floor.json",
+    "bash benchmarks/multigpu_run.sh OUT                               # multigpu (2 GPUs)",
+    "bash benchmarks/multigpu_scale.sh OUT                             # multigpu_scale (2 GPUs)",
+    "python -m benchmarks.report --merge OUT                          # into benchmarks/results",
+    "```",
+]  # fmt: skip
+
+
+def kind(name: str) -> str:
+    """The benchmark of a result set: its name where that is a kind, else the part before the first ``_``."""
+    return name if name in KINDS else name.split("_", 1)[0]
+
+
+def is_ours(impl: str) -> bool:
+    return impl.startswith(OURS)
+
+
+def _row(case, impl, time=None, memory=None, error=None, **extra) -> dict:
+    return {"case": case, "impl": impl, "time": time, "memory": memory, "error": error, **extra}
+
+
+def _gib(nbytes) -> float | None:
+    return None if nbytes is None else nbytes / GiB
+
+
+def _fullest(peaks: list[dict] | None) -> float | None:
+    """The largest per-rank allocated peak (GiB) of ``[{"rank", "allocated", ...}]``."""
+    return max((p["allocated"] for p in peaks or []), default=None)
+
+
+def e2e_case(r: dict) -> str:
+    """A run's case: the keys that vary between e2e runs, then the batch."""
+    parts = [r.get(k) for k in ("shape", "task", "loss", "medusa")]
+    if "seq" in r:
+        parts.append(f"{r['seq']} tok")
+    if "gc" in r:
+        parts.append(f"gc {'on' if r['gc'] else 'off'}")
+    return " ".join(str(p) for p in parts if p) + f" b={r['batch']}"
+
+
+def records(name: str, data: dict) -> list[dict]:
+    """One row per (case, implementation) of a result set: ``time`` (the kind's unit), ``memory`` (GiB),
+    ``error`` (None, ``OOM`` or a message) and extra columns."""
+    k = kind(name)
+    if k in ("losses", "medusa"):
+        return [_row(r["case"], r["impl"], r.get("ms"), _gib(r.get("peak_extra_bytes")), r.get("error"),
+                     floor=r.get("floor_ms"), loss=r.get("loss")) for r in data["rows"]]  # fmt: skip
+    if k == "kernels":
+        return [_row(r["case"], i, r[i].get("graph_ms"), (r[i].get("peak_extra_mib") or 0) / 1024, None,
+                     eager_ms=r[i].get("ms"), floor=r["floor_ms"])
+                for r in data["rows"] for i in r if isinstance(r[i], dict)]  # fmt: skip
+    if k in ("decoder", "decoder_attn"):
+        return [_row(r["case"], r["impl"], r.get("ms"), _gib(r.get("peak_bytes")), r.get("error"),
+                     floor=r.get("floor_ms"), saved_mib=(r.get("saved_bytes") or 0) / 2**20,
+                     max_err=max(r.get("err", {}).values(), default=None)) for r in data["rows"]]
+    if k == "medusa_e2e":
+        return [_row(f"stage {r['stage']} K={r['heads']} b={r['batch']}", r["impl"], r.get("step_time_s"),
+                     r.get("peak_mem_gib"), "OOM" if r["oom"] else None, tokens_per_s=r.get("tokens_per_s"))
+                for r in data["runs"]]  # fmt: skip
+    if k == "e2e":
+        return [_row(e2e_case(r), r["impl"], r.get("step_time_s"), r.get("peak_mem_gib"),
+                     "OOM" if r.get("oom") else r.get("error"), tokens_per_s=r.get("tokens_per_s"))
+                for r in data["sweep"]]  # fmt: skip
+    if k in ("profile", "floor"):
+        return [_row(r["case"], r["impl"], r.get("ms"), r.get("peak_mem_gib"), r.get("error"),
+                     **r.get("parts", {})) for r in data["rows"]]  # fmt: skip
+    if k == "multigpu":
+        return [_row(f"{c['trainer']} {c['backend']}", "chunked", c["multi"]["median_step_time_s"],
+                     _fullest(c["multi"]["peak_memory_gib"]), one_gpu_s=c["single"]["median_step_time_s"],
+                     rel_grad_err=c["max_rel_grad_error"], rel_curve_diff=c["max_rel_curve_diff"])
+                for c in data["comparisons"]]  # fmt: skip
+    if k == "multigpu_scale":
+        out = []
+        for r in data["runs"]:
+            gc = "on" if r["gradient_checkpointing"] else "off"
+            case = f"{r['model']} {r['trainer']} {r['backend']} gc {gc} b={r['batch']}"
+            off = r["impl"] == "chunked" and not r.get("kernels")  # runs before the switch had no kernels
+            impl = r["impl"] + (" (no kernels)" if off else "")
+            err = None if r["status"] == "ok" else r["status"]
+            out.append(_row(case, impl, r.get("median_step_time_s"), _fullest(r.get("peak_memory_gib")), err,
+                            tokens_per_s=r.get("tokens_per_s")))  # fmt: skip
+        return out
+    raise ValueError(f"no renderer for result set {name!r}")
+
+
+def against_best_peer(rows: list[dict]) -> list[dict]:
+    """Per case and chunkloss implementation: its time over the fastest peer's and its memory over the
+    smallest peer memory, among the peers that ran (no OOM or error) in that case."""
+    out = []
+    for case in dict.fromkeys(r["case"] for r in rows):
+        ran = [r for r in rows if r["case"] == case and r["error"] is None and r["time"] is not None]
+        peers = [r for r in ran if not is_ours(r["impl"])]
+        fast = min(peers, key=lambda r: r["time"], default=None)
+        small = min((r for r in peers if r["memory"] is not None), key=lambda r: r["memory"], default=None)
+        for r in (r for r in ran if is_ours(r["impl"])):
+            mem = small and r["memory"] is not None and small["memory"] and r["memory"] / small["memory"]
+            out.append({"case": case, "impl": r["impl"], "best_time_peer": fast and fast["impl"],
+                        "time_ratio": fast and r["time"] / fast["time"], "memory_ratio": mem or None,
+                        "best_memory_peer": small and small["impl"]})  # fmt: skip
+    return out
+
+
+def stamp_line(stamp: dict) -> str:
+    """One line naming a result's date, GPU and library versions."""
+    versions = ", ".join(f"{k} {v}" for k, v in stamp.get("versions", {}).items() if v and v != "unknown")
+    return f"{stamp.get('gpu', 'unknown GPU')}, {stamp.get('date', 'unknown date')}; {versions}"
+
+
+def _num(v) -> str:
+    if v is None or v is False:
+        return "–"
+    if isinstance(v, str):
+        return v
+    return f"{v:.3g}" if abs(v) < 1e-2 or abs(v) >= 1e4 else f"{v:.3f}"
+
+
+def rows_table(name: str, rows: list[dict]) -> list[str]:
+    unit, mem = KINDS[kind(name)][1], KINDS[kind(name)][2]
+    extra = list(dict.fromkeys(k for r in rows for k in r if k not in ("case", "impl", "time", "memory",
+                                                                       "error")))  # fmt: skip
+    head = ["case", "implementation", f"time ({unit})", mem, *extra]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["case"], r["impl"]]
+        cells += [r["error"], ""] if r["error"] else [_num(r["time"]), _num(r["memory"])]
+        lines.append("| " + " | ".join(cells + [_num(r.get(k)) for k in extra]) + " |")
+    return lines
+
+
+def summary_table(rows: list[dict]) -> list[str]:
+    lines = ["| case | chunkloss | time / fastest peer | memory / smallest peer |", "|---|---|---|---|"]
+    for s in against_best_peer(rows):
+        t = f"{s['time_ratio']:.2f} ({s['best_time_peer']})" if s["time_ratio"] else "–"
+        m = f"{s['memory_ratio']:.2f} ({s['best_memory_peer']})" if s["memory_ratio"] else "–"
+        lines.append(f"| {s['case']} | {s['impl']} | {t} | {m} |")
+    return lines if len(lines) > 2 else []
+
+
+def set_md(name: str, data: dict) -> str:
+    title, _, _, meaning = KINDS[kind(name)]
+    rows = records(name, data)
+    summary = summary_table(rows)
+    lines = [f"# {title}", "", f"`{data['stamp'].get('command', '')}` ({stamp_line(data['stamp'])}). "
+             f"{meaning}", *(["", data["model"]] if data.get("model") else []), ""]  # fmt: skip
+    if summary:
+        lines += ["Chunkloss against the best peer in each case (below 1: faster / less):", "", *summary, ""]
+    lines += rows_table(name, rows)
+    notes = data.get("notes") or []
+    return "\n".join(lines + ([""] + [f"- {n}" for n in notes] if notes else [])) + "\n"
+
+
+def set_png(name: str, data: dict, path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in records(name, data) if r["error"] is None and r["time"] is not None]
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    title, unit, mem, _ = KINDS[kind(name)]
+    width = min(40, max(8, 0.35 * len(cases) * max(len(impls), 2)))
+    fig, axes = plt.subplots(2, 1, figsize=(width, 8), squeeze=False)
+    width = 0.8 / max(len(impls), 1)
+    for k, impl in enumerate(impls):
+        by = {r["case"]: r for r in rows if r["impl"] == impl}
+        xs = [c + (k - (len(impls) - 1) / 2) * width for c in range(len(cases))]
+        for ax, key in zip(axes[:, 0], ("time", "memory"), strict=True):
+            ax.bar(xs, [(by[c][key] or 0) if c in by else 0 for c in cases], width, label=impl)
+    for ax, label in zip(axes[:, 0], (f"time ({unit})", mem), strict=True):
+        ax.set_xticks(range(len(cases)), cases, rotation=30, ha="right", fontsize=7)
+        ax.set_ylabel(label)
+    axes[0, 0].legend(fontsize=7, ncol=4)
+    axes[0, 0].set_title(f"{title} ({data['stamp'].get('gpu')})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def write_set(out_dir: pathlib.Path | str, name: str, data: dict, plot: bool = True) -> None:
+    """Write ``<name>.json``, ``<name>.md`` and (if ``plot``) ``<name>.png`` under ``out_dir``."""
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
+    render(out_dir, name, data, plot)
+
+
+def render(out_dir: pathlib.Path, name: str, data: dict, plot: bool = True) -> None:
+    (out_dir / f"{name}.md").write_text(set_md(name, data))
+    if plot:
+        set_png(name, data, out_dir / f"{name}.png")
+
+
+def merge(out: pathlib.Path, dirs: list[pathlib.Path]) -> list[str]:
+    """Merge the files ``bench_e2e --out`` wrote under ``dirs`` into sets in ``out``: end-to-end runs into
+    ``e2e_<task>_<loss>``, profiles into ``profile``, floors into ``floor``, added to the rows already there;
+    a row of the same case and implementation as an earlier one replaces it."""
+    merged: dict[str, dict] = {}
+    for path in sorted((p for d in dirs for p in d.rglob("*.json")), key=lambda p: p.stat().st_mtime):
+        data = json.loads(path.read_text())
+        mode = data.get("mode") if isinstance(data, dict) else None
+        key = "sweep" if mode == "e2e" else "rows"
+        for r in data.get(key, []) if mode else []:
+            name = f"e2e_{r['task']}_{r['loss']}" if mode == "e2e" else mode
+            if name not in merged:
+                old = out / f"{name}.json"
+                merged[name] = json.loads(old.read_text()) if old.exists() else {"mode": mode, key: []}
+            into = merged[name]
+            into["stamp"] = data["stamp"]
+            case = r.get("case") or e2e_case(r)
+            same = (case, r["impl"])
+            into[key] = [o for o in into[key] if (o.get("case") or e2e_case(o), o["impl"]) != same]
+            into[key].append(r)
+    for name, data in merged.items():
+        write_set(out, name, data)
+    return sorted(merged)
 
 
 def peer_table(losses: dict, cases=README_CASES) -> list[str]:
     """Markdown rows: per case, ``ms / GiB`` of chunkloss and each peer."""
-    rows = losses["rows"]
     out = ["| loss, case | " + " | ".join(PEERS) + " |", "|---|" + "---|" * len(PEERS)]
     for case in cases:
-        by = {r["impl"]: r for r in rows if r["case"] == case}
-        if not by:
-            continue
-        cells = [loss_cell(next((by[i] for i in impls if i in by), None)) for impls in PEERS.values()]
-        out.append(f"| {case} | " + " | ".join(cells) + " |")
+        by = {r["impl"]: r for r in losses["rows"] if r["case"] == case}
+        if by:
+            cells = [_loss_cell(next((by[i] for i in impls if i in by), None)) for impls in PEERS.values()]
+            out.append(f"| {case} | " + " | ".join(cells) + " |")
     return out
+
+
+def _loss_cell(r: dict | None) -> str:
+    if r is None:
+        return "–"
+    if "error" in r:
+        return "OOM" if r["error"] == "OOM" else "error"
+    return f"{r['ms']:.1f} / {r['peak_extra_bytes'] / GiB:.2f}"
 
 
 def readme_block(losses: dict) -> list[str]:
@@ -90,256 +343,22 @@ def readme_block(losses: dict) -> list[str]:
     ]
 
 
-def losses_section(losses: dict) -> list[str]:
-    cases = list(dict.fromkeys(r["case"] for r in losses["rows"]))
-    floor = {r["case"]: r["floor_ms"] for r in losses["rows"]}
-    return [
-        "## Losses",
-        "",
-        f"`python -m benchmarks.bench_losses` ({stamp_line(losses['stamp'])}). Forward + backward, bf16, "
-        "Llama-3-8B head (H=4096, V=128256), every implementation on the same inputs in one process. "
-        f"Each cell: milliseconds / {MEMORY_LABEL}. The GEMM floor column is in milliseconds.",
-        "",
-        *_with_floor(peer_table(losses, cases), floor),
-        "",
-        "Every implementation, with the loss it computed: [`losses.md`](../benchmarks/results/losses.md).",
-        "",
-        "![losses](../benchmarks/results/losses.png)",
-    ]
-
-
-def _with_floor(table: list[str], floor: dict) -> list[str]:
-    out = [table[0].replace("| loss, case |", "| loss, case | GEMM floor |"), table[1] + "---|"]
-    for line in table[2:]:
-        case = line.split("|")[1].strip()
-        out.append(line.replace(f"| {case} |", f"| {case} | {floor[case]:.1f} |", 1))
-    return out
-
-
-def breakdown_section() -> list[str]:
-    lines = [
-        "## Where a loss step's time goes",
-        "",
-        "Each case's chunkloss step (forward + backward) on an NVIDIA H100 80GB HBM3 with torch "
-        "2.11.0+cu130, 2026-11-25, split by the torch profiler into matrix multiplications (cuBLAS and "
-        "chunkloss's Triton weight-gradient kernel), chunkloss's row kernels (softmax, loss and gradient of "
-        "a chunk's logits), other kernels, and time the GPU sat idle between kernels, in milliseconds per "
-        "step. The matrix multiplications alone take 1.04-1.14x the GEMM floor: cuBLAS does not reach its "
-        "square-matrix rate on these shapes. The row kernels take 5-14% of the step, other kernels under 4% "
-        "and idle time 1-6%. So most of the distance between the step and the floor is in cuBLAS itself.",
-        "",
-        "| case | GEMM floor | step | matrix multiplications | row kernels | other kernels | idle |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for case, floor, step, gemm, row, other in STEP_BREAKDOWN:
-        idle = step - gemm - row - other
-        lines.append(
-            f"| {case} | {floor:.1f} | {step:.1f} ({step / floor:.2f}x) | {gemm:.1f} ({gemm / floor:.2f}x) "
-            f"| {row:.2f} | {other:.2f} | {idle:.2f} |"
-        )
-    return lines
-
-
-def kernels_section(kernels: dict) -> list[str]:
-    table = render.first_table(render.kernels_md(kernels))
-    return [
-        "## Row kernels",
-        "",
-        f"`python -m benchmarks.bench_kernels` ({stamp_line(kernels['stamp'])}). Forward + backward, bf16, "
-        "milliseconds. GPU: the step replayed from a CUDA graph (the kernels alone); eager: launched from "
-        "Python back to back (host-bound for the small cases). Bandwidth floor: the time to read and write "
-        "the bytes the op must move at the GPU's memory bandwidth (3.0 TB/s). Memory: MiB allocated during "
-        "one eager step, outputs and gradients included.",
-        "",
-        *table,
-        "",
-        "![kernels](../benchmarks/results/kernels.png)",
-    ]
-
-
-def decoder_section(data: dict) -> list[str]:
-    table = render.first_table(render.decoder_md(data))
-    return [
-        "## Gated MLP block",
-        "",
-        f"`python -m benchmarks.bench_decoder` ({stamp_line(data['stamp'])}). Forward + backward of Llama's "
-        "MLP `down(silu(gate(x)) * up(x))` in bf16, x and the three weights needing grad: chunkloss's fused "
-        "gate/up GEMM in its two backward modes against eager PyTorch, torch.compile and cuBLAS GEMMs with "
-        "chunkloss's or Liger's SwiGLU kernel. Milliseconds (median); "
-        f"**{render.SAVED_LABEL}**: {render.SAVED_MEANING}; "
-        f"**{render.CALL_PEAK_LABEL}**: {render.CALL_PEAK_MEANING}, so it is not the {MEMORY_LABEL} of "
-        "the loss tables. Errors: max |error| / max |value| against the same math in fp32. GEMM floor: the "
-        f"block's nine matrix multiplications at {data['peak_tflops']:.0f} TFLOP/s.",
-        "",
-        *table,
-        "",
-        "![decoder](../benchmarks/results/decoder.png)",
-    ]
-
-
-def decoder_attn_section(data: dict) -> list[str]:
-    table = render.first_table(render.decoder_attn_md(data))
-    return [
-        "## Attention input block",
-        "",
-        f"`python -m benchmarks.bench_decoder` ({stamp_line(data['stamp'])}). Forward + backward of what a "
-        "Llama attention layer computes before attention, in bf16: RMSNorm, the q, k and v projections "
-        "split into heads, and RoPE on q and k, x, the norm weight and the three projection weights needing "
-        "grad. chunkloss's RMSNorm and RoPE kernels with cuBLAS projections, as `patch` runs them, with and "
-        "without the norm output kept for the backward (`patch(norm_recompute=True)` recomputes it), "
-        "against eager PyTorch (transformers' math), torch.compile and Liger's RMSNorm and RoPE. "
-        f"Milliseconds (median); **{render.SAVED_LABEL}**: {render.ATTN_SAVED_MEANING}; "
-        f"**{render.CALL_PEAK_LABEL}**: {render.ATTN_CALL_PEAK_MEANING}. Errors: max |error| / max |value| "
-        "against the same math in fp32. GEMM floor: the three projections' six matrix multiplications at "
-        f"{data['peak_tflops']:.0f} TFLOP/s.",
-        "",
-        *table,
-        "",
-        "![decoder attn](../benchmarks/results/decoder_attn.png)",
-    ]
-
-
-def medusa_section(data: dict) -> list[str]:
-    size = data["size"]
-    return [
-        "## Multi-token (Medusa) heads",
-        "",
-        f"`python -m benchmarks.bench_medusa` ({stamp_line(data['stamp'])}). Forward + backward of K heads' "
-        f"loss on the Llama-3-8B head (H={size['hidden']}, V={size['vocab']}, bf16), N={size['batch']}x"
-        f"{size['seq']} positions: head k predicts the token k places ahead with loss weight 0.8^k, the "
-        "heads sharing one weight or each with its own. chunkloss's multi-token loss against materialised "
-        "logits with `F.cross_entropy` per head and Liger's fused cross-entropy once per head. Milliseconds "
-        f"(median) and {MEMORY_LABEL}; the GEMM floor counts every head's labelled rows."
-        + render.medusa_chunk_note(data),
-        "",
-        *render.medusa_rows_table(data),
-        "",
-        "Each chunkloss row against chunkloss's cross-entropy on one head (first row above) times K, and "
-        "against the peers (time: theirs over ours; memory: ours over theirs):",
-        "",
-        *render.medusa_summary_table(data),
-        "",
-        "![medusa](../benchmarks/results/medusa.png)",
-    ]
-
-
-def medusa_e2e_section(data: dict) -> list[str]:
-    return [
-        "## End to end: Medusa heads",
-        "",
-        f"`python -m benchmarks.bench_medusa_e2e` ({stamp_line(data['stamp'])}). {data['model']}, "
-        f"{data['dtype']}, with K Medusa heads, sequences of {data['seq']} tokens, the per-step batch "
-        "growing until out of memory or out of the time budget. Stage 1 trains the heads on a frozen "
-        "backbone, stage 2 heads and model jointly. hf: each head's logits materialised and upcast to fp32 "
-        "for `F.cross_entropy`, as Medusa's training code does; chunkloss: `ChunkedMedusaTrainer`'s loss. "
-        "One training step: forward, backward and AdamW step; peak memory: the highest CUDA memory allocated "
-        "(weights, gradients, optimizer state, activations). Ratios: chunkloss over hf at the batches both "
-        "ran. "
-        "Every batch: [`medusa_e2e.md`](../benchmarks/results/medusa_e2e.md).",
-        "",
-        *render.first_table(render.medusa_e2e_md(data)),
-        "",
-        "![medusa e2e](../benchmarks/results/medusa_e2e.png)",
-    ]
-
-
-def e2e_section(sets: dict) -> list[str]:
-    lines = [
-        "## End to end: chunkloss's trainers against TRL's",
-        "",
-        "`python -m benchmarks.bench_e2e --tasks TASK`: the same model, data and initial weights in TRL "
-        "1.16's trainer and in chunkloss's drop-in subclass. Each cell: median step time in seconds / peak "
-        "CUDA memory in GiB; ratios are chunkloss over TRL (below 1: faster / less). GRPO's steps are "
-        "mostly generation, the same code in both trainers; its table also gives the step time outside "
-        "generation.",
-    ]
-    for task in E2E_TASKS:
-        for name in (f"e2e_{task}", f"e2e_{task}_gc"):  # without, then with gradient checkpointing
-            data = sets.get(name)
-            if data is None:
-                continue
-            lines += ["", f"### {task.upper()}{render.checkpointing(data)}", "",
-                      f"{data.get('model', '')} {stamp_line(data['stamp'])}.", ""]  # fmt: skip
-            lines += render.first_table(render.e2e_md(data))
-            if render.records_sequences(data):
-                lines += ["", *render.e2e_summary_table(data)]
-            lines += ["", f"![{name.replace('_', ' ')}](../benchmarks/results/{name}.png)"]
-    return lines
-
-
-def multigpu_section(data: dict) -> list[str]:
-    table = render.first_table(render.multigpu_md(data))
-    return [
-        "## Multi-GPU parity",
-        "",
-        f"`bash benchmarks/multigpu_run.sh OUT` ({stamp_line(data['stamp'])}). The chunked SFT, DPO and GRPO "
-        "trainers under FSDP2 and DeepSpeed ZeRO-3 on 2 GPUs against the same accelerate config on 1 GPU "
-        "with the same global batch (tiny model, bf16): the largest difference of the first step's "
-        "gradients relative to each tensor's largest entry, and of a 20-step loss curve; step time and peak "
-        "memory per GPU.",
-        "",
-        *table,
-        "",
-        "![multigpu](../benchmarks/results/multigpu.png)",
-    ]
-
-
-def multigpu_scale_section(data: dict) -> list[str]:
-    table = render.first_table(render.multigpu_scale_md(data))
-    return [
-        "## Multi-GPU scale",
-        "",
-        f"`bash benchmarks/multigpu_scale.sh OUT` ({stamp_line(data['stamp'])}). chunkloss's SFT, DPO "
-        "and GRPO trainers and TRL 1.16's under FSDP2 and DeepSpeed ZeRO-3 at a real model shape (random "
-        "weights, bf16), the per-GPU batch growing until out of memory or out of the time budget: the "
-        "largest batch of each, tokens/s there, and chunkloss over TRL in median step time and in peak "
-        "memory of the fullest GPU at the batches both ran. GRPO's completions are fixed tokens, not "
-        "sampled. Every batch and the LM head's memory per GPU: "
-        "[`multigpu_scale.md`](../benchmarks/results/multigpu_scale.md).",
-        "",
-        *table,
-        "",
-        "![multigpu scale](../benchmarks/results/multigpu_scale.png)",
-    ]
-
-
 def docs_page(sets: dict) -> str:
-    losses = sets["losses"]
-    lines = [
-        "# Benchmarks",
-        "",
-        "Generated by `python -m benchmarks.report` from the result files in `benchmarks/results/` (each "
-        "holds its date, GPU and library versions); do not edit by hand. Each benchmark writes its own "
-        "`<name>.json`, `.md` and `.png` there when run on a GPU (`python -m benchmarks.bench_losses`, "
-        "`bench_kernels`, `bench_decoder`, `bench_medusa`, `bench_medusa_e2e`, `bench_e2e`, "
-        "`bash benchmarks/multigpu_run.sh`).",
-        "",
-        "Two terms used below:",
-        "",
-        f"- **{MEMORY_LABEL}**: {MEMORY_MEANING}. It is the working memory a loss needs on top of its "
-        f"outputs; the gradients ({losses['rows'][0].get('grad_bytes', 0) / GiB:.2f} GiB for the first case "
-        "below) are the same for every implementation.",
-        "- **" + GEMM_FLOOR.format(tflops=losses.get("peak_tflops", 800)).replace(": ", "**: ", 1),
-        "",
-        *losses_section(losses),
-        "",
-        *breakdown_section(),
-    ]
-    if "kernels" in sets:
-        lines += ["", *kernels_section(sets["kernels"])]
-    if "decoder" in sets:
-        lines += ["", *decoder_section(sets["decoder"])]
-    if "decoder_attn" in sets:
-        lines += ["", *decoder_attn_section(sets["decoder_attn"])]
-    if "medusa" in sets:
-        lines += ["", *medusa_section(sets["medusa"])]
-    if "medusa_e2e" in sets:
-        lines += ["", *medusa_e2e_section(sets["medusa_e2e"])]
-    lines += ["", *e2e_section(sets)]
-    if "multigpu" in sets:
-        lines += ["", *multigpu_section(sets["multigpu"])]
-    if "multigpu_scale" in sets:
-        lines += ["", *multigpu_scale_section(sets["multigpu_scale"])]
+    lines = ["# Benchmarks", "", "Generated by `python -m benchmarks.report` from the result files in "
+             "`benchmarks/results/`; do not edit by hand. Each section names the command that measured it, "
+             "the GPU, the date and the library versions. Ratios: chunkloss over the fastest peer's time and "
+             "over the smallest peer memory in the same case (below 1: better).", "", *RUNNING]  # fmt: skip
+    for name in sorted(sets, key=lambda n: (list(KINDS).index(kind(n)), n)):
+        data, (title, _, _, meaning) = sets[name], KINDS[kind(name)]
+        summary = summary_table(records(name, data))
+        lines += ["", f"## {title} (`{name}`)", "", f"`{data['stamp'].get('command', '')}` "
+                  f"({stamp_line(data['stamp'])}). {meaning}", ""]  # fmt: skip
+        if name == "losses":
+            lines += [*peer_table(data, list(dict.fromkeys(r["case"] for r in data["rows"]))), ""]
+        elif summary:
+            lines += [*summary, ""]
+        lines += [f"Every row: [`{name}.md`](../benchmarks/results/{name}.md).", "",
+                  f"![{name}](../benchmarks/results/{name}.png)"]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -359,12 +378,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--docs", type=pathlib.Path, default=ROOT / "docs" / "benchmarks.md")
     p.add_argument("--readme", type=pathlib.Path, default=ROOT / "README.md")
     p.add_argument("--no-plots", action="store_true", help="tables only")
+    p.add_argument("--merge", type=pathlib.Path, nargs="+", metavar="DIR",
+                   help="first merge the bench_e2e files under these folders into --results")  # fmt: skip
     a = p.parse_args(argv)
-    sets = load_sets(a.results)
+    if a.merge:
+        print("merged", ", ".join(merge(a.results, a.merge)))
+    sets = {path.stem: json.loads(path.read_text()) for path in sorted(a.results.glob("*.json"))}
     if "losses" not in sets:
         p.error(f"no losses.json in {a.results}")
     for name, data in sets.items():
-        render.render(a.results, name, data, plot=not a.no_plots)
+        render(a.results, name, data, plot=not a.no_plots)
     a.docs.parent.mkdir(parents=True, exist_ok=True)
     a.docs.write_text(docs_page(sets))
     if a.readme.exists():

@@ -174,7 +174,8 @@ def test_settings_by_capability_and_override():
     sm80 = NormKnobs(loop_warps=8)
     settings = LaunchSettings("test", NormKnobs(), {(8, 0): sm80})
     assert settings.for_capability((8, 0)) is sm80
-    assert settings.for_capability((9, 0)) is settings.default and settings.for_capability(None) is settings.default
+    assert settings.for_capability((9, 0)) is settings.default
+    assert settings.for_capability(None) is settings.default
     cpu = torch.device("cpu")
     with pytest.raises(RuntimeError), settings.use(loop_block_n=16) as outer:
         assert settings.get(cpu) is outer and outer.loop_block_n == 16 and outer.loop_warps == 16
