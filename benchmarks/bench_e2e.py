@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-kernels", dest="kernels", action="store_false", help="chunkloss: no chunk_kernels")
     p.add_argument("--profile", action="store_true", help="torch.profiler's kernel time by kind, one impl")
     p.add_argument("--floor", action="store_true", help="the step's GEMMs and attention timed alone")
-    p.add_argument("--timeout-s", type=float, default=540, help="per implementation's process")
+    p.add_argument("--timeout-s", type=float, default=300, help="per implementation's process")
     p.add_argument("--out", required=True, help="result json file")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
