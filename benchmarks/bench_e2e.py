@@ -147,7 +147,8 @@ def train(a, batch: int, profile: bool = False) -> dict:
         if a.loss == "gkd" or (a.loss == "dpo" and a.task == "full"):  # GKD's teacher is another seed
             ref = copy.deepcopy(model) if a.loss == "dpo" else build_model(a, seed=1)
             ref.requires_grad_(False)
-        ds = counting_dataset(a.loss, max(64, batch * a.steps), a.seq)
+        # GKD's collator keeps the prompt whole, so its completions leave room for it (up to --seq tokens).
+        ds = counting_dataset(a.loss, max(64, batch * a.steps), a.seq // 2 if a.loss == "gkd" else a.seq)
         medusa = dict(num_heads=a.medusa_heads, stage=a.medusa_stage)
         trainer = make_trainer(a.loss, a.impl, model, tokenizer, ds, out_dir=tempfile.mkdtemp(), batch=batch,
                                steps=a.steps, seq=a.seq, gc=a.gc == "on", ref=ref, kernels=a.kernels,
