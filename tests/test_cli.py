@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -102,13 +103,24 @@ def test_grpo_tiny_full_run_reward_rises(tmp_path, capsys, recwarn):
     rewards = summary["rewards"]
     assert len(rewards) == 6 and all(math.isfinite(r) for r in rewards)
     assert rewards[-1] > rewards[0], rewards
-    assert "final reward" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "final reward" in printed and "watch the reward" in printed
 
 
 def test_main_help_lists_commands(capsys):
     assert cli.main(["--help"]) == 0
     out = capsys.readouterr().out
     assert "chunkloss train" in out and "chunkloss bench" in out
+
+
+def test_version_is_the_package_version_and_pyproject_agrees(capsys):
+    import chunkloss
+
+    for flag in ("--version", "-V"):
+        assert cli.main([flag]) == 0
+        assert capsys.readouterr().out == f"chunkloss {chunkloss.__version__}\n"
+    pyproject = (CONFIG_DIR.parent / "pyproject.toml").read_text()  # tomllib needs Python 3.11
+    assert re.findall(r'(?m)^version = "(.*)"$', pyproject) == [chunkloss.__version__]
 
 
 def test_no_arguments_is_a_usage_error(capsys):

@@ -197,6 +197,10 @@ def _print_summary(s: dict) -> None:
     ]
     if "rewards" in s:
         lines.append(f"  final reward  {s['rewards'][-1]:.4g}   (first logged {s['rewards'][0]:.4g})")
+        # GRPO's loss is a surrogate whose value does not track the policy's quality (the advantages have
+        # zero mean in each group; the KL and entropy terms move it either way), so it may rise while the
+        # reward rises.
+        lines.append("  watch the reward: it measures the policy; the loss may rise while the reward rises")
     tps = f"{s['tokens_per_s']:.0f}" if s["tokens_per_s"] else "n/a"
     lines += [
         f"  tokens/s      {tps}   ({s['tokens']} tokens in {s['train_runtime_s']:.1f} s of training)",
