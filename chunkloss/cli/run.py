@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -146,7 +147,14 @@ def train(path: str, overrides: list[str] | None = None) -> dict:
     if run_args.cpu_threads is not None:
         torch.set_num_threads(run_args.cpu_threads)
     try:
-        return _train(path, run_args, model_args, training_args, t0)
+        with warnings.catch_warnings():
+            # TRL 1.16 reads transformers' deprecated `model.is_gradient_checkpointing` around every generation
+            # (trl/models/utils.py, lines 136 and 407: GRPO, DPO's and GKD's on-policy generation,
+            # distillation); transformers 5.23 warns on it (modeling_utils.py, `is_gradient_checkpointing`).
+            # Nothing a config or chunkloss passes avoids it.
+            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
+                                    category=FutureWarning)  # fmt: skip
+            return _train(path, run_args, model_args, training_args, t0)
     finally:
         torch.set_num_threads(threads)
 
@@ -154,7 +162,9 @@ def train(path: str, overrides: list[str] | None = None) -> dict:
 def _train(path, run_args, model_args, training_args, t0) -> dict:
     trainer = build(path, run_args, model_args, training_args)
     counter = _TokenCounter(trainer)
-    result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    resume = training_args.resume_from_checkpoint
+    # "true": the last complete checkpoint of output_dir, as Trainer.train(resume_from_checkpoint=True).
+    result = trainer.train(resume_from_checkpoint=True if str(resume).lower() == "true" else resume)
     out_dir = os.path.abspath(training_args.output_dir)
     trainer.save_model(out_dir)
 
