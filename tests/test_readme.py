@@ -109,10 +109,8 @@ def _check_pytest(args: list[str]) -> None:
     paths = [a for a in args[2:] if (ROOT / a).exists() and not a.startswith("-")]
     assert paths == ["tests"], args
     options = [a for a in args[2:] if a not in paths]
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", *options, "--collect-only", "--strict-markers", "tests/test_readme.py"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    command = [sys.executable, "-m", "pytest", *options, "--collect-only", "--strict-markers", __file__]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "test_python_block_runs_as_written" in done.stdout
 

@@ -36,7 +36,8 @@ def last_complete_checkpoint(folder: str) -> str | None:
     steps = []
     for name in os.listdir(folder) if os.path.isdir(folder) else ():
         head, _, step = name.rpartition("-")
-        if head == PREFIX_CHECKPOINT_DIR and step.isdigit() and os.path.isfile(os.path.join(folder, name, STATE_FILE)):
+        complete = os.path.isfile(os.path.join(folder, name, STATE_FILE))
+        if head == PREFIX_CHECKPOINT_DIR and step.isdigit() and complete:
             steps.append(int(step))
     return os.path.join(folder, f"{PREFIX_CHECKPOINT_DIR}-{max(steps)}") if steps else None
 
@@ -51,6 +52,7 @@ def _find_oom(exc: BaseException | None) -> torch.OutOfMemoryError | None:
         seen.add(id(exc))
         exc = exc.__cause__ or exc.__context__
     return None
+
 
 # PEFT's prompt-learning adapters: prompt tuning and p-tuning prepend virtual tokens to the hidden states;
 # prefix tuning hands the attention layers virtual keys and values (the hidden states keep their length).
@@ -83,6 +85,11 @@ class ChunkedTrainerSetup:
        chunked head on the trained model (:func:`add_chunked_head`). ``self.chunk_opts`` (the engine options)
        and ``self.head_transforms`` (``softcap``, ``logit_scale`` of the trained model) are set.
     5. :meth:`_setup_loss`: the trainer's own loss modules.
+
+    In training it adds: checkpoints holding the state TRL's leave out (:data:`_RESUMED_ATTRS`), marked
+    complete by :data:`STATE_FILE` (``_save_checkpoint``, ``train``); and, per attempt of the training loop, a
+    fresh start and the out-of-memory error as accelerate's retry needs it or as one that says what to do
+    (``_inner_training_loop``).
     """
 
     _trains_lm_head_lora = True
@@ -108,8 +115,8 @@ class ChunkedTrainerSetup:
             # TRL 1.16's SFTTrainer (trl/trainer/sft_trainer.py, line 1058) warns that label_smoothing_factor
             # makes it compute the loss from materialised logits in an extra forward pass; the chunked loss
             # takes the smoothing itself, so the warning is not true of this trainer.
-            warnings.filterwarnings("ignore", message="`label_smoothing_factor` is deprecated in `SFTTrainer`",
-                                    category=FutureWarning)  # fmt: skip
+            smoothing = "`label_smoothing_factor` is deprecated in `SFTTrainer`"
+            warnings.filterwarnings("ignore", message=smoothing, category=FutureWarning)
             super().__init__(**call)
         self._refuse_built()
         self._refuse_prompt_learning()
@@ -133,8 +140,8 @@ class ChunkedTrainerSetup:
         return {name: getattr(self, name) for name in _RESUMED_ATTRS if hasattr(self, name)}
 
     def _save_checkpoint(self, model, trial) -> None:
-        """transformers' checkpoint, then :data:`STATE_FILE` (written to a temporary name and renamed, so it is
-        whole or absent), then the deletion of old checkpoints beyond ``save_total_limit``, which
+        """transformers' checkpoint, then :data:`STATE_FILE` (written to a temporary name and renamed, so it
+        is whole or absent), then the deletion of old checkpoints beyond ``save_total_limit``, which
         transformers would otherwise run before this checkpoint is complete."""
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
@@ -152,8 +159,8 @@ class ChunkedTrainerSetup:
             tmp = os.path.join(folder, STATE_FILE + ".tmp")
             torch.save(state, tmp)
             os.replace(tmp, os.path.join(folder, STATE_FILE))
-            rotate_checkpoints(run_dir, save_total_limit=limit,
-                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)  # fmt: skip
+            best = self.state.best_model_checkpoint
+            rotate_checkpoints(run_dir, save_total_limit=limit, best_model_checkpoint=best, use_mtime=True)
 
     def _load_optimizer_and_scheduler(self, checkpoint) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
@@ -163,21 +170,24 @@ class ChunkedTrainerSetup:
                 setattr(self, name, value)
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
-        """transformers' ``train``. ``resume_from_checkpoint=True`` resumes from the last *complete* checkpoint
-        of ``output_dir`` (:func:`last_complete_checkpoint`): a save interrupted by a crash or a kill leaves a
-        folder that transformers would pick and fail on. A path to such a folder is refused with the last
-        complete one named."""
+        """transformers' ``train``. ``resume_from_checkpoint=True`` resumes from the last *complete*
+        checkpoint of ``output_dir`` (:func:`last_complete_checkpoint`): a save interrupted by a crash or a
+        kill leaves a folder that transformers would pick and fail on. A path to such a folder is refused
+        with the last complete one named."""
         if resume_from_checkpoint is True:
             found = last_complete_checkpoint(self.args.output_dir)
             if found is None:
-                raise ValueError(f"resume_from_checkpoint=True: no complete checkpoint in {self.args.output_dir} "
-                                 f"(a complete one holds {STATE_FILE})")  # fmt: skip
+                raise ValueError(
+                    f"resume_from_checkpoint=True: no complete checkpoint in {self.args.output_dir} (a "
+                    f"complete one holds {STATE_FILE})"
+                )
             resume_from_checkpoint = found
         elif isinstance(resume_from_checkpoint, str) and not _complete(resume_from_checkpoint):
             parent = os.path.dirname(os.path.normpath(resume_from_checkpoint))
+            last = last_complete_checkpoint(parent)
             raise ValueError(
-                f"resume_from_checkpoint: {resume_from_checkpoint} is incomplete (its save was interrupted: no "
-                f"trainer_state.json or {STATE_FILE}); the last complete one is {last_complete_checkpoint(parent)}"
+                f"resume_from_checkpoint: {resume_from_checkpoint} is incomplete (its save was interrupted: "
+                f"no trainer_state.json or {STATE_FILE}); the last complete one is {last}"
             )
         self.__dict__.pop("_attempt_start", None)
         try:
@@ -190,8 +200,11 @@ class ChunkedTrainerSetup:
     def _prepare_inputs(self, inputs):
         prepared = super()._prepare_inputs(inputs)
         if isinstance(prepared, dict):  # the shapes an out-of-memory error names
-            self._batch_shapes = {k: tuple(v.shape) for k, v in prepared.items()
-                                  if k.endswith("_ids") and isinstance(v, torch.Tensor) and v.ndim == 2}  # fmt: skip
+            self._batch_shapes = {
+                k: tuple(v.shape)
+                for k, v in prepared.items()
+                if k.endswith("_ids") and isinstance(v, torch.Tensor) and v.ndim == 2
+            }
         return prepared
 
     def _inner_training_loop(self, batch_size=None, *args, **kwargs):
@@ -224,11 +237,12 @@ class ChunkedTrainerSetup:
         last = last_complete_checkpoint(self.args.output_dir)
         resume = f"resume from {last}" if last else "no checkpoint was written"
         first = str(oom).split("\n")[0]
+        size = batch_size or self.args.per_device_train_batch_size
         return (
-            f"out of memory at per_device_train_batch_size={batch_size or self.args.per_device_train_batch_size} "
-            f"(the batch: {batch}): set auto_find_batch_size=True to retry at smaller batches, or lower "
-            "per_device_train_batch_size (raising gradient_accumulation_steps keeps the effective batch) or the "
-            f"sequence length, or set chunk_kernels=True and its recompute options; {resume}. ({first})"
+            f"out of memory at per_device_train_batch_size={size} (the batch: {batch}): set "
+            "auto_find_batch_size=True to retry at smaller batches, or lower per_device_train_batch_size "
+            "(raising gradient_accumulation_steps keeps the effective batch) or the sequence length, or set "
+            f"chunk_kernels=True and its recompute options; {resume}. ({first})"
         )
 
     def _refuse_early(self, call: dict) -> None:

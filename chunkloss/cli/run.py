@@ -148,8 +148,8 @@ def train(path: str, overrides: list[str] | None = None) -> dict:
         torch.set_num_threads(run_args.cpu_threads)
     try:
         with warnings.catch_warnings():
-            # TRL 1.16 reads transformers' deprecated `model.is_gradient_checkpointing` around every generation
-            # (trl/models/utils.py, lines 136 and 407: GRPO, DPO's and GKD's on-policy generation,
+            # TRL 1.16 reads transformers' deprecated `model.is_gradient_checkpointing` around every
+            # generation (trl/models/utils.py, lines 136 and 407: GRPO, DPO's and GKD's on-policy generation,
             # distillation); transformers 5.23 warns on it (modeling_utils.py, `is_gradient_checkpointing`).
             # Nothing a config or chunkloss passes avoids it.
             warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",

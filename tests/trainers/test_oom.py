@@ -101,7 +101,8 @@ class _AllocatedAfterFirstStep(TrainerCallback):
 def _long_texts(n: int = 64, words: int = 1200) -> Dataset:
     tok = tokenizer()
     vocab = [t for t in tok.get_vocab() if t.isdigit()]
-    return Dataset.from_dict({"text": [" ".join(vocab[(i + j) % len(vocab)] for j in range(words)) for i in range(n)]})
+    texts = [" ".join(vocab[(i + j) % len(vocab)] for j in range(words)) for i in range(n)]
+    return Dataset.from_dict({"text": texts})
 
 
 @pytest.mark.gpu
@@ -110,8 +111,8 @@ def test_out_of_memory_on_gpu_retries_with_kernels_and_compile_and_frees_the_fai
     0.3 GB, so under a cap between the peaks of batches 6 and 7 batches 8 and 7 run out of memory, and 6
     trains; its allocated memory after the first step is a fresh batch-6 run's."""
     data = _long_texts()
-    cfg = dict(max_length=1024, bf16=True, use_cpu=False, chunk_kernels=True, chunk_compile=True, chunk_size=None,
-               max_steps=2, logging_steps=1)  # fmt: skip
+    cfg = dict(max_length=1024, bf16=True, use_cpu=False, chunk_kernels=True, chunk_compile=True,
+               chunk_size=None, max_steps=2, logging_steps=1)  # fmt: skip
 
     def model():
         torch.manual_seed(0)
@@ -121,7 +122,8 @@ def test_out_of_memory_on_gpu_retries_with_kernels_and_compile_and_frees_the_fai
     def run(batch, **extra):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        trainer = _trainer(tmp_path / f"b{batch}-{len(extra)}", batch, model=model(), dataset=data, **cfg, **extra)
+        out = tmp_path / f"b{batch}-{len(extra)}"
+        trainer = _trainer(out, batch, model=model(), dataset=data, **cfg, **extra)
         probe = _AllocatedAfterFirstStep()
         trainer.add_callback(probe)
         trainer.train()
@@ -132,7 +134,7 @@ def test_out_of_memory_on_gpu_retries_with_kernels_and_compile_and_frees_the_fai
     _, peak2, _ = run(2)
     _, peak4, _ = run(4)
     per_seq = (peak4 - peak2) / 2
-    assert per_seq > 100 * 2**20, f"a sequence adds {per_seq / 2**20:.0f} MiB: too little to cap between batches"
+    assert per_seq > 100 * 2**20, f"a sequence adds {per_seq / 2**20:.0f} MiB: too little to cap between"
     fresh_alloc, peak6, _ = run(6)
     cap = peak6 + per_seq / 2
     total = torch.cuda.get_device_properties(0).total_memory

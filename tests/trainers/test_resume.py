@@ -21,22 +21,23 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TRAINERS = ["sft", "dpo", "orpo", "grpo", "gkd", "distillation", "medusa"]
 STEPS, SAVE = 4, 2
 # Logged once per run (not per step), or wall-clock times.
-NOT_COMPARED = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss", "total_flos",
-                "step_time"}
+NOT_COMPARED = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss",
+                "total_flos", "step_time"}  # fmt: skip
 
 
 def _run(name: str, out: Path, *overrides: str) -> list[dict]:
     args = ["--output_dir", str(out), "--max_steps", str(STEPS), "--logging_steps", "1",
             "--save_strategy", "steps", "--save_steps", str(SAVE), *overrides]  # fmt: skip
     if name == "grpo":
-        args += ["--use_adaptive_entropy", "true", "--entropy_target", "0.5"]  # the controller's state resumes too
+        args += ["--use_adaptive_entropy", "true", "--entropy_target", "0.5"]  # the controller's state too
     cli.train(str(CONFIGS / f"{name}-tiny.yaml"), args)
     return _steps(out / f"checkpoint-{STEPS}")
 
 
 def _steps(checkpoint: Path) -> list[dict]:
     history = json.loads((checkpoint / "trainer_state.json").read_text())["log_history"]
-    return [{k: v for k, v in h.items() if k not in NOT_COMPARED} for h in history if "train_runtime" not in h]
+    per_step = [h for h in history if "train_runtime" not in h]
+    return [{k: v for k, v in h.items() if k not in NOT_COMPARED} for h in per_step]
 
 
 def _assert_same_steps(resumed: list[dict], full: list[dict], after: int) -> None:
@@ -59,7 +60,8 @@ def _threads():
 def test_resumed_run_logs_what_the_uninterrupted_run_logs(tmp_path, name):
     full = _run(name, tmp_path / "full")
     assert (tmp_path / "full" / f"checkpoint-{SAVE}" / STATE_FILE).exists()
-    resumed = _run(name, tmp_path / "resumed", "--resume_from_checkpoint", str(tmp_path / "full" / f"checkpoint-{SAVE}"))
+    checkpoint = tmp_path / "full" / f"checkpoint-{SAVE}"
+    resumed = _run(name, tmp_path / "resumed", "--resume_from_checkpoint", str(checkpoint))
     _assert_same_steps(resumed, full, after=SAVE)
     if name == "grpo":
         assert {"entropy_coef"} <= set(resumed[-1])
