@@ -15,8 +15,8 @@ import torch
 from ._common import apply_chunk_kernels, chunk_options, peft_base, refuse
 from ._head import add_chunked_head, allow_lm_head_adapter, check_head_supported, head_transforms
 
-__all__ = ["STATE_FILE", "ChunkedTrainerSetup", "last_complete_checkpoint", "prompt_learning_types",
-           "teacher_head"]  # fmt: skip
+__all__ = ["STATE_FILE", "ChunkedTrainerSetup", "is_complete_checkpoint", "last_complete_checkpoint",
+           "prompt_learning_types", "teacher_head"]  # fmt: skip
 
 #: Written last into each checkpoint of a chunked trainer (renamed into place): the state the trainer keeps
 #: beyond transformers' (see ``ChunkedTrainerSetup._save_checkpoint``); its presence marks the checkpoint
@@ -182,7 +182,7 @@ class ChunkedTrainerSetup:
                     f"complete one holds {STATE_FILE})"
                 )
             resume_from_checkpoint = found
-        elif isinstance(resume_from_checkpoint, str) and not _complete(resume_from_checkpoint):
+        elif isinstance(resume_from_checkpoint, str) and not is_complete_checkpoint(resume_from_checkpoint):
             parent = os.path.dirname(os.path.normpath(resume_from_checkpoint))
             last = last_complete_checkpoint(parent)
             raise ValueError(
@@ -272,7 +272,7 @@ class ChunkedTrainerSetup:
             )
 
 
-def _complete(checkpoint: str) -> bool:
+def is_complete_checkpoint(checkpoint: str) -> bool:
     """A checkpoint folder whose save finished: it holds :data:`STATE_FILE`, or (written by another trainer)
     a ``trainer_state.json`` that parses."""
     if os.path.isfile(os.path.join(checkpoint, STATE_FILE)):

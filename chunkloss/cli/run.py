@@ -159,12 +159,34 @@ def train(path: str, overrides: list[str] | None = None) -> dict:
         torch.set_num_threads(threads)
 
 
+def _resume_from(path: str, training_args) -> str | None:
+    """The checkpoint folder ``resume_from_checkpoint`` names; ``true``: the last complete one of
+    ``output_dir`` (a save interrupted by a crash leaves one that is not)."""
+    from chunkloss.trainers._setup import is_complete_checkpoint, last_complete_checkpoint
+
+    resume = training_args.resume_from_checkpoint
+    if resume is None:
+        return None
+    if str(resume).lower() == "true":
+        found = last_complete_checkpoint(training_args.output_dir)
+        if found is None:
+            where = training_args.output_dir
+            raise ConfigError(f"{path}: resume_from_checkpoint: true, but {where} holds no complete one")
+        return found
+    if not is_complete_checkpoint(resume):
+        last = last_complete_checkpoint(os.path.dirname(os.path.normpath(resume)))
+        raise ConfigError(
+            f"{path}: resume_from_checkpoint: {resume} is not a complete checkpoint (missing, or its save "
+            f"was interrupted); the last complete one beside it: {last}"
+        )
+    return resume
+
+
 def _train(path, run_args, model_args, training_args, t0) -> dict:
+    resume = _resume_from(path, training_args)  # before anything is built
     trainer = build(path, run_args, model_args, training_args)
     counter = _TokenCounter(trainer)
-    resume = training_args.resume_from_checkpoint
-    # "true": the last complete checkpoint of output_dir, as Trainer.train(resume_from_checkpoint=True).
-    result = trainer.train(resume_from_checkpoint=True if str(resume).lower() == "true" else resume)
+    result = trainer.train(resume_from_checkpoint=resume)
     out_dir = os.path.abspath(training_args.output_dir)
     trainer.save_model(out_dir)
 

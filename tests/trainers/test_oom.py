@@ -84,8 +84,11 @@ def test_without_auto_find_batch_size_the_error_names_the_batch_and_the_checkpoi
     assert f"resume from {tmp_path / 'checkpoint-2'}" in message and OOM in message
     assert (tmp_path / "checkpoint-2" / STATE_FILE).exists()
     resumed = _trainer(tmp_path, 8, save_strategy="steps", save_steps=2, max_steps=4)
-    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
-    assert resumed.state.global_step == 4
+    (tmp_path / "checkpoint-3").mkdir()  # what a save killed at its start leaves
+    with pytest.raises(ValueError, match="checkpoint-3 is incomplete.*checkpoint-2"):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
+    resumed.train(resume_from_checkpoint=True)  # the last complete checkpoint
+    assert [h["step"] for h in resumed.state.log_history if "loss" in h] == [1, 2, 3, 4]
 
 
 class _AllocatedAfterFirstStep(TrainerCallback):

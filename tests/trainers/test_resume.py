@@ -93,8 +93,10 @@ def test_an_interrupted_save_leaves_the_previous_checkpoint_to_resume_from(tmp_p
     assert (out / f"checkpoint-{SAVE}" / STATE_FILE).exists()
     assert not (out / f"checkpoint-{STEPS}" / STATE_FILE).exists()
 
-    with pytest.raises(ValueError, match=f"incomplete.*checkpoint-{SAVE}"):
+    with pytest.raises(ValueError, match=f"not a complete checkpoint.*checkpoint-{SAVE}"):
         _run("sft", out, "--resume_from_checkpoint", str(out / f"checkpoint-{STEPS}"))
+    assert cli.main(["train", str(CONFIGS / "sft-tiny.yaml"), "--output_dir", str(out),
+                     "--resume_from_checkpoint", str(out / f"checkpoint-{STEPS}")]) == 2  # fmt: skip
     resumed = _run("sft", out, "--resume_from_checkpoint", "true", "--save_total_limit", "1")
     _assert_same_steps(resumed, full, after=SAVE)
     assert not (out / f"checkpoint-{SAVE}").exists(), "the older checkpoint goes once the new one is complete"
