@@ -76,7 +76,7 @@ def _falls(losses: list[float]) -> bool:
 FALLING = ["sft-tiny", "dpo-tiny", "orpo-tiny", "gkd-tiny", "distillation-tiny", "medusa-tiny"]
 
 
-@pytest.mark.slow  # 30 steps: 20-60 s each on a busy 2-core machine
+@pytest.mark.slow  # 30 steps of a tiny config, and TRL's generation for DPO/GKD/distillation
 @pytest.mark.parametrize("name", FALLING)
 def test_tiny_config_full_run_loss_falls(tmp_path, capsys, recwarn, name):
     summary, out = _train(name, tmp_path, "--logging_steps", "1")
