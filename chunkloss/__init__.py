@@ -6,6 +6,6 @@ from chunkloss.losses import *  # noqa: F403
 from chunkloss.losses import __all__ as _losses_all
 from chunkloss.losses import gpu_steps  # noqa: F401  (registers the losses' Triton steps for CUDA)
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [*_engine_all, *_losses_all]

@@ -10,7 +10,11 @@ import pytest
 import torch
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
+    """GPU and multi-GPU tests are skipped without the devices. The quick check (``-m "not slow"``) runs a
+    parametrized test at its first parameter set only: every parameter set after the first is marked
+    ``slow``, beside the end-to-end runs marked by hand."""
     has_cuda = torch.cuda.is_available()
     n_gpu = torch.cuda.device_count() if has_cuda else 0
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
@@ -20,6 +24,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "multigpu" in item.keywords and n_gpu < 2:
             item.add_marker(skip_multi)
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and any(callspec.indices.values()):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(autouse=True)

@@ -303,8 +303,17 @@ def test_the_command_prints_one_line_and_no_traceback(tmp_path):
     plain = _command("train", str(path), env={"CHUNKLOSS_DEBUG": ""})
     assert plain.returncode == 2
     assert plain.stderr == f"chunkloss: error: {path}: beta must be positive, got -1.0\n", plain.stderr
-    debug = _command("train", str(path), env={"CHUNKLOSS_DEBUG": "1"})
-    assert debug.returncode == 1 and "Traceback" in debug.stderr and "ConfigError" in debug.stderr
+
+
+@pytest.mark.parametrize("how", ["--debug", "CHUNKLOSS_DEBUG=1"])
+def test_a_config_mistake_exits_2_with_debug_too(tmp_path, monkeypatch, capsys, how):
+    path = tmp_path / "bad.yaml"
+    path.write_text(MISTAKES["dpo_beta"][0])
+    monkeypatch.setenv("CHUNKLOSS_DEBUG", "1" if how.startswith("CHUNKLOSS") else "")
+    assert main(["train", str(path), *([how] if how == "--debug" else [])]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "ConfigError" in err
+    assert err.endswith(f"chunkloss: error: {path}: beta must be positive, got -1.0\n"), err
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ command-line ``--key value`` pairs override the file.
 
 Every mistake in a config or on the command line is reported in one line on stderr with exit status 2;
 any other error in one line with exit status 1. ``--debug`` (or ``CHUNKLOSS_DEBUG=1``) shows the traceback
-instead.
+instead; a config mistake still exits with status 2. ``chunkloss --version`` prints the version.
 
 ``chunkloss bench losses|kernels|e2e|all [args]`` runs the benchmark scripts of a source checkout's
 ``benchmarks/`` folder; it refuses to run without CUDA (CPU timings say nothing about the GPU).
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 
 from .bench import bench as _bench
 from .config import TRAINERS, RunArguments, load_config, make_parser, read_yaml, trainer_name
@@ -49,6 +50,11 @@ def _command(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from chunkloss import __version__
+
+        print(f"chunkloss {__version__}")
+        return 0
     command, rest = argv[0], argv[1:]
     if command == "train":
         return _train_command(rest)
@@ -70,11 +76,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _command(argv)
     except Exception as exc:
-        if debug:
-            raise
         if isinstance(exc, ConfigError):
+            if debug:
+                traceback.print_exc()
             print(f"chunkloss: error: {_one_line(str(exc))}", file=sys.stderr)
             return 2
+        if debug:
+            raise
         message = _one_line(f"{type(exc).__name__}: {exc}")
         print(f"chunkloss: error: {message} (--debug or CHUNKLOSS_DEBUG=1 shows the traceback)",
               file=sys.stderr)

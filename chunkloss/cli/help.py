@@ -10,14 +10,15 @@ from .config import TRAINERS, RunArguments
 __all__ = ["USAGE", "train_overview"]
 
 USAGE = """usage: chunkloss {train,bench} ... [--debug]
+       chunkloss --version
 
   chunkloss train CONFIG.yaml [--key value ...]   train with a TRL trainer using chunked losses
   chunkloss train --help                          trainers and options
   chunkloss bench [losses|kernels|e2e|all]        GPU benchmarks against installed peers (needs CUDA and
                                                   a source checkout)
 
-A config mistake is reported in one line (exit status 2). --debug, or CHUNKLOSS_DEBUG=1, shows the
-traceback of any error instead."""
+A config mistake is reported in one line (exit status 2). --debug, or CHUNKLOSS_DEBUG=1, also shows the
+traceback of any error (a config mistake still exits with status 2)."""
 
 
 def _field_help(cls) -> list[str]:

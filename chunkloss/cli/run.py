@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -146,15 +147,46 @@ def train(path: str, overrides: list[str] | None = None) -> dict:
     if run_args.cpu_threads is not None:
         torch.set_num_threads(run_args.cpu_threads)
     try:
-        return _train(path, run_args, model_args, training_args, t0)
+        with warnings.catch_warnings():
+            # TRL 1.16 reads transformers' deprecated `model.is_gradient_checkpointing` around every
+            # generation (trl/models/utils.py, lines 136 and 407: GRPO, DPO's and GKD's on-policy generation,
+            # distillation); transformers 5.23 warns on it (modeling_utils.py, `is_gradient_checkpointing`).
+            # Nothing a config or chunkloss passes avoids it.
+            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
+                                    category=FutureWarning)  # fmt: skip
+            return _train(path, run_args, model_args, training_args, t0)
     finally:
         torch.set_num_threads(threads)
 
 
+def _resume_from(path: str, training_args) -> str | None:
+    """The checkpoint folder ``resume_from_checkpoint`` names; ``true``: the last complete one of
+    ``output_dir`` (a save interrupted by a crash leaves one that is not)."""
+    from chunkloss.trainers._setup import is_complete_checkpoint, last_complete_checkpoint
+
+    resume = training_args.resume_from_checkpoint
+    if resume is None:
+        return None
+    if str(resume).lower() == "true":
+        found = last_complete_checkpoint(training_args.output_dir)
+        if found is None:
+            where = training_args.output_dir
+            raise ConfigError(f"{path}: resume_from_checkpoint: true, but {where} holds no complete one")
+        return found
+    if not is_complete_checkpoint(resume):
+        last = last_complete_checkpoint(os.path.dirname(os.path.normpath(resume)))
+        raise ConfigError(
+            f"{path}: resume_from_checkpoint: {resume} is not a complete checkpoint (missing, or its save "
+            f"was interrupted); the last complete one beside it: {last}"
+        )
+    return resume
+
+
 def _train(path, run_args, model_args, training_args, t0) -> dict:
+    resume = _resume_from(path, training_args)  # before anything is built
     trainer = build(path, run_args, model_args, training_args)
     counter = _TokenCounter(trainer)
-    result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    result = trainer.train(resume_from_checkpoint=resume)
     out_dir = os.path.abspath(training_args.output_dir)
     trainer.save_model(out_dir)
 
@@ -197,6 +229,10 @@ def _print_summary(s: dict) -> None:
     ]
     if "rewards" in s:
         lines.append(f"  final reward  {s['rewards'][-1]:.4g}   (first logged {s['rewards'][0]:.4g})")
+        # GRPO's loss is a surrogate whose value does not track the policy's quality (the advantages have
+        # zero mean in each group; the KL and entropy terms move it either way), so it may rise while the
+        # reward rises.
+        lines.append("  watch the reward: it measures the policy; the loss may rise while the reward rises")
     tps = f"{s['tokens_per_s']:.0f}" if s["tokens_per_s"] else "n/a"
     lines += [
         f"  tokens/s      {tps}   ({s['tokens']} tokens in {s['train_runtime_s']:.1f} s of training)",

@@ -128,6 +128,7 @@ def single_process_reference():
     return model, loss
 
 
+@pytest.mark.slow  # two spawned processes importing torch and transformers: about 26 s of CPU time
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_fsdp2_gloo_grads_equal_single_process(layout, sharded_results):
     head_type, loss, grads = sharded_results[layout]
