@@ -102,7 +102,11 @@ class ChunkedTrainerSetup:
         super().__init_subclass__(**kwargs)
         trl_cls = next(c for c in cls.__mro__ if c.__module__.startswith("trl."))
         cls._trl_trainer = trl_cls
-        if "__init__" not in cls.__dict__:
+        # A subclass without a constructor of its own takes TRL's arguments, unless it inherits a chunked
+        # trainer's hand-written one (ChunkedMedusaTrainer's), which must keep running.
+        inherited = cls.__init__
+        generated = getattr(inherited, "_takes_trl_arguments", False)
+        if "__init__" not in cls.__dict__ and (generated or inherited.__module__.startswith("trl.")):
             cls.__init__ = _init_with_signature_of(trl_cls)
 
     def _build(self, call: dict) -> None:
@@ -309,5 +313,6 @@ def _init_with_signature_of(trl_cls):
         ChunkedTrainerSetup._build(self, call)
 
     __init__.__signature__ = signature
+    __init__._takes_trl_arguments = True
     __init__.__doc__ = f"``{trl_cls.__name__}``'s arguments; the class docstring says what is refused."
     return __init__

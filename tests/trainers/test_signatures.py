@@ -86,3 +86,18 @@ def test_orpo_encoder_decoder_refused_before_trls_constructor(tmp_path, monkeypa
     for given in (model, str(path)):
         with pytest.raises(ValueError, match="ChunkedORPOTrainer does not support encoder-decoder models"):
             ChunkedORPOTrainer(given, args, train_dataset=tiny_dataset("orpo", 8), processing_class=tok)
+
+
+def test_subclass_keeps_the_constructor_it_inherits():
+    """A user's subclass without a constructor runs the chunked trainer's: the generated one taking TRL's
+    arguments, or a hand-written one (Medusa's adds the heads) that replacing would silently skip."""
+    from chunkloss.trainers import ChunkedMedusaTrainer
+
+    class MySFT(ChunkedSFTTrainer):
+        pass
+
+    class MyMedusa(ChunkedMedusaTrainer):
+        pass
+
+    assert inspect.signature(MySFT) == inspect.signature(SFTTrainer)
+    assert MyMedusa.__init__ is ChunkedMedusaTrainer.__init__
