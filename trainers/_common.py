@@ -41,7 +41,7 @@ class ChunkedArguments:
         chunk_compile: run the per-chunk math under ``torch.compile``.
         chunk_kernels: run the model's RMSNorms, rotary embedding and gated MLPs on chunkloss's Triton
             kernels, and each layer's input norm, q/k/v projections and rotary embedding as one fused call
-            (``chunkloss.kernels.patch(model, loss=False)``), and a reference or teacher model's too; see
+            (``chunkloss.models.patch(model, loss=False)``), and a reference or teacher model's too; see
             :func:`apply_chunk_kernels`.
         chunk_kernels_mlp_recompute: with ``chunk_kernels``, the fused MLP saves only its input and replays
             the gate/up GEMM in the backward (``patch(..., mlp_recompute=True)``): less activation memory, one
@@ -66,18 +66,18 @@ class ChunkedArguments:
         metadata={
             "help": "Run the model's RMSNorm, rotary embedding and gated MLP on chunkloss's Triton kernels, "
             "and each layer's input norm, q/k/v projections and rotary embedding as one fused call "
-            "(chunkloss.kernels.patch(model, loss=False); a reference/teacher model of a supported type "
+            "(chunkloss.models.patch(model, loss=False); a reference/teacher model of a supported type "
             "too): less activation memory, faster steps. Model types: llama, mistral, qwen2, qwen3, gemma, "
-            "gemma2 (chunkloss.kernels.patch.SUPPORTED_MODEL_TYPES); CUDA only. Off by default: results "
+            "gemma2 (chunkloss.models.patch.SUPPORTED_MODEL_TYPES); CUDA only. Off by default: results "
             "then equal TRL's up to rounding. The rotary patch replaces the family's apply_rotary_pos_emb "
-            "for the whole process (chunkloss.kernels.unpatch_rotary undoes it)."
+            "for the whole process (chunkloss.models.unpatch_rotary undoes it)."
         },
     )
     chunk_kernels_mlp_recompute: bool = field(
         default=False,
         metadata={
             "help": "With chunk_kernels: the fused MLP saves only its input and replays the gate/up GEMM in "
-            "the backward (chunkloss.kernels.patch(model, mlp_recompute=True)): less activation memory, one "
+            "the backward (chunkloss.models.patch(model, mlp_recompute=True)): less activation memory, one "
             "more GEMM per MLP."
         },
     )
@@ -85,7 +85,7 @@ class ChunkedArguments:
         default=False,
         metadata={
             "help": "With chunk_kernels: the decoder layers keep no output of the norms before attention and "
-            "MLP for the backward, which runs those norms again (chunkloss.kernels.patch(model, "
+            "MLP for the backward, which runs those norms again (chunkloss.models.patch(model, "
             "norm_recompute=True)): 2*H fewer activation elements per token and layer."
         },
     )
@@ -192,7 +192,7 @@ def _off_device(model) -> set[str]:
 
 
 def apply_chunk_kernels(trainer) -> None:
-    """``chunk_kernels=True``: patch the trainer's models with ``chunkloss.kernels.patch(model, loss=False,
+    """``chunk_kernels=True``: patch the trainer's models with ``chunkloss.models.patch(model, loss=False,
     mlp_recompute=chunk_kernels_mlp_recompute, norm_recompute=chunk_kernels_norm_recompute)``.
 
     Called by every chunked trainer once TRL's constructor has built and placed its models. The trained model
@@ -206,8 +206,8 @@ def apply_chunk_kernels(trainer) -> None:
     norm backwards over buffers read by nothing else) hold under gradient checkpointing: a recomputed
     forward builds the same fresh tensors.
 
-    The rotary patch is process-wide (``chunkloss.kernels.patch``): other models of the same family in the
-    process run the Triton rotary embedding from here on; ``chunkloss.kernels.unpatch_rotary()`` restores
+    The rotary patch is process-wide (``chunkloss.models.patch``): other models of the same family in the
+    process run the Triton rotary embedding from here on; ``chunkloss.models.unpatch_rotary()`` restores
     transformers' function.
     """
     name = type(trainer).__name__
@@ -221,7 +221,7 @@ def apply_chunk_kernels(trainer) -> None:
                 refuse(name, f"chunk_kernels_{key}=True without chunk_kernels=True",
                        "it selects what the kernels keep for the backward")  # fmt: skip
         return
-    from chunkloss.kernels.patch import SUPPORTED_MODEL_TYPES, patch
+    from chunkloss.models.patch import SUPPORTED_MODEL_TYPES, patch
 
     if getattr(trainer.args, "use_liger_kernel", False):
         refuse(name, "chunk_kernels=True with use_liger_kernel=True",

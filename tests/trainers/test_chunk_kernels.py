@@ -1,5 +1,5 @@
 """``chunk_kernels=True`` on the chunked trainers: the model's norms, rotary embedding, attention input and
-gated MLPs run on chunkloss's Triton kernels (``chunkloss.kernels.patch(model, loss=False)``) and the step is
+gated MLPs run on chunkloss's Triton kernels (``chunkloss.models.patch(model, loss=False)``) and the step is
 unchanged up to rounding: one batch from one state, with and without the option, equal loss and gradients."""
 
 from __future__ import annotations
@@ -10,15 +10,15 @@ import sys
 
 import pytest
 import torch
-from chunkloss.kernels import SUPPORTED_MODEL_TYPES, unpatch_rotary
-from chunkloss.kernels.patch import _rotary_fn
+from chunkloss.models import SUPPORTED_MODEL_TYPES, unpatch_rotary
+from chunkloss.models.patch import _rotary_fn
 from chunkloss.trainers._common import ChunkedArguments
 from chunkloss.trainers.dpo import ChunkedDPOConfig, ChunkedDPOTrainer
 from chunkloss.trainers.orpo import ChunkedORPOConfig, ChunkedORPOTrainer
 from chunkloss.trainers.sft import ChunkedSFTConfig, ChunkedSFTTrainer
 
 from chunkloss.data import tiny_dataset, tiny_model
-from tests.kernels.test_patch import grad_fn_counts
+from tests.models.test_patch import grad_fn_counts
 from tests.tolerances import assert_close_to_ref
 from tests.trainers.helpers import assert_same_grads, common_args, model_pair, teacher_model, tokenizer
 
@@ -169,7 +169,7 @@ def test_sft_chunk_kernels_mlp_recompute_option(tmp_path, recompute):
 def test_sft_chunk_kernels_norm_recompute_option(tmp_path, monkeypatch):
     """chunk_kernels_norm_recompute: the backward runs each layer's two pre-norms again instead of keeping
     their outputs; the step is the plain one."""
-    from chunkloss.kernels import saved_norms
+    from chunkloss.models import saved_norms
 
     runs = []
     get = saved_norms._Recipe.get
@@ -330,7 +330,7 @@ def test_help_names_every_supported_type():
 
 
 def test_unpatch_rotary_restores_transformers_function(tmp_path):
-    from chunkloss.kernels import patch
+    from chunkloss.models import patch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # Triton takes CPU tensors only when interpreted
     llama = tiny_model(tokenizer(), "llama", hidden_size=32, num_layers=1).to(device)

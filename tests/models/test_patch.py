@@ -1,4 +1,4 @@
-"""chunkloss.kernels.patch on tiny random models of each supported family: same logits, loss and gradients."""
+"""chunkloss.models.patch on tiny random models of each supported family: same logits, loss and gradients."""
 
 import copy
 import sys
@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 import transformers
-from chunkloss.kernels import SUPPORTED_MODEL_TYPES, patch
+from chunkloss.models import SUPPORTED_MODEL_TYPES, patch
 from transformers import AutoModelForCausalLM
 
 from tests.tolerances import assert_close_to_ref
@@ -184,7 +184,7 @@ def _loss_and_fused_layers(model, input_ids):
 def test_attention_fusion_is_undone_and_redone(restore_rope):
     """Patching twice, patching again with ``attention=False`` and unpatching the rotary function each leave a
     model that normalises and rotates exactly once."""
-    from chunkloss.kernels import unpatch_rotary
+    from chunkloss.models import unpatch_rotary
 
     model = tiny_model("qwen2")  # q/k/v biases
     input_ids = torch.randint(0, VOCAB, (2, 7))
@@ -356,7 +356,7 @@ def test_norm_recompute_needs_the_norm_kernel():
 def test_norm_recompute_with_lora_gives_the_same_bits(restore_rope, monkeypatch):
     """LoRA layers (base linear, dropout, adapters) read the recomputed norm output like plain linears."""
     import peft
-    from chunkloss.kernels import saved_norms
+    from chunkloss.models import saved_norms
 
     runs = []
     get = saved_norms._Recipe.get
@@ -380,3 +380,18 @@ def test_norm_recompute_with_lora_gives_the_same_bits(restore_rope, monkeypatch)
     assert torch.equal(out[0][0], out[1][0])
     for name, g in out[0][1].items():
         assert (g is None and out[1][1][name] is None) or torch.equal(g, out[1][1][name]), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma2"])
+def test_patch_bf16_on_gpu(model_type, restore_rope):
+    model = tiny_model(model_type).cuda().to(torch.bfloat16)
+    restore_rope(model)
+    ids = torch.randint(0, VOCAB, (2, 64), device="cuda")
+    ref32 = copy.deepcopy(model).float()(input_ids=ids, labels=ids).loss
+    ref = model(input_ids=ids, labels=ids).loss
+    patched = patch(copy.deepcopy(model))
+    loss = patched(input_ids=ids, labels=ids).loss
+    assert_close_to_ref(loss, ref32, ref, "loss", dtype=torch.bfloat16)
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in patched.parameters())

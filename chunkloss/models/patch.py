@@ -13,7 +13,7 @@
   whose dtypes autocast would change runs the norm kernel and transformers' attention instead;
 * with ``norm_recompute=True``, every decoder layer's forward for one that does not keep its pre-norms'
   outputs (the input / post-attention / pre-feedforward RMSNorm) for the backward; the projections that read
-  them get them back by running the norm kernel again (``kernels/saved_norms.py``);
+  them get them back by running the norm kernel again (:mod:`chunkloss.models.saved_norms`);
 * every gated MLP for :func:`~chunkloss.kernels.mlp.gated_mlp`: one autograd Function that keeps the
   MLP's input and its gate and up pre-activations but not the gated product (recomputed in the backward), or
   with ``mlp_recompute=True`` the input only (the backward replays the gate and up GEMMs).
@@ -39,12 +39,13 @@ import warnings
 import torch
 from torch import nn
 
-from . import glu as _glu
-from . import mlp as _mlp
-from . import rms_norm as _rms
-from . import rope as _rope
+from chunkloss.kernels import glu as _glu
+from chunkloss.kernels import mlp as _mlp
+from chunkloss.kernels import rms_norm as _rms
+from chunkloss.kernels import rope as _rope
+from chunkloss.kernels.attention_input import attention_input, autocast_changes_dtype
+
 from . import saved_norms as _saved
-from .attention_input import attention_input, autocast_changes_dtype
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
 _GEMMA_TYPES = ("gemma", "gemma2")
@@ -199,7 +200,7 @@ def _check_device(model: nn.Module) -> None:
     off = sorted({p.device.type for p in model.parameters()} - {"cuda", "meta"})
     if off:
         raise ValueError(
-            f"chunkloss.kernels.patch: the model's parameters are on {off}; the Triton kernels run on CUDA "
+            f"chunkloss.models.patch: the model's parameters are on {off}; the Triton kernels run on CUDA "
             "tensors only (or on CPU with TRITON_INTERPRET=1 set before importing chunkloss). Move the model "
             "to CUDA first."
         )
@@ -284,11 +285,11 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, mlp: bo
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
-            f"chunkloss.kernels.patch supports model types {', '.join(SUPPORTED_MODEL_TYPES)}; "
+            f"chunkloss.models.patch supports model types {', '.join(SUPPORTED_MODEL_TYPES)}; "
             f"got {model_type!r} ({type(model).__name__})."
         )
     if norm_recompute and not rms_norm:
-        raise ValueError("chunkloss.kernels.patch: norm_recompute=True needs rms_norm=True")
+        raise ValueError("chunkloss.models.patch: norm_recompute=True needs rms_norm=True")
     _check_device(model)
     gemma = model_type in _GEMMA_TYPES
     for name, module in model.named_modules():
