@@ -1,4 +1,4 @@
-"""Triton kernels (RMSNorm, LayerNorm, RoPE, SwiGLU, GeGLU, the gated MLP, the attention input).
+"""Triton kernels (RMSNorm, LayerNorm, RoPE, SwiGLU, GeGLU, the gated MLP, the attention input), with LoRA.
 
 Every kernel has a pure-PyTorch ``*_ref`` beside it that matches the corresponding ``transformers`` module.
 This package imports nothing from the rest of chunkloss; :func:`chunkloss.models.patch` puts the kernels into
@@ -8,6 +8,7 @@ a transformers model.
 from .attention_input import attention_input, attention_input_ref
 from .glu import GeGLU, SwiGLU, geglu, geglu_ref, swiglu, swiglu_ref
 from .layer_norm import LayerNorm, layer_norm, layer_norm_ref
+from .lora import LoraAdapter, lora_linear, lora_linear_ref
 from .mlp import FusedGatedMLP, gated_mlp, gated_mlp_ref
 from .rms_norm import RMSNorm, rms_norm, rms_norm_ref
 from .rope import ApplyRotaryPosEmb, apply_rotary_pos_emb, apply_rotary_pos_emb_ref
@@ -33,4 +34,7 @@ __all__ = [
     "gated_mlp_ref",
     "attention_input",
     "attention_input_ref",
+    "LoraAdapter",
+    "lora_linear",
+    "lora_linear_ref",
 ]
