@@ -1,72 +1,78 @@
 """One call that makes a ``transformers`` causal LM run on chunkloss's kernels.
 
-``patch(model)`` swaps, on a Llama, Mistral, Qwen2, Qwen3, Gemma or Gemma-2 model:
+``patch(model)`` gives the modules of a Llama, Mistral, Qwen2, Qwen3, Gemma or Gemma-2 model the forwards
+written out in :mod:`chunkloss.models.layers` (each module's class becomes a subclass of its own, of the same
+name):
 
-* every RMSNorm module's forward for :func:`~chunkloss.kernels.rms_norm` (Gemma: ``1 + w`` in fp32);
-* the family's ``apply_rotary_pos_emb`` for the Triton one (q and k rotated in place);
-* with ``attention=True`` (the default; not Qwen3, which normalises q and k per head before RoPE), each
-  decoder layer's input RMSNorm, q/k/v projections and RoPE for one
-  :func:`~chunkloss.kernels.attention_input` call run by the attention module: the layer's
-  ``input_layernorm`` then passes its input through, and transformers' attention forward (cache,
-  attention, ``o_proj``) receives the rotated q, k and v as its projections' outputs. Per call, a layer
-  whose q/k/v projections are not plain ``nn.Linear`` modules, whose norm or projections have hooks, or
-  whose dtypes autocast would change runs the norm kernel and transformers' attention instead;
-* with ``norm_recompute=True``, every decoder layer's forward for one that does not keep its pre-norms'
-  outputs (the input / post-attention / pre-feedforward RMSNorm) for the backward; the projections that read
-  them get them back by running the norm kernel again (:mod:`chunkloss.models.saved_norms`);
-* every gated MLP for :func:`~chunkloss.kernels.mlp.gated_mlp`: one autograd Function that keeps the
-  MLP's input and its gate and up pre-activations but not the gated product (recomputed in the backward), or
-  with ``mlp_recompute=True`` the input only (the backward replays the gate and up GEMMs).
-  An MLP whose projections are not plain ``nn.Linear`` modules (PEFT/LoRA layers, quantised linears, or
-  linears with forward hooks) keeps its projections, checked at every call, and only its
-  ``act(gate) * up`` runs on :func:`~chunkloss.kernels.swiglu` / :func:`~chunkloss.kernels.geglu`;
-* the causal-LM forward, when called with ``labels``, for one that feeds the final hidden states straight
-  into ``chunkloss.FusedLinearCrossEntropyLoss``: the (tokens x vocab) logits are never materialised and the
-  output's ``logits`` is ``None``. Without labels the original forward runs and returns logits as usual.
+* every RMSNorm runs :func:`~chunkloss.kernels.rms_norm` (Gemma: ``1 + w`` in fp32);
+* every attention module runs its q/k/v projections, :func:`~chunkloss.kernels.apply_rotary_pos_emb` (q and k
+  rotated in place), the cache, transformers' attention interface and ``o_proj``;
+* with ``attention=True`` (the default; not Qwen3, which normalises q and k per head before RoPE), each decoder
+  layer runs its input RMSNorm, q/k/v projections and RoPE as one
+  :func:`~chunkloss.kernels.attention_input` call;
+* with ``norm_recompute=True``, every decoder layer keeps no output of its pre-norms (the input /
+  post-attention / pre-feedforward RMSNorm) for the backward; the projections that read them get them back by
+  running the norm kernel again (:mod:`chunkloss.models.saved_norms`);
+* every gated MLP runs :func:`~chunkloss.kernels.gated_mlp`: one autograd Function that keeps the MLP's input
+  and its gate and up pre-activations but not the gated product (recomputed in the backward), or with
+  ``mlp_recompute=True`` the input only (the backward replays the gate and up GEMMs);
+* a q/k/v, o, gate, up or down projection that is a PEFT LoRA layer with one active plain adapter runs inside
+  those fused calls with its adapter (:mod:`chunkloss.models.lora`) where the LoRA kernels are installed;
+* the causal-LM forward, when called with ``labels``, feeds the final hidden states straight into
+  ``chunkloss.FusedLinearCrossEntropyLoss``: the (tokens x vocab) logits are never materialised and the
+  output's ``logits`` is ``None``. Without labels the model's own forward runs and returns logits as usual.
 
-Norms, MLPs and the loss are patched on this model's modules only. Rotary embedding is a module-level
-function in transformers, so it is replaced in the family's modeling module and applies to every model of
-that family in the process (the result is the same up to rounding); ``unpatch_rotary`` puts transformers'
-function back.
+What runs fused is decided at each call: a projection that is neither an ``nn.Linear`` nor a plain LoRA layer
+(DoRA, several active adapters, a merged adapter, a quantised base), a module with a hook (accelerate's
+offload, DeepSpeed ZeRO-3), or fp32 weights under bf16 autocast run the separate modules (the norm, RoPE and
+gating kernels still), which compute the same values. ``patch`` logs one line saying what runs fused and what
+does not, and why.
+
+Only this model's modules change; other models of the same family in the process keep transformers' code.
 """
 
-import functools
-import os
-import sys
-import types
-import warnings
+from __future__ import annotations
 
-import torch
+import logging
+import os
+import warnings
+from collections import Counter
+
 from torch import nn
 
-from chunkloss.kernels import glu as _glu
-from chunkloss.kernels import mlp as _mlp
-from chunkloss.kernels import rms_norm as _rms
-from chunkloss.kernels import rope as _rope
-from chunkloss.kernels.attention_input import attention_input, autocast_changes_dtype
+from .layers import (
+    Gemma2Attention,
+    LayerSpec,
+    MistralAttention,
+    MLPSpec,
+    NormSpec,
+    PatchedAttention,
+    PatchedGatedMLP,
+    PatchedRMSNorm,
+    PreNormLayer,
+    Qwen3Attention,
+    SandwichLayer,
+    SlidingWindowAttention,
+)
+from .lora import why_not_fused
 
-from . import saved_norms as _saved
+logger = logging.getLogger("chunkloss.models")
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
+_NAMES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma": "Gemma",
+          "gemma2": "Gemma2"}  # fmt: skip
+# model type -> (attention forward, decoder-layer forward)
+_FAMILIES = {
+    "llama": (PatchedAttention, PreNormLayer),
+    "mistral": (MistralAttention, PreNormLayer),
+    "qwen2": (SlidingWindowAttention, PreNormLayer),
+    "qwen3": (Qwen3Attention, PreNormLayer),
+    "gemma": (PatchedAttention, PreNormLayer),
+    "gemma2": (Gemma2Attention, SandwichLayer),
+}
 _GEMMA_TYPES = ("gemma", "gemma2")
-_RMSNORM_CLASSES = {f"{name}RMSNorm" for name in ("Llama", "Mistral", "Qwen2", "Qwen3", "Gemma", "Gemma2")}
-_MLP_CLASSES = {f"{name}MLP" for name in ("Llama", "Mistral", "Qwen2", "Qwen3", "Gemma", "Gemma2")}
 _PRE_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm")
-_LAYER_CLASSES = {f"{name}DecoderLayer" for name in ("Llama", "Mistral", "Qwen2", "Qwen3", "Gemma", "Gemma2")}
-# Attention modules whose input norm, projections and RoPE attention_input computes (Qwen3's q/k norms sit
-# between the projections and RoPE).
-_ATTENTION_CLASSES = {f"{name}Attention" for name in ("Llama", "Mistral", "Qwen2", "Gemma", "Gemma2")}
-# (q, k) data pointers attention_input rotated already, while transformers' attention forward runs on them.
-_PRE_ROTATED: list[tuple[int, int]] = []
-# Modeling module name -> the apply_rotary_pos_emb it had before patch() replaced it, for unpatch_rotary.
-_ORIGINAL_ROPE: dict[str, object] = {}
-
-
-def _rotary_fn(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
-    if _PRE_ROTATED and _PRE_ROTATED[-1] == (q.data_ptr(), k.data_ptr()):
-        return q, k  # handed over by _attention_forward, rotated
-    # q and k are fresh projections (transposed views) that attention reads only through the result.
-    return _rope.apply_rotary_pos_emb(q, k, cos, sin, position_ids, unsqueeze_dim, in_place=True)
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def _norm_in_place_safe(name: str, model_type: str) -> bool:
@@ -81,108 +87,6 @@ def _norm_in_place_safe(name: str, model_type: str) -> bool:
     return leaf == "post_attention_layernorm" and model_type != "gemma2"
 
 
-def _pre_norm(name: str) -> bool:
-    """Norms whose output the next projections save for their backward (what ``norm_recompute`` drops)."""
-    return name.rsplit(".", 1)[-1] in _PRE_NORMS
-
-
-def _norm_forward(module, x, *, eps, offset, casting, in_place, offer=False):
-    out = _rms.rms_norm(x, module.weight, eps, offset, casting, in_place)
-    if offer:
-        _saved.offer(out, lambda: _rms.rms_norm(x, module.weight, eps, offset, casting, in_place))
-    return out
-
-
-def _layer_forward(module, *args, _forward, **kwargs):
-    """A decoder layer's forward that keeps no pre-norm output for the backward (``norm_recompute``)."""
-    if not torch.is_grad_enabled() or (module.training and getattr(module, "gradient_checkpointing", False)):
-        return _forward(*args, **kwargs)
-    with _saved.SavedNorms():
-        return _forward(*args, **kwargs)
-
-
-def _unhooked(module: nn.Module) -> bool:
-    """No hook (accelerate's offload, DeepSpeed ZeRO-3's gathering, a user's) that a fused call would skip."""
-    return not module._forward_hooks and not module._forward_pre_hooks and not hasattr(module, "_hf_hook")
-
-
-def _input_norm_forward(norm, x, *, norm_options, norm_recompute):
-    """A layer's input RMSNorm: passes ``x`` through when its attention module can run the norm itself
-    (:func:`_attention_forward`), which it tells that module; runs the norm kernel otherwise."""
-    attn = norm._chunkloss_attention
-    projs = (attn.q_proj, attn.k_proj, attn.v_proj)
-    rope_patched = sys.modules[type(attn).__module__].apply_rotary_pos_emb is _rotary_fn
-    fuse = (rope_patched and _unhooked(norm) and all(map(_plain_linear, projs))
-            and not autocast_changes_dtype(x, *(p.weight for p in projs)))  # fmt: skip
-    attn._chunkloss_takes_norm = fuse
-    if fuse:
-        return x
-    return _norm_forward(norm, x, **norm_options, in_place=True, offer=norm_recompute)
-
-
-def _handed(t, x):
-    return t
-
-
-def _attention_forward(module, hidden_states, *args, norm_options, norm_recompute, **kwargs):
-    """Attention that, when its layer's input norm passed ``hidden_states`` through, computes the norm, q/k/v
-    and RoPE in one attention_input call and hands them to transformers' forward (cache, attention,
-    ``o_proj``) as its projections' outputs, which its RoPE call passes through."""
-    if not module.__dict__.pop("_chunkloss_takes_norm", False):
-        return module._chunkloss_forward(hidden_states, *args, **kwargs)
-    projs = (module.q_proj, module.k_proj, module.v_proj)
-    cos, sin = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[0]
-    biases = {"b_q": projs[0].bias, "b_k": projs[1].bias, "b_v": projs[2].bias}
-    q, k, v = attention_input(hidden_states, module._chunkloss_norm.weight, *(p.weight for p in projs), cos,
-                              sin, **biases, head_dim=module.head_dim, **norm_options,
-                              norm_recompute=norm_recompute)  # fmt: skip
-    for proj, t in zip(projs, (q, k, v), strict=True):  # (B, heads, T, D) -> the projection's (B, T, heads·D)
-        proj.forward = functools.partial(_handed, t.transpose(1, 2).flatten(2))
-    _PRE_ROTATED.append((q.data_ptr(), k.data_ptr()))
-    try:
-        return module._chunkloss_forward(hidden_states, *args, **kwargs)
-    finally:
-        _PRE_ROTATED.pop()
-        for proj in projs:
-            del proj.forward
-
-
-def _fuse_attention_input(layer: nn.Module, *, fuse: bool, gemma: bool, norm_recompute: bool) -> None:
-    """Let ``layer``'s attention run its input norm (:func:`_input_norm_forward`), or undo that. The two
-    modules know each other through plain attributes (not submodules), which ``copy.deepcopy`` maps to the
-    copies."""
-    norm, attn = layer.input_layernorm, layer.self_attn
-    if hasattr(attn, "_chunkloss_forward"):  # patched before: start from transformers' forward
-        attn.forward = attn._chunkloss_forward
-        if getattr(getattr(norm.forward, "__func__", None), "func", None) is _input_norm_forward:
-            del norm.forward  # rms_norm=False this time: transformers' norm
-    if not fuse or type(attn).__name__ not in _ATTENTION_CLASSES:
-        return
-    attn._chunkloss_forward = attn.forward
-    options = {"eps": getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)),
-               "offset": 1.0 if gemma else 0.0, "casting": "gemma" if gemma else "llama"}  # fmt: skip
-    object.__setattr__(attn, "_chunkloss_norm", norm)  # not registered as a submodule
-    object.__setattr__(norm, "_chunkloss_attention", attn)
-    kw = {"norm_options": options, "norm_recompute": norm_recompute}
-    attn.forward = types.MethodType(functools.partial(_attention_forward, **kw), attn)
-    norm.forward = types.MethodType(functools.partial(_input_norm_forward, **kw), norm)
-
-
-def _plain_linear(module: nn.Module) -> bool:
-    """An ``nn.Linear`` whose forward is ``F.linear(x, weight, bias)``: not a subclass (LoRA, quantised),
-    and no hook (accelerate's offload, a user's) that a fused call would skip."""
-    return type(module) is nn.Linear and _unhooked(module)
-
-
-def _mlp_forward(module, x, *, activation, recompute):
-    gate, up, down = module.gate_proj, module.up_proj, module.down_proj
-    if _plain_linear(gate) and _plain_linear(up) and _plain_linear(down):
-        return _mlp.gated_mlp(x, gate.weight, up.weight, down.weight, b_gate=gate.bias, b_up=up.bias,
-                              b_down=down.bias, activation=activation, recompute=recompute)
-    # gate_proj / up_proj outputs are read only here, so the backward may overwrite them with their grads.
-    return down(_glu._glu(gate(x), up(x), activation, True))
-
-
 def _mlp_activation(mlp: nn.Module) -> str | None:
     name = type(mlp.act_fn).__name__
     if name in ("SiLUActivation", "SiLU"):
@@ -192,6 +96,34 @@ def _mlp_activation(mlp: nn.Module) -> str | None:
     if name == "GELUActivation":
         return "gelu"
     return None
+
+
+def _base_class(module: nn.Module) -> type:
+    """The module's class before :func:`_install` (its own, if never patched)."""
+    return vars(type(module)).get("_chunkloss_base", type(module))
+
+
+_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def _install(module: nn.Module, forward: type | None, attr: str | None = None, spec=None) -> None:
+    """Make ``module`` an instance of ``forward`` + its own class (same name and module), or of its own class
+    again when ``forward`` is None; ``spec`` becomes the attribute ``attr`` the forward reads."""
+    base = _base_class(module)
+    if forward is None:
+        module.__class__ = base
+    else:
+        key = (base, forward)
+        if key not in _CLASSES:
+            _CLASSES[key] = type(base.__name__, (forward, base), {
+                "_chunkloss_base": base, "__module__": base.__module__, "__qualname__": base.__qualname__,
+            })  # fmt: skip
+        module.__class__ = _CLASSES[key]
+    if attr is not None:
+        if forward is None:
+            module.__dict__.pop(attr, None)
+        else:
+            setattr(module, attr, spec)
 
 
 def _check_device(model: nn.Module) -> None:
@@ -206,43 +138,75 @@ def _check_device(model: nn.Module) -> None:
         )
 
 
-def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                       inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
-    """``XForCausalLM.forward`` whose loss skips the logits; see :func:`patch`."""
-    if labels is None:
-        return self._chunkloss_forward(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-            logits_to_keep=logits_to_keep, **kwargs,
-        )
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+class ChunkedLossForCausalLM:
+    """``XForCausalLM.forward`` whose loss, with ``labels``, skips the logits; see :func:`patch`."""
 
-    from chunkloss import FusedLinearCrossEntropyLoss
+    chunkloss_loss_options: dict
 
-    return_dict = kwargs.pop("return_dict", None)
-    shift_labels = kwargs.pop("shift_labels", None)
-    outputs = self.model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-        past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
-    )
-    hidden = outputs.last_hidden_state
-    keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-    hidden = hidden[:, keep, :]
-    softcap = getattr(self.config, "final_logit_softcapping", None)
-    if self._chunkloss_ce is None or self._chunkloss_ce[0] != softcap:
-        # Kept across calls: the loss instance holds its compiled per-chunk step.
-        ce = FusedLinearCrossEntropyLoss(ignore_index=-100, softcap=softcap, **self._chunkloss_loss_options)
-        self._chunkloss_ce = (softcap, ce)
-    if shift_labels is None:
-        # As transformers' ForCausalLMLoss: position t predicts token t + 1, the last one predicts nothing.
-        shift_labels = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
-    loss = self._chunkloss_ce[1](hidden, self.lm_head.weight, shift_labels.to(hidden.device),
-                                 bias=self.lm_head.bias, num_items_in_batch=kwargs.get("num_items_in_batch"))
-    out = CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
-                                 hidden_states=outputs.hidden_states, attentions=outputs.attentions)
-    if return_dict is False or (return_dict is None and not getattr(self.config, "return_dict", True)):
-        return out.to_tuple()
-    return out
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
+                use_cache=None, logits_to_keep=0, **kwargs):  # fmt: skip
+        if labels is None:
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                   inputs_embeds=inputs_embeds, use_cache=use_cache,
+                                   logits_to_keep=logits_to_keep, **kwargs)  # fmt: skip
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        return_dict = kwargs.pop("return_dict", None)
+        shift_labels = kwargs.pop("shift_labels", None)
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)  # fmt: skip
+        hidden = outputs.last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        hidden = hidden[:, keep, :]
+        if shift_labels is None:
+            # As transformers' ForCausalLMLoss: position t predicts token t + 1, the last one predicts nothing.
+            shift_labels = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+        loss = self.chunkloss_cross_entropy()(hidden, self.lm_head.weight, shift_labels.to(hidden.device),
+                                              bias=self.lm_head.bias,
+                                              num_items_in_batch=kwargs.get("num_items_in_batch"))  # fmt: skip
+        out = CausalLMOutputWithPast(loss=loss, logits=None, cache=outputs.cache,
+                                     hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+        if return_dict is False or (return_dict is None and not getattr(self.config, "return_dict", True)):
+            return out.to_tuple()
+        return out
+
+    def chunkloss_cross_entropy(self):
+        """The loss, kept across calls (it holds its compiled per-chunk step); Gemma-2's
+        ``final_logit_softcapping`` read at each call, as transformers does."""
+        from chunkloss import FusedLinearCrossEntropyLoss
+
+        softcap = getattr(self.config, "final_logit_softcapping", None)
+        cached = self.__dict__.get("_chunkloss_ce")
+        if cached is None or cached[0] != softcap:
+            ce = FusedLinearCrossEntropyLoss(ignore_index=-100, softcap=softcap, **self.chunkloss_loss_options)
+            self._chunkloss_ce = cached = (softcap, ce)
+        return cached[1]
+
+
+def _peft_tuner(module: nn.Module) -> str | None:
+    """``"lora"``, ``"ia3"``, ... for a PEFT tuner layer, else None."""
+    parts = type(module).__module__.split(".")
+    return parts[2] if parts[:2] == ["peft", "tuners"] and len(parts) > 2 else None
+
+
+def _summary(model: nn.Module, fused: Counter) -> tuple[str, bool]:
+    """The log line: what runs fused, what does not and why; and whether anything falls back."""
+    reasons: Counter = Counter()
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in _PROJECTIONS:
+            why, tuner = why_not_fused(module), _peft_tuner(module)
+            if why is None and tuner == "lora":
+                fused["LoRA projections"] += 1
+            elif why is not None:
+                reasons[f"{leaf} ({f'{tuner} ' if tuner and tuner != 'lora' else ''}{why})"] += 1
+        elif leaf in ("embed_tokens", "lm_head") and _peft_tuner(module):
+            reasons[f"{leaf} ({_peft_tuner(module)} adapter: PEFT's forward)"] += 1
+    runs = [f"{n} {what}" for what, n in fused.items() if n]
+    line = f"chunkloss.models.patch({type(model).__name__}): fused: {', '.join(runs) or 'nothing'}"
+    if reasons:
+        line += "; separate: " + ", ".join(f"{what} x{n}" for what, n in sorted(reasons.items()))
+    return line, bool(reasons)
 
 
 def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, loss: bool = True,
@@ -250,14 +214,18 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, mlp: bo
           attention: bool = True) -> nn.Module:
     """Make a transformers Llama / Mistral / Qwen2 / Qwen3 / Gemma / Gemma-2 model use chunkloss's kernels.
 
+    Patching again replaces the earlier options (``attention=False`` after ``attention=True`` puts the
+    separate norm and projections back); a copy (``copy.deepcopy``) of a patched model is patched the same way
+    and reads its own weights.
+
     Args:
         model: an ``XForCausalLM``, the bare ``XModel`` (then ``loss`` does nothing), or a PEFT model
-            wrapping either (its base model is patched; LoRA layers stay as they are).
-        rms_norm: patch every RMSNorm module (including Qwen3's per-head q/k norms).
-        rope: replace the family's ``apply_rotary_pos_emb`` (process-wide, see the module docstring).
-        mlp: patch every gated MLP (fused gate/up GEMM; see the module docstring for LoRA and other
-            projections, which keep their own forward). An MLP whose activation has no kernel keeps
-            transformers' code, with a warning naming it.
+            wrapping either (its base model is patched; see the module docstring for LoRA layers).
+        rms_norm: every RMSNorm on the kernel (including Qwen3's per-head q/k norms).
+        rope: the attention modules' rotary embedding on the kernel; False keeps the family's
+            ``apply_rotary_pos_emb``.
+        mlp: every gated MLP fused. An MLP whose activation has no kernel keeps transformers' code, with a
+            warning naming it.
         loss: with ``labels``, compute the causal-LM loss through ``chunkloss.FusedLinearCrossEntropyLoss``
             without logits; the output's ``logits`` is then ``None``. Gemma-2's ``final_logit_softcapping``
             is passed to the loss as ``softcap``.
@@ -270,8 +238,7 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, mlp: bo
             norms again, once each. Needs ``rms_norm``; a layer run under gradient checkpointing is left as
             it is. Not for a model compiled with ``torch.compile`` (saved-tensor hooks).
         attention: with ``rms_norm`` and ``rope``, run each layer's input norm, q/k/v projections and RoPE as
-            one :func:`~chunkloss.kernels.attention_input` call (one GEMM over the concatenated weights; see
-            the module docstring); the layer's ``input_layernorm`` module then returns its input unchanged.
+            one :func:`~chunkloss.kernels.attention_input` call (one GEMM over the concatenated weights).
 
     Returns:
         ``model`` (the object passed in), patched in place.
@@ -291,74 +258,56 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, mlp: bo
     if norm_recompute and not rms_norm:
         raise ValueError("chunkloss.models.patch: norm_recompute=True needs rms_norm=True")
     _check_device(model)
+    family = _NAMES[model_type]
     gemma = model_type in _GEMMA_TYPES
+    attention_forward, layer_forward = _FAMILIES[model_type]
+    fuse = attention and rms_norm and rope and attention_forward.takes_attention_input
+    fused: Counter = Counter()
     for name, module in model.named_modules():
-        cls = type(module).__name__
-        if rms_norm and cls in _RMSNORM_CLASSES:
-            eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
-            module.forward = types.MethodType(functools.partial(
-                _norm_forward, eps=eps, offset=1.0 if gemma else 0.0, casting="gemma" if gemma else "llama",
-                in_place=_norm_in_place_safe(name, model_type), offer=norm_recompute and _pre_norm(name),
-            ), module)
-        elif norm_recompute and cls in _LAYER_CLASSES:
-            forward = getattr(module, "_chunkloss_forward", module.forward)  # patching twice: the original
-            module._chunkloss_forward = forward
-            module.forward = types.MethodType(functools.partial(_layer_forward, _forward=forward), module)
-        elif mlp and cls in _MLP_CLASSES:
-            activation = _mlp_activation(module)
-            if activation is None:
-                act = type(module.act_fn).__name__
-                warnings.warn(f"chunkloss: {name} uses {act}, left unpatched", stacklevel=2)
-                continue
-            module.forward = types.MethodType(
-                functools.partial(_mlp_forward, activation=activation, recompute=mlp_recompute), module
-            )
-    for module in model.modules():
-        if type(module).__name__ in _LAYER_CLASSES:
-            _fuse_attention_input(module, fuse=attention and rms_norm and rope, gemma=gemma,
-                                  norm_recompute=norm_recompute)
-    if rope:
-        modeling = sys.modules[type(model).__module__]
-        if not hasattr(modeling, "apply_rotary_pos_emb"):
-            raise ValueError(f"{modeling.__name__} has no apply_rotary_pos_emb to replace")
-        if modeling.apply_rotary_pos_emb is not _rotary_fn:  # patching twice must not lose the original
-            _ORIGINAL_ROPE[modeling.__name__] = modeling.apply_rotary_pos_emb
-        modeling.apply_rotary_pos_emb = _rotary_fn
+        cls = _base_class(module).__name__
+        if cls == f"{family}RMSNorm":
+            spec = NormSpec(eps=getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6)),
+                            offset=1.0 if gemma else 0.0, casting="gemma" if gemma else "llama",
+                            in_place=_norm_in_place_safe(name, model_type),
+                            offer=norm_recompute and name.rsplit(".", 1)[-1] in _PRE_NORMS)  # fmt: skip
+            _install(module, PatchedRMSNorm if rms_norm else None, "chunkloss_norm", spec)
+            fused["norms"] += rms_norm
+        elif cls == f"{family}MLP":
+            activation = _mlp_activation(module) if mlp else None
+            if mlp and activation is None:
+                warnings.warn(f"chunkloss: {name} uses {type(module.act_fn).__name__}, left unpatched",
+                              stacklevel=2)  # fmt: skip
+            _install(module, PatchedGatedMLP if activation else None, "chunkloss_mlp",
+                     MLPSpec(activation, mlp_recompute))  # fmt: skip
+            fused["MLPs"] += activation is not None
+        elif cls == f"{family}Attention":
+            _install(module, attention_forward if rope else None)
+            fused["RoPE"] += rope
+        elif cls == f"{family}DecoderLayer":
+            _install(module, layer_forward if fuse or norm_recompute else None, "chunkloss_layer",
+                     LayerSpec(fuse, norm_recompute))  # fmt: skip
+            fused["attention inputs"] += fuse
     if loss and hasattr(model, "lm_head") and hasattr(model, "model"):
-        if not hasattr(model, "_chunkloss_forward"):
-            model._chunkloss_forward = model.forward
-        model._chunkloss_ce = None
-        model._chunkloss_loss_options = dict(loss_options or {})
-        model.forward = types.MethodType(_causal_lm_forward, model)
+        _install(model, ChunkedLossForCausalLM, "chunkloss_loss_options", dict(loss_options or {}))
+        model.__dict__.pop("_chunkloss_ce", None)
+        fused["chunked CE"] = 1
+    elif isinstance(model, ChunkedLossForCausalLM):
+        _install(model, None, "chunkloss_loss_options")
+    line, falls_back = _summary(model, fused)
+    logger.log(logging.WARNING if falls_back else logging.INFO, line)
     return wrapper
 
 
 def unpatch_rotary(model: nn.Module | None = None) -> list[str]:
-    """Put back the ``apply_rotary_pos_emb`` that :func:`patch` replaced, process-wide.
-
-    Norms and MLPs patched on a model's modules stay patched; only the family's module-level function, which
-    every model of the family in the process calls, returns to what it was before ``patch`` replaced it.
-
-    Args:
-        model: a model of the family to restore (PEFT-wrapped or not); ``None`` restores every family that
-            ``patch`` replaced in this process.
+    """Does nothing: :func:`patch` no longer replaces the family's module-level ``apply_rotary_pos_emb``
+    (a patched model's attention calls the kernel itself, other models keep transformers' function).
 
     Returns:
-        The names of the modeling modules whose function was put back (empty when none was patched).
+        ``[]``, the modeling modules whose function was put back.
     """
-    if model is None:
-        names = list(_ORIGINAL_ROPE)
-    else:
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
-        names = [type(base).__module__]
-    restored = []
-    for name in names:
-        modeling = sys.modules.get(name)
-        patched = modeling is not None and getattr(modeling, "apply_rotary_pos_emb", None) is _rotary_fn
-        if patched and name in _ORIGINAL_ROPE:
-            modeling.apply_rotary_pos_emb = _ORIGINAL_ROPE.pop(name)
-            restored.append(name)
-    return restored
+    warnings.warn("chunkloss.models.unpatch_rotary does nothing: patch() no longer replaces the family's "
+                  "apply_rotary_pos_emb", DeprecationWarning, stacklevel=2)  # fmt: skip
+    return []
 
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "patch", "unpatch_rotary"]
