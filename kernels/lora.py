@@ -107,7 +107,8 @@ def lora_ref(result: torch.Tensor, x: torch.Tensor, adapter: LoraAdapter | None)
         return result
     dtype = result.dtype
     x = x.to(adapter.a.dtype)
-    x = _dropout(x, lora_dropout_mask(x, adapter.dropout_p), adapter.dropout_p)
+    if adapter.dropout_p:
+        x = torch.where(lora_dropout_mask(x, adapter.dropout_p), x / (1.0 - adapter.dropout_p), 0.0)
     return (result + F.linear(F.linear(x, adapter.a), adapter.b) * adapter.scaling).to(dtype)
 
 
