@@ -71,6 +71,14 @@ def _fusable(projections: tuple[nn.Module, ...]) -> tuple[Projection, ...] | Non
     return None if any(p is None for p in parts) else parts
 
 
+def _linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)``, a plain LoRA layer's as one :func:`~chunkloss.kernels.lora.lora_linear` call."""
+    part = projection(module)
+    if part is None or part.adapter is None:  # a plain nn.Linear runs as the module it is
+        return module(x)
+    return lora_linear(x, part.weight, part.bias, part.adapter)
+
+
 def _adapters(parts: tuple[Projection, ...]):
     """The projections' LoRA adapters for the kernels' ``adapters=`` (None when none has one)."""
     adapters = tuple(p.adapter for p in parts)
@@ -107,7 +115,8 @@ class PatchedGatedMLP:
                              b_down=down.bias, activation=spec.activation, recompute=spec.recompute,
                              adapters=_adapters(parts))  # fmt: skip
         # gate_proj / up_proj outputs are read only here, so the backward may overwrite them with their grads.
-        return self.down_proj(_glu._glu(self.gate_proj(x), self.up_proj(x), spec.activation, True))
+        gated = _glu._glu(_linear(self.gate_proj, x), _linear(self.up_proj, x), spec.activation, True)
+        return _linear(self.down_proj, gated)
 
 
 class PatchedAttention:
@@ -128,7 +137,7 @@ class PatchedAttention:
     def project(self, hidden_states):
         """q, k, v as (B, heads, T, head_dim) views of the projections."""
         shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        return tuple(proj(hidden_states).view(shape).transpose(1, 2)
+        return tuple(_linear(proj, hidden_states).view(shape).transpose(1, 2)
                      for proj in (self.q_proj, self.k_proj, self.v_proj))  # fmt: skip
 
     def rotate(self, q, k, position_embeddings):
@@ -152,10 +161,7 @@ class PatchedAttention:
                                  dropout=0.0 if not self.training else self.attention_dropout,
                                  scaling=self.scaling, **self.interface_kwargs(), **kwargs)  # fmt: skip
         out = out.reshape(batch, seq, -1).contiguous()
-        parts = _fusable((self.o_proj,))
-        if parts is not None and parts[0].adapter is not None:  # a plain o_proj runs as the module it is
-            return lora_linear(out, parts[0].weight, parts[0].bias, parts[0].adapter), weights
-        return self.o_proj(out), weights
+        return _linear(self.o_proj, out), weights
 
     def attend_from_residual(self, x, norm, position_embeddings, attention_mask, cache=None, *,
                              norm_recompute=False, **kwargs):  # fmt: skip
@@ -194,9 +200,9 @@ class Qwen3Attention(SlidingWindowAttention):
 
     def project(self, hidden_states):
         shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        q = self.q_norm(self.q_proj(hidden_states).view(shape)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(hidden_states).view(shape)).transpose(1, 2)
-        return q, k, self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        q = self.q_norm(_linear(self.q_proj, hidden_states).view(shape)).transpose(1, 2)
+        k = self.k_norm(_linear(self.k_proj, hidden_states).view(shape)).transpose(1, 2)
+        return q, k, _linear(self.v_proj, hidden_states).view(shape).transpose(1, 2)
 
 
 class Gemma2Attention(SlidingWindowAttention):
