@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from .lora import LoraAdapter, LoraPlan, lora_down, lora_grads, lora_ref, lora_up_, plan_lora
 from .rms_norm import RMSNormOptions, _rms_norm_bwd, _rms_norm_fwd, rms_norm_ref
-from .rope import RoPEOptions, _rope_launch, _tables, apply_rotary_pos_emb_ref
+from .rope import RoPEOptions, _rope_launch, _tables, apply_rotary_pos_emb_ref, rope_op
 
 _ROPE = RoPEOptions(head_axis=1)
 
@@ -74,6 +74,52 @@ def _head_views(qkv: torch.Tensor, batch: int, opts: AttentionInputOptions):
                  for part in qkv.split(opts.widths, dim=1))  # fmt: skip
 
 
+# The RMSNorm launches as custom ops with new outputs, which torch.compile calls without tracing into Triton
+# (the interpreter included): the Function uses them while compiling and the in-place launches otherwise.
+@torch.library.custom_op("chunkloss::rms_norm_fwd", mutates_args=())
+def rms_norm_fwd_op(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    y, _, rstd = _rms_norm_fwd(x, weight, RMSNormOptions(eps, offset, casting))
+    return y, rstd
+
+
+@rms_norm_fwd_op.register_fake
+def _(x, weight, eps, offset, casting):
+    dtype = torch.promote_types(x.dtype, weight.dtype) if casting == "llama" else x.dtype
+    return x.new_empty(x.shape, dtype=dtype), x.new_empty(x.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("chunkloss::rms_norm_bwd", mutates_args=())
+def rms_norm_bwd_op(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, eps: float, offset: float,
+    casting: str, needs_dx: bool, needs_dw: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dw), each empty when not needed."""
+    dx, dw = _rms_norm_bwd(dy, x, weight, rstd, RMSNormOptions(eps, offset, casting), needs_dx, needs_dw)
+    return (x.new_empty(0) if dx is None else dx), (weight.new_empty(0) if dw is None else dw)
+
+
+@rms_norm_bwd_op.register_fake
+def _(dy, x, weight, rstd, eps, offset, casting, needs_dx, needs_dw):
+    return x.new_empty(x.shape if needs_dx else 0), weight.new_empty(weight.shape if needs_dw else 0)
+
+
+def _norm_fwd(x, weight, opts: RMSNormOptions):
+    """(h, rstd) of the (N, H) rows ``x`` (contiguous)."""
+    if torch.compiler.is_compiling():
+        return rms_norm_fwd_op(x, weight, opts.eps, opts.offset, opts.casting)
+    h, _, rstd = _rms_norm_fwd(x, weight, opts)
+    return h, rstd
+
+
+def _norm_bwd(dh, x, weight, rstd, opts: RMSNormOptions, needs_dx, needs_dw):
+    if not torch.compiler.is_compiling():
+        return _rms_norm_bwd(dh, x, weight, rstd, opts, needs_dx, needs_dw)
+    dx, dw = rms_norm_bwd_op(dh, x, weight, rstd, opts.eps, opts.offset, opts.casting, needs_dx, needs_dw)
+    return (dx if needs_dx else None), (dw if needs_dw else None)
+
+
 def _adapted(parts, plan: LoraPlan):
     """The parts (q, k, v columns) of the projections that have an adapter."""
     return [parts[i] for i in plan.slots]
@@ -84,14 +130,18 @@ class AttentionInputFunction(torch.autograd.Function):
     def forward(ctx, x, norm_weight, w_q, w_k, w_v, b_q, b_k, b_v, cos, sin, opts: AttentionInputOptions,
                 *lora):
         batch = x.shape[0]
-        h, x2, rstd = _rms_norm_fwd(x.reshape(-1, x.shape[-1]), norm_weight, opts.norm)
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        h, rstd = _norm_fwd(x2, norm_weight, opts.norm)
         qkv = F.linear(h, torch.cat((w_q, w_k, w_v)), _cat((b_q, b_k, b_v)))
         t, masks = None, ()
         if opts.lora is not None:  # before RoPE: the adapters add to the projections' outputs
             t, masks = lora_down(h, lora, opts.lora)
             lora_up_(_adapted(qkv.split(opts.widths, dim=1), opts.lora), t, lora, opts.lora)
         q, k, v = _head_views(qkv, batch, opts)
-        _rope_launch(q, k, cos, sin, _ROPE, backward=False, out=(q, k))
+        if torch.compiler.is_compiling():  # new q and k
+            q, k = rope_op(q, k, cos, sin, _ROPE.head_axis, False)
+        else:
+            _rope_launch(q, k, cos, sin, _ROPE, backward=False, out=(q, k))
         kept = None if opts.norm_recompute else h
         ctx.save_for_backward(x2, norm_weight, rstd, kept, w_q, w_k, w_v, cos, sin, t, *masks, *lora)
         ctx.opts, ctx.batch, ctx.x_shape, ctx.has_bias = opts, batch, x.shape, b_q is not None
@@ -104,11 +154,15 @@ class AttentionInputFunction(torch.autograd.Function):
         plan, n_lora = opts.lora, 0 if opts.lora is None else len(opts.lora.ranks)
         masks, lora = rest[:n_lora], rest[n_lora:]
         if h is None:
-            h = _rms_norm_fwd(x, norm_weight, opts.norm)[0]
-        dqkv = h.new_empty(h.shape[0], sum(opts.widths))
-        dq_out, dk_out, dv_out = _head_views(dqkv, ctx.batch, opts)
-        _rope_launch(dq, dk, cos, sin, _ROPE, backward=True, out=(dq_out, dk_out))
-        dv_out.copy_(dv)
+            h = _norm_fwd(x, norm_weight, opts.norm)[0]
+        if torch.compiler.is_compiling():
+            dq, dk = rope_op(dq, dk, cos, sin, _ROPE.head_axis, True)
+            dqkv = torch.cat([d.transpose(1, 2).reshape(h.shape[0], -1) for d in (dq, dk, dv)], dim=1)
+        else:
+            dqkv = h.new_empty(h.shape[0], sum(opts.widths))
+            dq_out, dk_out, dv_out = _head_views(dqkv, ctx.batch, opts)
+            _rope_launch(dq, dk, cos, sin, _ROPE, backward=True, out=(dq_out, dk_out))
+            dv_out.copy_(dv)
         dh = dqkv @ torch.cat((w_q, w_k, w_v)) if need[0] or need[1] else None
         lora_g = ()
         if plan is not None:  # adds the adapters' share of dh into it
@@ -116,7 +170,7 @@ class AttentionInputFunction(torch.autograd.Function):
             lora_g = lora_grads(parts, h, t, masks, lora, plan, need[11:], dh)
         dx = dnorm_w = None
         if dh is not None:
-            dx, dnorm_w = _rms_norm_bwd(dh, x, norm_weight, rstd, opts.norm, need[0], need[1])
+            dx, dnorm_w = _norm_bwd(dh, x, norm_weight, rstd, opts.norm, need[0], need[1])
             dx = None if dx is None else dx.view(ctx.x_shape)
         dws = (None, None, None)
         if any(need[2:5]):

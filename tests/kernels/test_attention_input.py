@@ -6,8 +6,10 @@ fp64 reference (transformers' Llama math op for op). CPU runs go through TRITON_
 
 import pytest
 import torch
+from chunkloss.kernels import apply_rotary_pos_emb
 from chunkloss.kernels.attention_input import attention_input, attention_input_ref
 
+from tests.kernels.compiled import compiled_matches_eager
 from tests.tolerances import assert_close_to_ref
 
 LEAVES = ("x", "norm_weight", "w_q", "w_k", "w_v")
@@ -163,3 +165,20 @@ def test_bad_arguments_raise_one_line_errors():
 def test_real_widths_gpu(dtype):
     """Llama-3.2-1B's attention input (H = 2048, 32/8 heads of 64) on 3 sequences of 1031 tokens."""
     check_three_way((3, 1031, 2048, 32, 8, 64, 64), dtype, device="cuda")
+
+
+@pytest.mark.parametrize("norm_recompute", [False, True])
+def test_compiles_without_graph_breaks(norm_recompute):
+    """attention_input and the standalone RoPE compile as one graph (the Triton launches are custom ops there)
+    and give eager's results bit for bit; partial rotary dims included."""
+    masters, cos, sin, head_dim = make_inputs(SHAPES[2], bias=True)
+    x, norm_weight, w_q, w_k, w_v = (masters[k].requires_grad_(k in ("x", "norm_weight")) for k in LEAVES)
+
+    def call(x, norm_weight):
+        return attention_input(x, norm_weight, w_q, w_k, w_v, cos, sin, head_dim=head_dim, b_k=masters["b_k"],
+                               norm_recompute=norm_recompute)  # fmt: skip
+
+    compiled_matches_eager(call, [x, norm_weight])
+    q, k = torch.randn(2, 2, 3, 16, requires_grad=True), torch.randn(2, 2, 3, 16, requires_grad=True)
+    compiled_matches_eager(lambda q, k: apply_rotary_pos_emb(q * 1, k * 1, cos, sin, in_place=norm_recompute),
+                           [q, k])  # fmt: skip

@@ -17,6 +17,7 @@ from chunkloss.kernels.mlp import gated_mlp, gated_mlp_ref
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.kernels import test_attention_input as attn
+from tests.kernels.compiled import compiled_matches_eager
 from tests.tolerances import assert_close_to_ref
 
 # (base dtype, adapter dtype): fp32; bf16; PEFT's default for a bf16 model, fp32 adapters on a bf16 base.
@@ -412,3 +413,31 @@ def test_real_widths_gpu(dtypes, dropout_p):
                     device="cuda")  # fmt: skip
     base, adapters = linear_case(16, False, dropout_p)
     check_three_way(_lora_linear, _lora_linear_ref, base, adapters, dtypes, trainable={"x"}, device="cuda")
+
+
+@pytest.mark.parametrize("fn", ["lora_linear", "gated_mlp", "attention_input"])
+def test_compiles_without_graph_breaks(fn):
+    """torch.compile of a call with adapters (dropout on one) runs as one graph, forward and backward."""
+    if fn == "lora_linear":
+        base, specs = linear_case(4, True, 0.1)
+        call = _lora_linear
+    elif fn == "gated_mlp":
+        base, specs = mlp_case(*MLP_CASES[0][:4], (True, False, True), 0.0)
+        specs[0] = (*specs[0][:3], 0.1)
+        call = _mlp(gated_mlp)
+    else:
+        base, specs, tables = attention_case(*ATTN_CASES[1], 0.0)
+        specs[2] = (*specs[2][:3], 0.1)
+        call = _attention(attention_input, norm_recompute=True)
+    names = list(base)
+    adapters = [None if s is None else (s[0].requires_grad_(), s[1].requires_grad_(), *s[2:]) for s in specs]
+    leaves = [base[k].requires_grad_(k == "x") for k in names]
+    extra = {"tables": tables} if fn == "attention_input" else {}
+
+    def model(*tensors):
+        it = iter(tensors[len(names):])
+        built = tuple(None if s is None else LoraAdapter(next(it), next(it), s[2], s[3]) for s in adapters)
+        return call(**dict(zip(names, tensors[: len(names)], strict=True)), adapters=built, **extra)
+
+    flat = [t for s in adapters if s is not None for t in s[:2]]
+    compiled_matches_eager(model, [*leaves, *flat])
