@@ -10,6 +10,7 @@ runs its own forward; :func:`why_not_fused` says why, for the one log line ``pat
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -39,11 +40,8 @@ def _plain_linear(module: nn.Module) -> bool:
 
 
 def _lora_linear_class():
-    try:
-        from peft.tuners.lora.layer import Linear
-    except ImportError:  # peft is optional
-        return None
-    return Linear
+    """PEFT's LoRA ``Linear``, or None when PEFT was never imported (then no module is one)."""
+    return getattr(sys.modules.get("peft.tuners.lora.layer"), "Linear", None)
 
 
 def _active(module) -> list[str]:
