@@ -21,12 +21,13 @@ Public API (the fused blocks take one adapter per projection, ``None`` for a pro
     attention_input(x, norm_weight, w_q, w_k, w_v, cos, sin, ..., adapters=(q, k, v))
     gated_mlp(x, w_gate, w_up, w_down, ..., adapters=(gate, up, down))
     attention_input_ref / gated_mlp_ref / lora_linear_ref: the same arguments, PEFT's ops one by one
-    lora_dropout_mask(x, p)                                   # the dropout draw all of them make
 
 Dropout: ``dropout_p`` is the probability applied, so 0 for a module in eval mode. Every function draws
-one keep-mask per adapter with ``dropout_p > 0`` with :func:`lora_dropout_mask` (the default generator), in
-the order of the projections (q, k, v; gate, up, down), at the shape of the projection's input: a reference
-run from the same ``torch.manual_seed`` draws the same masks. The mask is saved for the backward as bool.
+one keep-mask per adapter with ``dropout_p > 0`` as PEFT does: ``torch.native_dropout`` (the kernel
+``F.dropout`` runs on CUDA) on the input cast to the adapter's dtype, from the default generator, in the
+order of the projections (q, k, v; gate, up, down). A reference run (or PEFT's forward on CUDA) from the same
+``torch.manual_seed`` draws the same masks. The mask is saved for the backward as bool, and
+``native_dropout_backward`` applies it again where the dropped input or its gradient is needed.
 
 Backward of one projection, with upstream gradient ``g`` (N, out), ``xd = mask/(1 - p) ⊙ x`` and the saved
 ``t = xd·Aᵀ`` (N, r)::
@@ -83,21 +84,9 @@ class LoraPlan:
         return not any(self.dropout_ps)
 
 
-def lora_dropout_mask(x: torch.Tensor, p: float) -> torch.Tensor | None:
-    """Keep-mask of ``x``'s shape (bool, P(keep) = 1 - p) from the default generator; None for ``p = 0``.
-
-    Drawn as one (rows, x.shape[-1]) tensor, so (B, T, H) and (B·T, H) inputs get the same mask.
-    """
-    if p == 0:
-        return None
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    keep = torch.empty((rows, x.shape[-1]), dtype=torch.bool, device=x.device).bernoulli_(1.0 - p)
-    return keep.view(x.shape)
-
-
 def _dropout(x: torch.Tensor, mask: torch.Tensor | None, p: float) -> torch.Tensor:
-    """``mask/(1 - p) ⊙ x``, ``F.dropout`` with a given mask (one rounding)."""
-    return x if mask is None else x * mask * (1.0 / (1.0 - p))
+    """``mask/(1 - p) ⊙ x`` in one kernel, as the dropout drawn with ``mask`` computed it."""
+    return x if mask is None else torch.ops.aten.native_dropout_backward(x, mask, 1.0 / (1.0 - p))
 
 
 def lora_ref(result: torch.Tensor, x: torch.Tensor, adapter: LoraAdapter | None) -> torch.Tensor:
@@ -107,8 +96,8 @@ def lora_ref(result: torch.Tensor, x: torch.Tensor, adapter: LoraAdapter | None)
         return result
     dtype = result.dtype
     x = x.to(adapter.a.dtype)
-    if adapter.dropout_p:
-        x = torch.where(lora_dropout_mask(x, adapter.dropout_p), x / (1.0 - adapter.dropout_p), 0.0)
+    if adapter.dropout_p:  # nn.Dropout in training mode, as F.dropout runs it on CUDA
+        x = torch.native_dropout(x, adapter.dropout_p, True)[0]
     return (result + F.linear(F.linear(x, adapter.a), adapter.b) * adapter.scaling).to(dtype)
 
 
@@ -172,15 +161,24 @@ def plan_lora(
     return plan, tuple(t for _, ad in present for t in (ad.a, ad.b))
 
 
+def _dropped(x: torch.Tensor, weights, mask, p: float, plan: LoraPlan) -> torch.Tensor:
+    """``dropout(x)`` in ``plan.dtype``, dropped in the adapters' dtype as PEFT drops it."""
+    return _dropout(x.to(weights[0].dtype), mask, p).to(plan.dtype)
+
+
 def lora_down(x: torch.Tensor, weights, plan: LoraPlan):
     """``t = [dropout_j(x)·A_jᵀ]_j`` (N, Σr) in ``plan.dtype`` and the masks drawn (None where p = 0)."""
-    xc = x.to(plan.dtype)
     a_list = [a.to(plan.dtype) for a in weights[0::2]]
     if plan.shared:
+        xc = x.to(plan.dtype)
         return xc @ (a_list[0] if len(a_list) == 1 else torch.cat(a_list)).t(), (None,) * len(a_list)
-    masks = tuple(lora_dropout_mask(xc, p) for p in plan.dropout_ps)
-    ts = [_dropout(xc, m, p) @ a.t() for a, m, p in zip(a_list, masks, plan.dropout_ps, strict=True)]
-    return (ts[0] if len(ts) == 1 else torch.cat(ts, dim=1)), masks
+    xa = x.to(weights[0].dtype)
+    ts, masks = [], []
+    for a, p in zip(a_list, plan.dropout_ps, strict=True):
+        xd, mask = torch.native_dropout(xa, p, True) if p else (xa, None)
+        ts.append(xd.to(plan.dtype) @ a.t())
+        masks.append(mask)
+    return (ts[0] if len(ts) == 1 else torch.cat(ts, dim=1)), tuple(masks)
 
 
 def lora_up_(outs, t: torch.Tensor, weights, plan: LoraPlan) -> None:
@@ -228,12 +226,11 @@ def lora_da(dt: torch.Tensor, x: torch.Tensor, masks, weights, plan: LoraPlan, n
     wanted = [bool(need[2 * j]) for j in range(len(a_list))]
     if not any(wanted):
         return [None] * len(a_list)
-    xc = x.to(plan.dtype)
     if plan.shared:
-        das = (dt.t() @ xc).split(plan.ranks)
+        das = (dt.t() @ x.to(plan.dtype)).split(plan.ranks)
     else:
         parts = zip(dt.split(plan.ranks, dim=1), masks, plan.dropout_ps, wanted, strict=True)
-        das = [dtj.t() @ _dropout(xc, m, p) if w else None for dtj, m, p, w in parts]
+        das = [dtj.t() @ _dropped(x, weights, m, p, plan) if w else None for dtj, m, p, w in parts]
     return [da.to(a.dtype) if w else None for da, a, w in zip(das, a_list, wanted, strict=True)]
 
 

@@ -138,7 +138,7 @@ class GatedMLPFunction(torch.autograd.Function):
         else:
             g, u = _gate_up(x, w_gate, w_up, b_gate, b_up, lora_in, t_in, opts)
         # One pass: dg, du over g, u (when replayed) and h over dh.
-        dg, du, h = _glu_bwd(dh, g, u, GLUOptions(opts.activation, in_place=not saved), c=dh)
+        dg, du, h = _glu_bwd(dh, g, u, GLUOptions(opts.activation, in_place=len(saved) == 0), c=dh)
         if opts.lora_out is not None:
             da_out = lora_da(dt_out, h, masks_out, lora_out, opts.lora_out, need_out)
             grads_out = tuple(g for pair in zip(da_out, db_out, strict=True) for g in pair)

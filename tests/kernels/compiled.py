@@ -3,8 +3,9 @@
 import torch
 
 
-def compiled_matches_eager(fn, inputs, seed=0):
-    """``fn`` compiled whole (``fullgraph=True``: a graph break fails) gives eager's outputs and gradients.
+def compiled_matches_eager(fn, inputs, seed=0, exact=True):
+    """``fn`` compiled whole (``fullgraph=True``: a graph break fails) gives eager's outputs and gradients:
+    the same bits, or with ``exact=False`` (random numbers drawn differently) the same shapes and dtypes.
 
     ``aot_eager`` traces the forward and the backward as torch.compile does and runs them op by op, so the
     check needs no C++ or GPU compiler; the Triton launches are custom ops it does not trace into.
@@ -19,4 +20,4 @@ def compiled_matches_eager(fn, inputs, seed=0):
         results.append((outs, torch.autograd.grad(loss, [t for t in inputs if t.requires_grad])))
     (eager, g_eager), (compiled, g_compiled) = results
     for a, b in zip((*eager, *g_eager), (*compiled, *g_compiled), strict=True):
-        assert torch.equal(a, b)
+        assert torch.equal(a, b) if exact else (a.shape == b.shape and a.dtype == b.dtype)

@@ -20,6 +20,7 @@ SHAPES = [(2, 5, 48, 4, 2, 8, 8), (1, 7, 40, 5, 1, 8, 8), (2, 3, 32, 2, 2, 16, 8
 
 def make_inputs(shape, bias, device=None):
     b, t, hidden, hq, hkv, d, rot = shape
+    device = device or torch.get_default_device()  # CUDA where tests/kernels/conftest.py makes it the default
     g = torch.Generator().manual_seed(0)
 
     def rand(*size, scale=1.0, shift=0.0):
@@ -35,8 +36,8 @@ def make_inputs(shape, bias, device=None):
     if bias:  # Qwen2's q/k/v biases
         for name, w in (("b_q", "w_q"), ("b_k", "w_k"), ("b_v", "w_v")):
             tensors[name] = rand(tensors[w].shape[0], scale=0.3)
-    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot)
-    freqs = torch.arange(t, dtype=torch.float64)[:, None] * inv_freq
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, rot, 2, dtype=torch.float64, device="cpu") / rot)
+    freqs = torch.arange(t, dtype=torch.float64, device="cpu")[:, None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)[None].expand(b, t, rot)
     return tensors, emb.cos().to(device), emb.sin().to(device), d
 
@@ -53,6 +54,7 @@ def run(fn, masters, tables, dtype, dys, **kw):
 
 
 def check_three_way(shape, dtype, bias=False, device=None, **kw):
+    device = device or torch.get_default_device()
     masters, cos, sin, head_dim = make_inputs(shape, bias, device)
     tables = (cos, sin, head_dim)
     probe = attention_input_ref(*(masters[k] for k in LEAVES), cos, sin, head_dim=head_dim)
