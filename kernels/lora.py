@@ -162,8 +162,9 @@ def plan_lora(
 
 
 def _dropped(x: torch.Tensor, weights, mask, p: float, plan: LoraPlan) -> torch.Tensor:
-    """``dropout(x)`` in ``plan.dtype``, dropped in the adapters' dtype as PEFT drops it."""
-    return _dropout(x.to(weights[0].dtype), mask, p).to(plan.dtype)
+    """``dropout(x)`` in ``plan.dtype`` with a saved mask, as PEFT's forward computed it: in the adapters'
+    dtype, or straight in ``plan.dtype`` when ``x`` is in it (``x·mask/(1 - p)`` rounds once either way)."""
+    return _dropout(x if x.dtype == plan.dtype else x.to(weights[0].dtype), mask, p).to(plan.dtype)
 
 
 def lora_down(x: torch.Tensor, weights, plan: LoraPlan):
@@ -217,7 +218,10 @@ def lora_dx_(dx: torch.Tensor, dt: torch.Tensor, masks, weights, plan: LoraPlan)
             dx.add_(dt @ a)
         return
     for dtj, a, m, p in zip(dt.split(plan.ranks, dim=1), a_list, masks, plan.dropout_ps, strict=True):
-        dx.add_(_dropout(dtj @ a, m, p))
+        if m is None:
+            dx.add_(dtj @ a)
+        else:
+            dx.addcmul_(dtj @ a, m, value=1.0 / (1.0 - p))
 
 
 def lora_da(dt: torch.Tensor, x: torch.Tensor, masks, weights, plan: LoraPlan, need):

@@ -133,8 +133,11 @@ def attention_case(shape, rank, present, p):
     tensors, cos, sin, head_dim = attn.make_inputs(shape, bias=False)
     gen = torch.Generator().manual_seed(2)
     hidden = shape[2]
-    adapters = [adapter_masters(hidden, tensors[w].shape[0], rank, 2.0 / (i + 1), p, gen) if on else None
-                for i, (w, on) in enumerate(zip(("w_q", "w_k", "w_v"), present, strict=True))]  # fmt: skip
+    # k's adapter has no dropout: adapters with and without one side by side
+    adapters = []
+    for i, (w, on) in enumerate(zip(("w_q", "w_k", "w_v"), present, strict=True)):
+        spec = adapter_masters(hidden, tensors[w].shape[0], rank, 2.0 / (i + 1), 0.0 if i == 1 else p, gen)
+        adapters.append(spec if on else None)
     return tensors, adapters, {"cos": cos, "sin": sin, "head_dim": head_dim}
 
 
