@@ -256,6 +256,9 @@ def apply_chunk_kernels(trainer) -> None:
                 refuse(name, f"chunk_kernels_{key}=True with chunk_kernels=False",
                        "it selects what the kernels keep for the backward")  # fmt: skip
         return
+    if options["norm_recompute"] and getattr(args, "torch_compile", False):
+        refuse(name, "chunk_kernels_norm_recompute=True with torch_compile=True",
+               "its saved-tensor hooks are not traced by torch.compile")  # fmt: skip
     log = logging.getLogger("chunkloss.trainers")
     unwrap = trainer.accelerator.unwrap_model
     model = peft_base(unwrap(trainer.model))

@@ -179,6 +179,11 @@ def test_recompute_without_chunk_kernels_refused(tmp_path, option):
         _sft(tmp_path, model_pair()[0], False, **{f"chunk_kernels_{option}": True})
 
 
+def test_norm_recompute_with_torch_compile_refused(tmp_path):
+    with pytest.raises(ValueError, match="chunk_kernels_norm_recompute=True with torch_compile=True"):
+        _sft(tmp_path, model_pair()[0], True, chunk_kernels_norm_recompute=True, torch_compile=True)
+
+
 def test_sft_chunk_kernels_peft(tmp_path):
     peft = pytest.importorskip("peft")
     config = peft.LoraConfig(r=4, target_modules=["q_proj", "gate_proj"])
