@@ -101,8 +101,9 @@ class PatchedRMSNorm:
 
 class PatchedGatedMLP:
     """``XMLP.forward``, ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, as one
-    :func:`~chunkloss.kernels.gated_mlp` call; projections it cannot take keep their own forward, and only the
-    gating runs on the GLU kernel."""
+    :func:`~chunkloss.kernels.gated_mlp` call (plain LoRA projections included). When one projection cannot
+    run there, each runs on its own (a plain LoRA one as :func:`~chunkloss.kernels.lora.lora_linear`) and the
+    gating on the GLU kernel."""
 
     chunkloss_mlp: MLPSpec
 
