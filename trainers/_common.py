@@ -40,10 +40,11 @@ class ChunkedArguments:
         chunk_compile: run the per-chunk math under ``torch.compile``.
         chunk_kernels: run the model on chunkloss's Triton kernels (``chunkloss.models.patch(model,
             loss=False)``: RMSNorms, rotary embedding, each layer's input norm, q/k/v projections and rotary
-            embedding as one fused call, the gated MLPs, and LoRA adapters inside those calls), and a reference
-            or teacher model too. ``None`` (the default): on when the model is on CUDA, of a supported type
-            and ``use_liger_kernel`` is off, else off with one log line saying why; ``True``: required (the
-            trainer is refused when it cannot be); ``False``: off. See :func:`apply_chunk_kernels`.
+            embedding as one fused call, the gated MLPs, and LoRA adapters inside those calls), and a
+            reference or teacher model too. ``None`` (the default): on when the model is on CUDA, of a
+            supported type and ``use_liger_kernel`` is off, else off with one log line saying why; ``True``:
+            required (the trainer is refused when it cannot be); ``False``: off. See
+            :func:`apply_chunk_kernels`.
         chunk_kernels_mlp_recompute: with ``chunk_kernels``, the fused MLP saves only its input and replays
             the gate/up GEMM in the backward (``patch(..., mlp_recompute=True)``): less activation memory, one
             more GEMM per MLP. Off by default (the gate and up pre-activations are saved).
@@ -65,14 +66,14 @@ class ChunkedArguments:
     chunk_kernels: bool | None = field(
         default=None,
         metadata={
-            "help": "Run the model's RMSNorm, rotary embedding, attention input (norm + q/k/v + rotary as one "
-            "call) and gated MLP on chunkloss's Triton kernels, LoRA adapters inside them "
+            "help": "Run the model's RMSNorm, rotary embedding, attention input (norm + q/k/v + rotary as "
+            "one call) and gated MLP on chunkloss's Triton kernels, LoRA adapters inside them "
             "(chunkloss.models.patch(model, loss=False); a reference/teacher model of a supported type too): "
             "less activation memory, faster steps. None (default): on when the model is on CUDA, of a "
             "supported type (llama, mistral, qwen2, qwen3, gemma, gemma2: "
-            "chunkloss.models.SUPPORTED_MODEL_TYPES) and use_liger_kernel is off; otherwise off, with one log "
-            "line saying why. True: required (refused when impossible). False: off; results then equal TRL's "
-            "up to rounding."
+            "chunkloss.models.SUPPORTED_MODEL_TYPES) and use_liger_kernel is off; otherwise off, with one "
+            "log line saying why. True: required (refused when impossible). False: off; results then equal "
+            "TRL's up to rounding."
         },
     )
     chunk_kernels_mlp_recompute: bool = field(
@@ -199,11 +200,13 @@ def _model_type(model) -> str | None:
 
 def _why_not(model, args, *, auto: bool) -> tuple[str, str] | None:
     """``(option, why)`` when the kernels cannot run ``model``; None when they can. In auto mode the CPU
-    is a reason even under ``TRITON_INTERPRET=1`` (the interpreter is for tests, which ask for the kernels)."""
+    is a reason even under ``TRITON_INTERPRET=1`` (the interpreter is for tests, which ask for the
+    kernels)."""
     from chunkloss.models import SUPPORTED_MODEL_TYPES
 
     if getattr(args, "use_liger_kernel", False):
-        return "with use_liger_kernel=True", "both replace the model's norms, rotary embedding and MLPs; choose one"
+        why = "both replace the model's norms, rotary embedding and MLPs; choose one"
+        return "with use_liger_kernel=True", why
     model_type = _model_type(model)
     if model_type not in SUPPORTED_MODEL_TYPES:
         return f"on model type {model_type!r}", f"the kernels cover {', '.join(SUPPORTED_MODEL_TYPES)}"
@@ -267,7 +270,8 @@ def apply_chunk_kernels(trainer) -> None:
         if setting:
             refuse(name, f"chunk_kernels=True {why[0]}", why[1])
         log.warning("%s: chunk_kernels off: the model (type %r) %s keeps transformers' modules (%s); "
-                    "chunk_kernels=False silences this", name, _model_type(model), why[0], why[1])  # fmt: skip
+                    "chunk_kernels=False silences this",
+                    name, _model_type(model), why[0], why[1])  # fmt: skip
         return
     try:
         patch(model, loss=False, **options)

@@ -65,7 +65,8 @@ def _lora_refusal(module) -> str | None:
         return None
     name = active[0]
     if name in getattr(module, "lora_variant", {}):
-        return f"a {type(module.lora_variant[name]).__name__.removesuffix('LinearVariant') or 'variant'} adapter"
+        variant = type(module.lora_variant[name]).__name__.removesuffix("LinearVariant")
+        return f"a {variant or 'variant'} adapter"
     if module.fan_in_fan_out:
         return "fan_in_fan_out"
     a, b = module.lora_A[name], module.lora_B[name]
@@ -95,7 +96,8 @@ def projection(module: nn.Module) -> Projection | None:
     name = active[0]
     dropout = module.lora_dropout[name]
     p = dropout.p if type(dropout) is nn.Dropout and dropout.training else 0.0
-    adapter = LoraAdapter(module.lora_A[name].weight, module.lora_B[name].weight, float(module.scaling[name]), p)
+    a, b = module.lora_A[name].weight, module.lora_B[name].weight
+    adapter = LoraAdapter(a, b, float(module.scaling[name]), p)
     return Projection(base.weight, base.bias, adapter)
 
 

@@ -7,8 +7,8 @@ name):
 * every RMSNorm runs :func:`~chunkloss.kernels.rms_norm` (Gemma: ``1 + w`` in fp32);
 * every attention module runs its q/k/v projections, :func:`~chunkloss.kernels.apply_rotary_pos_emb` (q and k
   rotated in place), the cache, transformers' attention interface and ``o_proj``;
-* with ``attention=True`` (the default; not Qwen3, which normalises q and k per head before RoPE), each decoder
-  layer runs its input RMSNorm, q/k/v projections and RoPE as one
+* with ``attention=True`` (the default; not Qwen3, which normalises q and k per head before RoPE), each
+  decoder layer runs its input RMSNorm, q/k/v projections and RoPE as one
   :func:`~chunkloss.kernels.attention_input` call;
 * with ``norm_recompute=True``, every decoder layer keeps no output of its pre-norms (the input /
   post-attention / pre-feedforward RMSNorm) for the backward; the projections that read them get them back by
@@ -146,9 +146,9 @@ class ChunkedLossForCausalLM:
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
                 use_cache=None, logits_to_keep=0, **kwargs):  # fmt: skip
         if labels is None:
-            return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                   inputs_embeds=inputs_embeds, use_cache=use_cache,
-                                   logits_to_keep=logits_to_keep, **kwargs)  # fmt: skip
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask,
+                                   position_ids=position_ids, inputs_embeds=inputs_embeds,
+                                   use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)  # fmt: skip
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         return_dict = kwargs.pop("return_dict", None)
@@ -159,11 +159,11 @@ class ChunkedLossForCausalLM:
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         hidden = hidden[:, keep, :]
         if shift_labels is None:
-            # As transformers' ForCausalLMLoss: position t predicts token t + 1, the last one predicts nothing.
+            # As transformers' ForCausalLMLoss: position t predicts token t + 1, the last one nothing.
             shift_labels = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
-        loss = self.chunkloss_cross_entropy()(hidden, self.lm_head.weight, shift_labels.to(hidden.device),
-                                              bias=self.lm_head.bias,
-                                              num_items_in_batch=kwargs.get("num_items_in_batch"))  # fmt: skip
+        ce = self.chunkloss_cross_entropy()
+        loss = ce(hidden, self.lm_head.weight, shift_labels.to(hidden.device), bias=self.lm_head.bias,
+                  num_items_in_batch=kwargs.get("num_items_in_batch"))
         out = CausalLMOutputWithPast(loss=loss, logits=None, cache=outputs.cache,
                                      hidden_states=outputs.hidden_states, attentions=outputs.attentions)
         if return_dict is False or (return_dict is None and not getattr(self.config, "return_dict", True)):
@@ -178,7 +178,8 @@ class ChunkedLossForCausalLM:
         softcap = getattr(self.config, "final_logit_softcapping", None)
         cached = self.__dict__.get("_chunkloss_ce")
         if cached is None or cached[0] != softcap:
-            ce = FusedLinearCrossEntropyLoss(ignore_index=-100, softcap=softcap, **self.chunkloss_loss_options)
+            options = self.chunkloss_loss_options
+            ce = FusedLinearCrossEntropyLoss(ignore_index=-100, softcap=softcap, **options)
             self._chunkloss_ce = cached = (softcap, ce)
         return cached[1]
 

@@ -1,5 +1,5 @@
-"""PEFT LoRA models under ``chunkloss.models.patch``: plain adapters run inside the fused calls with PEFT's loss
-and adapter gradients; what the kernels cannot take keeps PEFT's forward, named in one log line."""
+"""PEFT LoRA models under ``chunkloss.models.patch``: plain adapters run inside the fused calls with PEFT's
+loss and adapter gradients; what the kernels cannot take keeps PEFT's forward, named in one log line."""
 
 import copy
 import logging
@@ -18,7 +18,8 @@ ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 
 def lora_model(model_type: str, targets=ALL, seed: int = 0, **config):
     torch.manual_seed(seed)
-    model = peft.get_peft_model(tiny_model(model_type), peft.LoraConfig(r=4, target_modules=targets, **config))
+    config = peft.LoraConfig(r=4, target_modules=targets, **config)
+    model = peft.get_peft_model(tiny_model(model_type), config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -70,8 +71,8 @@ def test_fp32_adapters_on_a_bf16_model():
     """PEFT keeps adapters in fp32 on a bf16 base (autocast_adapter_dtype): the adapters' products run in
     fp32, as PEFT's do. Compared with an fp32 copy of the whole model.
 
-    k = 8 for the gradients: through this two-layer bf16 model, the first layer's adapter gradients differ from
-    the fp32 model's by up to 3.7x the unpatched bf16 model's error with the RMSNorm kernel alone patched
+    k = 8 for the gradients: through this two-layer bf16 model, the first layer's adapter gradients differ
+    from the fp32 model's by up to 3.7x the unpatched bf16 model's error with the RMSNorm kernel alone patched
     (PEFT's own LoRA forward, no LoRA kernel), and up to 5.0x with everything fused (measured over 2 seeds and
     3 patch configurations); the loss keeps the table's k."""
     model = lora_model("llama")
@@ -215,9 +216,9 @@ def test_gradient_checkpointing_recomputes_through_the_fused_calls(reentrant):
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
 def test_adapter_dropout_draws_pefts_masks(model_type):
-    """lora_dropout > 0 in training: the fused calls draw the masks PEFT draws, in its order (q, k, v, o, gate,
-    up, down), so from one seed the loss and every adapter gradient are PEFT's; the masks are in effect (the
-    loss differs from evaluation's, which has none)."""
+    """lora_dropout > 0 in training: the fused calls draw the masks PEFT draws, in its order (q, k, v, o,
+    gate, up, down), so from one seed the loss and every adapter gradient are PEFT's; the masks are in effect
+    (the loss differs from evaluation's, which has none)."""
     model = lora_model(model_type, lora_dropout=0.3)
     input_ids = torch.randint(0, VOCAB, (2, 7))
     patched = copy.deepcopy(model)

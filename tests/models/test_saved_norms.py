@@ -1,4 +1,4 @@
-"""chunkloss.models.saved_norms: saved norm outputs packed as recipes, everything else through the hooks outside."""
+"""chunkloss.models.saved_norms: saved norm outputs packed as recipes, the rest through the hooks outside."""
 
 import torch
 from chunkloss.models import saved_norms

@@ -273,8 +273,8 @@ def test_teacher_patched_when_supported(tmp_path, kind, caplog):
     with caplog.at_level(logging.INFO, logger="chunkloss.trainers"):
         _teacher_trainer(kind, tmp_path, student, gpt2)
     lines = [r.getMessage() for r in caplog.records if r.name == "chunkloss.trainers"]
-    assert len(lines) == 1 and "teacher_model (type 'gpt2') on model type 'gpt2' keeps transformers' modules" \
-        in lines[0], lines
+    expected = "teacher_model (type 'gpt2') on model type 'gpt2' keeps transformers' modules"
+    assert len(lines) == 1 and expected in lines[0], lines
     assert all(_is_patched_norm(m) for m in student.modules() if type(m).__name__ == "Qwen3RMSNorm")
     assert _untouched(gpt2)
 
