@@ -76,6 +76,8 @@ def _head_views(qkv: torch.Tensor, batch: int, opts: AttentionInputOptions):
 
 # The RMSNorm launches as custom ops with new outputs, which torch.compile calls without tracing into Triton
 # (the interpreter included): the Function uses them while compiling and the in-place launches otherwise.
+# They have no autograd formula (the Function's backward is written out): their inputs are passed detached,
+# which keeps autograd's fallback for custom ops out of the trace.
 @torch.library.custom_op("chunkloss::rms_norm_fwd", mutates_args=())
 def rms_norm_fwd_op(
     x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting: str
@@ -108,7 +110,7 @@ def _(dy, x, weight, rstd, eps, offset, casting, needs_dx, needs_dw):
 def _norm_fwd(x, weight, opts: RMSNormOptions):
     """(h, rstd) of the (N, H) rows ``x`` (contiguous)."""
     if torch.compiler.is_compiling():
-        return rms_norm_fwd_op(x, weight, opts.eps, opts.offset, opts.casting)
+        return rms_norm_fwd_op(x.detach(), weight.detach(), opts.eps, opts.offset, opts.casting)
     h, _, rstd = _rms_norm_fwd(x, weight, opts)
     return h, rstd
 
@@ -116,7 +118,8 @@ def _norm_fwd(x, weight, opts: RMSNormOptions):
 def _norm_bwd(dh, x, weight, rstd, opts: RMSNormOptions, needs_dx, needs_dw):
     if not torch.compiler.is_compiling():
         return _rms_norm_bwd(dh, x, weight, rstd, opts, needs_dx, needs_dw)
-    dx, dw = rms_norm_bwd_op(dh, x, weight, rstd, opts.eps, opts.offset, opts.casting, needs_dx, needs_dw)
+    args = (dh.detach(), x.detach(), weight.detach(), rstd, opts.eps, opts.offset, opts.casting)
+    dx, dw = rms_norm_bwd_op(*args, needs_dx, needs_dw)
     return (dx if needs_dx else None), (dw if needs_dw else None)
 
 
@@ -139,7 +142,7 @@ class AttentionInputFunction(torch.autograd.Function):
             lora_up_(_adapted(qkv.split(opts.widths, dim=1), opts.lora), t, lora, opts.lora)
         q, k, v = _head_views(qkv, batch, opts)
         if torch.compiler.is_compiling():  # new q and k
-            q, k = rope_op(q, k, cos, sin, _ROPE.head_axis, False)
+            q, k = rope_op(q.detach(), k.detach(), cos, sin, _ROPE.head_axis, False)
         else:
             _rope_launch(q, k, cos, sin, _ROPE, backward=False, out=(q, k))
         kept = None if opts.norm_recompute else h
@@ -156,7 +159,7 @@ class AttentionInputFunction(torch.autograd.Function):
         if h is None:
             h = _norm_fwd(x, norm_weight, opts.norm)[0]
         if torch.compiler.is_compiling():
-            dq, dk = rope_op(dq, dk, cos, sin, _ROPE.head_axis, True)
+            dq, dk = rope_op(dq.detach(), dk.detach(), cos, sin, _ROPE.head_axis, True)
             dqkv = torch.cat([d.transpose(1, 2).reshape(h.shape[0], -1) for d in (dq, dk, dv)], dim=1)
         else:
             dqkv = h.new_empty(h.shape[0], sum(opts.widths))

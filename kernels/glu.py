@@ -130,7 +130,7 @@ def _glu_fwd(a, b, opts: GLUOptions):
     assert opts.activation in ACTIVATIONS, opts.activation
     a, b = a.contiguous(), b.contiguous()
     if torch.compiler.is_compiling():
-        return glu_fwd_op(a, b, opts.activation), a, b
+        return glu_fwd_op(a.detach(), b.detach(), opts.activation), a, b
     return _glu_fwd_launch(a, b, opts.activation), a, b
 
 
@@ -149,7 +149,7 @@ def _glu_bwd(dc, a, b, opts: GLUOptions, c: torch.Tensor | None = None):
     ``torch.compile`` every output is a new tensor."""
     dc = dc.contiguous()
     if torch.compiler.is_compiling():
-        da, db, c_new = glu_bwd_op(dc, a, b, opts.activation, c is not None)
+        da, db, c_new = glu_bwd_op(dc.detach(), a.detach(), b.detach(), opts.activation, c is not None)
         return da, db, (c_new if c is not None else None)
     da, db = (a, b) if opts.in_place else (torch.empty_like(a), torch.empty_like(b))
     _glu_bwd_launch(dc, a, b, da, db, c, opts.activation)
@@ -165,7 +165,9 @@ def _glu_bwd_launch(dc, a, b, da, db, c, activation):
 
 
 # The launches as custom ops with new outputs, which torch.compile calls without tracing into Triton (the
-# interpreter included): the Functions use them while compiling and the in-place launches otherwise.
+# interpreter included): the Functions use them while compiling and the in-place launches otherwise. Their
+# inputs are passed detached: the Functions' backwards are written out, and autograd's fallback for custom ops
+# stays out of the trace.
 @torch.library.custom_op("chunkloss::glu_fwd", mutates_args=())
 def glu_fwd_op(a: torch.Tensor, b: torch.Tensor, activation: str) -> torch.Tensor:
     return _glu_fwd_launch(a.contiguous(), b.contiguous(), activation)

@@ -245,7 +245,9 @@ def _rope_launch(q, k, cos, sin, opts: RoPEOptions, backward: bool, out=None):
 
 
 # The launch as a custom op with new outputs, which torch.compile calls without tracing into Triton (the
-# interpreter included): the Functions use it while compiling and the in-place launches otherwise.
+# interpreter included): the Functions use it while compiling and the in-place launches otherwise. Its inputs
+# are passed detached: the Functions' backwards are written out, and autograd's fallback for custom ops stays
+# out of the trace.
 @torch.library.custom_op("chunkloss::rope", mutates_args=())
 def rope_op(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_axis: int, backward: bool
@@ -264,7 +266,7 @@ def rope_new(q, k, cos, sin, opts: RoPEOptions, backward: bool):
     """``(qo, ko, in_place)`` as :func:`_rope_launch` without ``out``; through :func:`rope_op` (new outputs)
     under ``torch.compile``."""
     if torch.compiler.is_compiling() and q is not None and k is not None:
-        return *rope_op(q, k, cos, sin, opts.head_axis, backward), False
+        return *rope_op(q.detach(), k.detach(), cos, sin, opts.head_axis, backward), False
     return _rope_launch(q, k, cos, sin, opts, backward)
 
 
