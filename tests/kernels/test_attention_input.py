@@ -173,7 +173,7 @@ def test_real_widths_gpu(dtype):
 @in_fresh_process
 def test_compiles_without_graph_breaks(norm_recompute):
     """attention_input and the standalone RoPE compile as one graph (the Triton launches are custom ops there)
-    and give eager's results bit for bit; partial rotary dims included."""
+    and give eager's results; partial rotary dims included."""
     masters, cos, sin, head_dim = make_inputs(SHAPES[2], bias=True)
     x, norm_weight, w_q, w_k, w_v = (masters[k].requires_grad_(k in ("x", "norm_weight")) for k in LEAVES)
 

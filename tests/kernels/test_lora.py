@@ -8,6 +8,8 @@ runs go through TRITON_INTERPRET=1, whose truncating bf16 stores (tests/toleranc
 input's bf16 adapter gradients the closest to their bound, as its base weight gradients are.
 """
 
+import contextlib
+
 import pytest
 import torch
 from chunkloss.kernels import LoraAdapter, lora_linear, lora_linear_ref
@@ -66,12 +68,30 @@ def leaves_by_role(leaves):
     return {k: v for k, v in leaves.items() if not (k[0] in "ab" and k[1:].isdigit())}
 
 
+@contextlib.contextmanager
+def masks_drawn_in(dtype):
+    """``torch.native_dropout`` draws its mask on a tensor of ``dtype``: CUDA's kernel spends its random
+    numbers by vector width, so the fp64 reference takes the masks of the run in ``dtype`` this way."""
+    real = torch.native_dropout
+
+    def native_dropout(x, p, train):
+        mask = real(x.to(dtype), p, train)[1]
+        return torch.ops.aten.native_dropout_backward(x, mask, 1.0 / (1.0 - p)), mask
+
+    torch.native_dropout = native_dropout
+    try:
+        yield
+    finally:
+        torch.native_dropout = real
+
+
 def check_three_way(ours, ref, base, adapters, dtypes, trainable, device=None, **kw):
     """Outputs and every gradient of ``ours`` against ``ref`` in fp64; ``ref`` in ``dtypes`` sets the bar."""
     probe, _ = run(ref, base, adapters, (torch.float64, torch.float64), None, (), device, **kw)
     g = torch.Generator().manual_seed(1)
     dys = [torch.randn(o.shape, generator=g, dtype=torch.float64, device="cpu") for o in probe]
-    out_ref, g_ref = run(ref, base, adapters, (torch.float64, torch.float64), dys, trainable, device, **kw)
+    with masks_drawn_in(dtypes[1]):  # PEFT drops the input cast to the adapters' dtype
+        out_ref, g_ref = run(ref, base, adapters, (torch.float64,) * 2, dys, trainable, device, **kw)
     out_tch, g_tch = run(ref, base, adapters, dtypes, dys, trainable, device, **kw)
     out, grads = run(ours, base, adapters, dtypes, dys, trainable, device, **kw)
     # The bf16 row of the table for everything computed from bf16 activations, fp32 adapters' gradients too.
@@ -424,7 +444,7 @@ def test_real_widths_gpu(dtypes, dropout_p):
 @in_fresh_process
 def test_compiles_without_graph_breaks(fn, dropout_p):
     """torch.compile of a call with adapters runs as one graph, forward and backward, with eager's results
-    (bit for bit without dropout: compiled code draws its dropout masks from other random numbers)."""
+    (compared without dropout: compiled code draws its dropout masks from other random numbers)."""
     if fn == "lora_linear":
         base, specs = linear_case(4, True, dropout_p)
         call = _lora_linear
@@ -447,4 +467,4 @@ def test_compiles_without_graph_breaks(fn, dropout_p):
         return call(**dict(zip(names, tensors[: len(names)], strict=True)), adapters=built, **extra)
 
     flat = [t for s in adapters if s is not None for t in s[:2]]
-    compiled_matches_eager(model, [*leaves, *flat], exact=dropout_p == 0)
+    compiled_matches_eager(model, [*leaves, *flat], values=dropout_p == 0)

@@ -177,7 +177,7 @@ def test_gated_mlp_odd_real_widths_gpu(dtype, activation, bias, recompute):
 @in_fresh_process
 def test_compiles_without_graph_breaks(recompute):
     """The MLP block and the standalone SwiGLU compile as one graph (the Triton launches are custom ops there)
-    and give eager's results bit for bit."""
+    and give eager's results."""
     m = make_inputs(13, 24, 40, bias=True)
     x = m["x"].requires_grad_(True)
     w_gate = m["w_gate"].requires_grad_(True)
