@@ -1,19 +1,15 @@
-"""Triton kernels (RMSNorm, LayerNorm, RoPE, SwiGLU, GeGLU, the gated MLP, the attention input) and patching.
+"""Triton kernels (RMSNorm, LayerNorm, RoPE, SwiGLU, GeGLU, the gated MLP, the attention input), with LoRA.
 
 Every kernel has a pure-PyTorch ``*_ref`` beside it that matches the corresponding ``transformers`` module.
-
-Example::
-
-    from chunkloss.kernels import patch
-    model = patch(AutoModelForCausalLM.from_pretrained("Qwen/Qwen3-0.6B", dtype=torch.bfloat16))
-    loss = model(input_ids=ids, labels=ids).loss   # output.logits is None: the loss never builds them
+This package imports nothing from the rest of chunkloss; :func:`chunkloss.models.patch` puts the kernels into
+a transformers model.
 """
 
 from .attention_input import attention_input, attention_input_ref
 from .glu import GeGLU, SwiGLU, geglu, geglu_ref, swiglu, swiglu_ref
 from .layer_norm import LayerNorm, layer_norm, layer_norm_ref
+from .lora import LoraAdapter, lora_linear, lora_linear_ref
 from .mlp import FusedGatedMLP, gated_mlp, gated_mlp_ref
-from .patch import SUPPORTED_MODEL_TYPES, patch, unpatch_rotary
 from .rms_norm import RMSNorm, rms_norm, rms_norm_ref
 from .rope import ApplyRotaryPosEmb, apply_rotary_pos_emb, apply_rotary_pos_emb_ref
 
@@ -38,7 +34,7 @@ __all__ = [
     "gated_mlp_ref",
     "attention_input",
     "attention_input_ref",
-    "patch",
-    "unpatch_rotary",
-    "SUPPORTED_MODEL_TYPES",
+    "LoraAdapter",
+    "lora_linear",
+    "lora_linear_ref",
 ]

@@ -15,6 +15,13 @@ and two additions), one GEMM gives ``[dWq; dWk; dWv] = [dq dk dv]ᵀ·h``; the R
 ``dx`` and the norm weight's gradient. Saved for the backward: ``x``, ``h`` and ``rstd``, as the separate
 modules keep; with ``norm_recompute=True`` only ``x`` and ``rstd``, and the backward runs the norm kernel
 again for ``h`` (the same kernel on the same input: the same bits).
+
+LoRA (``adapters=(q, k, v)``, each a :class:`~chunkloss.kernels.lora.LoraAdapter` or None): the low-rank
+updates ``s·(dropout(h)·Aᵀ)·Bᵀ`` are added to their columns of the projection output before RoPE, and their
+backward is written out in ``kernels/lora.py``: without dropout one GEMM ``h·[A_q; A_k; A_v]ᵀ`` feeds every
+adapter, and ``dh`` is the base's ``[dq dk dv]·[Wq; Wk; Wv]`` plus one ``addmm`` of the adapters'
+``[dt_q dt_k dt_v]·[A_q; A_k; A_v]``. Frozen projection weights get no gradient GEMM. Saved besides: the
+adapters' ``t = h·Aᵀ`` (N, Σr) and their dropout masks.
 """
 
 from dataclasses import dataclass
@@ -22,8 +29,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .lora import LoraAdapter, LoraPlan, lora_down, lora_grads, lora_ref, lora_up_, plan_lora
 from .rms_norm import RMSNormOptions, _rms_norm_bwd, _rms_norm_fwd, rms_norm_ref
-from .rope import RoPEOptions, _rope_launch, _tables, apply_rotary_pos_emb_ref
+from .rope import RoPEOptions, _rope_launch, _tables, apply_rotary_pos_emb_ref, rope_op
 
 _ROPE = RoPEOptions(head_axis=1)
 
@@ -32,17 +40,19 @@ def attention_input_ref(
     x: torch.Tensor, norm_weight: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor,
     cos: torch.Tensor, sin: torch.Tensor, *, b_q: torch.Tensor | None = None, b_k: torch.Tensor | None = None,
     b_v: torch.Tensor | None = None, head_dim: int | None = None, eps: float = 1e-6, offset: float = 0.0,
-    casting: str = "llama",
+    casting: str = "llama", adapters: tuple[LoraAdapter | None, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pure PyTorch, op for op as transformers' Llama modules; arguments as :func:`attention_input`."""
+    """Pure PyTorch, op for op as transformers' Llama modules (PEFT's LoRA layers for the projections with an
+    adapter); arguments as :func:`attention_input`."""
     head_dim = head_dim or cos.shape[-1]
     h = rms_norm_ref(x, norm_weight, eps, offset, casting)
+    q_ad, k_ad, v_ad = adapters or (None, None, None)
 
-    def heads(w, b):
-        return F.linear(h, w, b).view(*x.shape[:-1], -1, head_dim).transpose(1, 2)
+    def heads(w, b, adapter):
+        return lora_ref(F.linear(h, w, b), h, adapter).view(*x.shape[:-1], -1, head_dim).transpose(1, 2)
 
-    q, k = apply_rotary_pos_emb_ref(heads(w_q, b_q), heads(w_k, b_k), cos, sin)
-    return q, k, heads(w_v, b_v)
+    q, k = apply_rotary_pos_emb_ref(heads(w_q, b_q, q_ad), heads(w_k, b_k, k_ad), cos, sin)
+    return q, k, heads(w_v, b_v, v_ad)
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,7 @@ class AttentionInputOptions:
     head_dim: int
     widths: tuple[int, int, int]  # output columns of the q, k and v projections
     norm_recompute: bool = False  # keep x and rstd, not h: the backward runs the norm again
+    lora: LoraPlan | None = None  # the adapters of q, k, v
 
 
 def _cat(tensors):
@@ -63,40 +74,113 @@ def _head_views(qkv: torch.Tensor, batch: int, opts: AttentionInputOptions):
                  for part in qkv.split(opts.widths, dim=1))  # fmt: skip
 
 
+# The RMSNorm launches as custom ops with new outputs, which torch.compile calls without tracing into Triton
+# (the interpreter included): the Function uses them while compiling and the in-place launches otherwise.
+# They have no autograd formula (the Function's backward is written out): their inputs are passed detached,
+# which keeps autograd's fallback for custom ops out of the trace.
+@torch.library.custom_op("chunkloss::rms_norm_fwd", mutates_args=())
+def rms_norm_fwd_op(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    y, _, rstd = _rms_norm_fwd(x, weight, RMSNormOptions(eps, offset, casting))
+    return y, rstd
+
+
+@rms_norm_fwd_op.register_fake
+def _(x, weight, eps, offset, casting):
+    dtype = torch.promote_types(x.dtype, weight.dtype) if casting == "llama" else x.dtype
+    return x.new_empty(x.shape, dtype=dtype), x.new_empty(x.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("chunkloss::rms_norm_bwd", mutates_args=())
+def rms_norm_bwd_op(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, eps: float, offset: float,
+    casting: str, needs_dx: bool, needs_dw: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dw), each empty when not needed."""
+    dx, dw = _rms_norm_bwd(dy, x, weight, rstd, RMSNormOptions(eps, offset, casting), needs_dx, needs_dw)
+    return (x.new_empty(0) if dx is None else dx), (weight.new_empty(0) if dw is None else dw)
+
+
+@rms_norm_bwd_op.register_fake
+def _(dy, x, weight, rstd, eps, offset, casting, needs_dx, needs_dw):
+    return x.new_empty(x.shape if needs_dx else 0), weight.new_empty(weight.shape if needs_dw else 0)
+
+
+def _norm_fwd(x, weight, opts: RMSNormOptions):
+    """(h, rstd) of the (N, H) rows ``x`` (contiguous)."""
+    if torch.compiler.is_compiling():
+        return rms_norm_fwd_op(x.detach(), weight.detach(), opts.eps, opts.offset, opts.casting)
+    h, _, rstd = _rms_norm_fwd(x, weight, opts)
+    return h, rstd
+
+
+def _norm_bwd(dh, x, weight, rstd, opts: RMSNormOptions, needs_dx, needs_dw):
+    if not torch.compiler.is_compiling():
+        return _rms_norm_bwd(dh, x, weight, rstd, opts, needs_dx, needs_dw)
+    args = (dh.detach(), x.detach(), weight.detach(), rstd, opts.eps, opts.offset, opts.casting)
+    dx, dw = rms_norm_bwd_op(*args, needs_dx, needs_dw)
+    return (dx if needs_dx else None), (dw if needs_dw else None)
+
+
+def _adapted(parts, plan: LoraPlan):
+    """The parts (q, k, v columns) of the projections that have an adapter."""
+    return [parts[i] for i in plan.slots]
+
+
 class AttentionInputFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, norm_weight, w_q, w_k, w_v, b_q, b_k, b_v, cos, sin, opts: AttentionInputOptions):
+    def forward(ctx, x, norm_weight, w_q, w_k, w_v, b_q, b_k, b_v, cos, sin, opts: AttentionInputOptions,
+                *lora):
         batch = x.shape[0]
-        h, x2, rstd = _rms_norm_fwd(x.reshape(-1, x.shape[-1]), norm_weight, opts.norm)
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        h, rstd = _norm_fwd(x2, norm_weight, opts.norm)
         qkv = F.linear(h, torch.cat((w_q, w_k, w_v)), _cat((b_q, b_k, b_v)))
+        t, masks = None, ()
+        if opts.lora is not None:  # before RoPE: the adapters add to the projections' outputs
+            t, masks = lora_down(h, lora, opts.lora)
+            lora_up_(_adapted(qkv.split(opts.widths, dim=1), opts.lora), t, lora, opts.lora)
         q, k, v = _head_views(qkv, batch, opts)
-        _rope_launch(q, k, cos, sin, _ROPE, backward=False, out=(q, k))
+        if torch.compiler.is_compiling():  # new q and k
+            q, k = rope_op(q.detach(), k.detach(), cos, sin, _ROPE.head_axis, False)
+        else:
+            _rope_launch(q, k, cos, sin, _ROPE, backward=False, out=(q, k))
         kept = None if opts.norm_recompute else h
-        ctx.save_for_backward(x2, norm_weight, rstd, kept, w_q, w_k, w_v, cos, sin)
+        ctx.save_for_backward(x2, norm_weight, rstd, kept, w_q, w_k, w_v, cos, sin, t, *masks, *lora)
         ctx.opts, ctx.batch, ctx.x_shape, ctx.has_bias = opts, batch, x.shape, b_q is not None
         return q, k, v
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
-        x, norm_weight, rstd, h, w_q, w_k, w_v, cos, sin = ctx.saved_tensors
+        x, norm_weight, rstd, h, w_q, w_k, w_v, cos, sin, t, *rest = ctx.saved_tensors
         opts, need = ctx.opts, ctx.needs_input_grad
+        plan, n_lora = opts.lora, 0 if opts.lora is None else len(opts.lora.ranks)
+        masks, lora = rest[:n_lora], rest[n_lora:]
         if h is None:
-            h = _rms_norm_fwd(x, norm_weight, opts.norm)[0]
-        dqkv = h.new_empty(h.shape[0], sum(opts.widths))
-        dq_out, dk_out, dv_out = _head_views(dqkv, ctx.batch, opts)
-        _rope_launch(dq, dk, cos, sin, _ROPE, backward=True, out=(dq_out, dk_out))
-        dv_out.copy_(dv)
+            h = _norm_fwd(x, norm_weight, opts.norm)[0]
+        if torch.compiler.is_compiling():
+            dq, dk = rope_op(dq.detach(), dk.detach(), cos, sin, _ROPE.head_axis, True)
+            dqkv = torch.cat([d.transpose(1, 2).reshape(h.shape[0], -1) for d in (dq, dk, dv)], dim=1)
+        else:
+            dqkv = h.new_empty(h.shape[0], sum(opts.widths))
+            dq_out, dk_out, dv_out = _head_views(dqkv, ctx.batch, opts)
+            _rope_launch(dq, dk, cos, sin, _ROPE, backward=True, out=(dq_out, dk_out))
+            dv_out.copy_(dv)
+        dh = dqkv @ torch.cat((w_q, w_k, w_v)) if need[0] or need[1] else None
+        lora_g = ()
+        if plan is not None:  # adds the adapters' share of dh into it
+            parts = _adapted(dqkv.split(opts.widths, dim=1), plan)
+            lora_g = lora_grads(parts, h, t, masks, lora, plan, need[11:], dh)
         dx = dnorm_w = None
-        if need[0] or need[1]:
-            dh = dqkv @ torch.cat((w_q, w_k, w_v))
-            dx, dnorm_w = _rms_norm_bwd(dh, x, norm_weight, rstd, opts.norm, need[0], need[1])
+        if dh is not None:
+            dx, dnorm_w = _norm_bwd(dh, x, norm_weight, rstd, opts.norm, need[0], need[1])
             dx = None if dx is None else dx.view(ctx.x_shape)
         dws = (None, None, None)
         if any(need[2:5]):
             dws = (dqkv.t() @ h).split(opts.widths)
         dbs = dqkv.sum(0).split(opts.widths) if ctx.has_bias and any(need[5:8]) else (None, None, None)
         grads = [g if n else None for g, n in zip((*dws, *dbs), need[2:8], strict=True)]
-        return dx, dnorm_w, *grads, None, None, None
+        return dx, dnorm_w, *grads, None, None, None, *lora_g
 
 
 def autocast_changes_dtype(x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -133,6 +217,7 @@ def attention_input(
     cos: torch.Tensor, sin: torch.Tensor, *, b_q: torch.Tensor | None = None, b_k: torch.Tensor | None = None,
     b_v: torch.Tensor | None = None, head_dim: int | None = None, eps: float = 1e-6, offset: float = 0.0,
     casting: str = "llama", norm_recompute: bool = False,
+    adapters: tuple[LoraAdapter | None, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """RMSNorm, the q/k/v projections and RoPE in one autograd Function; equals :func:`attention_input_ref`.
 
@@ -146,6 +231,9 @@ def attention_input(
         head_dim: D; default R.
         norm_recompute: do not keep the normalised ``h`` for the backward (H elements per token); the
             backward runs the norm kernel again.
+        adapters: ``(q, k, v)``, a :class:`~chunkloss.kernels.lora.LoraAdapter` or None for each projection
+            (PEFT's LoRA layers; see ``kernels/lora.py``), or None. The adapters read the normalised input;
+            they may be in another dtype than the base (fp32 adapters on a bf16 model).
 
     Under ``torch.autocast``, x, the projection weights and biases must already be in the autocast dtype (a
     bf16 model under bf16 autocast): the separate modules would normalise x in its own dtype and cast only the
@@ -156,7 +244,8 @@ def attention_input(
         the layout ``LlamaAttention`` gives them (not to be modified in place).
 
     Raises:
-        ValueError: mismatched shapes. TypeError: mixed dtypes, or dtypes autocast would change.
+        ValueError: mismatched shapes, adapters that do not fit their projection (shape, rank, device,
+        dropout). TypeError: mixed dtypes of x, weights and biases, or dtypes autocast would change.
     """
     head_dim = head_dim or cos.shape[-1]
     weights, biases = (w_q, w_k, w_v), (b_q, b_k, b_v)
@@ -168,8 +257,10 @@ def attention_input(
     if any(b is not None for b in biases):  # one concatenated bias, zeros where a projection has none
         biases = tuple(torch.zeros(w.shape[0], dtype=w.dtype, device=w.device) if b is None else b
                        for w, b in zip(weights, biases, strict=True))  # fmt: skip
+    widths = tuple(w.shape[0] for w in weights)
+    plan, lora = plan_lora("attention_input", ("q", "k", "v"), adapters, x.shape[-1], widths, x)
     cos, sin = _tables(cos, sin, None, x.shape[0])
     norm = RMSNormOptions(eps, offset, casting, in_place=True)
-    opts = AttentionInputOptions(norm, head_dim, tuple(w.shape[0] for w in weights), norm_recompute)
+    opts = AttentionInputOptions(norm, head_dim, widths, norm_recompute, plan)
     with torch.autocast(x.device.type, enabled=False):
-        return AttentionInputFunction.apply(x, norm_weight, *weights, *biases, cos, sin, opts)
+        return AttentionInputFunction.apply(x, norm_weight, *weights, *biases, cos, sin, opts, *lora)

@@ -125,29 +125,74 @@ NUM_WARPS = 16
 
 
 def _glu_fwd(a, b, opts: GLUOptions):
+    """``c = act(a) * b`` and the contiguous ``a``, ``b`` it read."""
     assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, b.shape, a.dtype, b.dtype)
     assert opts.activation in ACTIVATIONS, opts.activation
     a, b = a.contiguous(), b.contiguous()
+    if torch.compiler.is_compiling():
+        return glu_fwd_op(a.detach(), b.detach(), opts.activation), a, b
+    return _glu_fwd_launch(a, b, opts.activation), a, b
+
+
+def _glu_fwd_launch(a, b, activation):
     c = torch.empty_like(a)
     n = a.numel()
     _glu_fwd_kernel[(cdiv(n, BLOCK_SIZE),)](
-        a, b, c, n, ACT=_ACT_ID[opts.activation], K0=_SQRT_2_OVER_PI, BLOCK_SIZE=BLOCK_SIZE,
-        num_warps=NUM_WARPS,
+        a, b, c, n, ACT=_ACT_ID[activation], K0=_SQRT_2_OVER_PI, BLOCK_SIZE=BLOCK_SIZE, num_warps=NUM_WARPS,
     )
-    return c, a, b
+    return c
 
 
 def _glu_bwd(dc, a, b, opts: GLUOptions, c: torch.Tensor | None = None):
-    """``da, db`` (over ``a``, ``b`` with ``opts.in_place``); with ``c`` (which may be ``dc``) also writes
-    ``act(a) * b`` into it. ``a``, ``b`` and ``c`` contiguous."""
+    """``(da, db, c)``: ``da, db`` (over ``a``, ``b`` with ``opts.in_place``) and, with ``c`` (which may be
+    ``dc``), ``act(a) * b`` written into it (else None). ``a``, ``b`` and ``c`` contiguous. Under
+    ``torch.compile`` every output is a new tensor."""
     dc = dc.contiguous()
+    if torch.compiler.is_compiling():
+        da, db, c_new = glu_bwd_op(dc.detach(), a.detach(), b.detach(), opts.activation, c is not None)
+        return da, db, (c_new if c is not None else None)
     da, db = (a, b) if opts.in_place else (torch.empty_like(a), torch.empty_like(b))
+    _glu_bwd_launch(dc, a, b, da, db, c, opts.activation)
+    return da, db, c
+
+
+def _glu_bwd_launch(dc, a, b, da, db, c, activation):
     n = a.numel()
     _glu_bwd_kernel[(cdiv(n, BLOCK_SIZE),)](
-        dc, a, b, da, db, dc if c is None else c, n, ACT=_ACT_ID[opts.activation], K0=_SQRT_2_OVER_PI,
+        dc, a, b, da, db, dc if c is None else c, n, ACT=_ACT_ID[activation], K0=_SQRT_2_OVER_PI,
         WRITE_C=c is not None, BLOCK_SIZE=BLOCK_SIZE, num_warps=NUM_WARPS,
     )
-    return da, db
+
+
+# The launches as custom ops with new outputs, which torch.compile calls without tracing into Triton (the
+# interpreter included): the Functions use them while compiling and the in-place launches otherwise. Their
+# inputs are passed detached: the Functions' backwards are written out, and autograd's fallback for custom ops
+# stays out of the trace.
+@torch.library.custom_op("chunkloss::glu_fwd", mutates_args=())
+def glu_fwd_op(a: torch.Tensor, b: torch.Tensor, activation: str) -> torch.Tensor:
+    return _glu_fwd_launch(a.contiguous(), b.contiguous(), activation)
+
+
+@glu_fwd_op.register_fake
+def _(a, b, activation):
+    return torch.empty_like(a, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("chunkloss::glu_bwd", mutates_args=())
+def glu_bwd_op(
+    dc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, activation: str, write_c: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    a, b = a.contiguous(), b.contiguous()
+    da, db = torch.empty_like(a), torch.empty_like(b)
+    c = torch.empty_like(dc if write_c else a[:0])
+    _glu_bwd_launch(dc.contiguous(), a, b, da, db, c if write_c else None, activation)
+    return da, db, c
+
+
+@glu_bwd_op.register_fake
+def _(dc, a, b, activation, write_c):
+    new = lambda t: torch.empty_like(t, memory_format=torch.contiguous_format)  # noqa: E731
+    return new(a), new(b), new(dc if write_c else a[:0])
 
 
 class GLUFunction(torch.autograd.Function):
@@ -164,7 +209,7 @@ class GLUFunction(torch.autograd.Function):
         if not any(ctx.needs_input_grad[:2]):
             return None, None, None
         # One pass writes both gradients; the unneeded one is dropped (it costs one store, not a second read).
-        da, db = _glu_bwd(dc, a, b, ctx.opts)
+        da, db, _ = _glu_bwd(dc, a, b, ctx.opts)
         return (da if ctx.needs_input_grad[0] else None), (db if ctx.needs_input_grad[1] else None), None
 
 

@@ -245,10 +245,36 @@ def _rope_launch(q, k, cos, sin, opts: RoPEOptions, backward: bool, out=None):
     return qo, ko, in_place
 
 
+# The launch as a custom op with new outputs, which torch.compile calls without tracing into Triton (the
+# interpreter included): the Functions use it while compiling and the in-place launches otherwise. Its inputs
+# are passed detached: the Functions' backwards are written out, and autograd's fallback for custom ops stays
+# out of the trace.
+@torch.library.custom_op("chunkloss::rope", mutates_args=())
+def rope_op(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_axis: int, backward: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    qo, ko = torch.empty_like(q), torch.empty_like(k)
+    _rope_launch(q, k, cos, sin, RoPEOptions(head_axis), backward, out=(qo, ko))
+    return qo, ko
+
+
+@rope_op.register_fake
+def _(q, k, cos, sin, head_axis, backward):
+    return torch.empty_like(q), torch.empty_like(k)
+
+
+def rope_new(q, k, cos, sin, opts: RoPEOptions, backward: bool):
+    """``(qo, ko, in_place)`` as :func:`_rope_launch` without ``out``; through :func:`rope_op` (new outputs)
+    under ``torch.compile``."""
+    if torch.compiler.is_compiling() and q is not None and k is not None:
+        return *rope_op(q.detach(), k.detach(), cos, sin, opts.head_axis, backward), False
+    return _rope_launch(q, k, cos, sin, opts, backward)
+
+
 class RoPEFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos, sin, opts: RoPEOptions):
-        qo, ko, in_place = _rope_launch(q, k, cos, sin, opts, backward=False)
+        qo, ko, in_place = rope_new(q, k, cos, sin, opts, backward=False)
         if in_place:
             # Not mark_dirty: autograd refuses it for views (the usual q, a transposed projection) when a
             # Function returns two tensors. Bumping the version still makes any node that saved the
@@ -266,7 +292,7 @@ class RoPEFunction(torch.autograd.Function):
         dq = dq if ctx.needs_input_grad[0] else None
         dk = dk if ctx.needs_input_grad[1] else None
         if dq is not None or dk is not None:
-            dq, dk, _ = _rope_launch(dq, dk, cos, sin, ctx.opts, backward=True)
+            dq, dk, _ = rope_new(dq, dk, cos, sin, ctx.opts, backward=True)
         # A needed gradient whose output got none (e.g. k unused) is zero.
         if ctx.needs_input_grad[0] and dq is None:
             dq = torch.zeros(ctx.q_meta[0], dtype=ctx.q_meta[1], device=cos.device)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -39,9 +38,12 @@ class ChunkedArguments:
         chunk_accum_dtype: dtype of the LM-head gradient accumulator across chunks: ``"float32"`` (default),
             ``"bfloat16"``, ``"float16"`` or ``"weight"`` (the weight's own dtype).
         chunk_compile: run the per-chunk math under ``torch.compile``.
-        chunk_kernels: run the model's RMSNorms, rotary embedding and gated MLPs on chunkloss's Triton
-            kernels, and each layer's input norm, q/k/v projections and rotary embedding as one fused call
-            (``chunkloss.kernels.patch(model, loss=False)``), and a reference or teacher model's too; see
+        chunk_kernels: run the model on chunkloss's Triton kernels (``chunkloss.models.patch(model,
+            loss=False)``: RMSNorms, rotary embedding, each layer's input norm, q/k/v projections and rotary
+            embedding as one fused call, the gated MLPs, and LoRA adapters inside those calls), and a
+            reference or teacher model too. ``None`` (the default): on when the model is on CUDA, of a
+            supported type and ``use_liger_kernel`` is off, else off with one log line saying why; ``True``:
+            required (the trainer is refused when it cannot be); ``False``: off. See
             :func:`apply_chunk_kernels`.
         chunk_kernels_mlp_recompute: with ``chunk_kernels``, the fused MLP saves only its input and replays
             the gate/up GEMM in the backward (``patch(..., mlp_recompute=True)``): less activation memory, one
@@ -61,23 +63,24 @@ class ChunkedArguments:
     chunk_compile: bool = field(
         default=True, metadata={"help": "Compile the per-chunk loss with torch.compile."}
     )
-    chunk_kernels: bool = field(
-        default=False,
+    chunk_kernels: bool | None = field(
+        default=None,
         metadata={
-            "help": "Run the model's RMSNorm, rotary embedding and gated MLP on chunkloss's Triton kernels, "
-            "and each layer's input norm, q/k/v projections and rotary embedding as one fused call "
-            "(chunkloss.kernels.patch(model, loss=False); a reference/teacher model of a supported type "
-            "too): less activation memory, faster steps. Model types: llama, mistral, qwen2, qwen3, gemma, "
-            "gemma2 (chunkloss.kernels.patch.SUPPORTED_MODEL_TYPES); CUDA only. Off by default: results "
-            "then equal TRL's up to rounding. The rotary patch replaces the family's apply_rotary_pos_emb "
-            "for the whole process (chunkloss.kernels.unpatch_rotary undoes it)."
+            "help": "Run the model's RMSNorm, rotary embedding, attention input (norm + q/k/v + rotary as "
+            "one call) and gated MLP on chunkloss's Triton kernels, LoRA adapters inside them "
+            "(chunkloss.models.patch(model, loss=False); a reference/teacher model of a supported type too): "
+            "less activation memory, faster steps. None (default): on when the model is on CUDA, of a "
+            "supported type (llama, mistral, qwen2, qwen3, gemma, gemma2: "
+            "chunkloss.models.SUPPORTED_MODEL_TYPES) and use_liger_kernel is off; otherwise off, with one "
+            "log line saying why. True: required (refused when impossible). False: off; results then equal "
+            "TRL's up to rounding."
         },
     )
     chunk_kernels_mlp_recompute: bool = field(
         default=False,
         metadata={
             "help": "With chunk_kernels: the fused MLP saves only its input and replays the gate/up GEMM in "
-            "the backward (chunkloss.kernels.patch(model, mlp_recompute=True)): less activation memory, one "
+            "the backward (chunkloss.models.patch(model, mlp_recompute=True)): less activation memory, one "
             "more GEMM per MLP."
         },
     )
@@ -85,7 +88,7 @@ class ChunkedArguments:
         default=False,
         metadata={
             "help": "With chunk_kernels: the decoder layers keep no output of the norms before attention and "
-            "MLP for the backward, which runs those norms again (chunkloss.kernels.patch(model, "
+            "MLP for the backward, which runs those norms again (chunkloss.models.patch(model, "
             "norm_recompute=True)): 2*H fewer activation elements per token and layer."
         },
     )
@@ -191,77 +194,104 @@ def _off_device(model) -> set[str]:
     return {p.device.type for p in model.parameters()} - {"cuda", "meta"}
 
 
+def _model_type(model) -> str | None:
+    return getattr(getattr(model, "config", None), "model_type", None)
+
+
+def _why_not(model, args, *, auto: bool) -> tuple[str, str] | None:
+    """``(option, why)`` when the kernels cannot run ``model``; None when they can. In auto mode the CPU
+    is a reason even under ``TRITON_INTERPRET=1`` (the interpreter is for tests, which ask for the
+    kernels)."""
+    from chunkloss.models import SUPPORTED_MODEL_TYPES
+
+    if getattr(args, "use_liger_kernel", False):
+        why = "both replace the model's norms, rotary embedding and MLPs; choose one"
+        return "with use_liger_kernel=True", why
+    model_type = _model_type(model)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return f"on model type {model_type!r}", f"the kernels cover {', '.join(SUPPORTED_MODEL_TYPES)}"
+    off = {p.device.type for p in model.parameters()} - {"cuda", "meta"}
+    if not auto:
+        off = _off_device(model)
+    if off:
+        return f"with parameters on {sorted(off)}", "the Triton kernels run on CUDA tensors only (or under " \
+            "TRITON_INTERPRET=1)"
+    return None
+
+
 def apply_chunk_kernels(trainer) -> None:
-    """``chunk_kernels=True``: patch the trainer's models with ``chunkloss.kernels.patch(model, loss=False,
-    mlp_recompute=chunk_kernels_mlp_recompute, norm_recompute=chunk_kernels_norm_recompute)``.
+    """Patch the trainer's models with ``chunkloss.models.patch(model, loss=False,
+    mlp_recompute=chunk_kernels_mlp_recompute, norm_recompute=chunk_kernels_norm_recompute)`` as
+    ``chunk_kernels`` says.
 
     Called by every chunked trainer once TRL's constructor has built and placed its models. The trained model
-    is patched (a PEFT model's base model; LoRA layers stay as they are), or the trainer is refused with a
-    ``ValueError`` naming ``chunk_kernels`` when its type is not in ``SUPPORTED_MODEL_TYPES``, its
-    parameters are not on CUDA (without ``TRITON_INTERPRET=1``) or ``use_liger_kernel`` is on too (Liger
-    patches the same modules). The causal-LM loss is left alone: the trainer
-    already computes it chunked. A reference model (DPO, GRPO) or teacher (GKD, distillation) is patched too
-    when its type is supported, since its no-grad forwards get faster as well; one of another type keeps
-    transformers' modules (warned). The kernels' in-place choices (rotary on fresh q/k projections, MLP and
-    norm backwards over buffers read by nothing else) hold under gradient checkpointing: a recomputed
-    forward builds the same fresh tensors.
+    is patched (a PEFT model's base model, its plain LoRA layers inside the fused calls) when:
 
-    The rotary patch is process-wide (``chunkloss.kernels.patch``): other models of the same family in the
-    process run the Triton rotary embedding from here on; ``chunkloss.kernels.unpatch_rotary()`` restores
-    transformers' function.
+    * ``chunk_kernels=None`` (the default) and the model is on CUDA, of a type in ``SUPPORTED_MODEL_TYPES``,
+      and ``use_liger_kernel`` is off; otherwise the model keeps transformers' modules and one log line
+      (``chunkloss.trainers``, WARNING) says why;
+    * ``chunk_kernels=True``, or the trainer is refused with a ``ValueError`` naming ``chunk_kernels`` when
+      the type is not supported, the parameters are not on CUDA (without ``TRITON_INTERPRET=1``) or
+      ``use_liger_kernel`` is on too (Liger patches the same modules).
+
+    The causal-LM loss is left alone: the trainer already computes it chunked. A reference model (DPO, GRPO)
+    or teacher (GKD, distillation) is patched too when the kernels can take it, since its no-grad forwards get
+    faster as well; one they cannot take keeps transformers' modules (named in the log line). What ``patch``
+    leaves to the separate modules (a DoRA adapter, a quantised layer, a hook) its own log line names. The
+    kernels' in-place choices (rotary on fresh q/k projections, MLP and norm backwards over buffers read by
+    nothing else) hold under gradient checkpointing: a recomputed forward builds the same fresh tensors.
     """
-    name = type(trainer).__name__
+    import logging
+
+    from chunkloss.models import patch
+
+    name, args = type(trainer).__name__, trainer.args
+    setting = getattr(args, "chunk_kernels", None)
+    if setting not in (None, True, False):
+        raise ValueError(f"chunk_kernels must be None, True or False, got {setting!r}")
     options = {
-        "mlp_recompute": bool(getattr(trainer.args, "chunk_kernels_mlp_recompute", False)),
-        "norm_recompute": bool(getattr(trainer.args, "chunk_kernels_norm_recompute", False)),
+        "mlp_recompute": bool(getattr(args, "chunk_kernels_mlp_recompute", False)),
+        "norm_recompute": bool(getattr(args, "chunk_kernels_norm_recompute", False)),
     }
-    if not getattr(trainer.args, "chunk_kernels", False):
+    if setting is False:
         for key, on in options.items():
             if on:
-                refuse(name, f"chunk_kernels_{key}=True without chunk_kernels=True",
+                refuse(name, f"chunk_kernels_{key}=True with chunk_kernels=False",
                        "it selects what the kernels keep for the backward")  # fmt: skip
         return
-    from chunkloss.kernels.patch import SUPPORTED_MODEL_TYPES, patch
-
-    if getattr(trainer.args, "use_liger_kernel", False):
-        refuse(name, "chunk_kernels=True with use_liger_kernel=True",
-               "both replace the model's norms, rotary embedding and MLPs; choose one")  # fmt: skip
-    supported = ", ".join(SUPPORTED_MODEL_TYPES)
+    if options["norm_recompute"] and getattr(args, "torch_compile", False):
+        refuse(name, "chunk_kernels_norm_recompute=True with torch_compile=True",
+               "its saved-tensor hooks are not traced by torch.compile")  # fmt: skip
+    log = logging.getLogger("chunkloss.trainers")
     unwrap = trainer.accelerator.unwrap_model
     model = peft_base(unwrap(trainer.model))
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        refuse(name, f"chunk_kernels=True on model type {model_type!r}", f"the kernels cover {supported}")
-    off = _off_device(model)
-    if off:
-        refuse(name, f"chunk_kernels=True with parameters on {sorted(off)}",
-               "the Triton kernels run on CUDA tensors only (or under TRITON_INTERPRET=1)")  # fmt: skip
-    others = []
-    for attr in ("ref_model", "teacher_model"):
-        other = getattr(trainer, attr, None)
-        if isinstance(other, torch.nn.Module):
-            other = peft_base(unwrap(other))
-            if other is not model:
-                others.append((attr, other, sorted(_off_device(other))))
-    for attr, other, other_off in others:
-        # The rotary patch reaches this model whenever it shares the trained model's modeling module.
-        if type(other).__module__ == type(model).__module__ and other_off:
-            refuse(name, f"chunk_kernels=True with {attr} on {other_off}",
-                   "it shares the trained model's rotary embedding, which runs on CUDA only")  # fmt: skip
+    why = _why_not(model, args, auto=setting is None)
+    if why is not None:
+        if setting:
+            refuse(name, f"chunk_kernels=True {why[0]}", why[1])
+        log.warning("%s: chunk_kernels off: the model (type %r) %s keeps transformers' modules (%s); "
+                    "chunk_kernels=False silences this",
+                    name, _model_type(model), why[0], why[1])  # fmt: skip
+        return
     try:
         patch(model, loss=False, **options)
     except ValueError as e:  # e.g. a model class outside its family's modeling module
-        refuse(name, "chunk_kernels=True on this model", str(e))
-    for attr, other, other_off in others:
-        other_type = getattr(getattr(other, "config", None), "model_type", None)
-        if other_type not in SUPPORTED_MODEL_TYPES or other_off:
-            where = f"type {other_type!r}" if other_type not in SUPPORTED_MODEL_TYPES else f"on {other_off}"
-            warnings.warn(f"chunk_kernels: {attr} ({where}) keeps transformers' modules", stacklevel=2)
+        refuse(name, "chunk_kernels on this model", str(e))
+    kept = []
+    for attr in ("ref_model", "teacher_model"):
+        other = getattr(trainer, attr, None)
+        if not isinstance(other, torch.nn.Module):
             continue
-        try:
+        other = peft_base(unwrap(other))
+        if other is model:
+            continue
+        other_why = _why_not(other, args, auto=setting is None)
+        if other_why is None:
             patch(other, loss=False, **options)
-        except ValueError as e:  # e.g. a wrapper class outside the family's modeling module (FSDP2)
-            warnings.warn(f"chunk_kernels: {attr} left partly unpatched: {e}", stacklevel=2)
+        else:
+            kept.append(f"{attr} (type {_model_type(other)!r}) {other_why[0]} keeps transformers' modules")
+    line = f"{name}: chunk_kernels on for the model (type {_model_type(model)!r})"
+    log.log(logging.WARNING if kept else logging.INFO, "; ".join([line, *kept]))
 
 
 def peft_base(model):

@@ -6,8 +6,10 @@ fp64 reference (transformers' Llama math op for op). CPU runs go through TRITON_
 
 import pytest
 import torch
+from chunkloss.kernels import apply_rotary_pos_emb
 from chunkloss.kernels.attention_input import attention_input, attention_input_ref
 
+from tests.kernels.compiled import compiled_matches_eager, in_fresh_process
 from tests.tolerances import assert_close_to_ref
 
 LEAVES = ("x", "norm_weight", "w_q", "w_k", "w_v")
@@ -18,6 +20,7 @@ SHAPES = [(2, 5, 48, 4, 2, 8, 8), (1, 7, 40, 5, 1, 8, 8), (2, 3, 32, 2, 2, 16, 8
 
 def make_inputs(shape, bias, device=None):
     b, t, hidden, hq, hkv, d, rot = shape
+    device = device or torch.get_default_device()  # CUDA where tests/kernels/conftest.py makes it the default
     g = torch.Generator().manual_seed(0)
 
     def rand(*size, scale=1.0, shift=0.0):
@@ -33,8 +36,8 @@ def make_inputs(shape, bias, device=None):
     if bias:  # Qwen2's q/k/v biases
         for name, w in (("b_q", "w_q"), ("b_k", "w_k"), ("b_v", "w_v")):
             tensors[name] = rand(tensors[w].shape[0], scale=0.3)
-    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot)
-    freqs = torch.arange(t, dtype=torch.float64)[:, None] * inv_freq
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, rot, 2, dtype=torch.float64, device="cpu") / rot)
+    freqs = torch.arange(t, dtype=torch.float64, device="cpu")[:, None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)[None].expand(b, t, rot)
     return tensors, emb.cos().to(device), emb.sin().to(device), d
 
@@ -51,6 +54,7 @@ def run(fn, masters, tables, dtype, dys, **kw):
 
 
 def check_three_way(shape, dtype, bias=False, device=None, **kw):
+    device = device or torch.get_default_device()
     masters, cos, sin, head_dim = make_inputs(shape, bias, device)
     tables = (cos, sin, head_dim)
     probe = attention_input_ref(*(masters[k] for k in LEAVES), cos, sin, head_dim=head_dim)
@@ -163,3 +167,21 @@ def test_bad_arguments_raise_one_line_errors():
 def test_real_widths_gpu(dtype):
     """Llama-3.2-1B's attention input (H = 2048, 32/8 heads of 64) on 3 sequences of 1031 tokens."""
     check_three_way((3, 1031, 2048, 32, 8, 64, 64), dtype, device="cuda")
+
+
+@pytest.mark.parametrize("norm_recompute", [False, True])
+@in_fresh_process
+def test_compiles_without_graph_breaks(norm_recompute):
+    """attention_input and the standalone RoPE compile as one graph (the Triton launches are custom ops there)
+    and give eager's results; partial rotary dims included."""
+    masters, cos, sin, head_dim = make_inputs(SHAPES[2], bias=True)
+    x, norm_weight, w_q, w_k, w_v = (masters[k].requires_grad_(k in ("x", "norm_weight")) for k in LEAVES)
+
+    def call(x, norm_weight):
+        return attention_input(x, norm_weight, w_q, w_k, w_v, cos, sin, head_dim=head_dim, b_k=masters["b_k"],
+                               norm_recompute=norm_recompute)  # fmt: skip
+
+    compiled_matches_eager(call, [x, norm_weight])
+    q, k = torch.randn(2, 2, 3, 16, requires_grad=True), torch.randn(2, 2, 3, 16, requires_grad=True)
+    compiled_matches_eager(lambda q, k: apply_rotary_pos_emb(q * 1, k * 1, cos, sin, in_place=norm_recompute),
+                           [q, k])  # fmt: skip

@@ -1,24 +1,24 @@
-"""``chunk_kernels=True`` on the chunked trainers: the model's norms, rotary embedding, attention input and
-gated MLPs run on chunkloss's Triton kernels (``chunkloss.kernels.patch(model, loss=False)``) and the step is
-unchanged up to rounding: one batch from one state, with and without the option, equal loss and gradients."""
+"""``chunk_kernels`` on the chunked trainers: with the kernels the model's norms, rotary embedding, attention
+input and gated MLPs run on chunkloss's Triton kernels (``chunkloss.models.patch(model, loss=False)``) and
+the step is unchanged up to rounding: one batch from one state, with and without them, equal loss and
+gradients. ``None`` (the default) turns them on only where they can run, and says so in one log line."""
 
 from __future__ import annotations
 
 import copy
-import importlib
-import sys
+import logging
 
 import pytest
 import torch
-from chunkloss.kernels import SUPPORTED_MODEL_TYPES, unpatch_rotary
-from chunkloss.kernels.patch import _rotary_fn
+from chunkloss.models import SUPPORTED_MODEL_TYPES
+from chunkloss.models.layers import PatchedGatedMLP, PatchedRMSNorm
 from chunkloss.trainers._common import ChunkedArguments
 from chunkloss.trainers.dpo import ChunkedDPOConfig, ChunkedDPOTrainer
 from chunkloss.trainers.orpo import ChunkedORPOConfig, ChunkedORPOTrainer
 from chunkloss.trainers.sft import ChunkedSFTConfig, ChunkedSFTTrainer
 
 from chunkloss.data import tiny_dataset, tiny_model
-from tests.kernels.test_patch import grad_fn_counts
+from tests.models.test_patch import grad_fn_counts
 from tests.tolerances import assert_close_to_ref
 from tests.trainers.helpers import assert_same_grads, common_args, model_pair, teacher_model, tokenizer
 
@@ -27,19 +27,6 @@ from tests.trainers.helpers import assert_same_grads, common_args, model_pair, t
 # reference's log-probs <= 1.0e-7, gradient differences <= 6.0e-7 relative to each tensor's largest entry
 # (SFT, LoRA, gradient checkpointing, DPO with its reference patched too, ORPO): tests/tolerances.py's fp32
 # row leaves a 30x margin; a norm eps 1000x off fails it.
-
-_MODELING = [importlib.import_module(f"transformers.models.{m}.modeling_{m}") for m in SUPPORTED_MODEL_TYPES]
-_ORIGINAL = {m.__name__: m.apply_rotary_pos_emb for m in _MODELING}
-
-
-@pytest.fixture(autouse=True)
-def restore_rope(monkeypatch):
-    """chunk_kernels replaces each family's module-level apply_rotary_pos_emb; put every one back after each
-    test (by monkeypatch, not by the unpatch_rotary under test), so other test files see transformers' own."""
-    for m in _MODELING:
-        monkeypatch.setattr(m, "apply_rotary_pos_emb", m.apply_rotary_pos_emb)
-    assert all(m.apply_rotary_pos_emb is _ORIGINAL[m.__name__] for m in _MODELING)
-
 
 def _args(tmp_path, **kw):
     args = common_args(tmp_path, **kw)
@@ -63,9 +50,12 @@ def _assert_no_kernels(loss):
 
 
 def _is_patched_norm(module) -> bool:
-    fn = getattr(getattr(module.forward, "__func__", None), "func", None)  # patch binds a functools.partial
-    # A layer's input norm whose attention runs it (kernels/patch.py, attention=True) is patched too.
-    return getattr(fn, "__name__", None) in ("_norm_forward", "_input_norm_forward")
+    return isinstance(module, PatchedRMSNorm)
+
+
+def _untouched(model) -> bool:
+    """No module of ``model`` has a class patch gave it."""
+    return all("_chunkloss_base" not in vars(type(m)) for m in model.modules())
 
 
 # Qwen3 (the helpers' default family): input, post-attention, q and k norms per layer, and the final norm.
@@ -115,7 +105,6 @@ def test_sft_chunk_kernels_same_step(tmp_path):
     kern = _sft(tmp_path, m_kern, True)
     norms = [m for m in m_kern.modules() if type(m).__name__ == "Qwen3RMSNorm"]
     assert len(norms) == QWEN3_NORMS and all(_is_patched_norm(m) for m in norms)
-    assert sys.modules[type(m_kern).__module__].apply_rotary_pos_emb is _rotary_fn
     l_kern = _step(kern, batch)
     _assert_no_kernels(l_plain)
     _assert_kernels_ran(l_kern, QWEN3_NORMS)
@@ -153,7 +142,7 @@ def test_sft_chunk_kernels_gradient_checkpointing(tmp_path, reentrant):
 def _mlp_recompute_flags(model) -> list[bool]:
     """Each patched MLP's ``recompute`` (patch binds its forward as a functools.partial)."""
     mlps = [m for m in model.modules() if type(m).__name__ == "Qwen3MLP"]
-    return [m.forward.__func__.keywords["recompute"] for m in mlps]
+    return [m.chunkloss_mlp.recompute for m in mlps]
 
 
 @pytest.mark.parametrize("recompute", [False, True])
@@ -169,7 +158,7 @@ def test_sft_chunk_kernels_mlp_recompute_option(tmp_path, recompute):
 def test_sft_chunk_kernels_norm_recompute_option(tmp_path, monkeypatch):
     """chunk_kernels_norm_recompute: the backward runs each layer's two pre-norms again instead of keeping
     their outputs; the step is the plain one."""
-    from chunkloss.kernels import saved_norms
+    from chunkloss.models import saved_norms
 
     runs = []
     get = saved_norms._Recipe.get
@@ -186,8 +175,13 @@ def test_sft_chunk_kernels_norm_recompute_option(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("option", ["mlp_recompute", "norm_recompute"])
 def test_recompute_without_chunk_kernels_refused(tmp_path, option):
-    with pytest.raises(ValueError, match=f"chunk_kernels_{option}=True without chunk_kernels=True"):
+    with pytest.raises(ValueError, match=f"chunk_kernels_{option}=True with chunk_kernels=False"):
         _sft(tmp_path, model_pair()[0], False, **{f"chunk_kernels_{option}": True})
+
+
+def test_norm_recompute_with_torch_compile_refused(tmp_path):
+    with pytest.raises(ValueError, match="chunk_kernels_norm_recompute=True with torch_compile=True"):
+        _sft(tmp_path, model_pair()[0], True, chunk_kernels_norm_recompute=True, torch_compile=True)
 
 
 def test_sft_chunk_kernels_peft(tmp_path):
@@ -264,7 +258,7 @@ def _teacher_trainer(kind, tmp_path, model, teacher):
 
 
 @pytest.mark.parametrize("kind", ["gkd", "distillation"])
-def test_teacher_patched_when_supported(tmp_path, kind):
+def test_teacher_patched_when_supported(tmp_path, kind, caplog):
     """A teacher of a supported type gets the kernels too; one of another type keeps its modules (warned)."""
     student, _ = model_pair()
     teacher = teacher_model("llama")
@@ -273,16 +267,16 @@ def test_teacher_patched_when_supported(tmp_path, kind):
     assert len(norms) == QWEN3_NORMS and all(_is_patched_norm(m) for m in norms)
     t_norms = [m for m in trainer.teacher_model.modules() if type(m).__name__ == "LlamaRMSNorm"]
     assert t_norms and all(_is_patched_norm(m) for m in t_norms)
-    assert sys.modules[type(teacher).__module__].apply_rotary_pos_emb is _rotary_fn
 
     student, _ = model_pair()
     gpt2 = tiny_model(tokenizer(), "gpt2", hidden_size=48, num_layers=1)
-    # The root's forward is the chunked head's (GKD), the submodules' are what patch would replace.
-    before = {n: m.forward for n, m in gpt2.named_modules() if n and "forward" in vars(m)}
-    with pytest.warns(UserWarning, match="teacher_model \\(type 'gpt2'\\) keeps transformers' modules"):
+    with caplog.at_level(logging.INFO, logger="chunkloss.trainers"):
         _teacher_trainer(kind, tmp_path, student, gpt2)
+    lines = [r.getMessage() for r in caplog.records if r.name == "chunkloss.trainers"]
+    expected = "teacher_model (type 'gpt2') on model type 'gpt2' keeps transformers' modules"
+    assert len(lines) == 1 and expected in lines[0], lines
     assert all(_is_patched_norm(m) for m in student.modules() if type(m).__name__ == "Qwen3RMSNorm")
-    assert {n: m.forward for n, m in gpt2.named_modules() if n and "forward" in vars(m)} == before
+    assert _untouched(gpt2)
 
 
 def test_grpo_chunk_kernels_patches_policy(tmp_path):
@@ -300,8 +294,7 @@ def test_grpo_chunk_kernels_patches_policy(tmp_path):
         processing_class=tokenizer(),
     )
     assert all(_is_patched_norm(m) for m in model.modules() if type(m).__name__ == "Qwen3RMSNorm")
-    mlp = model.model.layers[0].mlp
-    assert vars(mlp)["forward"].__func__.func.__name__ == "_mlp_forward"
+    assert isinstance(model.model.layers[0].mlp, PatchedGatedMLP)
 
 
 def test_unsupported_model_type_refused(tmp_path):
@@ -319,40 +312,13 @@ def test_cpu_without_interpreter_refused(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"chunk_kernels=True with parameters on \['cpu'\]"):
         ChunkedSFTTrainer(model, ChunkedSFTConfig(**args), train_dataset=tiny_dataset("sft", n=4),
                           processing_class=tokenizer())  # fmt: skip
-    # Refused before anything was patched.
-    assert sys.modules[type(model).__module__].apply_rotary_pos_emb is not _rotary_fn
+    assert _untouched(model)  # refused before anything was patched
 
 
 def test_help_names_every_supported_type():
     help_text = ChunkedArguments.__dataclass_fields__["chunk_kernels"].metadata["help"]
     assert all(t in help_text for t in SUPPORTED_MODEL_TYPES)
-    assert ChunkedArguments.__dataclass_fields__["chunk_kernels"].default is False
-
-
-def test_unpatch_rotary_restores_transformers_function(tmp_path):
-    from chunkloss.kernels import patch
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # Triton takes CPU tensors only when interpreted
-    llama = tiny_model(tokenizer(), "llama", hidden_size=32, num_layers=1).to(device)
-    qwen3, _ = model_pair()
-    llama_mod, qwen3_mod = sys.modules[type(llama).__module__], sys.modules[type(qwen3).__module__]
-    original = llama_mod.apply_rotary_pos_emb
-    assert unpatch_rotary(llama) == []  # nothing patched yet: nothing to restore
-    patch(llama, loss=False)
-    patch(llama, loss=False)  # twice: the original must not be forgotten
-    patch(qwen3, loss=False)
-    assert llama_mod.apply_rotary_pos_emb is _rotary_fn and qwen3_mod.apply_rotary_pos_emb is _rotary_fn
-    ids = torch.randint(0, len(tokenizer()), (1, 5), device=device)
-    counts = grad_fn_counts(llama(input_ids=ids, labels=ids).loss)
-    assert "AttentionInputFunctionBackward" in counts  # the layer's norm, q/k/v and Triton rotary in one node
-    assert unpatch_rotary(llama) == [llama_mod.__name__]
-    assert llama_mod.apply_rotary_pos_emb is original
-    assert qwen3_mod.apply_rotary_pos_emb is _rotary_fn  # only the given model's family
-    assert unpatch_rotary() == [qwen3_mod.__name__]  # None: every family still patched
-    assert qwen3_mod.apply_rotary_pos_emb is _ORIGINAL[qwen3_mod.__name__]
-    # The restored function is transformers' own again: the model's forward builds no Triton rotary node.
-    counts = grad_fn_counts(llama(input_ids=ids, labels=ids).loss)
-    assert "RoPEFunctionBackward" not in counts and "AttentionInputFunctionBackward" not in counts
+    assert ChunkedArguments.__dataclass_fields__["chunk_kernels"].default is None
 
 
 def test_liger_kernels_with_chunk_kernels_refused(tmp_path):
@@ -363,4 +329,52 @@ def test_liger_kernels_with_chunk_kernels_refused(tmp_path):
     with pytest.raises(ValueError, match="chunk_kernels=True with use_liger_kernel=True"):
         ChunkedSFTTrainer(model, ChunkedSFTConfig(**args, use_liger_kernel=True),
                           train_dataset=tiny_dataset("sft", n=4), processing_class=tokenizer())  # fmt: skip
-    assert sys.modules[type(model).__module__].apply_rotary_pos_emb is not _rotary_fn
+    assert _untouched(model)
+
+
+def _auto_line(caplog) -> str:
+    lines = [r.getMessage() for r in caplog.records if r.name == "chunkloss.trainers"]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("interpret", [False, True])
+def test_default_on_cpu_is_off_with_one_log_line(tmp_path, monkeypatch, caplog, interpret):
+    """chunk_kernels=None on a CPU model: transformers' modules, and one line saying so (the interpreter,
+    which chunk_kernels=True accepts for tests, does not turn the default on)."""
+    if not interpret:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    model, _ = model_pair()
+    args = dict(common_args(tmp_path, max_length=64), chunk_size=7, chunk_compile=False)
+    with caplog.at_level(logging.INFO, logger="chunkloss.trainers"):
+        ChunkedSFTTrainer(model, ChunkedSFTConfig(**args), train_dataset=tiny_dataset("sft", n=4),
+                          processing_class=tokenizer())  # fmt: skip
+    assert "chunk_kernels off" in _auto_line(caplog) and "['cpu']" in _auto_line(caplog)
+    assert _untouched(model)
+
+
+@pytest.mark.parametrize("case", ["gpt2", "liger"])
+def test_default_falls_back_where_true_is_refused(tmp_path, caplog, case):
+    """Another family, or Liger's kernels: refused with chunk_kernels=True (tests above), off with one log
+    line naming why with the default."""
+    if case == "gpt2":
+        model, extra = tiny_model(tokenizer(), "gpt2", hidden_size=32, num_layers=1), {}
+    else:
+        model, extra = model_pair()[0], {"use_liger_kernel": True}
+    args = dict(_args(tmp_path, max_length=64), chunk_size=7, chunk_compile=False, **extra)
+    with caplog.at_level(logging.INFO, logger="chunkloss.trainers"):
+        ChunkedSFTTrainer(model, ChunkedSFTConfig(**args), train_dataset=tiny_dataset("sft", n=4),
+                          processing_class=tokenizer())  # fmt: skip
+    assert ("model type 'gpt2'" if case == "gpt2" else "use_liger_kernel=True") in _auto_line(caplog)
+    assert _untouched(model)
+
+
+@pytest.mark.gpu
+def test_default_on_cuda_runs_the_kernels(tmp_path, caplog):
+    m_plain, m_kern = model_pair()
+    plain = _sft(tmp_path, m_plain.cuda(), False)
+    batch = _sft_batch(plain)
+    with caplog.at_level(logging.INFO, logger="chunkloss.trainers"):
+        build = lambda: _sft(tmp_path, m_kern.cuda(), None)  # noqa: E731
+        _compare(plain, build, batch)
+    assert "chunk_kernels on" in _auto_line(caplog)

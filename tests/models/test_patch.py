@@ -1,4 +1,4 @@
-"""chunkloss.kernels.patch on tiny random models of each supported family: same logits, loss and gradients."""
+"""chunkloss.models.patch on tiny random models of each supported family: same logits, loss and gradients."""
 
 import copy
 import sys
@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 import transformers
-from chunkloss.kernels import SUPPORTED_MODEL_TYPES, patch
+from chunkloss.models import SUPPORTED_MODEL_TYPES, patch
 from transformers import AutoModelForCausalLM
 
 from tests.tolerances import assert_close_to_ref
@@ -51,22 +51,13 @@ def grad_fn_counts(t: torch.Tensor) -> dict[str, int]:
     return counts
 
 
-@pytest.fixture
-def restore_rope(monkeypatch):
-    """patch() replaces the family's module-level apply_rotary_pos_emb; put it back after each test."""
-    def keep(model):
-        modeling = sys.modules[type(model).__module__]
-        monkeypatch.setattr(modeling, "apply_rotary_pos_emb", modeling.apply_rotary_pos_emb)
-    return keep
-
-
 def expected_norms(model_type: str) -> int:
     per_layer = {"gemma2": 4, "qwen3": 4}.get(model_type, 2)  # Gemma-2 pre/post norms; Qwen3 q/k norms
     return per_layer * N_LAYERS + 1
 
 
 @pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
-def test_patch_matches_unpatched(model_type, restore_rope):
+def test_patch_matches_unpatched(model_type):
     model = tiny_model(model_type)
     input_ids = torch.randint(0, VOCAB, (2, 9))
     labels = input_ids.clone()
@@ -77,7 +68,6 @@ def test_patch_matches_unpatched(model_type, restore_rope):
 
     patched = copy.deepcopy(model)
     patched.zero_grad()
-    restore_rope(patched)
     assert patch(patched, loss_options={"compile": False}) is patched
 
     logits = patched(input_ids=input_ids).logits  # no labels: the original forward, logits returned
@@ -98,7 +88,7 @@ def test_patch_matches_unpatched(model_type, restore_rope):
         assert_close_to_ref(p.grad, ref_grads[name], name=name)
 
 
-def test_patch_num_items_in_batch_and_tuple_output(restore_rope):
+def test_patch_num_items_in_batch_and_tuple_output():
     model = tiny_model("llama")
     input_ids = torch.randint(0, VOCAB, (2, 7))
     labels = input_ids.clone()
@@ -106,7 +96,6 @@ def test_patch_num_items_in_batch_and_tuple_output(restore_rope):
     n_items = torch.tensor(5)  # a global count under gradient accumulation, not this batch's
     ref = model(input_ids=input_ids, labels=labels, num_items_in_batch=n_items).loss
     patched = copy.deepcopy(model)
-    restore_rope(patched)
     patch(patched, loss_options={"compile": False})
     loss = patched(input_ids=input_ids, labels=labels, num_items_in_batch=n_items).loss
     assert_close_to_ref(loss, ref)
@@ -114,9 +103,8 @@ def test_patch_num_items_in_batch_and_tuple_output(restore_rope):
     assert_close_to_ref(tup[0], ref)
 
 
-def test_patch_parts_can_be_left_out(restore_rope):
+def test_patch_parts_can_be_left_out():
     model = tiny_model("qwen2")
-    restore_rope(model)
     patch(model, rope=False, loss=False)
     input_ids = torch.randint(0, VOCAB, (1, 6))
     out = model(input_ids=input_ids, labels=input_ids)
@@ -133,7 +121,7 @@ def test_unsupported_architecture_lists_supported():
     assert "gpt2" in str(err.value)
 
 
-def test_patched_generate_matches(restore_rope):
+def test_patched_generate_matches():
     """Decoding with a KV cache: one-token steps at growing positions through the patched norms and RoPE."""
     model = tiny_model("qwen3").eval()
     prompt = torch.randint(0, VOCAB, (2, 5))
@@ -141,13 +129,12 @@ def test_patched_generate_matches(restore_rope):
     with torch.no_grad():
         ref = model.generate(prompt, **kwargs)
         patched = copy.deepcopy(model)
-        restore_rope(patched)
         patch(patched)
         got = patched.generate(prompt, **kwargs)
     torch.testing.assert_close(got, ref, atol=0, rtol=0)
 
 
-def test_patch_peft_model(restore_rope):
+def test_patch_peft_model():
     import peft  # a declared test dependency (pyproject [test])
 
     model = tiny_model("llama")
@@ -162,14 +149,12 @@ def test_patch_peft_model(restore_rope):
     ref_grads = {n: p.grad.clone() for n, p in lora.named_parameters() if p.requires_grad}
     patched = copy.deepcopy(lora)
     patched.zero_grad()
-    restore_rope(patched.get_base_model())
     assert patch(patched, loss_options={"compile": False}) is patched
     loss = patched(input_ids=input_ids, labels=input_ids).loss
     assert_close_to_ref(loss, ref)
-    counts = grad_fn_counts(loss)  # a LoRA gate_proj: its MLP keeps the projections, only the gating is fused
-    assert counts.get("GLUFunctionBackward") == N_LAYERS and "GatedMLPFunctionBackward" not in counts, counts
-    # a LoRA q_proj: the norm kernel, then transformers' attention with its projections and our RoPE
-    assert "AttentionInputFunctionBackward" not in counts and counts.get("RoPEFunctionBackward") == N_LAYERS
+    counts = grad_fn_counts(loss)  # the LoRA q_proj and gate_proj run inside the fused calls
+    assert counts.get("GatedMLPFunctionBackward") == N_LAYERS and "GLUFunctionBackward" not in counts, counts
+    assert counts.get("AttentionInputFunctionBackward") == N_LAYERS and "RoPEFunctionBackward" not in counts
     loss.backward()
     for name, p in patched.named_parameters():
         if p.requires_grad:
@@ -181,33 +166,46 @@ def _loss_and_fused_layers(model, input_ids):
     return loss, grad_fn_counts(loss).get("AttentionInputFunctionBackward", 0)
 
 
-def test_attention_fusion_is_undone_and_redone(restore_rope):
-    """Patching twice, patching again with ``attention=False`` and unpatching the rotary function each leave a
-    model that normalises and rotates exactly once."""
-    from chunkloss.kernels import unpatch_rotary
-
+def test_attention_fusion_is_undone_and_redone():
+    """Patching twice, and patching again with other options, each leave a model that normalises and rotates
+    exactly once, with the options of the last call."""
     model = tiny_model("qwen2")  # q/k/v biases
     input_ids = torch.randint(0, VOCAB, (2, 7))
     ref = model(input_ids=input_ids, labels=input_ids).loss
-    restore_rope(model)
-    for options, fused in (({}, N_LAYERS), ({}, N_LAYERS), ({"attention": False}, 0), ({}, N_LAYERS)):
+    cases = (({}, N_LAYERS, 0), ({}, N_LAYERS, 0), ({"attention": False}, 0, N_LAYERS), ({}, N_LAYERS, 0),
+             ({"rope": False}, 0, 0))  # fmt: skip
+    for options, fused, ropes in cases:
         patch(model, loss_options={"compile": False}, **options)
         loss, n = _loss_and_fused_layers(model, input_ids)
         assert n == fused, options
+        assert grad_fn_counts(loss).get("RoPEFunctionBackward", 0) == ropes, options
         assert_close_to_ref(loss, ref)
-    unpatch_rotary(model)  # attention_input's RoPE would rotate again through transformers' function
-    loss, n = _loss_and_fused_layers(model, input_ids)
-    assert n == 0
-    assert_close_to_ref(loss, ref)
 
 
-def test_attention_fusion_after_deepcopy_and_with_a_hooked_norm(restore_rope):
+def test_patch_leaves_other_models_of_the_family_alone():
+    """patch changes this model's modules only: transformers' apply_rotary_pos_emb and another model of the
+    same family run as before."""
+    model, other = tiny_model("llama"), tiny_model("llama")
+    modeling = sys.modules[type(model).__module__]
+    rope = modeling.apply_rotary_pos_emb
+    patch(model, loss_options={"compile": False})
+    assert modeling.apply_rotary_pos_emb is rope
+    assert type(model.model.layers[0]).__name__ == "LlamaDecoderLayer"  # the name class lookups use
+    input_ids = torch.randint(0, VOCAB, (1, 5))
+    counts = grad_fn_counts(other(input_ids=input_ids, labels=input_ids).loss)
+    assert not any(k.endswith("FunctionBackward") for k in counts), counts
+    from chunkloss.models import unpatch_rotary
+
+    with pytest.warns(DeprecationWarning, match="does nothing"):
+        assert unpatch_rotary(model) == []
+
+
+def test_attention_fusion_after_deepcopy_and_with_a_hooked_norm():
     """A copy of a patched model reads its own weights; a norm with a hook (ZeRO-3 gathers parameters in
     one) runs as a module and its attention as transformers' does."""
     model = tiny_model("gemma")
     input_ids = torch.randint(0, VOCAB, (2, 7))
     ref = model(input_ids=input_ids, labels=input_ids).loss
-    restore_rope(model)
     patch(model, loss_options={"compile": False})
     twin = copy.deepcopy(model)
     with torch.no_grad():
@@ -222,7 +220,7 @@ def test_attention_fusion_after_deepcopy_and_with_a_hooked_norm(restore_rope):
     assert_close_to_ref(loss, ref)
 
 
-def test_attention_fusion_under_autocast(restore_rope):
+def test_attention_fusion_under_autocast():
     """fp32 weights under bf16 autocast: the norm runs in fp32 before the projections cast, which the fused
     call cannot reproduce, so those layers run the norm kernel and transformers' attention; a bf16 model
     under bf16 autocast takes the fused call."""
@@ -231,7 +229,6 @@ def test_attention_fusion_under_autocast(restore_rope):
     ref = model(input_ids=input_ids, labels=input_ids).loss
     with torch.autocast("cpu", dtype=torch.bfloat16):
         torch_bf16 = model(input_ids=input_ids, labels=input_ids).loss
-    restore_rope(model)
     fp32, bf16 = copy.deepcopy(model), copy.deepcopy(model).bfloat16()
     for m, fused in ((fp32, 0), (bf16, N_LAYERS)):
         patch(m, loss_options={"compile": False})
@@ -241,7 +238,7 @@ def test_attention_fusion_under_autocast(restore_rope):
         assert_close_to_ref(loss.float(), ref, torch_bf16.float())
 
 
-def test_gemma2_final_logit_softcapping_reaches_the_loss(restore_rope):
+def test_gemma2_final_logit_softcapping_reaches_the_loss():
     # A softcap small enough to change the loss visibly (the default 30 barely touches tiny random logits).
     model = tiny_model("gemma2", final_logit_softcapping=0.5)
     with torch.no_grad():
@@ -253,7 +250,6 @@ def test_gemma2_final_logit_softcapping_reaches_the_loss(restore_rope):
     model.config.final_logit_softcapping = 0.5
     assert not torch.allclose(ref, uncapped, atol=1e-3)
     patched = copy.deepcopy(model)
-    restore_rope(patched)
     patch(patched, loss_options={"compile": False})
     assert_close_to_ref(patched(input_ids=input_ids, labels=input_ids).loss, ref)
 
@@ -269,14 +265,13 @@ def loss_and_grads(model, input_ids):
     ("llama", {"mlp_bias": True}),  # biases on the three projections
     ("gemma", {"hidden_activation": "gelu"}),  # exact GELU
 ])
-def test_fused_mlp_variants_match(model_type, overrides, restore_rope):
+def test_fused_mlp_variants_match(model_type, overrides):
     """Both backward modes of the fused MLP give transformers' loss and gradients."""
     model = tiny_model(model_type, **overrides)
     input_ids = torch.randint(0, VOCAB, (2, 7))
     ref_loss, ref_grads = loss_and_grads(model, input_ids)
     for recompute in (True, False):
         patched = copy.deepcopy(model)
-        restore_rope(patched)
         patch(patched, loss_options={"compile": False}, mlp_recompute=recompute)
         loss, grads = loss_and_grads(patched, input_ids)
         assert_close_to_ref(loss, ref_loss)
@@ -284,10 +279,9 @@ def test_fused_mlp_variants_match(model_type, overrides, restore_rope):
             assert_close_to_ref(g, ref_grads[name], name=f"{name} {recompute}")
 
 
-def test_hooked_projection_keeps_its_forward(restore_rope):
+def test_hooked_projection_keeps_its_forward():
     """A forward hook on a projection must still run, so that MLP is not fused (checked per call)."""
     model = tiny_model("qwen3")
-    restore_rope(model)
     patch(model, loss=False)
     calls = []
     model.model.layers[1].mlp.down_proj.register_forward_hook(lambda *args: calls.append(1))
@@ -297,9 +291,8 @@ def test_hooked_projection_keeps_its_forward(restore_rope):
     assert counts.get("GatedMLPFunctionBackward") == N_LAYERS - 1 and counts.get("GLUFunctionBackward") == 1
 
 
-def test_unsupported_activation_warns_and_keeps_transformers_mlp(restore_rope):
+def test_unsupported_activation_warns_and_keeps_transformers_mlp():
     model = tiny_model("llama", hidden_act="relu")
-    restore_rope(model)
     with pytest.warns(UserWarning, match=r"model\.layers\.0\.mlp uses ReLU"):
         patch(model, loss=False)
     input_ids = torch.randint(0, VOCAB, (1, 5))
@@ -313,7 +306,7 @@ def test_cpu_model_is_refused_without_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match=r"on \['cpu'\].*TRITON_INTERPRET=1"):
         patch(model)
-    assert "forward" not in vars(model.model.layers[0].mlp)  # refused before any module was touched
+    assert all(type(m) is vars(type(m)).get("_chunkloss_base", type(m)) for m in model.modules())  # untouched
 
 
 def _grads(model, input_ids, labels):
@@ -324,14 +317,13 @@ def _grads(model, input_ids, labels):
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma2"])
-def test_norm_recompute_gives_the_same_bits(model_type, restore_rope):
+def test_norm_recompute_gives_the_same_bits(model_type):
     """The backward runs the pre-norms again instead of keeping their outputs: the same kernel on the same
     inputs, so the loss and every gradient equal the run that keeps them, bit for bit."""
     model = tiny_model(model_type)
     input_ids = torch.randint(0, VOCAB, (2, 9))
     labels = input_ids.clone()
     labels[0, :3] = -100
-    restore_rope(model)
     keep = copy.deepcopy(model)
     patch(keep, loss_options={"compile": False}, mlp_recompute=True)
     loss_keep, grads_keep = _grads(keep, input_ids, labels)
@@ -353,10 +345,10 @@ def test_norm_recompute_needs_the_norm_kernel():
         patch(tiny_model("llama"), rms_norm=False, norm_recompute=True)
 
 
-def test_norm_recompute_with_lora_gives_the_same_bits(restore_rope, monkeypatch):
-    """LoRA layers (base linear, dropout, adapters) read the recomputed norm output like plain linears."""
+def test_norm_recompute_with_lora_gives_the_same_bits(monkeypatch):
+    """LoRA adapters inside the fused calls read the recomputed norm output like the base projections."""
     import peft
-    from chunkloss.kernels import saved_norms
+    from chunkloss.models import saved_norms
 
     runs = []
     get = saved_norms._Recipe.get
@@ -369,14 +361,27 @@ def test_norm_recompute_with_lora_gives_the_same_bits(restore_rope, monkeypatch)
             if "lora_B" in name:
                 p.normal_(0.0, 0.1)
     input_ids = torch.randint(0, VOCAB, (2, 6))
-    restore_rope(lora.get_base_model())
     keep = copy.deepcopy(lora)
     patch(keep, loss_options={"compile": False})
     patch(lora, loss_options={"compile": False}, norm_recompute=True)
     out = [_grads(m, input_ids, input_ids) for m in (keep, lora)]
-    # Every pre-norm ran again in the backward, once, but the first: its input, the frozen embeddings' output,
-    # needs no gradient, so the norm keeps nothing and holding that input instead of the output saves nothing.
-    assert sum(runs) == 2 * N_LAYERS - 1
+    # The post-attention norms ran again in the backward, once each; the input norms run inside
+    # attention_input, whose backward recomputes them itself.
+    assert sum(runs) == N_LAYERS
     assert torch.equal(out[0][0], out[1][0])
     for name, g in out[0][1].items():
         assert (g is None and out[1][1][name] is None) or torch.equal(g, out[1][1][name]), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma2"])
+def test_patch_bf16_on_gpu(model_type):
+    model = tiny_model(model_type).cuda().to(torch.bfloat16)
+    ids = torch.randint(0, VOCAB, (2, 64), device="cuda")
+    ref32 = copy.deepcopy(model).float()(input_ids=ids, labels=ids).loss
+    ref = model(input_ids=ids, labels=ids).loss
+    patched = patch(copy.deepcopy(model))
+    loss = patched(input_ids=ids, labels=ids).loss
+    assert_close_to_ref(loss, ref32, ref, "loss", dtype=torch.bfloat16)
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in patched.parameters())

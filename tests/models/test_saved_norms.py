@@ -1,7 +1,7 @@
-"""kernels.saved_norms: saved norm outputs packed as recipes, everything else through the hooks outside."""
+"""chunkloss.models.saved_norms: saved norm outputs packed as recipes, the rest through the hooks outside."""
 
 import torch
-from chunkloss.kernels import saved_norms
+from chunkloss.models import saved_norms
 
 
 def _norm(x, w):

@@ -13,7 +13,7 @@ autograd Functions save on a GPU, so the byte counts are those of a GPU run. Att
 import pytest
 import torch
 import transformers
-from chunkloss.kernels import patch
+from chunkloss.models import patch
 from transformers import AutoModelForCausalLM
 
 N_LAYERS, VOCAB, BATCH, SEQ = 2, 64, 2, 32

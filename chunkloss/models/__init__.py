@@ -1,0 +1,14 @@
+"""transformers / PEFT integration: what puts chunkloss's kernels and losses into a causal LM.
+
+Sits above :mod:`chunkloss.kernels` and the losses: it imports both, neither imports it.
+
+Example::
+
+    from chunkloss.models import patch
+    model = patch(AutoModelForCausalLM.from_pretrained("Qwen/Qwen3-0.6B", dtype=torch.bfloat16))
+    loss = model(input_ids=ids, labels=ids).loss   # output.logits is None: the loss never builds them
+"""
+
+from .patch import SUPPORTED_MODEL_TYPES, patch, unpatch_rotary
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "patch", "unpatch_rotary"]

@@ -1,0 +1,268 @@
+"""The forwards ``patch`` gives a family's RMSNorm, MLP, attention and decoder-layer modules, written out.
+
+Each is a mixin placed in front of the module's own class (``module.__class__`` becomes a subclass with the
+same name, so ``isinstance``, class-name lookups such as ``_no_split_modules`` and hooks see the module as
+before). The forwards follow transformers' own (``modeling_llama.py``, ``modeling_qwen3.py``,
+``modeling_gemma2.py``) line for line, with the kernels where transformers calls ``F.linear``, the norm or
+``apply_rotary_pos_emb``; attention itself goes through transformers' interface
+(``ALL_ATTENTION_FUNCTIONS`` / the family's ``eager_attention_forward``), as the family's forward does.
+
+What runs fused is decided at each call from what the modules are then: a projection that is not an
+``nn.Linear`` or a plain LoRA layer (:mod:`chunkloss.models.lora`), a module with a hook, or dtypes that
+autocast would change run the separate path, which computes the same values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from chunkloss.kernels import glu as _glu
+from chunkloss.kernels.attention_input import attention_input, autocast_changes_dtype
+from chunkloss.kernels.lora import lora_linear
+from chunkloss.kernels.mlp import gated_mlp
+from chunkloss.kernels.rms_norm import rms_norm
+from chunkloss.kernels.rope import apply_rotary_pos_emb
+
+from . import saved_norms
+from .lora import Projection, _unhooked, projection
+
+__all__ = [
+    "NormSpec", "MLPSpec", "LayerSpec", "PatchedRMSNorm", "PatchedGatedMLP", "PatchedAttention",
+    "Qwen3Attention", "MistralAttention", "SlidingWindowAttention", "Gemma2Attention", "PreNormLayer",
+    "SandwichLayer",
+]
+
+
+@dataclass(frozen=True)
+class NormSpec:
+    eps: float
+    offset: float  # 1.0 for Gemma (the weight scales by 1 + w)
+    casting: str  # "llama" or "gemma"
+    in_place: bool  # the backward may write dx over the incoming gradient (see _norm_in_place_safe)
+    offer: bool  # register the output with an open SavedNorms (norm_recompute)
+
+
+@dataclass(frozen=True)
+class MLPSpec:
+    activation: str  # "silu", "gelu_tanh" or "gelu"
+    recompute: bool  # the fused MLP replays the gate/up GEMM in the backward
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    fuse_attention_input: bool  # the input norm, q/k/v and RoPE as one attention_input call
+    norm_recompute: bool  # keep no pre-norm output for the backward (chunkloss.models.saved_norms)
+
+
+def _family(module: nn.Module):
+    """The family's modeling module (``transformers.models.llama.modeling_llama``, ...)."""
+    return sys.modules[type(module).__module__]
+
+
+def _fusable(projections: tuple[nn.Module, ...]) -> tuple[Projection, ...] | None:
+    """The projections as :class:`Projection` when a fused kernel can take all of them."""
+    parts = tuple(map(projection, projections))
+    return None if any(p is None for p in parts) else parts
+
+
+def _linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)``, a plain LoRA layer's as one :func:`~chunkloss.kernels.lora.lora_linear` call."""
+    part = projection(module)
+    if part is None or part.adapter is None:  # a plain nn.Linear runs as the module it is
+        return module(x)
+    return lora_linear(x, part.weight, part.bias, part.adapter)
+
+
+def _adapters(parts: tuple[Projection, ...]):
+    """The projections' LoRA adapters for the kernels' ``adapters=`` (None when none has one)."""
+    adapters = tuple(p.adapter for p in parts)
+    return adapters if any(a is not None for a in adapters) else None
+
+
+class PatchedRMSNorm:
+    """``XRMSNorm.forward`` on :func:`~chunkloss.kernels.rms_norm`."""
+
+    chunkloss_norm: NormSpec
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        spec = self.chunkloss_norm
+        out = rms_norm(x, self.weight, spec.eps, spec.offset, spec.casting, spec.in_place)
+        if spec.offer:
+            saved_norms.offer(out, lambda: rms_norm(x, self.weight, spec.eps, spec.offset, spec.casting,
+                                                    spec.in_place))  # fmt: skip
+        return out
+
+
+class PatchedGatedMLP:
+    """``XMLP.forward``, ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, as one
+    :func:`~chunkloss.kernels.gated_mlp` call (plain LoRA projections included). When one projection cannot
+    run there, each runs on its own (a plain LoRA one as :func:`~chunkloss.kernels.lora.lora_linear`) and the
+    gating on the GLU kernel."""
+
+    chunkloss_mlp: MLPSpec
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        spec = self.chunkloss_mlp
+        parts = _fusable((self.gate_proj, self.up_proj, self.down_proj))
+        if parts is not None:
+            gate, up, down = parts
+            return gated_mlp(x, gate.weight, up.weight, down.weight, b_gate=gate.bias, b_up=up.bias,
+                             b_down=down.bias, activation=spec.activation, recompute=spec.recompute,
+                             adapters=_adapters(parts))  # fmt: skip
+        # gate_proj / up_proj outputs are read only here, so the backward may overwrite them with their grads.
+        gated = _glu._glu(_linear(self.gate_proj, x), _linear(self.up_proj, x), spec.activation, True)
+        return _linear(self.down_proj, gated)
+
+
+class PatchedAttention:
+    """``LlamaAttention.forward`` (Llama, Gemma; the subclasses below for the others): q/k/v projections,
+    RoPE on :func:`~chunkloss.kernels.apply_rotary_pos_emb`, the cache, transformers' attention interface and
+    ``o_proj``. :meth:`attend` is the part after RoPE, which the decoder layer calls after a fused
+    :func:`~chunkloss.kernels.attention_input`."""
+
+    # The input norm, q/k/v and RoPE can run as one attention_input call (not Qwen3: its per-head q/k norms
+    # sit between the projections and RoPE).
+    takes_attention_input = True
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
+        q, k, v = self.project(hidden_states)
+        q, k = self.rotate(q, k, position_embeddings)
+        return self.attend(q, k, v, attention_mask, cache, **kwargs)
+
+    def project(self, hidden_states):
+        """q, k, v as (B, heads, T, head_dim) views of the projections."""
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        return tuple(_linear(proj, hidden_states).view(shape).transpose(1, 2)
+                     for proj in (self.q_proj, self.k_proj, self.v_proj))  # fmt: skip
+
+    def rotate(self, q, k, position_embeddings):
+        cos, sin = position_embeddings
+        # q and k are fresh projections (transposed views) that attention reads only through the result.
+        return apply_rotary_pos_emb(q, k, cos, sin, in_place=True)
+
+    def interface_kwargs(self) -> dict:
+        """What the family's forward passes to the attention interface besides dropout and scaling."""
+        return {}
+
+    def attend(self, q, k, v, attention_mask, cache=None, **kwargs):
+        """Attention over rotated q (B, Hq, T, D), k and v (B, Hkv, T, D), then ``o_proj``."""
+        batch, _, seq, _ = q.shape
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, _family(self).eager_attention_forward
+        )
+        out, weights = interface(self, q, k, v, attention_mask,
+                                 dropout=0.0 if not self.training else self.attention_dropout,
+                                 scaling=self.scaling, **self.interface_kwargs(), **kwargs)  # fmt: skip
+        out = out.reshape(batch, seq, -1).contiguous()
+        return _linear(self.o_proj, out), weights
+
+    def attend_from_residual(self, x, norm, position_embeddings, attention_mask, cache=None, *,
+                             norm_recompute=False, **kwargs):  # fmt: skip
+        """``self(norm(x), ...)`` with the norm, q/k/v (and their LoRA adapters) and RoPE as one
+        attention_input call, or None when this call cannot take it."""
+        parts = _fusable((self.q_proj, self.k_proj, self.v_proj))
+        # Under autocast the separate modules normalise x in its own dtype and cast only the projections'
+        # operands, a rounding attention_input does not reproduce.
+        if parts is None or autocast_changes_dtype(x, *(p.weight for p in parts)):
+            return None
+        cos, sin = position_embeddings
+        spec = norm.chunkloss_norm
+        q, k, v = attention_input(x, norm.weight, *(p.weight for p in parts), cos, sin, b_q=parts[0].bias,
+                                  b_k=parts[1].bias, b_v=parts[2].bias, head_dim=self.head_dim, eps=spec.eps,
+                                  offset=spec.offset, casting=spec.casting, norm_recompute=norm_recompute,
+                                  adapters=_adapters(parts))  # fmt: skip
+        return self.attend(q, k, v, attention_mask, cache, **kwargs)
+
+
+class SlidingWindowAttention(PatchedAttention):
+    """Qwen2: the layer's sliding window goes to the interface."""
+
+    def interface_kwargs(self) -> dict:
+        return {"sliding_window": self.sliding_window}
+
+
+class MistralAttention(PatchedAttention):
+    def interface_kwargs(self) -> dict:
+        return {"sliding_window": getattr(self.config, "sliding_window", None)}
+
+
+class Qwen3Attention(SlidingWindowAttention):
+    """``Qwen3Attention.forward``: q and k normalised per head (``q_norm``, ``k_norm``) before RoPE."""
+
+    takes_attention_input = False
+
+    def project(self, hidden_states):
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        q = self.q_norm(_linear(self.q_proj, hidden_states).view(shape)).transpose(1, 2)
+        k = self.k_norm(_linear(self.k_proj, hidden_states).view(shape)).transpose(1, 2)
+        return q, k, _linear(self.v_proj, hidden_states).view(shape).transpose(1, 2)
+
+
+class Gemma2Attention(SlidingWindowAttention):
+    def interface_kwargs(self) -> dict:
+        return {"sliding_window": self.sliding_window, "softcap": self.attn_logit_softcapping}
+
+
+class _Layer:
+    chunkloss_layer: LayerSpec
+
+    def saved_norms(self):
+        """:class:`~chunkloss.models.saved_norms.SavedNorms` around a layer's forward with
+        ``norm_recompute``, unless gradients are off or the layer is checkpointed (it keeps nothing then)."""
+        checkpointed = self.training and getattr(self, "gradient_checkpointing", False)
+        if self.chunkloss_layer.norm_recompute and torch.is_grad_enabled() and not checkpointed:
+            return saved_norms.SavedNorms()
+        return contextlib.nullcontext()
+
+    def attention(self, x, position_embeddings, attention_mask, **kwargs):
+        """``self_attn(input_layernorm(x))``'s output, the norm, q/k/v and RoPE fused where they can be."""
+        attn, norm = self.self_attn, self.input_layernorm
+        spec = self.chunkloss_layer
+        if (spec.fuse_attention_input and isinstance(attn, PatchedAttention) and attn.takes_attention_input
+                and isinstance(norm, PatchedRMSNorm) and _unhooked(attn) and _unhooked(norm)):  # fmt: skip
+            out = attn.attend_from_residual(x, norm, position_embeddings, attention_mask,
+                                            norm_recompute=spec.norm_recompute, **kwargs)  # fmt: skip
+            if out is not None:
+                return out[0]
+        out, _ = attn(hidden_states=norm(x), position_embeddings=position_embeddings,
+                      attention_mask=attention_mask, **kwargs)  # fmt: skip
+        return out
+
+
+class PreNormLayer(_Layer):
+    """``LlamaDecoderLayer.forward`` (Llama, Mistral, Qwen2, Qwen3, Gemma)."""
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
+                position_embeddings=None, **kwargs):  # fmt: skip
+        with self.saved_norms():
+            residual = hidden_states
+            hidden_states = self.attention(hidden_states, position_embeddings, attention_mask,
+                                           position_ids=position_ids, cache=cache, use_cache=use_cache,
+                                           **kwargs)  # fmt: skip
+            hidden_states = residual + hidden_states
+            residual = hidden_states
+            hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
+            return residual + hidden_states
+
+
+class SandwichLayer(_Layer):
+    """``Gemma2DecoderLayer.forward``: a norm before and after attention and before and after the MLP."""
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, position_ids=None,
+                cache=None, **kwargs):  # fmt: skip
+        with self.saved_norms():
+            residual = hidden_states
+            hidden_states = self.attention(hidden_states, position_embeddings, attention_mask,
+                                           position_ids=position_ids, cache=cache, **kwargs)  # fmt: skip
+            hidden_states = residual + self.post_attention_layernorm(hidden_states)
+            residual = hidden_states
+            hidden_states = self.mlp(self.pre_feedforward_layernorm(hidden_states))
+            return residual + self.post_feedforward_layernorm(hidden_states)

@@ -1,0 +1,96 @@
+"""``torch.compile`` of a patched model: no graph break in the forwards ``chunkloss.models`` installs.
+
+On CPU the kernels run in the Triton interpreter, which dynamo reaches only through the kernels' custom ops.
+One test swaps every kernel for its pure-PyTorch reference (the same arguments), so what is traced is the
+integration itself (the per-family forwards, the per-call choice of the fused path, the LoRA read-out), and
+compiles it with ``fullgraph=True``; another keeps the kernels but the standalone RMSNorm (not a custom op
+yet). On a GPU every kernel runs under ``torch._dynamo``.
+"""
+
+import copy
+
+import pytest
+import torch
+from chunkloss.kernels import glu, lora, rope
+from chunkloss.kernels.attention_input import attention_input_ref
+from chunkloss.kernels.mlp import gated_mlp_ref
+from chunkloss.kernels.rms_norm import rms_norm_ref
+from chunkloss.models import layers, patch
+
+from tests.models.test_lora import lora_model
+from tests.models.test_patch import VOCAB, tiny_model
+from tests.tolerances import assert_close_to_ref
+
+
+def _references(monkeypatch):
+    def rms(x, w, eps, offset, casting, in_place=False):
+        return rms_norm_ref(x, w, eps, offset, casting)
+
+    def attention_input(*args, norm_recompute=False, **kwargs):
+        return attention_input_ref(*args, **kwargs)
+
+    def gated_mlp(*args, recompute=True, **kwargs):
+        return gated_mlp_ref(*args, **kwargs)
+
+    def rotary(q, k, cos, sin, in_place=False):
+        return rope.apply_rotary_pos_emb_ref(q, k, cos, sin)
+
+    monkeypatch.setattr(layers, "rms_norm", rms)
+    monkeypatch.setattr(layers, "attention_input", attention_input)
+    monkeypatch.setattr(layers, "gated_mlp", gated_mlp)
+    monkeypatch.setattr(layers, "apply_rotary_pos_emb", rotary)
+    monkeypatch.setattr(layers, "lora_linear", lora.lora_linear_ref)
+    monkeypatch.setattr(layers._glu, "_glu", lambda a, b, activation, in_place: glu.glu_ref(a, b, activation))
+
+
+def _explain(model, input_ids):
+    torch._dynamo.reset()
+    return torch._dynamo.explain(lambda ids: model(input_ids=ids, labels=ids).loss)(input_ids)
+
+
+@pytest.mark.slow  # an inductor compile of each model, about 30 s each on CPU
+@pytest.mark.parametrize("model_type,lora_targets", [("qwen3", None), ("gemma2", None), ("llama", "all")])
+def test_patched_forward_has_no_graph_break(model_type, lora_targets, monkeypatch):
+    _references(monkeypatch)
+    model = lora_model(model_type) if lora_targets else tiny_model(model_type)
+    input_ids = torch.randint(0, VOCAB, (2, 7))
+    ref = model(input_ids=input_ids, labels=input_ids).loss
+    patched = copy.deepcopy(model)
+    patch(patched, loss=False)
+    explained = _explain(patched, input_ids)
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    compiled = torch.compile(lambda ids: patched(input_ids=ids, labels=ids).loss, fullgraph=True)
+    assert_close_to_ref(compiled(input_ids), ref)
+
+
+@pytest.mark.parametrize("lora_targets", [None, "all"])
+def test_patched_forward_with_the_kernels_has_no_graph_break(lora_targets, monkeypatch):
+    """attention_input, gated_mlp, lora_linear and RoPE as traced custom ops inside the patched model."""
+    monkeypatch.setattr(layers, "rms_norm", lambda x, w, eps, offset, casting, in_place=False: rms_norm_ref(
+        x, w, eps, offset, casting))  # fmt: skip
+    model = lora_model("llama") if lora_targets else tiny_model("llama")
+    patch(model, loss=False)
+    explained = _explain(model, torch.randint(0, VOCAB, (2, 7)))
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lora_targets", [None, "all"])
+def test_patched_forward_and_backward_compile_on_gpu(lora_targets):
+    """The kernels themselves under torch.compile: no graph break, the eager loss and gradients."""
+    model = (lora_model("llama") if lora_targets else tiny_model("llama")).cuda()
+    input_ids = torch.randint(0, VOCAB, (2, 16), device="cuda")
+    patch(model, loss=False)
+    explained = _explain(model, input_ids)
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    eager = model(input_ids=input_ids, labels=input_ids).loss
+    eager.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad()
+    torch._dynamo.reset()
+    loss = torch.compile(lambda ids: model(input_ids=ids, labels=ids).loss)(input_ids)
+    loss.backward()
+    assert_close_to_ref(loss, eager)
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            assert_close_to_ref(p.grad, grads[n], name=n)
