@@ -35,9 +35,9 @@ from chunkloss.kernels import (
     gated_mlp_ref,
     rms_norm,
     rms_norm_ref,
-    saved_norms,
     swiglu,
 )
+from chunkloss.models import saved_norms
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_apply_rotary_pos_emb
 
 from benchmarks.harness import PEAK_TFLOPS, is_oom, stamp, timed_ms
@@ -102,7 +102,7 @@ def _offered_norm(x, w):  # the same with offer=True, as patch(norm_recompute=Tr
     return out
 
 
-def _kernel_rope(q, k, cos, sin):  # patch's _rotary_fn: q and k are fresh projections, rotated in place
+def _kernel_rope(q, k, cos, sin):  # as patch runs it: q and k are fresh projections, rotated in place
     return apply_rotary_pos_emb(q, k, cos, sin, None, 1, in_place=True)
 
 
