@@ -18,18 +18,14 @@ in the same chunk and handed to the loss as ``extra_logits``, or reduced at once
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
 
 from chunkloss.engine.batch import Batch
-from chunkloss.engine.plan import even_bounds, one_pass_possible, plan_chunks
-from chunkloss.engine.steps import StepKind
+from chunkloss.engine.contract import LossContract
+from chunkloss.engine.plan import chunk_rows, even_bounds, one_pass_possible, plan_chunks
+from chunkloss.engine.steps import StepKind, step_for
 from chunkloss.engine.weight_grad import WeightGrad
-
-if TYPE_CHECKING:
-    from chunkloss.engine.loss import FusedLinearBase
 
 __all__ = ["ChunkLoop"]
 
@@ -54,7 +50,7 @@ class ChunkLoop:
             take part (N_valid,); the loop then computes only the gradients of ``Σ_i row_weight_i·out_i``.
     """
 
-    def __init__(self, loss: FusedLinearBase, hidden, weight, bias, batch: Batch, need, row_weight=None):
+    def __init__(self, loss: LossContract, hidden, weight, bias, batch: Batch, need, row_weight=None):
         self.mod, self.opts, self.batch = loss, loss.options, batch
         self.hidden, self.weight, self.bias = hidden, weight, bias
         self.need_h, self.need_w, self.need_b = need
@@ -78,7 +74,8 @@ class ChunkLoop:
         }
         # Where one pass is possible, one chunk of every row runs in one pass and is the loop's only
         # weight-gradient contribution; two passes may contribute twice.
-        self.chunk = loss.chunk_rows(
+        self.chunk = chunk_rows(
+            loss,
             weight,
             hidden,
             batch.extra,
@@ -93,7 +90,7 @@ class ChunkLoop:
         self.extra_stats_parts: list[Tensor] = []
 
     def step(self, kind: StepKind):
-        return self.mod._step_fn(kind, self.dev)
+        return step_for(self.mod, kind, self.dev)
 
     def run(self):
         """Returns ``(output, (grad_hidden, grad_weight, grad_bias), metrics)``: the loss (0-d) or the per-row

@@ -143,8 +143,16 @@ def check_head(hidden: Tensor, weight: Tensor, bias: Tensor | None, name: str = 
         # An empty vocabulary or hidden size has no logits to normalise (and no chunk size to plan).
         raise ValueError(f"{w_name} must be (V, H) with V ≥ 1 and H ≥ 1, got shape {tuple(weight.shape)}")
     if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
+        if hidden.dim() >= 1 and hidden.shape[-1] == weight.shape[0]:
+            raise ValueError(
+                f"{w_name} of shape {tuple(weight.shape)} looks transposed: {name}'s hidden size is "
+                f"{hidden.shape[-1]}, and {w_name} must be (V, H)=({weight.shape[1]}, {weight.shape[0]}) as "
+                f"nn.Linear stores it (pass lm_head.weight, not its .T)"
+            )
+        last = hidden.shape[-1] if hidden.dim() else None
         raise ValueError(
-            f"{name} last dim ({tuple(hidden.shape)}) must equal {w_name}'s hidden size H={weight.shape[1]}"
+            f"{name}'s last dim {last} (shape {tuple(hidden.shape)}) must equal {w_name}'s hidden size "
+            f"H={weight.shape[1]} ({w_name} is (V, H)={tuple(weight.shape)})"
         )
     if hidden.dtype != weight.dtype:
         raise TypeError(f"{name} dtype {hidden.dtype} differs from {w_name} dtype {weight.dtype}")
@@ -222,11 +230,6 @@ def check_range(name: str, value: float, low: float, high: float) -> None:
     otherwise."""
     if not low <= value <= high:
         raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
-
-
-def options_of(arguments: dict) -> dict:
-    """A loss constructor's options from its ``locals()``: every name but ``self`` and ``__class__``."""
-    return {k: v for k, v in arguments.items() if k not in ("self", "__class__")}
 
 
 def to_scalar(x, device, dtype=torch.float32) -> Tensor:

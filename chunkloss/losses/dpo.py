@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from chunkloss.losses.common import check_choice, check_range, options_of
+from chunkloss.losses.common import check_choice, check_range
 from chunkloss.losses.preference import FusedLinearPreferenceLoss, PreferenceOptions
 
 __all__ = ["DPOOptions", "FusedLinearDPOLoss", "DPO_LOSS_TYPES"]
@@ -58,11 +58,33 @@ _F_DIVERGENCE_LOSS_TYPES = {
 
 @dataclass(frozen=True)
 class DPOOptions(PreferenceOptions):
-    """The validated options of :class:`FusedLinearDPOLoss` (documented on its constructor; names and
-    defaults of ``trl.DPOConfig`` 1.16)."""
+    """The options of :class:`FusedLinearDPOLoss`, its constructor's keywords (names and defaults of
+    ``trl.DPOConfig`` 1.16).
 
-    loss_type: str | tuple[str, ...] = "sigmoid"
-    loss_weights: tuple[float, ...] | None = None
+    Args:
+        beta: β of the loss and the rewards.
+        loss_type: one loss type of ``DPO_LOSS_TYPES`` or a sequence of them (weighted by
+            ``loss_weights`` and summed).
+        loss_weights: weight of each loss type; ``None`` weighs each 1.
+        label_smoothing: ε of robust, exo_pair and aot (conservative DPO).
+        f_divergence_type: 'reverse_kl' (standard DPO), 'forward_kl', 'js_divergence' or
+            'alpha_divergence'.
+        f_alpha_divergence_coef: α of alpha_divergence.
+        ld_alpha: LD-DPO's α in [0, 1] for tokens past the shorter completion of a pair; ``None``: off.
+        use_weighting: WPO weights (no grad) on each pair's loss.
+        discopop_tau: τ of discopop.
+        average_log_prob: the sequence log-prob is the mean over completion tokens instead of the sum
+            (not a TRL option; TRL sums).
+        ignore_index: label value of prompt and padding tokens (their rows cost no GEMM).
+        logit_scale: the logits are multiplied by it (Cohere's ``logit_scale``).
+        softcap: final logit softcapping ``c·tanh(z/c)`` after the scale (Gemma-2), ``None`` for off.
+        return_token_metrics: also report ``entropy`` (mean over the chosen and rejected completion
+            tokens) and ``mean_token_accuracy`` (top-1 over the chosen completion tokens), as
+            DPOTrainer logs them; one more reduction over V per row.
+    """
+
+    loss_type: str | Sequence[str] = "sigmoid"  # a tuple once validated
+    loss_weights: Sequence[float] | None = None  # a tuple once validated
     label_smoothing: float = 0.0
     f_divergence_type: str = "reverse_kl"
     f_alpha_divergence_coef: float = 0.5
@@ -237,57 +259,12 @@ class FusedLinearDPOLoss(FusedLinearPreferenceLoss):
     pair_loss = staticmethod(dpo_pair_loss)
     margin_power = staticmethod(dpo_margin_power)
 
-    def __init__(
-        self,
-        *,
-        beta: float = 0.1,
-        loss_type: str | Sequence[str] = "sigmoid",
-        loss_weights: Sequence[float] | None = None,
-        label_smoothing: float = 0.0,
-        f_divergence_type: str = "reverse_kl",
-        f_alpha_divergence_coef: float = 0.5,
-        ld_alpha: float | None = None,
-        use_weighting: bool = False,
-        discopop_tau: float = 0.05,
-        average_log_prob: bool = False,
-        ignore_index: int = -100,
-        logit_scale: float = 1.0,
-        softcap: float | None = None,
-        return_token_metrics: bool = False,
-        chunk_size: int | None = None,
-        logits_budget_mb: int = 448,
-        accum_dtype: torch.dtype | None = torch.float32,
-        compile: bool = True,
-    ):
-        """Args:
-            beta: β of the loss and the rewards.
-            loss_type: one loss type of ``DPO_LOSS_TYPES`` or a sequence of them (weighted by
-                ``loss_weights`` and summed).
-            loss_weights: weight of each loss type; ``None`` weighs each 1.
-            label_smoothing: ε of robust, exo_pair and aot (conservative DPO).
-            f_divergence_type: 'reverse_kl' (standard DPO), 'forward_kl', 'js_divergence' or
-                'alpha_divergence'.
-            f_alpha_divergence_coef: α of alpha_divergence.
-            ld_alpha: LD-DPO's α in [0, 1] for tokens past the shorter completion of a pair; ``None``: off.
-            use_weighting: WPO weights (no grad) on each pair's loss.
-            discopop_tau: τ of discopop.
-            average_log_prob: the sequence log-prob is the mean over completion tokens instead of the sum
-                (not a TRL option; TRL sums).
-            ignore_index: label value of prompt and padding tokens (their rows cost no GEMM).
-            logit_scale: the logits are multiplied by it (Cohere's ``logit_scale``).
-            softcap: final logit softcapping ``c·tanh(z/c)`` after the scale (Gemma-2), ``None`` for off.
-            return_token_metrics: also report ``entropy`` (mean over the chosen and rejected completion
-                tokens) and ``mean_token_accuracy`` (top-1 over the chosen completion tokens), as
-                DPOTrainer logs them; one more reduction over V per row.
-            chunk_size, logits_budget_mb, accum_dtype, compile: the engine's options
-                (:class:`chunkloss.engine.FusedOptions`).
-        """
-        super().__init__(**options_of(locals()))
-        # aot sorts the pairs of the whole batch, and WPO-weighted sft multiplies two batch sums:
-        # the loss needs every pair's log-probs at once.
+    @property
+    def needs_global_stats(self) -> bool:
+        """aot sorts the pairs of the whole batch, and WPO-weighted sft multiplies two batch sums: the loss
+        needs every pair's log-probs at once."""
         types = set(self.options.loss_type)
-        if {"aot", "aot_unpaired"} & types or ("sft" in types and self.options.use_weighting):
-            self.needs_global_stats = True
+        return bool({"aot", "aot_unpaired"} & types) or ("sft" in types and self.options.use_weighting)
 
     def token_weights(self, chosen_mask: Tensor, rejected_mask: Tensor) -> Tensor:
         """LD-DPO: completion tokens past the shorter completion of the pair weigh ``ld_alpha``."""

@@ -54,31 +54,34 @@ evaluated on those (C,) statistics in between; elsewhere the compiled or eager `
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
 
 import torch
 from torch import Tensor
 
-from chunkloss.engine import FusedLinearBase, FusedOptions, segment_sum, sequence_batch
+from chunkloss.engine import FusedLinearBase, StepKind, register_gpu_steps, segment_sum, sequence_batch
 from chunkloss.losses.common import (
-    check_choice,
     check_head,
-    check_range,
     nograd_label_logprob,
-    options_of,
     quantile,
     row_statistics,
     to_scalar,
 )
 from chunkloss.losses.grpo_batch import (
-    GLOBAL_COUNT_LOSS_TYPES,
-    LOG_RATIO_MIN,
     batch_tensors,
     check_advantages_and_ratio,
     check_completions,
     check_trainer_state,
     normaliser,
     reference_head,
+)
+from chunkloss.losses.grpo_options import (
+    CLIP_LOSS_TYPES,
+    GLOBAL_COUNT_LOSS_TYPES,
+    IS_LEVELS,
+    LOG_RATIO_MIN,
+    LOSS_TYPES,
+    GRPOOptions,
 )
 
 __all__ = [
@@ -91,80 +94,6 @@ __all__ = [
     "nanmax",
     "nanmin",
 ]
-
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
-IS_LEVELS = ("token", "sequence", "sequence_token")
-#: The PPO-clip loss types; TRL logs ``clip_ratio/*`` for these.
-CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
-
-
-@dataclass(frozen=True)
-class GRPOOptions(FusedOptions):
-    """The validated options of :class:`FusedLinearGRPOLoss` (documented on its constructor; GRPOConfig's
-    names, except ``epsilon_low`` for TRL's ``epsilon``)."""
-
-    loss_type: str = "dapo"
-    beta: float = 0.0
-    epsilon_low: float = 0.2
-    epsilon_high: float | None = None
-    delta: float | None = None
-    importance_sampling_level: str = "token"
-    sapo_temperature_pos: float = 1.0
-    sapo_temperature_neg: float = 1.05
-    vespo_k_pos: float = 2.0
-    vespo_lambda_pos: float = 3.0
-    vespo_k_neg: float = 3.0
-    vespo_lambda_neg: float = 2.0
-    use_bias_correction_kl: bool = True
-    temperature: float = 1.0
-    logit_scale: float = 1.0
-    softcap: float | None = None
-    off_policy_mask_threshold: float | None = None
-    top_entropy_quantile: float = 1.0
-    entropy_coef: float = 0.0
-    use_adaptive_entropy: bool = False
-    max_completion_length: int | None = None
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_choice("loss_type", self.loss_type, LOSS_TYPES)
-        check_choice("importance_sampling_level", self.importance_sampling_level, IS_LEVELS)
-        if self.loss_type == "dr_grpo" and (
-            self.max_completion_length is None or self.max_completion_length <= 0
-        ):
-            raise ValueError(
-                "loss_type='dr_grpo' normalises by B·max_completion_length: pass max_completion_length "
-                f"(a positive int), got {self.max_completion_length!r}"
-            )
-        if self.use_adaptive_entropy:
-            raise ValueError(
-                "use_adaptive_entropy=True is not supported: the adaptive controller is trainer state that "
-                "changes entropy_coef between optimizer steps; pass its current value to each call as "
-                "entropy_coef (the constructor's entropy_coef != 0 switches the bonus on)"
-            )
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be positive, got {self.temperature}")
-        if not self.logit_scale > 0:
-            raise ValueError(f"logit_scale must be positive, got {self.logit_scale}")
-        if self.softcap is not None and not self.softcap > 0:
-            raise ValueError(f"softcap must be positive or None, got {self.softcap}")
-        check_range("top_entropy_quantile", self.top_entropy_quantile, 0, 1)
-        if self.sapo_temperature_pos <= 0 or self.sapo_temperature_neg <= 0:
-            raise ValueError("sapo_temperature_pos and sapo_temperature_neg must be positive")
-
-    @property
-    def eps_high(self) -> float:
-        return self.epsilon_low if self.epsilon_high is None else self.epsilon_high
-
-    @property
-    def needs_sequence_path(self) -> bool:
-        """Whether some per-sequence statistic of the policy log-probs enters the loss."""
-        return (
-            self.importance_sampling_level != "token"
-            or self.loss_type == "vespo"
-            or self.off_policy_mask_threshold is not None
-            or self.top_entropy_quantile < 1.0
-        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -391,69 +320,16 @@ class FusedLinearGRPOLoss(FusedLinearBase):
 
     options_cls = GRPOOptions
     options: GRPOOptions
+    head_args = ("hidden", "weight", "bias", "ref_hidden", "ref_weight", "ref_bias")
     chunk_loss = staticmethod(grpo_chunk)
     token_stats = staticmethod(grpo_token_stats)
     sequence_loss = staticmethod(grpo_sequence_loss)
     extra_token_stats = staticmethod(grpo_ref_stats)
 
-    def __init__(
-        self,
-        *,
-        loss_type: str = "dapo",
-        beta: float = 0.0,
-        epsilon_low: float = 0.2,
-        epsilon_high: float | None = None,
-        delta: float | None = None,
-        importance_sampling_level: str = "token",
-        sapo_temperature_pos: float = 1.0,
-        sapo_temperature_neg: float = 1.05,
-        vespo_k_pos: float = 2.0,
-        vespo_lambda_pos: float = 3.0,
-        vespo_k_neg: float = 3.0,
-        vespo_lambda_neg: float = 2.0,
-        use_bias_correction_kl: bool = True,
-        temperature: float = 1.0,
-        logit_scale: float = 1.0,
-        softcap: float | None = None,
-        off_policy_mask_threshold: float | None = None,
-        top_entropy_quantile: float = 1.0,
-        entropy_coef: float = 0.0,
-        use_adaptive_entropy: bool = False,
-        max_completion_length: int | None = None,
-        chunk_size: int | None = None,
-        logits_budget_mb: int = 448,
-        accum_dtype: torch.dtype | None = torch.float32,
-        compile: bool = True,
-    ):
-        """Args (GRPOConfig's names, except ``epsilon_low`` for TRL's ``epsilon``):
-            loss_type: one of ``LOSS_TYPES``: 'grpo', 'bnpo', 'dr_grpo', 'dapo' (TRL's default), 'cispo',
-                'sapo', 'luspo', 'vespo'.
-            beta: KL coefficient; needs ``ref_logps`` or a reference head when non-zero.
-            epsilon_low: lower clip ε (TRL's ``epsilon``).
-            epsilon_high: upper clip ε (cispo: the ratio cap ε_max); ``None`` means ``epsilon_low``.
-            delta: two-sided clip: the ratio is first clamped at ``delta`` (INTELLECT-2); ``None`` for off.
-            importance_sampling_level: 'token', 'sequence' (GSPO) or 'sequence_token' (GSPO-token).
-            sapo_temperature_pos, sapo_temperature_neg: SAPO gate temperatures τ_pos, τ_neg.
-            vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO Gamma weight parameters.
-            use_bias_correction_kl: multiply the KL term by the importance ratio (DeepSeek-V3.2).
-            temperature: the logits (policy and reference) are divided by it.
-            logit_scale: the logits are first multiplied by it (Cohere's ``logit_scale``).
-            softcap: final logit softcapping ``c·tanh(z/c)`` after the scale, before the temperature
-                (Gemma-2's ``final_logit_softcapping``); ``None`` for off.
-            off_policy_mask_threshold: drop negative-advantage sequences whose mean KL(sampler ‖ policy)
-                exceeds it (DeepSeek-V3.2 off-policy sequence masking); ``None`` for off.
-            top_entropy_quantile: keep only the top ρ of tokens by entropy in the policy loss (1.0: all).
-            entropy_coef: coefficient of the entropy bonus (loss -= coef · mean entropy / GA); ≠ 0 switches
-                the bonus on, and a call may pass another value (see ``forward``).
-            use_adaptive_entropy: must be False: the adaptive controller is trainer state; pass its current
-                coefficient to each call as ``entropy_coef``.
-            max_completion_length: the dr_grpo normaliser's constant (required for dr_grpo).
-            chunk_size, logits_budget_mb, accum_dtype, compile: the engine's options
-                (:class:`chunkloss.engine.FusedOptions`).
-        """
-        super().__init__(**options_of(locals()))
-        # Entropy masking needs every token's entropy before the quantile is known: two passes.
-        self.needs_global_stats = self.options.top_entropy_quantile < 1.0
+    @property
+    def needs_global_stats(self) -> bool:
+        """Entropy masking needs every token's entropy before the quantile is known: two passes."""
+        return self.options.top_entropy_quantile < 1.0
 
     def pass_1_estimates(self, batch):
         """With the entropy mask, every chunk runs its backward in pass 1 with the quantile of the entropies
@@ -613,3 +489,57 @@ def _nan_extremum(values: Tensor, reduce, neutral: float) -> Tensor:
         return values.new_full((), float("nan"))
     ok = ~torch.isnan(values)
     return torch.where(ok.any(), reduce(torch.where(ok, values, neutral)), float("nan"))
+
+
+# --------------------------------------------------------------------------------------------------
+# The CUDA steps: the row statistics (``chunkloss.kernels.logprob``), the loss on the (C,) statistics, the
+# gradient written in place.
+def _grpo_scalings(opts: GRPOOptions) -> dict:
+    return dict(logit_scale=opts.logit_scale, softcap=opts.softcap, temperature=opts.temperature)
+
+
+def grpo_token(opts: GRPOOptions, logits, extra_logits, token, scalars, grad: bool = True):
+    """``TOKEN`` (``grad``) or ``TOKEN_VALUE``: ``grad_and_value(grpo_chunk)``."""
+    from chunkloss.kernels.logprob import row_grad_from_loss_, row_stats
+
+    logp, ent, ref, rows = _row_logprobs(logits, extra_logits, token, opts, row_stats)
+    with torch.enable_grad():
+        logp.requires_grad_(grad)
+        ent.requires_grad_(grad and opts.entropy_coef != 0)
+        old = token["old_logps"] if "old_logps" in token else logp.detach()
+        loss, m = _row_loss(logp, ent, ref, logp - old, token, scalars, opts)
+    metrics = _token_shaped_metrics(m, token, scalars)
+    if not grad:
+        return None, loss, metrics
+    row_grad_from_loss_(logits, token["ids"], rows, loss, **_grpo_scalings(opts))
+    return logits, loss.detach(), metrics
+
+
+def grpo_stats(opts: GRPOOptions, logits, extra_logits, token):
+    """``STATS``: ``grpo_token_stats``, and the rows' statistics for ``SEQ_PASS2`` on these logits."""
+    from chunkloss.kernels.logprob import row_stats
+
+    logp, ent, ref, rows = _row_logprobs(logits, extra_logits, token, opts, row_stats)
+    return torch.stack([logp, ent] if ref is None else [logp, ent, ref], dim=1), rows
+
+
+def grpo_pass2(opts: GRPOOptions, logits, extra_logits, token, coef, rows=None):
+    """``SEQ_PASS2``: ``grad((grpo_token_stats * coef).sum())`` over the logits (the reference column carries
+    no gradient, the entropy one only with the entropy bonus). ``rows``: as for ``preference_pass2``."""
+    from chunkloss.kernels.logprob import row_grad_
+
+    coef_ent = coef[:, 1].contiguous() if opts.entropy_coef != 0 else None
+    a = coef[:, 0].contiguous()
+    return row_grad_(logits, token["ids"], a, coef_entropy=coef_ent, stats=rows, **_grpo_scalings(opts))
+
+
+register_gpu_steps(
+    FusedLinearGRPOLoss,
+    {
+        StepKind.TOKEN: grpo_token,
+        StepKind.TOKEN_VALUE: functools.partial(grpo_token, grad=False),
+        StepKind.STATS: grpo_stats,
+        StepKind.SEQ_PASS2: grpo_pass2,
+    },
+    math=("chunk_loss", "token_stats"),
+)

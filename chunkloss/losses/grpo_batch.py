@@ -6,23 +6,14 @@ docstring.
 
 from __future__ import annotations
 
-import math
 import numbers
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from chunkloss.engine import Head
 from chunkloss.losses.common import check_head, check_labels, item_count, to_scalar
-
-if TYPE_CHECKING:
-    from chunkloss.losses.grpo import GRPOOptions
-
-#: The loss types normalised by the global masked-token count ``num_items_in_batch``.
-GLOBAL_COUNT_LOSS_TYPES = ("dapo", "cispo", "vespo")
-#: TRL clamps log importance weights from below at log(1e-8).
-LOG_RATIO_MIN = math.log(1e-8)
+from chunkloss.losses.grpo_options import GLOBAL_COUNT_LOSS_TYPES, LOG_RATIO_MIN, GRPOOptions
 
 
 def check_trainer_state(num_processes, gradient_accumulation_steps, steps_per_generation) -> None:

@@ -38,7 +38,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from chunkloss.engine import FusedLinearBase, FusedOptions, Head, segment_sum, sequence_batch
+from chunkloss.engine import (
+    FusedLinearBase,
+    FusedOptions,
+    Head,
+    StepKind,
+    register_gpu_steps,
+    segment_sum,
+    sequence_batch,
+)
 from chunkloss.losses.common import (
     check_head,
     check_labels,
@@ -210,6 +218,7 @@ class FusedLinearPreferenceLoss(FusedLinearBase):
 
     options_cls = PreferenceOptions
     options: PreferenceOptions
+    head_args = ("hidden", "weight", "bias", "ref_hidden", "ref_weight", "ref_bias")
     seqs_per_group = 2  # a chosen/rejected pair
     token_stats = staticmethod(preference_token_stats)
     extra_token_stats = staticmethod(preference_ref_stats)
@@ -415,3 +424,35 @@ def _reference_logps(hidden, ref_chosen_logps, ref_rejected_logps) -> Tensor:
         if v.device != hidden.device:
             raise ValueError(f"{arg} is on {v.device} but hidden is on {hidden.device}")
     return torch.cat([ref_chosen_logps, ref_rejected_logps]).detach().float()
+
+
+# --------------------------------------------------------------------------------------------------
+# The CUDA steps: the row statistics in one read (``chunkloss.kernels.logprob``), the gradient in one more
+# read and a write.
+def preference_stats(opts: PreferenceOptions, logits, extra_logits, token):
+    """``STATS``: ``preference_token_stats``, and the rows' statistics for ``SEQ_PASS2`` on these logits."""
+    from chunkloss.kernels.logprob import row_stats
+
+    rows = row_stats(logits, token["labels"], **_row_request(token, opts))
+    return _columns(rows, token, opts), rows
+
+
+def preference_pass2(opts: PreferenceOptions, logits, extra_logits, token, coef, rows=None):
+    """``SEQ_PASS2``: ``grad((preference_token_stats * coef).sum())`` over the logits. Only the LOGP, LOGP_RAW
+    and NLL columns carry a gradient (the others are detached or the reference's). ``rows``: the stats step's
+    statistics of these logits in one pass, else read again."""
+    from chunkloss.kernels.logprob import row_grad_
+
+    a = coef[:, LOGP] * token["pref_weight"] + coef[:, LOGP_RAW] * token["pref_mask"]
+    nll = {}
+    if "nll_labels" in token:
+        nll = dict(labels2=token["nll_labels"], coef2=(coef[:, NLL] * token["nll_mask"]).float().contiguous())
+    return row_grad_(logits, token["labels"], a.float().contiguous(), **nll, stats=rows,
+                     logit_scale=opts.logit_scale, softcap=opts.softcap)  # fmt: skip
+
+
+register_gpu_steps(
+    FusedLinearPreferenceLoss,
+    {StepKind.STATS: preference_stats, StepKind.SEQ_PASS2: preference_pass2},
+    math=("token_stats",),
+)
