@@ -1,7 +1,7 @@
 """The chunk loop every chunkloss loss runs on, in parts:
 
 ``options``      FusedOptions, the automatic chunk size
-``batch``        Batch and Head (what a loss hands the engine), sequence_batch, segment_sum
+``batch``        Batch, Rows, Sequences, ExtraHead (what a loss hands the engine), sequence_batch, segment_sum
 ``contract``     LossContract: what a loss author implements (the per-chunk math, a few class attributes)
 ``compiled``     how a step is compiled (dynamic rows, eager fallback)
 ``steps``        the per-chunk step kinds (StepKind), how each is built, the registry of Triton steps
@@ -16,7 +16,15 @@ Each imports only the ones above it.
 docs/design.md explains each part and the measurement behind it.
 """
 
-from chunkloss.engine.batch import Batch, Head, segment_sum, sequence_batch
+from chunkloss.engine.batch import (
+    Batch,
+    ExtraHead,
+    Rows,
+    Sequences,
+    TensorFields,
+    segment_sum,
+    sequence_batch,
+)
 from chunkloss.engine.contract import LossContract
 from chunkloss.engine.loss import FusedLinearBase
 from chunkloss.engine.options import FusedOptions
@@ -26,9 +34,12 @@ __all__ = [
     "Batch",
     "FusedLinearBase",
     "FusedOptions",
-    "Head",
+    "ExtraHead",
     "LossContract",
+    "Rows",
+    "Sequences",
     "StepKind",
+    "TensorFields",
     "register_gpu_steps",
     "segment_sum",
     "sequence_batch",

@@ -59,11 +59,14 @@ class LossContract:
     seqs_per_group: int = 1
     #: Optional ``extra_token_stats(extra_logits, token, opts) -> (N_c, K)``: reduce the no-grad heads'
     #: logits to a few numbers per row (e.g. the reference log-prob) right after they are projected, so they
-    #: are freed before the policy's logits exist; the loss then reads ``token["extra_stats"]`` and gets
+    #: are freed before the policy's logits exist; the loss then reads ``token.extra_stats`` and gets
     #: ``extra_logits == []``. Losses that need whole extra distributions (JSD) leave it None. It runs
     #: uncompiled and so must not build [C, V] temporaries (``chunkloss.losses.common.nograd_label_logprob``
     #: reads the logits once).
     extra_token_stats = None
+    #: After each call: the per-chunk ``metrics`` summed over the chunks, by name. ``forward`` turns them into
+    #: the user's ``metrics`` (by default the same), e.g. per-sequence vectors into their minimum.
+    chunk_sums: dict[str, Tensor]
 
     @staticmethod
     def chunk_loss(logits, extra_logits, token, scalars, opts):  # pragma: no cover - interface
@@ -72,15 +75,15 @@ class LossContract:
         Args:
             logits: (C, V) the chunk's logits in the head's dtype (differentiated: do not modify).
             extra_logits: list of (C, V_e) logits of the heads without grad (``Batch.extra``), or ``[]``.
-            token: per-row tensors of ``Batch.token`` for the chunk's rows, (C, ...).
-            scalars: ``Batch.scalars``, 0-d tensors of the whole batch (e.g. the normaliser).
+            token: the loss's :class:`~chunkloss.engine.Rows` (``Batch.token``) of the chunk's rows, (C, ...).
+            scalars: ``Batch.scalars``, the loss's tensors of the whole batch (e.g. the normaliser).
             opts: the loss's options.
 
         Returns:
             ``(loss, metrics)``: ``loss`` a 0-d fp32 tensor, the chunk's share of the total (a sum over rows
             divided by global normalisers, so the chunks' losses add up to the loss); ``metrics`` a dict of
-            0-d tensors summed over chunks the same way, plus the (C,) per-row outputs named in
-            ``token_outputs``.
+            tensors by name, summed over chunks into :attr:`chunk_sums` (0-d, or vectors of a fixed size such
+            as per-sequence sums), plus the (C,) per-row outputs named in ``token_outputs``.
         """
         raise NotImplementedError
 
@@ -89,7 +92,7 @@ class LossContract:
         """Sequence losses: differentiable per-row statistics of one chunk.
 
         Args: as :meth:`chunk_loss`'s, without ``scalars``. Heads without grad reach it through
-        ``token["extra_stats"]`` when the loss defines ``extra_token_stats``.
+        ``token.extra_stats`` when the loss defines ``extra_token_stats``.
 
         Returns:
             (C, K) fp32 tensor (K fixed by the loss). A Triton ``STATS`` step may return ``(stats, carry)``:
@@ -106,8 +109,8 @@ class LossContract:
             seq_id: (R,) int64 sequence of each row in ``[0, num_seqs)``, sequences in group order
                 (``segment_sum(stats, seq_id, num_seqs)`` gives per-sequence sums).
             num_seqs: S, a multiple of ``seqs_per_group`` (a Python int).
-            token: per-row tensors, (R, ...).
-            sequence: per-sequence tensors of ``Batch.sequence`` for these sequences, (S, ...).
+            token: the loss's :class:`~chunkloss.engine.Rows` of these rows, (R, ...).
+            sequence: the loss's :class:`~chunkloss.engine.Sequences` of these sequences, (S, ...).
             scalars: ``Batch.scalars``.
             opts: the loss's options.
 

@@ -130,6 +130,7 @@ class FusedLinearBase(LossContract, nn.Module, metaclass=_LossType):
             )
         self.options = self.options_cls(**options)
         self.metrics: dict[str, Tensor] = {}
+        self.chunk_sums: dict[str, Tensor] = {}
 
     def __dir__(self):
         """An instance lists everything, ``nn.Module``'s methods included (``help(cls)`` leaves them out)."""
@@ -177,7 +178,8 @@ class FusedLinearBase(LossContract, nn.Module, metaclass=_LossType):
     def run(self, hidden: Tensor, weight: Tensor, bias: Tensor | None, batch: Batch) -> Tensor:
         """Run the chunk loop. ``hidden`` (N, H) is the flattened hidden state, ``batch.rows`` the
         rows that take part. Returns the loss (0-d, or (N,) for per-row outputs)."""
-        metrics: dict[str, Tensor] = {}
-        loss = FusedLinearFunction.apply(hidden, weight, bias, self, batch, metrics)
-        self.metrics = metrics
+        sums: dict[str, Tensor] = {}
+        loss = FusedLinearFunction.apply(hidden, weight, bias, self, batch, sums)
+        self.chunk_sums = sums
+        self.metrics = dict(sums)
         return loss

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from chunkloss.engine.batch import Batch, Head
+from chunkloss.engine.batch import Batch, ExtraHead
 from chunkloss.engine.contract import LossContract
 from chunkloss.engine.options import default_chunk_size
 from chunkloss.engine.steps import step_upcasts_extra
@@ -25,7 +25,7 @@ def chunk_rows(
     loss: LossContract,
     weight: Tensor,
     hidden: Tensor,
-    extra: list[Head] = (),
+    extra: list[ExtraHead] = (),
     fp32_grad_w: bool = False,
     whole: int = 0,
 ) -> int:

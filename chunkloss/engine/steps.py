@@ -108,7 +108,7 @@ def _sequence_coef(sequence_loss, opts, stats, seq_id, groups, token, sequence, 
     """:func:`sequence_coef_eager` for torch.compile; ``groups`` (G, g, 0) carries the number of groups G and
     of sequences per group g, and the per-sequence tensors come as (G, g, ...) (see ``SequenceDynamic``)."""
     num_seqs = groups.shape[0] * groups.shape[1]
-    sequence = {k: v.flatten(0, 1) for k, v in sequence.items()}
+    sequence = sequence.map(lambda v: v.flatten(0, 1))
     coef, (loss, metrics) = torch.func.grad_and_value(
         lambda s: _with_aux(sequence_loss(s, seq_id, num_seqs, token, sequence, scalars, opts)), has_aux=True
     )(stats)

@@ -1,12 +1,31 @@
-"""Checks and small math shared by the losses (no chunk loop here: that lives in chunkloss.engine)."""
+"""Checks, small math and the per-row / per-batch tensors shared by the losses (no chunk loop here: that lives
+in chunkloss.engine)."""
 
 from __future__ import annotations
 
 import math
 import numbers
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from chunkloss.engine import Rows
+
+
+@dataclass
+class LabelRows(Rows):
+    """Per row: the label of a loss over one target per row (cross-entropy, DFT, JSD's hard loss)."""
+
+    labels: Tensor  # (N,) int64, each in [0, V)
+
+
+@dataclass
+class Normalisers:
+    """A token loss's tensors of the whole batch."""
+
+    normaliser: Tensor  # 0-d: divides the summed loss
+    n_valid: Tensor  # 0-d: the rows that take part, at least 1 (the metrics' means)
 
 
 def scale_logits(z: Tensor, logit_scale: float = 1.0, softcap: float | None = None, temperature: float = 1.0):

@@ -70,7 +70,7 @@ class CPOOptions(PreferenceOptions):
 def cpo_pair_loss(pair, scalars, opts: CPOOptions):
     """Per-pair loss of ``CPOTrainer.cpo_loss`` (TRL 1.16)."""
     beta, eps = opts.beta, opts.label_smoothing
-    chosen, rejected = pair["chosen"], pair["rejected"]
+    chosen, rejected = pair.chosen, pair.rejected
     if opts.alpha != 0.0:
         chosen = (1 - torch.exp(-opts.alpha * chosen)) / opts.alpha  # (1 - p^-α)/α
         rejected = (1 - torch.exp(-opts.alpha * rejected)) / opts.alpha

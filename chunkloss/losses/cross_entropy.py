@@ -22,6 +22,8 @@ from torch import Tensor
 
 from chunkloss.engine import Batch, FusedLinearBase, FusedOptions, StepKind, register_gpu_steps
 from chunkloss.losses.common import (
+    LabelRows,
+    Normalisers,
     check_choice,
     check_head,
     check_labels,
@@ -101,25 +103,27 @@ def cross_entropy_rows(logits: Tensor, labels: Tensor, opts: CrossEntropyOptions
     return rows
 
 
-def cross_entropy_chunk(logits, extra_logits, token, scalars, opts: CrossEntropyOptions):
+def cross_entropy_chunk(
+    logits, extra_logits, token: LabelRows, scalars: Normalisers, opts: CrossEntropyOptions
+):
     """Loss of one chunk: Σ_i w_i·ℓ_i / normaliser, and metrics as sums over the chunk."""
-    return _chunk_sums(cross_entropy_rows(logits, token["labels"], opts), token, scalars, opts)
+    return _chunk_sums(cross_entropy_rows(logits, token.labels, opts), token, scalars, opts)
 
 
-def _chunk_sums(rows: dict[str, Tensor], token, scalars, opts: CrossEntropyOptions):
+def _chunk_sums(rows: dict[str, Tensor], token: LabelRows, scalars: Normalisers, opts: CrossEntropyOptions):
     """The chunk's loss and metric sums from its per-row values (``loss`` ℓ_i and, as asked, ``z_loss``,
     ``correct``, ``entropy``); shared by the compiled step and the Triton one."""
     per_row = rows["loss"]
-    loss = per_row.sum() / scalars["normaliser"]
+    loss = per_row.sum() / scalars.normaliser
     metrics = {}
     if "z_loss" in rows:
-        metrics["z_loss"] = rows["z_loss"].sum() / scalars["n_valid"]
+        metrics["z_loss"] = rows["z_loss"].sum() / scalars.n_valid
     if opts.reduction == "none":
         metrics["loss"] = per_row
     if "correct" in rows:
-        metrics["mean_token_accuracy"] = rows["correct"].sum() / scalars["n_valid"]
+        metrics["mean_token_accuracy"] = rows["correct"].sum() / scalars.n_valid
     if "entropy" in rows:
-        metrics["entropy"] = rows["entropy"].sum() / scalars["n_valid"]
+        metrics["entropy"] = rows["entropy"].sum() / scalars.n_valid
     return loss, metrics
 
 
@@ -182,8 +186,8 @@ class FusedLinearCrossEntropyLoss(FusedLinearBase):
             normaliser = torch.ones((), device=x.device)
         batch = Batch(
             rows=rows,
-            token={"labels": y[rows].long()},
-            scalars={"normaliser": normaliser, "n_valid": n_valid},
+            token=LabelRows(labels=y[rows].long()),
+            scalars=Normalisers(normaliser=normaliser, n_valid=n_valid),
             num_rows=x.shape[0],
             all_rows=rows.numel() == x.shape[0],
         )
@@ -228,13 +232,13 @@ def cross_entropy_kernel_rows(opts: CrossEntropyOptions, logits, labels, normali
 
 def cross_entropy_token(opts, logits, extra_logits, token, scalars):
     """``TOKEN``: ``grad_and_value(cross_entropy_chunk)``."""
-    rows = cross_entropy_kernel_rows(opts, logits, token["labels"], scalars["normaliser"])
+    rows = cross_entropy_kernel_rows(opts, logits, token.labels, scalars.normaliser)
     return (logits, *_chunk_sums(rows, token, scalars, opts))
 
 
 def cross_entropy_token_rows(opts, logits, extra_logits, token, scalars, row_weight):
     """``TOKEN_ROWS`` (reduction='none', normaliser 1): the gradient of ``Σ_i w_i·ℓ_i``."""
-    cross_entropy_kernel_rows(opts, logits, token["labels"], scalars["normaliser"], row_weight)
+    cross_entropy_kernel_rows(opts, logits, token.labels, scalars.normaliser, row_weight)
     return logits
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from chunkloss.engine import StepKind, register_gpu_steps
-from chunkloss.losses.common import row_statistics
+from chunkloss.losses.common import LabelRows, Normalisers, row_statistics
 from chunkloss.losses.cross_entropy import CrossEntropyOptions, FusedLinearCrossEntropyLoss
 
 __all__ = ["DFTOptions", "FusedLinearDFTLoss"]
@@ -28,24 +28,22 @@ def row_kw(opts: CrossEntropyOptions) -> dict:
     )
 
 
-def dft_sums(rows: dict, token, scalars, opts: CrossEntropyOptions):
+def dft_sums(rows: dict, token: LabelRows, scalars: Normalisers, opts: CrossEntropyOptions):
     """The chunk's DFT loss and metric sums from its rows' statistics (``row_statistics`` names)."""
     logp = rows["logp"]
-    loss = -(logp * logp.detach().exp()).sum() / scalars["normaliser"]
+    loss = -(logp * logp.detach().exp()).sum() / scalars.normaliser
     metrics = {}
     if opts.return_token_accuracy:
-        metrics["mean_token_accuracy"] = (rows["argmax"] == token["labels"]).float().sum() / scalars[
-            "n_valid"
-        ]
+        metrics["mean_token_accuracy"] = (rows["argmax"] == token.labels).float().sum() / scalars.n_valid
     if opts.return_entropy:
-        metrics["entropy"] = rows["entropy"].sum() / scalars["n_valid"]
+        metrics["entropy"] = rows["entropy"].sum() / scalars.n_valid
     return loss, metrics
 
 
-def dft_chunk(logits, extra_logits, token, scalars, opts: CrossEntropyOptions):
+def dft_chunk(logits, extra_logits, token: LabelRows, scalars: Normalisers, opts: CrossEntropyOptions):
     """DFT (arXiv:2508.05629), TRL's ``SFTTrainer`` with ``loss_type="dft"``: ``-sg(p_y)·log p_y`` summed over
     the chunk and divided by the global normaliser; metrics as in the cross-entropy."""
-    return dft_sums(row_statistics(logits, token["labels"], **row_kw(opts)), token, scalars, opts)
+    return dft_sums(row_statistics(logits, token.labels, **row_kw(opts)), token, scalars, opts)
 
 
 @dataclass(frozen=True)
@@ -80,12 +78,12 @@ def dft_token(opts, logits, extra_logits, token, scalars):
     on them, and ``dL/dlogits = -sg(p_y)/n · (onehot - p)`` written in place (one more read)."""
     from chunkloss.kernels.logprob import row_grad_from_loss_, row_stats  # Triton is imported only on CUDA
 
-    rows = row_stats(logits, token["labels"], **row_kw(opts))
+    rows = row_stats(logits, token.labels, **row_kw(opts))
     with torch.enable_grad():
         rows["logp"].requires_grad_(True)
         loss, metrics = dft_sums(rows, token, scalars, opts)
     scalings = dict(logit_scale=opts.logit_scale, softcap=opts.softcap, temperature=opts.temperature)
-    row_grad_from_loss_(logits, token["labels"], rows, loss, **scalings)
+    row_grad_from_loss_(logits, token.labels, rows, loss, **scalings)
     return logits, loss.detach(), metrics
 
 

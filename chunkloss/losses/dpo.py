@@ -155,15 +155,15 @@ def _scores(logratios: Tensor, opts: DPOOptions) -> Tensor:
 def dpo_pair_loss(pair, scalars, opts: DPOOptions):
     """Per-pair loss of ``trl.DPOTrainer._compute_loss`` (TRL 1.16), its loss-type loop verbatim."""
     beta, eps = opts.beta, opts.label_smoothing
-    chosen, rejected = pair["chosen"], pair["rejected"]
-    chosen_logratios = chosen - pair["ref_chosen"]
-    rejected_logratios = rejected - pair["ref_rejected"]
+    chosen, rejected = pair.chosen, pair.rejected
+    chosen_logratios = chosen - pair.ref_chosen
+    rejected_logratios = rejected - pair.ref_rejected
     chosen_scores, rejected_scores = _scores(chosen_logratios, opts), _scores(rejected_logratios, opts)
     delta_score = chosen_scores - rejected_scores
-    n_c, n_r = pair["n_chosen"].clamp(min=1.0), pair["n_rejected"].clamp(min=1.0)
+    n_c, n_r = pair.n_chosen.clamp(min=1.0), pair.n_rejected.clamp(min=1.0)
     if opts.use_weighting:
         # WPO (Eq. 2): exp of the mean aligned log-prob of each completion, no grad.
-        wpo = torch.exp(pair["wpo_chosen"] / n_c) * torch.exp(pair["wpo_rejected"] / n_r)
+        wpo = torch.exp(pair.wpo_chosen / n_c) * torch.exp(pair.wpo_rejected / n_r)
     loss = torch.zeros_like(chosen)
     for loss_type, loss_weight in zip(opts.loss_type, opts.loss_weights):
         if loss_type == "sigmoid":
@@ -189,7 +189,7 @@ def dpo_pair_loss(pair, scalars, opts: DPOOptions):
             per = (chosen_logratios - 0.5 / beta) ** 2 + (rejected_logratios + 0.5 / beta) ** 2
         elif loss_type in ("aot", "aot_unpaired"):
             if loss_type == "aot":
-                a, b = chosen - rejected, pair["ref_chosen"] - pair["ref_rejected"]
+                a, b = chosen - rejected, pair.ref_chosen - pair.ref_rejected
             else:
                 a, b = chosen_logratios, rejected_logratios
             delta = torch.sort(a, dim=0)[0] - torch.sort(b, dim=0)[0]
@@ -209,9 +209,9 @@ def dpo_pair_loss(pair, scalars, opts: DPOOptions):
         elif loss_type == "sft":
             # The mean NLL over every chosen completion token of the batch, the same for each pair.
             if opts.use_weighting:  # × per-pair weights: needs the whole batch (two passes)
-                per = (-pair["raw_chosen"].sum() / scalars["n_chosen_tokens"]).expand_as(chosen)
+                per = (-pair.raw_chosen.sum() / scalars.n_chosen_tokens).expand_as(chosen)
             else:  # spread over the pairs, so that a chunk of whole pairs adds up its share
-                per = -pair["raw_chosen"] * (scalars["n_pairs"] / scalars["n_chosen_tokens"])
+                per = -pair.raw_chosen * (scalars.n_pairs / scalars.n_chosen_tokens)
         else:  # sigmoid_norm
             per = -F.logsigmoid(beta * (chosen_scores / n_c - rejected_scores / n_r))
         if opts.use_weighting:

@@ -39,8 +39,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from chunkloss.engine import Batch, FusedLinearBase, FusedOptions, Head, StepKind, register_gpu_steps
+from chunkloss.engine import Batch, ExtraHead, FusedLinearBase, FusedOptions, StepKind, register_gpu_steps
 from chunkloss.losses.common import (
+    LabelRows,
+    Normalisers,
     check_head,
     check_labels,
     check_range,
@@ -121,9 +123,9 @@ def jsd_rows(logits: Tensor, teacher_logits: Tensor, labels: Tensor, opts: JSDOp
     return rows
 
 
-def _chunk_sums(rows: dict[str, Tensor], scalars, opts: JSDOptions):
+def _chunk_sums(rows: dict[str, Tensor], scalars: Normalisers, opts: JSDOptions):
     """The chunk's loss (weighted, over the global normaliser) and metric sums from its per-row terms."""
-    normaliser = scalars["normaliser"]
+    normaliser = scalars.normaliser
     soft = rows["soft"].sum() / normaliser
     loss = opts.weight_soft_loss * soft
     metrics = {"soft_loss": soft}
@@ -131,14 +133,14 @@ def _chunk_sums(rows: dict[str, Tensor], scalars, opts: JSDOptions):
         hard = rows["hard"].sum() / normaliser
         loss = loss + opts.weight_hard_loss * hard
         metrics["hard_loss"] = hard
-    metrics["entropy"] = rows["entropy"].sum() / scalars["n_valid"]
+    metrics["entropy"] = rows["entropy"].sum() / scalars.n_valid
     return loss, metrics
 
 
-def jsd_chunk(logits, extra_logits, token, scalars, opts: JSDOptions):
+def jsd_chunk(logits, extra_logits, token: LabelRows, scalars: Normalisers, opts: JSDOptions):
     """Loss of one chunk: the weighted divergence and hard loss summed over rows, divided by the
     global normaliser; metrics are the same sums, unweighted."""
-    return _chunk_sums(jsd_rows(logits, extra_logits[0], token["labels"], opts), scalars, opts)
+    return _chunk_sums(jsd_rows(logits, extra_logits[0], token.labels, opts), scalars, opts)
 
 
 class FusedLinearJSDLoss(FusedLinearBase):
@@ -205,11 +207,13 @@ class FusedLinearJSDLoss(FusedLinearBase):
             normaliser = n_valid * vocab
         else:
             normaliser = torch.ones((), device=x.device)
-        teacher = Head(x_t, teacher_weight.detach(), None if teacher_bias is None else teacher_bias.detach())
+        teacher = ExtraHead(
+            x_t, teacher_weight.detach(), None if teacher_bias is None else teacher_bias.detach()
+        )
         batch = Batch(
             rows=rows,
-            token={"labels": y[rows].long()},
-            scalars={"normaliser": normaliser, "n_valid": n_valid},
+            token=LabelRows(labels=y[rows].long()),
+            scalars=Normalisers(normaliser=normaliser, n_valid=n_valid),
             extra=[teacher],
             num_rows=x.shape[0],
             all_rows=rows.numel() == x.shape[0],
@@ -260,7 +264,7 @@ def jsd_token(opts: JSDOptions, logits, extra_logits, token, scalars):
     from chunkloss.kernels.jsd import jsd_step
 
     kernel_args = {name: getattr(opts, name) for name in _JSD_KERNEL_OPTIONS}
-    rows = jsd_step(logits, extra_logits[0], token["labels"], scalars["normaliser"], **kernel_args)
+    rows = jsd_step(logits, extra_logits[0], token.labels, scalars.normaliser, **kernel_args)
     return (logits, *_chunk_sums(rows, scalars, opts))
 
 

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from chunkloss.engine import Batch, FusedLinearBase, StepKind, register_gpu_steps
-from chunkloss.losses.common import check_head, check_labels, item_count
+from chunkloss.losses.common import LabelRows, check_head, check_labels, item_count
 from chunkloss.losses.cross_entropy import CrossEntropyOptions, cross_entropy_kernel_rows, cross_entropy_rows
 
 __all__ = ["FusedLinearMultiTokenLoss", "MultiTokenOptions"]
@@ -89,20 +89,40 @@ class MultiTokenOptions(CrossEntropyOptions):
         object.__setattr__(self, "head_weights", weights)  # hashable: the compiled steps are keyed on it
 
 
-def _head_sums(rows: dict[str, Tensor], token, scalars, opts: MultiTokenOptions):
+@dataclass
+class MultiTokenRows(LabelRows):
+    """Per row of the stacked heads: its label, its head k and that head's weight ``w_k / n_k``."""
+
+    head: Tensor  # (N,) int64 in [0, K)
+    row_weight: Tensor  # (N,) fp32
+
+
+@dataclass
+class MultiTokenScalars:
+    """The stacked heads' tensors of the whole batch."""
+
+    head_zeros: Tensor  # (K,) zeros: each head's sums are added into a copy
+    one: Tensor  # 0-d 1: the cross-entropy kernel's normaliser (the rows carry w_k / n_k)
+
+
+def _head_sums(
+    rows: dict[str, Tensor], token: MultiTokenRows, scalars: MultiTokenScalars, opts: MultiTokenOptions
+):
     """The chunk's weighted loss and, per head, the sums of its rows' values (``head_loss`` (K,), …)."""
     per_row = rows["loss"]
-    loss = (per_row * token["row_weight"]).sum()
-    zeros, head = scalars["head_zeros"], token["head"]
+    loss = (per_row * token.row_weight).sum()
+    zeros, head = scalars.head_zeros, token.head
     metrics = {_HEAD_SUMS[k]: zeros.index_add(0, head, v) for k, v in rows.items() if k in _HEAD_SUMS}
     if opts.reduction == "none":
-        metrics["loss"] = per_row * token["row_weight"]
+        metrics["loss"] = per_row * token.row_weight
     return loss, metrics
 
 
-def multi_token_chunk(logits, extra_logits, token, scalars, opts: MultiTokenOptions):
+def multi_token_chunk(
+    logits, extra_logits, token: MultiTokenRows, scalars: MultiTokenScalars, opts: MultiTokenOptions
+):
     """Loss of one chunk of stacked heads' rows: ``Σ_i (w_k/n_k)_i · ℓ_i``, and the per-head sums."""
-    return _head_sums(cross_entropy_rows(logits, token["labels"], opts), token, scalars, opts)
+    return _head_sums(cross_entropy_rows(logits, token.labels, opts), token, scalars, opts)
 
 
 def _per_head(value, k: int, name: str, dims: int, optional: bool = False) -> list:
@@ -245,7 +265,9 @@ class FusedLinearMultiTokenLoss(FusedLinearBase):
         scale = torch.tensor(head_weights, dtype=torch.float32).to(device) / _normalisers(
             counts, num_items_in_batch, opts
         )
-        scalars = {"head_zeros": torch.zeros(k, device=device), "one": torch.ones((), device=device)}
+        scalars = MultiTokenScalars(
+            head_zeros=torch.zeros(k, device=device), one=torch.ones((), device=device)
+        )
         n = labels.numel()
         outs, losses, sums = [None] * k, [], {}
         for group in _groups(weights, biases):
@@ -262,11 +284,9 @@ class FusedLinearMultiTokenLoss(FusedLinearBase):
             head = index[rows // n]
             batch = Batch(
                 rows=rows,
-                token={
-                    "labels": shifted[index].reshape(-1)[rows].long(),
-                    "head": head,
-                    "row_weight": scale[head],
-                },
+                token=MultiTokenRows(
+                    labels=shifted[index].reshape(-1)[rows].long(), head=head, row_weight=scale[head]
+                ),
                 scalars=scalars,
                 num_rows=len(group) * n,
                 all_rows=rows.numel() == len(group) * n,
@@ -307,13 +327,13 @@ def _head_metrics(sums: dict[str, Tensor], counts: Tensor, opts: MultiTokenOptio
 # The CUDA steps: the cross-entropy kernel, each row weighted by its head's ``w_k/n_k``.
 def multi_token_token(opts, logits, extra_logits, token, scalars):
     """``TOKEN``: ``grad_and_value(multi_token_chunk)``."""
-    rows = cross_entropy_kernel_rows(opts, logits, token["labels"], scalars["one"], token["row_weight"])
+    rows = cross_entropy_kernel_rows(opts, logits, token.labels, scalars.one, token.row_weight)
     return (logits, *_head_sums(rows, token, scalars, opts))
 
 
 def multi_token_token_rows(opts, logits, extra_logits, token, scalars, row_weight):
     """``TOKEN_ROWS`` (reduction='none'): the gradient of ``Σ_i row_weight_i·w_k·ℓ_i``."""
-    cross_entropy_kernel_rows(opts, logits, token["labels"], scalars["one"], row_weight * token["row_weight"])
+    cross_entropy_kernel_rows(opts, logits, token.labels, scalars.one, row_weight * token.row_weight)
     return logits
 
 

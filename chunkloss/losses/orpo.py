@@ -48,14 +48,14 @@ class ORPOOptions(PreferenceOptions):
 
 def orpo_pair_loss(pair, scalars, opts: ORPOOptions):
     """``-β·logσ(log_odds)`` per pair, as ``ORPOTrainer.odds_ratio_loss`` (TRL 1.16)."""
-    valid = pair["valid"]
+    valid = pair.valid
     # Empty completions give ℓ = 0 and log(1 - e^0) = -inf: stand in a finite value, masked below.
-    c = torch.where(valid, pair["chosen"], -1.0)
-    r = torch.where(valid, pair["rejected"], -1.0)
+    c = torch.where(valid, pair.chosen, -1.0)
+    r = torch.where(valid, pair.rejected, -1.0)
     log_odds = (c - r) - (log1mexp(c) - log1mexp(r))
     ratio = torch.where(valid, F.logsigmoid(log_odds), 0.0)
     metrics = {"log_odds_ratio": ratio, "log_odds_chosen": torch.where(valid, log_odds, 0.0)}
-    return -opts.beta * ratio, opts.beta * pair["chosen"], opts.beta * pair["rejected"], metrics
+    return -opts.beta * ratio, opts.beta * pair.chosen, opts.beta * pair.rejected, metrics
 
 
 class FusedLinearORPOLoss(FusedLinearPreferenceLoss):

@@ -188,7 +188,7 @@ def test_chunk_sizes_agree():
 def test_automatic_chunk_rows():
     """The logits budget sets the rows; with an fp32 weight-gradient accumulator a token loss may use the
     weight gradient's own size (the backward's cast holds that much anyway)."""
-    from chunkloss.engine import Head
+    from chunkloss.engine import ExtraHead
     from chunkloss.losses.jsd import FusedLinearJSDLoss
 
     v, h = 128256, 4096
@@ -206,7 +206,7 @@ def test_automatic_chunk_rows():
     assert chunk_rows(ce, weight, hidden, whole=7022) == 1792  # weight-dtype accumulation: no accumulator
     eager = FusedLinearCrossEntropyLoss(compile=False)
     assert chunk_rows(eager, weight, hidden, [], True, whole=7022) == 896
-    teacher = [Head(hidden, weight, None)]
+    teacher = [ExtraHead(hidden, weight, None)]
     jsd = FusedLinearJSDLoss()
     assert chunk_rows(jsd, weight, hidden, teacher) == 896  # 448 MiB over student and teacher logits
     assert chunk_rows(jsd, weight, hidden, teacher, True) == 1280  # 1002 MiB, teacher counted in fp32
@@ -236,13 +236,13 @@ def test_one_chunk_holds_no_more_than_chunks_and_accumulator(v, h, teacher):
     as the budget counts them: twice, for the compiled step's fp32 copy) than the budget's chunks plus the
     fp32 accumulator they need; where it takes all the rows as one chunk, they fit in the accumulator's
     4·V·H bytes alone."""
-    from chunkloss.engine import Head
+    from chunkloss.engine import ExtraHead
     from chunkloss.losses.jsd import FusedLinearJSDLoss
 
     weight = torch.empty(v, h, dtype=torch.bfloat16, device="meta")
     hidden = torch.empty(8, h, dtype=torch.bfloat16, device="meta")
     if teacher:
-        loss, extra, per_row = FusedLinearJSDLoss(), [Head(hidden, weight, None)], (v + 2 * v) * 2
+        loss, extra, per_row = FusedLinearJSDLoss(), [ExtraHead(hidden, weight, None)], (v + 2 * v) * 2
     else:
         loss, extra, per_row = FusedLinearCrossEntropyLoss(), [], v * 2
     budget_rows = chunk_rows(loss, weight, hidden, extra, True)

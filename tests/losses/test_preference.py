@@ -604,7 +604,7 @@ def test_rows_in_pass_1_is_dropped_by_subclasses_with_their_own_math():
     class OwnPairLoss(FusedLinearDPOLoss):
         @staticmethod
         def pair_loss(pair, scalars, opts):
-            return -pair["chosen"], pair["chosen"], pair["rejected"], {}
+            return -pair.chosen, pair.chosen, pair.rejected, {}
 
     assert not OwnLoss.own_math_rows_in_pass_1
     assert OwnPairLoss.own_math_rows_in_pass_1 and OwnPairLoss.margin_power(OwnPairLoss().options) is not None
