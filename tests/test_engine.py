@@ -84,9 +84,9 @@ def test_compiler_failure_falls_back_to_eager(monkeypatch, error):
 
 @pytest.fixture
 def engine_calls(monkeypatch):
-    """Counts the engine's projections (``_project``) and fp32 weight-gradient accumulations."""
+    """Counts the engine's projections (``project_head``) and fp32 weight-gradient accumulations."""
     calls = {"project": 0, "accumulate": 0}
-    real_project, real_acc = loop._project, weight_grad.accumulate_weight_grad
+    real_project, real_acc = loop.project_head, weight_grad.accumulate_weight_grad
 
     def project(*a):
         calls["project"] += 1
@@ -96,7 +96,7 @@ def engine_calls(monkeypatch):
         calls["accumulate"] += 1
         return real_acc(*a, **kw)
 
-    monkeypatch.setattr(loop, "_project", project)
+    monkeypatch.setattr(loop, "project_head", project)
     monkeypatch.setattr(weight_grad, "accumulate_weight_grad", accumulate)
     return calls
 

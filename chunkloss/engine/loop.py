@@ -29,10 +29,11 @@ from chunkloss.engine.plan import chunk_rows, even_bounds, one_pass_possible, pl
 from chunkloss.engine.steps import StepKind, step_for
 from chunkloss.engine.weight_grad import WeightGrad
 
-__all__ = ["ChunkLoop"]
+__all__ = ["ChunkLoop", "project_head"]
 
 
-def _project(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+def project_head(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``x @ weight.T (+ bias)``: every projection of the loop (a chunk's logits, an extra head's)."""
     return torch.addmm(bias, x, weight.t()) if bias is not None else x @ weight.t()
 
 
@@ -119,7 +120,9 @@ class ChunkLoop:
         batch = self.batch
         if self.reduce_extra:
             if extra_stats is None:
-                extra = [_project(self.gather(e.hidden, rows, a, b), e.weight, e.bias) for e in batch.extra]
+                extra = [
+                    project_head(self.gather(e.hidden, rows, a, b), e.weight, e.bias) for e in batch.extra
+                ]
                 self.extra_stats_parts.append(self.mod.extra_token_stats(extra, token, self.opts))
                 del extra
                 token = dataclasses.replace(token, extra_stats=self.extra_stats_parts[-1])
@@ -127,9 +130,9 @@ class ChunkLoop:
                 token = dataclasses.replace(token, extra_stats=extra_stats[a:b])
             extra = []
         else:
-            extra = [_project(self.gather(e.hidden, rows, a, b), e.weight, e.bias) for e in batch.extra]
+            extra = [project_head(self.gather(e.hidden, rows, a, b), e.weight, e.bias) for e in batch.extra]
         x = self.gather(self.hidden, rows, a, b)
-        return x, _project(x, self.weight, self.bias), extra, token
+        return x, project_head(x, self.weight, self.bias), extra, token
 
     def backprop(self, g, x, rows, a, b, add=False, last=False):
         """Gradients of positions [a, b) from their logits gradient ``g``; ``add``: onto the hidden rows'

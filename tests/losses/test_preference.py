@@ -556,7 +556,7 @@ def test_last_rows_get_one_column_of_gradient(case, monkeypatch, fresh_steps):
 
     cls, opts, ref_mode = _LAST_ROWS_CASES[case]
     coefs, projected, deferred = [], [], []
-    real_coef, real_project, real_rows = steps.sequence_coef_eager, loop._project, cls.rows_in_pass_1
+    real_coef, real_project, real_rows = steps.sequence_coef_eager, loop.project_head, cls.rows_in_pass_1
 
     def spy_coef(*args, **kwargs):
         out = real_coef(*args, **kwargs)
@@ -573,7 +573,7 @@ def test_last_rows_get_one_column_of_gradient(case, monkeypatch, fresh_steps):
         return deferred[-1]
 
     monkeypatch.setattr(steps, "sequence_coef_eager", spy_coef)
-    monkeypatch.setattr(loop, "_project", spy_project)
+    monkeypatch.setattr(loop, "project_head", spy_project)
     monkeypatch.setattr(cls, "rows_in_pass_1", spy_rows)
     d = _inputs()
     call_kw = _ref_kwargs(d, ref_mode) if ref_mode else {}
