@@ -71,7 +71,10 @@ def option_parameters(options_cls: type, positional: tuple[str, ...] = ()) -> li
     """The constructor parameters of a loss whose options are ``options_cls``'s fields: keyword-only, with the
     fields' defaults and types, the loss's own options first and the engine's (:class:`FusedOptions`) last;
     the ``positional`` ones lead, positional-or-keyword."""
-    hints = typing.get_type_hints(options_cls)
+    try:
+        hints = typing.get_type_hints(options_cls)
+    except Exception:  # an annotation that names a type imported only for type checkers: keep its text
+        hints = {}
     engine = {f.name for f in dataclasses.fields(FusedOptions)}
     fields = [f for f in dataclasses.fields(options_cls) if f.init]
     fields.sort(key=lambda f: (f.name not in positional, f.name in engine))
