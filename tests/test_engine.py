@@ -232,3 +232,22 @@ def test_frozen_head_costs_no_weight_gradient_work(kind, frozen):
         assert all(shape[1] in (v, h) and shape[0] != v for op, shape in mode.ops if op in gemms), mode.ops
     else:
         assert gemms & set(weight_sized), weight_sized
+
+
+def test_autocast_casts_the_declared_head_arguments_only():
+    """Under autocast the arguments named in ``head_args`` are cast, whatever their names, and no other
+    (here an fp32 tensor called ``ref_weight`` that the loss does not declare a head's)."""
+    from chunkloss.engine import FusedLinearBase
+
+    seen = {}
+
+    class Probe(FusedLinearBase):
+        head_args = ("h", "w")
+
+        def forward(self, h, w, ref_weight):
+            seen.update(h=h.dtype, w=w.dtype, ref_weight=ref_weight.dtype)
+            return h.sum()
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        Probe()(torch.randn(2, 3), torch.randn(4, 3), ref_weight=torch.randn(4, 3))
+    assert seen == {"h": torch.bfloat16, "w": torch.bfloat16, "ref_weight": torch.float32}
