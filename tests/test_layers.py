@@ -144,6 +144,38 @@ def test_no_import_cycle():
     assert cycles(import_graph()) == []
 
 
+def private_uses(root: Path = ROOT) -> list[str]:
+    """``module: name`` for each ``_private`` name of another chunkloss module that a module of the engine or
+    the losses imports (``from m import _f``) or reads (``m._f``, ``m`` an imported chunkloss module)."""
+    files = module_files(root)
+    found = []
+    for module, path in files.items():
+        if not module.startswith(("chunkloss.engine", "chunkloss.losses")):
+            continue
+        tree = ast.parse(path.read_text())
+        modules = set()  # local names bound to chunkloss modules
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("chunkloss"):
+                found += [f"{module}: {a.name}" for a in node.names if a.name.startswith("_")]
+                modules |= {a.asname or a.name for a in node.names if f"{node.module}.{a.name}" in files}
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in modules
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
+                found.append(f"{module}: {node.value.id}.{node.attr}")
+    return found
+
+
+def test_engine_and_losses_use_no_private_names_of_other_modules():
+    """Each loss registers its own CUDA steps from its own module, with no other module's ``_private``
+    names."""
+    assert private_uses() == []
+
+
 @pytest.mark.parametrize(
     "files, problem",
     [
@@ -164,6 +196,14 @@ def test_no_import_cycle():
             "cycle",
         ),
         ({"chunkloss/losses/grpo_options.py": "from chunkloss.losses.grpo import LOSS_TYPES\n"}, "cycle"),
+        (
+            {
+                "chunkloss/losses/dft.py": "from chunkloss.losses import cross_entropy\n"
+                "f = cross_entropy._chunk_sums\n"
+            },
+            "private",
+        ),
+        ({"chunkloss/losses/jsd.py": "from chunkloss.losses.cross_entropy import _chunk_sums\n"}, "private"),
     ],
 )
 def test_the_check_fails_on_a_bad_import(tmp_path, files, problem):
@@ -174,6 +214,7 @@ def test_the_check_fails_on_a_bad_import(tmp_path, files, problem):
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(path.read_text())
     assert wrong_way(import_graph(tmp_path)) == [] and cycles(import_graph(tmp_path)) == []
+    assert private_uses(tmp_path) == []
     for rel, text in files.items():
         target = tmp_path / rel
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -181,5 +222,7 @@ def test_the_check_fails_on_a_bad_import(tmp_path, files, problem):
     graph = import_graph(tmp_path)
     if problem == "wrong way":
         assert wrong_way(graph)
+    elif problem == "private":
+        assert private_uses(tmp_path)
     else:
         assert cycles(graph)
