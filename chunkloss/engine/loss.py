@@ -126,7 +126,8 @@ class FusedLinearBase(LossContract, nn.Module, metaclass=_LossType):
         unknown = sorted(set(options) - fields)
         if unknown:
             raise TypeError(
-                f"{type(self).__name__} got unknown option(s) {unknown}; accepted: {sorted(fields)}"
+                f"{type(self).__name__}() got an unexpected keyword argument {unknown[0]!r}; its options are "
+                f"{', '.join(sorted(fields))}"
             )
         self.options = self.options_cls(**options)
         self.metrics: dict[str, Tensor] = {}
