@@ -4,7 +4,6 @@ from chunkloss.engine import *  # noqa: F403
 from chunkloss.engine import __all__ as _engine_all
 from chunkloss.losses import *  # noqa: F403
 from chunkloss.losses import __all__ as _losses_all
-from chunkloss.losses import gpu_steps  # noqa: F401  (registers the losses' Triton steps for CUDA)
 
 __version__ = "0.2.0"
 

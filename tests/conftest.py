@@ -35,13 +35,20 @@ def _seed():
 
 
 @pytest.fixture
-def cuda_steps(monkeypatch):
-    """Every loss builds the per-chunk steps it builds on CUDA (its own ``_build_step``: Triton kernels where
-    it has them) whatever device its tensors are on, so CPU tests run them through TRITON_INTERPRET=1."""
-    from chunkloss.engine import FusedLinearBase, steps
+def cuda_steps():
+    """Every loss builds the per-chunk steps it builds on CUDA (Triton kernels where it registered them)
+    whatever device its tensors are on, so CPU tests run them through TRITON_INTERPRET=1; no step built by an
+    earlier test is reused. Yields the ``StepSelection`` (the steps built)."""
+    from chunkloss.engine.steps import select_steps
 
-    monkeypatch.setattr(steps, "_SHARED_STEPS", {})  # no step built by an earlier test is reused
-    real = FusedLinearBase._step_fn
-    monkeypatch.setattr(
-        FusedLinearBase, "_step_fn", lambda self, kind, device_type="cuda": real(self, kind, "cuda")
-    )
+    with select_steps("cuda") as selection:
+        yield selection
+
+
+@pytest.fixture
+def fresh_steps():
+    """Every loss builds its per-chunk steps afresh (none built by an earlier test is reused)."""
+    from chunkloss.engine.steps import select_steps
+
+    with select_steps() as selection:
+        yield selection

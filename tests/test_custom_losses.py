@@ -10,8 +10,17 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
-from chunkloss.engine import Batch, FusedLinearBase, FusedOptions, segment_sum, sequence_batch
+from chunkloss.engine import (
+    Batch,
+    FusedLinearBase,
+    FusedOptions,
+    Rows,
+    Sequences,
+    segment_sum,
+    sequence_batch,
+)
 from tests.tolerances import assert_close_to_ref
 
 
@@ -23,40 +32,55 @@ class FocalOptions(FusedOptions):
     reduction: str = "mean"  # or "none": one loss per token, 0 where the label is ignored
 
 
+@dataclass
+class Labels(Rows):
+    labels: Tensor  # (N,) the target of each row
+
+
+@dataclass
+class TokenCount:
+    n_tokens: Tensor  # 0-d: the labelled rows (at least 1)
+
+
 class FusedLinearFocalLoss(FusedLinearBase):
     options_cls = FocalOptions
 
-    def __init__(self, **options):
-        super().__init__(**options)
-        if self.options.reduction == "none":
-            self.token_outputs = ("loss",)  # returned per row; the engine applies grad_output
+    @property
+    def token_outputs(self):
+        # Returned per row with reduction='none'; the engine applies grad_output.
+        return ("loss",) if self.options.reduction == "none" else ()
 
     @staticmethod
-    def chunk_loss(logits, extra_logits, token, scalars, opts):
-        logp = logits.float().log_softmax(-1).gather(-1, token["labels"][:, None]).squeeze(1)
+    def chunk_loss(logits, extra_logits, token: Labels, scalars: TokenCount, opts):
+        logp = logits.float().log_softmax(-1).gather(-1, token.labels[:, None]).squeeze(1)
         loss = -((1 - logp.exp()) ** opts.gamma) * logp
-        return loss.sum() / scalars["n_tokens"], ({"loss": loss} if opts.reduction == "none" else {})
+        return loss.sum() / scalars.n_tokens, ({"loss": loss} if opts.reduction == "none" else {})
 
     def forward(self, hidden, weight, labels):  # hidden (..., H), weight (V, H), labels (...)
         x, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
         rows = (y != -100).nonzero().squeeze(1)
         n_tokens = torch.full((), float(max(rows.numel(), 1)), device=x.device)
-        batch = Batch(rows=rows, token={"labels": y[rows]}, scalars={"n_tokens": n_tokens}, num_rows=len(y))
+        batch = Batch(rows=rows, token=Labels(y[rows]), scalars=TokenCount(n_tokens), num_rows=len(y))
         out = self.run(x, weight, None, batch)
         return out.view(labels.shape) if self.token_outputs else out
 
 
 # --------------------------------------------------------------------------------------------------
 # Sequence losses see each row through a few statistics; here the label log-prob.
-def label_logprob(logits, extra_logits, token, opts):
+def label_logprob(logits, extra_logits, token: Labels, opts):
     """(C, 1): log p(label) of each row."""
-    return logits.float().log_softmax(-1).gather(-1, token["labels"][:, None])
+    return logits.float().log_softmax(-1).gather(-1, token.labels[:, None])
 
 
 # (b) A pairwise loss: -log σ(β·(log p(chosen) - log p(rejected))), DPO without a reference model.
 @dataclass(frozen=True)
 class PairOptions(FusedOptions):
     beta: float = 0.1
+
+
+@dataclass
+class PairCount:
+    n_pairs: Tensor
 
 
 class FusedLinearPairLoss(FusedLinearBase):
@@ -68,8 +92,8 @@ class FusedLinearPairLoss(FusedLinearBase):
     def sequence_loss(stats, seq_id, num_seqs, token, sequence, scalars, opts):
         logps = segment_sum(stats[:, 0], seq_id, num_seqs).view(-1, 2)  # (pairs, [chosen, rejected])
         margin = logps[:, 0] - logps[:, 1]
-        loss = -F.logsigmoid(opts.beta * margin).sum() / scalars["n_pairs"]
-        return loss, {"margin": margin.sum() / scalars["n_pairs"]}
+        loss = -F.logsigmoid(opts.beta * margin).sum() / scalars.n_pairs
+        return loss, {"margin": margin.sum() / scalars.n_pairs}
 
     def forward(self, hidden, weight, labels):  # hidden (2B, T, H): B chosen rows, then B rejected
         n_pairs = hidden.shape[0] // 2
@@ -77,21 +101,31 @@ class FusedLinearPairLoss(FusedLinearBase):
         batch, _ = sequence_batch(
             labels != -100,
             pair,
-            token={"labels": labels.clamp(min=0)},
-            scalars={"n_pairs": torch.full((), float(n_pairs), device=hidden.device)},
+            token=Labels(labels.clamp(min=0)),
+            scalars=PairCount(torch.full((), float(n_pairs), device=hidden.device)),
         )
         return self.run(hidden.reshape(-1, hidden.shape[-1]), weight, None, batch)
 
 
 # (c) A loss per sequence: minus the average over sequences of each sequence's mean token log-prob.
+@dataclass
+class SequenceLengths(Sequences):
+    n_tokens: Tensor  # (S,) the labelled rows of each sequence
+
+
+@dataclass
+class SequenceCount:
+    n_seqs: Tensor
+
+
 class FusedLinearMeanLogProbLoss(FusedLinearBase):
     seqs_per_group = 1
     token_stats = staticmethod(label_logprob)
 
     @staticmethod
     def sequence_loss(stats, seq_id, num_seqs, token, sequence, scalars, opts):
-        mean_logp = segment_sum(stats[:, 0], seq_id, num_seqs) / sequence["n_tokens"].clamp(min=1)
-        return -mean_logp.sum() / scalars["n_seqs"], {}
+        mean_logp = segment_sum(stats[:, 0], seq_id, num_seqs) / sequence.n_tokens.clamp(min=1)
+        return -mean_logp.sum() / scalars.n_seqs, {}
 
     def forward(self, hidden, weight, labels):  # hidden (S, T, H), labels (S, T)
         keep = labels != -100
@@ -99,9 +133,9 @@ class FusedLinearMeanLogProbLoss(FusedLinearBase):
         batch, _ = sequence_batch(
             keep,
             torch.arange(n_seqs, device=hidden.device),  # each sequence its own group
-            token={"labels": labels.clamp(min=0)},
-            sequence={"n_tokens": keep.sum(1)},
-            scalars={"n_seqs": torch.full((), float(n_seqs), device=hidden.device)},
+            token=Labels(labels.clamp(min=0)),
+            sequence=SequenceLengths(keep.sum(1)),
+            scalars=SequenceCount(torch.full((), float(n_seqs), device=hidden.device)),
         )
         return self.run(hidden.reshape(-1, hidden.shape[-1]), weight, None, batch)
 

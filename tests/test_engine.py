@@ -3,6 +3,7 @@ subclassing: tests/test_custom_losses.py)."""
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from chunkloss import FusedLinearCrossEntropyLoss
 from chunkloss.engine import compiled, loop, plan, weight_grad
@@ -83,9 +84,9 @@ def test_compiler_failure_falls_back_to_eager(monkeypatch, error):
 
 @pytest.fixture
 def engine_calls(monkeypatch):
-    """Counts the engine's projections (``_project``) and fp32 weight-gradient accumulations."""
+    """Counts the engine's projections (``project_head``) and fp32 weight-gradient accumulations."""
     calls = {"project": 0, "accumulate": 0}
-    real_project, real_acc = loop._project, weight_grad.accumulate_weight_grad
+    real_project, real_acc = loop.project_head, weight_grad.accumulate_weight_grad
 
     def project(*a):
         calls["project"] += 1
@@ -95,7 +96,7 @@ def engine_calls(monkeypatch):
         calls["accumulate"] += 1
         return real_acc(*a, **kw)
 
-    monkeypatch.setattr(loop, "_project", project)
+    monkeypatch.setattr(loop, "project_head", project)
     monkeypatch.setattr(weight_grad, "accumulate_weight_grad", accumulate)
     return calls
 
@@ -186,3 +187,67 @@ def test_sequence_loss_one_chunk_only_in_one_pass(engine_calls, monkeypatch):
     x = hidden.view(8, 128, -1)[:, :112].contiguous().requires_grad_()
     FusedLinearGRPOLoss(top_entropy_quantile=0.2, logits_budget_mb=1)(x, w, ids, mask, adv).backward()
     assert engine_calls["project"] >= 3, engine_calls  # pass 1: the 896 rows in two chunks; then pass 2
+
+
+class _Ops(TorchDispatchMode):
+    """Records (op, output shape) of every aten op that runs inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[tuple[str, tuple]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor):
+            self.ops.append((func.overloadpacket.__name__, tuple(out.shape)))
+        return out
+
+
+@pytest.mark.parametrize("kind", ["ce", "dpo-two-passes"])
+@pytest.mark.parametrize("frozen", [False, True])
+def test_frozen_head_costs_no_weight_gradient_work(kind, frozen):
+    """A head whose weight needs no gradient (LoRA, a frozen LM head): no weight-gradient GEMM and no (V, H)
+    accumulator, only the projection and the hidden gradient per chunk. With a trainable weight the same count
+    finds them (the check can fail)."""
+    from chunkloss import FusedLinearDPOLoss
+
+    v, h = 37, 16
+    weight = torch.randn(v, h).requires_grad_(not frozen)
+    if kind == "ce":
+        hidden = torch.randn(3, 20, h, requires_grad=True)
+        labels = torch.randint(0, v, (3, 20))
+        loss_fn, args = FusedLinearCrossEntropyLoss(chunk_size=16, compile=False), (labels,)
+    else:
+        hidden = torch.randn(4, 10, h, requires_grad=True)
+        chosen, rejected = torch.randint(0, v, (2, 2, 10))
+        loss_fn, args = FusedLinearDPOLoss(chunk_size=6, compile=False), (chosen, rejected)
+    with _Ops() as mode:
+        loss_fn(hidden, weight, *args).backward()
+    gemms = {"mm", "addmm", "addmm_"}
+    weight_sized = [op for op, shape in mode.ops if shape == (v, h)]
+    assert hidden.grad is not None and (weight.grad is None) == frozen
+    if frozen:
+        # Per chunk: the projection (C, V) and the hidden gradient (C, H); nothing of the weight's size.
+        assert weight_sized == [], weight_sized
+        assert all(shape[1] in (v, h) and shape[0] != v for op, shape in mode.ops if op in gemms), mode.ops
+    else:
+        assert gemms & set(weight_sized), weight_sized
+
+
+def test_autocast_casts_the_declared_head_arguments_only():
+    """Under autocast the arguments named in ``head_args`` are cast, whatever their names, and no other
+    (here an fp32 tensor called ``ref_weight`` that the loss does not declare a head's)."""
+    from chunkloss.engine import FusedLinearBase
+
+    seen = {}
+
+    class Probe(FusedLinearBase):
+        head_args = ("h", "w")
+
+        def forward(self, h, w, ref_weight):
+            seen.update(h=h.dtype, w=w.dtype, ref_weight=ref_weight.dtype)
+            return h.sum()
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        Probe()(torch.randn(2, 3), torch.randn(4, 3), ref_weight=torch.randn(4, 3))
+    assert seen == {"h": torch.bfloat16, "w": torch.bfloat16, "ref_weight": torch.float32}

@@ -1,11 +1,11 @@
 """torch.compile does not recompile as B and T vary: at most 2 graphs per loss.
 
-Each loss compiles one graph per per-chunk step *kind* it runs (``FusedLinearBase._build_step``): "token"
-(token losses with grad), or "stats" and "seq_pass2" (sequence losses: the statistics, then the pointwise
-pull-back to the logits). Rows are marked dynamic and the vocabulary is static, so later batches of other
-shapes reuse those graphs. A no-grad reference head is reduced to its label log-prob outside the compiled
-steps (``chunkloss.losses.common.nograd_label_logprob``: a Triton kernel on CUDA), so it adds no graph; a
-chunk of a single row runs its step eagerly (dynamo would specialise size 1 into a graph of its own).
+Each loss compiles one graph per per-chunk step *kind* it runs (``chunkloss.engine.steps.build_step``):
+"token" (token losses with grad), or "stats" and "seq_pass2" (sequence losses: the statistics, then the
+pointwise pull-back to the logits). Rows are marked dynamic and the vocabulary is static, so later batches
+of other shapes reuse those graphs. A no-grad reference head is reduced to its label log-prob outside the
+compiled steps (``chunkloss.losses.common.nograd_label_logprob``: a Triton kernel on CUDA), so it adds no
+graph; a chunk of a single row runs its step eagerly (dynamo would specialise size 1 into a graph of its own).
 
 Where the steps are Triton kernels (CUDA; here the ``cuda_steps`` fixture) they compile no graph, and a
 sequence loss compiles its "seq_coef" step instead: ``sequence_loss`` and its gradient on the rows'
@@ -29,6 +29,7 @@ from chunkloss import (
     FusedLinearSimPOLoss,
 )
 from chunkloss.engine import compiled, loop
+from chunkloss.engine.steps import steps_of
 
 H, V = 16, 64  # a tiny head: the test is about graphs, not numerics
 H_REF = 8  # the teacher / reference head is narrower than the policy's
@@ -137,7 +138,7 @@ def _graphs_per_step(mod) -> dict[str, int]:
     step's code object (each step has one of its own, see ``chunkloss.engine.compiled.bind``). Triton steps
     and an eager "seq_coef" step hold none and are not listed."""
     out = {}
-    for (kind, _), step in mod._compiled.items():
+    for (kind, _), step in steps_of(mod).items():
         if isinstance(step, compiled.RowDynamic):
             code = step.fn._torchdynamo_orig_callable.__code__
             out[kind] = len(_debug_get_cache_entry_list(code))

@@ -1,20 +1,62 @@
-"""What a loss hands the engine: the rows that take part (:class:`Batch`), the heads without grad that ride
-along (:class:`Head`), and the helpers that build a sequence loss's batch."""
+"""What a loss hands the engine: the rows that take part and their tensors (:class:`Batch`), its declared
+per-row and per-sequence tensors (subclasses of :class:`Rows` and :class:`Sequences`), the heads without grad
+that ride along (:class:`ExtraHead`), and the helpers that build a sequence loss's batch."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
-__all__ = ["Batch", "Head", "segment_sum", "sequence_batch"]
+__all__ = ["Batch", "ExtraHead", "Rows", "Sequences", "TensorFields", "segment_sum", "sequence_batch"]
+
+_T = TypeVar("_T", bound="TensorFields")
+
+
+class TensorFields:
+    """Base of a dataclass whose fields are tensors along one leading dimension (or ``None``): indexing it
+    indexes every tensor (``x[a:b]``, ``x[index]``), and :meth:`map` applies a function to each."""
+
+    def map(self: _T, fn: Callable[[Tensor], Tensor]) -> _T:
+        """A copy with ``fn(tensor)`` for every tensor field (``None`` fields stay ``None``)."""
+        changes = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Tensor):
+                changes[f.name] = fn(value)
+        return dataclasses.replace(self, **changes)
+
+    def __getitem__(self: _T, index) -> _T:
+        return self.map(lambda t: t[index])
 
 
 @dataclass
-class Head:
-    """A linear head: ``hidden (N, H) @ weight.T (V, H) + bias (V,)`` over the same N rows."""
+class Rows(TensorFields):
+    """Base of what a loss declares per row (a dataclass of tensors (N, ...), one entry per row that takes
+    part, in the order of ``Batch.rows``; ``None`` for a tensor the options leave out). The engine hands a
+    chunk's rows to the loss's per-chunk math.
+
+    Attributes:
+        extra_stats: the engine's own field: (N, K) ``extra_token_stats`` of the heads without grad, when the
+            loss defines it (``None`` otherwise).
+    """
+
+    extra_stats: Tensor | None = field(default=None, kw_only=True)
+
+
+@dataclass
+class Sequences(TensorFields):
+    """Base of what a sequence loss declares per sequence (a dataclass of tensors (S, ...))."""
+
+
+@dataclass
+class ExtraHead:
+    """A linear head without grad that rides along: ``hidden (N, H) @ weight.T (V, H) + bias (V,)`` over the
+    same N rows (a reference model, a teacher)."""
 
     hidden: Tensor  # (N, H)
     weight: Tensor  # (V, H)
@@ -27,11 +69,12 @@ class Batch:
 
     Attributes:
         rows: indices into the flattened hidden of the rows that take part, in chunk order (N_valid,).
-        token: per-row tensors, already restricted to ``rows`` (N_valid, ...).
-        scalars: 0-d tensors computed once for the whole batch (normalisers).
+        token: the loss's :class:`Rows`, already restricted to ``rows`` (N_valid, ...).
+        scalars: the loss's tensors of the whole batch, computed once (a dataclass: normalisers, counts;
+            ``None`` where the loss needs none). Handed to the per-chunk math as they are.
         extra: heads without grad projected over the same rows (reference model, teacher).
         seq_id: for sequence losses, the group-local sequence index of each row (N_valid,).
-        sequence: for sequence losses, per-sequence tensors (S, ...).
+        sequence: for sequence losses, the loss's :class:`Sequences` (S, ...).
         group_of_seq: for sequence losses, the group of each sequence (S,); sequences of one group
             (a chosen/rejected pair) must share a chunk for the one-pass mode. Groups are numbered
             in row order, so ``rows`` sorted by group keeps each group contiguous.
@@ -44,11 +87,11 @@ class Batch:
     """
 
     rows: Tensor
-    token: dict[str, Tensor] = field(default_factory=dict)
-    scalars: dict[str, Tensor] = field(default_factory=dict)
-    extra: list[Head] = field(default_factory=list)
+    token: Rows = field(default_factory=Rows)
+    scalars: Any = None
+    extra: list[ExtraHead] = field(default_factory=list)
     seq_id: Tensor | None = None
-    sequence: dict[str, Tensor] = field(default_factory=dict)
+    sequence: Sequences = field(default_factory=Sequences)
     group_of_seq: Tensor | None = None
     tokens_per_group: list[int] | None = None
     seqs_per_group: list[int] | None = None
@@ -72,13 +115,14 @@ def segment_sum(values: Tensor, seq_id: Tensor, num_seqs: int) -> Tensor:
 def sequence_batch(
     keep: Tensor,  # (S, T) bool: rows that take part
     group_of_seq: Tensor,  # (S,) long: sequences of one group must share a chunk (pairs)
-    token: dict[str, Tensor] | None = None,  # (S, T, ...) per-token tensors
-    sequence: dict[str, Tensor] | None = None,  # (S, ...) per-sequence tensors
-    scalars: dict[str, Tensor] | None = None,
-    extra: list[Head] | None = None,
+    token: Rows | None = None,  # (S, T, ...) per-token tensors
+    sequence: Sequences | None = None,  # (S, ...) per-sequence tensors
+    scalars: Any = None,
+    extra: list[ExtraHead] | None = None,
     host_checks: list[tuple[Tensor, Callable[[int], None]]] = (),
 ) -> tuple[Batch, Tensor]:
-    """A :class:`Batch` for a sequence loss over S sequences of T positions (flattened row = s·T + t).
+    """A :class:`Batch` for a sequence loss over S sequences of T positions (flattened row = s·T + t):
+    ``token`` holds (S, T, ...) tensors, restricted here to the rows that take part.
 
     Sequences are reordered by group (stable), so each group's rows are contiguous in ``rows``;
     ``sequence`` tensors and ``seq_id`` follow that order. Returns the batch and ``order`` (S,), the
@@ -119,11 +163,11 @@ def sequence_batch(
     seq_id = rank[rows // t]
     batch = Batch(
         rows=rows,
-        token={k: v.reshape(n_seq * t, *v.shape[2:])[rows] for k, v in (token or {}).items()},
-        scalars=scalars or {},
+        token=(token or Rows()).map(lambda v: v.reshape(n_seq * t, *v.shape[2:])[rows]),
+        scalars=scalars,
         extra=extra or [],
         seq_id=seq_id,
-        sequence={k: v[order] for k, v in (sequence or {}).items()},
+        sequence=(sequence or Sequences())[order],
         group_of_seq=group_idx,
         tokens_per_group=host[2 : 2 + n_groups],
         seqs_per_group=host[2 + width : 2 + width + n_groups],

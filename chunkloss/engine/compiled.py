@@ -6,6 +6,7 @@ those calls (:func:`guard_location_fix`). Why each: docs/design.md, "Compiled st
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import types
 import warnings
 
@@ -134,7 +135,7 @@ class SequenceDynamic(RowDynamic):
         if rest:
             raise ValueError(f"{num_seqs} sequences are not whole groups of {g}")
         groups = stats.new_empty(n_groups, g, 0)
-        sequence = {k: v.unflatten(0, (n_groups, g)) for k, v in sequence.items()}
+        sequence = sequence.map(lambda v: v.unflatten(0, (n_groups, g)))
         args = (stats, seq_id, groups, token, sequence, scalars)
         coef, loss, metrics = self.eager(*args) if num_seqs <= 1 else super().__call__(*args)
         return coef if need_grad else None, loss, metrics
@@ -149,3 +150,6 @@ def _tensors(obj):
     elif isinstance(obj, dict):
         for o in obj.values():
             yield from _tensors(o)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _tensors(getattr(obj, f.name))

@@ -3,16 +3,12 @@ scales them by ``grad_output``; a per-row output (reduction='none') reruns the l
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
 
 from chunkloss.engine.batch import Batch
+from chunkloss.engine.contract import LossContract
 from chunkloss.engine.loop import ChunkLoop
-
-if TYPE_CHECKING:
-    from chunkloss.engine.loss import FusedLinearBase
 
 __all__ = ["FusedLinearFunction"]
 
@@ -21,7 +17,7 @@ class FusedLinearFunction(torch.autograd.Function):
     """``(hidden, weight, bias, loss, batch, metrics_out) -> loss`` (0-d) or the per-row output (N,)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, loss_mod: FusedLinearBase, batch: Batch, metrics_out: dict):
+    def forward(ctx, hidden, weight, bias, loss_mod: LossContract, batch: Batch, metrics_out: dict):
         grad_enabled = torch.is_grad_enabled() or any(ctx.needs_input_grad[:3])
         need = (
             grad_enabled and ctx.needs_input_grad[0],

@@ -18,28 +18,23 @@ in the same chunk and handed to the loss as ``extra_logits``, or reduced at once
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import dataclasses
 
 import torch
 from torch import Tensor
 
 from chunkloss.engine.batch import Batch
-from chunkloss.engine.plan import even_bounds, one_pass_possible, plan_chunks
-from chunkloss.engine.steps import StepKind
+from chunkloss.engine.contract import LossContract
+from chunkloss.engine.plan import chunk_rows, even_bounds, one_pass_possible, plan_chunks
+from chunkloss.engine.steps import StepKind, step_for
 from chunkloss.engine.weight_grad import WeightGrad
 
-if TYPE_CHECKING:
-    from chunkloss.engine.loss import FusedLinearBase
-
-__all__ = ["ChunkLoop"]
+__all__ = ["ChunkLoop", "project_head"]
 
 
-def _project(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+def project_head(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``x @ weight.T (+ bias)``: every projection of the loop (a chunk's logits, an extra head's)."""
     return torch.addmm(bias, x, weight.t()) if bias is not None else x @ weight.t()
-
-
-def _slice_rows(d: dict[str, Tensor], a: int, b: int) -> dict[str, Tensor]:
-    return {k: v[a:b] for k, v in d.items()}
 
 
 class ChunkLoop:
@@ -54,7 +49,7 @@ class ChunkLoop:
             take part (N_valid,); the loop then computes only the gradients of ``Σ_i row_weight_i·out_i``.
     """
 
-    def __init__(self, loss: FusedLinearBase, hidden, weight, bias, batch: Batch, need, row_weight=None):
+    def __init__(self, loss: LossContract, hidden, weight, bias, batch: Batch, need, row_weight=None):
         self.mod, self.opts, self.batch = loss, loss.options, batch
         self.hidden, self.weight, self.bias = hidden, weight, bias
         self.need_h, self.need_w, self.need_b = need
@@ -78,7 +73,8 @@ class ChunkLoop:
         }
         # Where one pass is possible, one chunk of every row runs in one pass and is the loop's only
         # weight-gradient contribution; two passes may contribute twice.
-        self.chunk = loss.chunk_rows(
+        self.chunk = chunk_rows(
+            loss,
             weight,
             hidden,
             batch.extra,
@@ -93,7 +89,7 @@ class ChunkLoop:
         self.extra_stats_parts: list[Tensor] = []
 
     def step(self, kind: StepKind):
-        return self.mod._step_fn(kind, self.dev)
+        return step_for(self.mod, kind, self.dev)
 
     def run(self):
         """Returns ``(output, (grad_hidden, grad_weight, grad_bias), metrics)``: the loss (0-d) or the per-row
@@ -124,17 +120,19 @@ class ChunkLoop:
         batch = self.batch
         if self.reduce_extra:
             if extra_stats is None:
-                extra = [_project(self.gather(e.hidden, rows, a, b), e.weight, e.bias) for e in batch.extra]
+                extra = [
+                    project_head(self.gather(e.hidden, rows, a, b), e.weight, e.bias) for e in batch.extra
+                ]
                 self.extra_stats_parts.append(self.mod.extra_token_stats(extra, token, self.opts))
                 del extra
-                token = {**token, "extra_stats": self.extra_stats_parts[-1]}
+                token = dataclasses.replace(token, extra_stats=self.extra_stats_parts[-1])
             else:
-                token = {**token, "extra_stats": extra_stats[a:b]}
+                token = dataclasses.replace(token, extra_stats=extra_stats[a:b])
             extra = []
         else:
-            extra = [_project(self.gather(e.hidden, rows, a, b), e.weight, e.bias) for e in batch.extra]
+            extra = [project_head(self.gather(e.hidden, rows, a, b), e.weight, e.bias) for e in batch.extra]
         x = self.gather(self.hidden, rows, a, b)
-        return x, _project(x, self.weight, self.bias), extra, token
+        return x, project_head(x, self.weight, self.bias), extra, token
 
     def backprop(self, g, x, rows, a, b, add=False, last=False):
         """Gradients of positions [a, b) from their logits gradient ``g``; ``add``: onto the hidden rows'
@@ -201,7 +199,7 @@ class ChunkLoop:
         kind = StepKind.TOKEN_ROWS if weighted else StepKind.TOKEN if self.any_grad else StepKind.TOKEN_VALUE
         step = self.step(kind)
         for a, b in self.plan.bounds:
-            x, logits, extra, token = self.project(self.rows_all, a, b, _slice_rows(batch.token, a, b))
+            x, logits, extra, token = self.project(self.rows_all, a, b, batch.token[a:b])
             if weighted:
                 g = step(logits, extra, token, batch.scalars, self.row_weight[a:b])
             else:
@@ -220,10 +218,10 @@ class ChunkLoop:
         for (a, b), (s0, s1) in zip(self.plan.bounds, self.plan.seq_bounds):
 
             def coef_of(stats, token, a=a, b=b, s0=s0, s1=s1):
-                seq_id, sequence = batch.seq_id[a:b] - s0, _slice_rows(batch.sequence, s0, s1)
+                seq_id, sequence = batch.seq_id[a:b] - s0, batch.sequence[s0:s1]
                 return self.sequence_coef(stats, seq_id, s1 - s0, token, sequence)
 
-            self.one_pass_chunk(a, b, _slice_rows(batch.token, a, b), coef_of, last=b == self.n_rows)
+            self.one_pass_chunk(a, b, batch.token[a:b], coef_of, last=b == self.n_rows)
 
     def two_passes(self):
         """A sequence loss over the whole batch. Either every chunk runs its backward in pass 1 with
@@ -239,7 +237,7 @@ class ChunkLoop:
             self._pass_1_with_estimates(estimate, parts, guesses)
         else:
             for a, b in even_bounds(n_rest, self.chunk):
-                _, logits, extra, token = self.project(self.rows_all, a, b, _slice_rows(batch.token, a, b))
+                _, logits, extra, token = self.project(self.rows_all, a, b, batch.token[a:b])
                 parts.append(_stats_and_carry(self.step(StepKind.STATS)(logits, extra, token))[0])
                 del logits, extra  # (no carry: pass 2 projects other logits)
         if n_def:
@@ -249,7 +247,7 @@ class ChunkLoop:
         # With guesses, the final scalars (the ones ``sequence_loss`` computes) go in too: the same step and
         # graph as the guesses, so a row whose coefficient did not change gets the guess bit for bit
         # (coefficients are per row) and pass 2 projects only the changed rows.
-        scalars = {**batch.scalars, **estimate(parts)} if guesses else batch.scalars
+        scalars = dataclasses.replace(batch.scalars, **estimate(parts)) if guesses else batch.scalars
         coef = self.sequence_coef(stats, batch.seq_id, batch.num_seqs, batch.token, batch.sequence, scalars)
         if guesses:
             coef = coef - torch.cat(guesses)
@@ -275,20 +273,20 @@ class ChunkLoop:
             def guess(stats, token, a=a, b=b):
                 # The per-row tensors without the extra heads' reduced statistics, as in the final call: one
                 # step, one graph.
-                token = {k: v for k, v in token.items() if k != "extra_stats"}
-                scalars = {**batch.scalars, **estimate([*parts, stats])}
+                token = dataclasses.replace(token, extra_stats=None)
+                scalars = dataclasses.replace(batch.scalars, **estimate([*parts, stats]))
                 coef, _, _ = self.step(StepKind.SEQ_COEF)(
                     stats, batch.seq_id[a:b], batch.num_seqs, token, batch.sequence, scalars, need_grad=True
                 )
                 guesses.append(coef)
                 return coef
 
-            parts.append(self.one_pass_chunk(a, b, _slice_rows(batch.token, a, b), guess))
+            parts.append(self.one_pass_chunk(a, b, batch.token[a:b], guess))
 
     def _pass_1_deferred(self, n_rest, n_def, col, mult, parts):
         """Pass 1 of the last ``n_def`` rows, with their backward at coefficient ``mult·e_col`` (λ = 1)."""
         # Its per-row tensors start at offset 0, as pass 2's do: a compiled step specialises on it.
-        token_def = {k: v[n_rest:].clone() for k, v in self.batch.token.items()}
+        token_def = self.batch.token.map(lambda v: v[n_rest:].clone())
         for a, b in even_bounds(n_def, self.chunk):
 
             def unit(stats, token, a=a, b=b):
@@ -296,7 +294,7 @@ class ChunkLoop:
                 coef[:, col] = mult[a:b]
                 return coef
 
-            parts.append(self.one_pass_chunk(n_rest + a, n_rest + b, _slice_rows(token_def, a, b), unit))
+            parts.append(self.one_pass_chunk(n_rest + a, n_rest + b, token_def[a:b], unit))
 
     def _pass_2(self, coef, n_rest, extra_stats, add):
         """Re-project the rows [0, n_rest) with a gradient and pull ``coef`` back to their logits; ``add``:
@@ -308,15 +306,15 @@ class ChunkLoop:
         n_live = idx.numel()
         if n_live < n_rest:
             rows, coef = batch.rows[idx], coef[idx]
-            token_all = {k: v[idx] for k, v in batch.token.items()}
+            token_all = batch.token[idx]
             extra_stats = None if extra_stats is None else extra_stats[idx]
             if self.need_h and batch.all_rows and not add:
                 self.grad_h[:n_rest].zero_()  # the skipped rows are not written
         step = self.step(StepKind.SEQ_PASS2)
         for a, b in even_bounds(n_live, self.chunk):
             # Heads without grad are not projected again: their reduced statistics from pass 1 come in as
-            # token["extra_stats"].
-            x, logits, extra, token = self.project(rows, a, b, _slice_rows(token_all, a, b), extra_stats)
+            # token.extra_stats.
+            x, logits, extra, token = self.project(rows, a, b, token_all[a:b], extra_stats)
             self.backprop(step(logits, extra, token, coef[a:b]), x, rows, a, b, add, last=b == n_live)
             del x, logits, extra  # free this chunk's [C, V] buffer before the next is projected
 
@@ -344,9 +342,9 @@ def _empty_stats(loss_mod, hidden, weight, batch) -> Tensor:
     extra = [
         torch.zeros(1, e.weight.shape[0], dtype=torch.float32, device=hidden.device) for e in batch.extra
     ]
-    token = {k: v.new_zeros((1, *v.shape[1:])) for k, v in batch.token.items()}
+    token = batch.token.map(lambda v: v.new_zeros((1, *v.shape[1:])))
     if loss_mod.extra_token_stats is not None and extra:
-        token["extra_stats"] = type(loss_mod).extra_token_stats(extra, token, loss_mod.options)
-        extra = []
+        stats = type(loss_mod).extra_token_stats(extra, token, loss_mod.options)
+        token, extra = dataclasses.replace(token, extra_stats=stats), []
     width = type(loss_mod).token_stats(dummy, extra, token, loss_mod.options).shape[1]
     return torch.zeros(0, width, dtype=torch.float32, device=hidden.device)

@@ -1,52 +1,41 @@
-"""FusedLinearBase: the base class of every chunked loss, and the contract a loss author implements.
-
-A loss over the LM head ``logits = hidden @ weight.T (+ bias)`` never holds the full ``[N, V]`` logits: the
-engine projects them chunk by chunk, asks the loss's per-chunk math for the chunk's loss and ``dL/dlogits``,
-turns that into the gradients of ``hidden``, ``weight`` and ``bias`` with two more GEMMs, and drops the
-logits (``chunkloss.engine.loop``). A loss provides the per-chunk math as pure functions of tensors and its
-options, in one of two forms:
-
-* a **token loss** defines ``chunk_loss``: the chunk's loss, a sum over its rows already divided by the
-  global normalisers (passed in ``scalars``), and its metrics;
-* a **sequence loss** defines ``token_stats`` (a few differentiable numbers per row, e.g. the label
-  log-prob) and ``sequence_loss`` (the loss from those numbers, grouped by sequence).
-
-Its ``forward`` checks the inputs, picks the rows that take part, builds a :class:`~chunkloss.engine.Batch`
-(``sequence_batch`` for a sequence loss) and calls :meth:`FusedLinearBase.run`. Autograd, chunking, one or two
-passes, compilation and the weight-gradient accumulator are the engine's.
-"""
+"""FusedLinearBase: the base module of every chunked loss (the contract it implements:
+:mod:`chunkloss.engine.contract`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 import inspect
-import re
 from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
-from chunkloss.engine import plan, steps
-from chunkloss.engine.batch import Batch, Head
+from chunkloss.engine.batch import Batch
+from chunkloss.engine.contract import LossContract
 from chunkloss.engine.function import FusedLinearFunction
-from chunkloss.engine.options import FusedOptions
-from chunkloss.engine.steps import StepKind
+from chunkloss.engine.options import option_parameters, options_doc
 
 __all__ = ["FusedLinearBase"]
 
-# Arguments of a loss's forward that are a head's tensors (cast under autocast): hidden, weight, bias and
-# their ref_/student_/teacher_ forms.
-_HEAD_ARG = re.compile(r"^(?:(?:ref|student|teacher)_)?(?:hidden|weight|bias)$")
 
-
-def _autocast_device(args, kwargs) -> str | None:
-    """The device type of the first tensor argument when autocast is on for it, else ``None``."""
+def _first_tensor(args, kwargs) -> Tensor | None:
+    """The first tensor among the arguments (looking into a sequence of tensors too)."""
     for value in (*args, *kwargs.values()):
+        if isinstance(value, (list, tuple)) and value:
+            value = value[0]
         if isinstance(value, Tensor):
-            device = value.device.type
-            return device if torch.is_autocast_enabled(device) else None
+            return value
     return None
+
+
+def _cast(value, dtype: torch.dtype):
+    """A floating-point tensor, or each of a sequence of them, in ``dtype`` (a no-op where it has it)."""
+    if isinstance(value, Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (list, tuple)):
+        return [_cast(v, dtype) for v in value]
+    return value
 
 
 @functools.cache
@@ -54,7 +43,56 @@ def _forward_signature(cls) -> inspect.Signature:
     return inspect.signature(cls.forward)
 
 
-class FusedLinearBase(nn.Module):
+@functools.cache
+def _positional(cls) -> tuple[str, ...]:
+    """The names of ``cls.forward``'s positional parameters, ``self`` left out."""
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(p.name for p in _forward_signature(cls).parameters.values() if p.kind in kinds)[1:]
+
+
+class _LossType(type):
+    """The losses' metaclass: ``dir(cls)``, and so ``help(cls)``, lists what the loss defines and inherits
+    from the chunkloss classes, without the hundred methods of ``nn.Module`` (every instance keeps them)."""
+
+    def __dir__(cls):
+        names = set()
+        for klass in cls.__mro__:
+            if klass not in (nn.Module, object):
+                names.update(vars(klass))
+        return sorted(names)
+
+
+def _options_init(cls: type) -> Callable:
+    """``cls.__init__`` taking ``cls.options_cls``'s fields as keywords (``cls.positional_options`` also by
+    position), with that signature and the options' documentation, for ``help()`` and
+    ``inspect.signature``."""
+    positional = cls.positional_options
+
+    def __init__(self, *args, **options):
+        if len(args) > len(positional):
+            given = len(args)
+            raise TypeError(
+                f"{cls.__name__} takes its options by keyword{f' (but {positional})' if positional else ''}, "
+                f"got {given} positional argument{'s' if given > 1 else ''}"
+            )
+        for name, value in zip(positional, args):
+            if name in options:
+                raise TypeError(f"{cls.__name__} got option {name!r} both by position and by keyword")
+            options[name] = value
+        super(cls, self).__init__(**options)
+
+    params = option_parameters(cls.options_cls, positional)
+    __init__.__signature__ = inspect.Signature(
+        [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD), *params]
+    )
+    __init__.__doc__ = options_doc(cls.options_cls, positional)
+    __init__.__qualname__ = f"{cls.__qualname__}.__init__"
+    __init__.__module__ = cls.__module__
+    __init__.generated = True
+    return __init__
+
+
+class FusedLinearBase(LossContract, nn.Module, metaclass=_LossType):
     """Base module of every chunked loss.
 
     A subclass sets ``options_cls`` (a frozen :class:`~chunkloss.engine.FusedOptions` subclass), defines
@@ -68,161 +106,81 @@ class FusedLinearBase(nn.Module):
     chunks of the chunk metrics).
     """
 
-    options_cls: type[FusedOptions] = FusedOptions
-    #: Sequence losses: the loss needs statistics of the whole batch (always two passes).
-    needs_global_stats: bool = False
-    #: Token losses: names of per-row outputs in ``chunk_loss``'s metrics (``("loss",)`` for
-    #: reduction='none'). With one, the module returns that metric per row, shape (N,), 0 for rows that take
-    #: no part, and the engine computes the backward itself as the gradient of ``Σ_i grad_output_i·out_i``:
-    #: ``chunk_loss`` need not know about ``grad_output``.
-    token_outputs: tuple[str, ...] = ()
-    #: Sequence losses: every group holds exactly this many sequences (2: the preference losses' pairs), so a
-    #: batch or chunk of S sequences holds S / ``seqs_per_group`` groups.
-    seqs_per_group: int = 1
-    #: Optional ``extra_token_stats(extra_logits, token, opts) -> (N_c, K)``: reduce the no-grad heads'
-    #: logits to a few numbers per row (e.g. the reference log-prob) right after they are projected, so they
-    #: are freed before the policy's logits exist; the loss then reads ``token["extra_stats"]`` and gets
-    #: ``extra_logits == []``. Losses that need whole extra distributions (JSD) leave it None. It runs
-    #: uncompiled and so must not build [C, V] temporaries (``chunkloss.losses.common.nograd_label_logprob``
-    #: reads the logits once).
-    extra_token_stats = None
+    #: Options that may also be given by position, in this order (the others are keyword-only).
+    positional_options: tuple[str, ...] = ()
+
+    def __init_subclass__(cls, **kwargs):
+        """A subclass that defines no ``__init__`` gets one from its ``options_cls`` (see ``_options_init``);
+        one with its own ``__init__`` passes the options on to ``super().__init__(**options)``."""
+        super().__init_subclass__(**kwargs)
+        inherited = cls.__init__
+        if "__init__" not in cls.__dict__ and (
+            inherited is FusedLinearBase.__init__ or getattr(inherited, "generated", False)
+        ):
+            cls.__init__ = _options_init(cls)
 
     def __init__(self, **options):
+        """Takes the fields of ``options_cls`` as keywords (see the subclass's signature)."""
         super().__init__()
         fields = {f.name for f in dataclasses.fields(self.options_cls)}
         unknown = sorted(set(options) - fields)
         if unknown:
             raise TypeError(
-                f"{type(self).__name__} got unknown option(s) {unknown}; accepted: {sorted(fields)}"
+                f"{type(self).__name__}() got an unexpected keyword argument {unknown[0]!r}; its options are "
+                f"{', '.join(sorted(fields))}"
             )
         self.options = self.options_cls(**options)
         self.metrics: dict[str, Tensor] = {}
-        self._compiled: dict[tuple, object] = {}
+        self.chunk_sums: dict[str, Tensor] = {}
+
+    def __dir__(self):
+        """An instance lists everything, ``nn.Module``'s methods included (``help(cls)`` leaves them out)."""
+        return sorted(set(type.__dir__(type(self))) | set(super().__dir__()))
 
     def __call__(self, *args, **kwargs):
-        """Under ``torch.autocast`` the heads run in the autocast dtype, as ``nn.Linear`` would.
+        """Calls ``forward``; under ``torch.autocast`` the heads run in the autocast dtype, as ``nn.Linear``.
 
-        The heads' floating-point tensors (``hidden``, ``weight``, ``bias`` and their ``ref_``/``student_``/
-        ``teacher_`` forms) are cast to the autocast dtype before the loss sees them, as autocast casts a
-        matmul's operands, and the loss runs with autocast off: inside the chunk loop every GEMM writes into
-        buffers of the inputs' dtype. Autograd carries the gradients back through the casts. Other tensors
-        (labels, advantages, log-probs) are left as they are.
+        The floating-point tensors of the arguments named in ``head_args`` (the heads' hidden states, weights
+        and biases) are cast to the autocast dtype before the loss sees them, as autocast casts a matmul's
+        operands, and the loss runs with autocast off: inside the chunk loop every GEMM writes into buffers of
+        the inputs' dtype. Autograd carries the gradients back through the casts. Other tensors (labels,
+        advantages, log-probs) are left as they are.
         """
-        device = _autocast_device(args, kwargs)
-        if device is None:
+        cls = type(self)
+        positional = _positional(cls)
+        if len(args) > len(positional):
+            raise TypeError(
+                f"{cls.__name__} takes {len(positional)} positional arguments ({', '.join(positional)}) but "
+                f"{len(args)} were given: pass the others by keyword, e.g. bias=lm_head.bias"
+            )
+        first = _first_tensor(args, kwargs)
+        if first is None:
+            return super().__call__(*args, **kwargs)
+        device = first.device.type
+        if device == "meta":
+            for name, value in _forward_signature(cls).bind(self, *args, **kwargs).arguments.items():
+                if _first_tensor((value,), {}) is first:
+                    break
+            raise ValueError(
+                f"{name} is on the meta device (a shape without data, as in a model built on device 'meta'): "
+                "load or materialise the weights before calling the loss"
+            )
+        if not torch.is_autocast_enabled(device):
             return super().__call__(*args, **kwargs)
         dtype = torch.get_autocast_dtype(device)
-        bound = _forward_signature(type(self)).bind(self, *args, **kwargs)
-        for name, value in bound.arguments.items():
-            if _HEAD_ARG.match(name) and isinstance(value, Tensor) and value.is_floating_point():
-                bound.arguments[name] = value.to(dtype)  # a no-op where it already has the dtype
+        bound = _forward_signature(cls).bind(self, *args, **kwargs)
+        for name in self.head_args:
+            if name in bound.arguments:
+                bound.arguments[name] = _cast(bound.arguments[name], dtype)
         with torch.autocast(device, enabled=False):
             return super().__call__(*bound.args[1:], **bound.kwargs)  # args[0] is self
-
-    # ----------------------------------------------------------------------------------------------
-    # The contract: the per-chunk math a subclass provides.
-    @staticmethod
-    def chunk_loss(logits, extra_logits, token, scalars, opts):  # pragma: no cover - interface
-        """Token losses: the loss and metrics of one chunk.
-
-        Args:
-            logits: (C, V) the chunk's logits in the head's dtype (differentiated: do not modify).
-            extra_logits: list of (C, V_e) logits of the heads without grad (``Batch.extra``), or ``[]``.
-            token: per-row tensors of ``Batch.token`` for the chunk's rows, (C, ...).
-            scalars: ``Batch.scalars``, 0-d tensors of the whole batch (e.g. the normaliser).
-            opts: the loss's options.
-
-        Returns:
-            ``(loss, metrics)``: ``loss`` a 0-d fp32 tensor, the chunk's share of the total (a sum over rows
-            divided by global normalisers, so the chunks' losses add up to the loss); ``metrics`` a dict of
-            0-d tensors summed over chunks the same way, plus the (C,) per-row outputs named in
-            ``token_outputs``.
-        """
-        raise NotImplementedError
-
-    @staticmethod
-    def token_stats(logits, extra_logits, token, opts):  # pragma: no cover - interface
-        """Sequence losses: differentiable per-row statistics of one chunk.
-
-        Args: as :meth:`chunk_loss`'s, without ``scalars``. Heads without grad reach it through
-        ``token["extra_stats"]`` when the loss defines ``extra_token_stats``.
-
-        Returns:
-            (C, K) fp32 tensor (K fixed by the loss). A Triton ``STATS`` step may return ``(stats, carry)``:
-            in one pass ``carry`` reaches the ``SEQ_PASS2`` step of the same chunk as a last argument.
-        """
-        raise NotImplementedError
-
-    @staticmethod
-    def sequence_loss(stats, seq_id, num_seqs, token, sequence, scalars, opts):  # pragma: no cover
-        """Sequence losses: the loss of whole sequences from their rows' statistics.
-
-        Args:
-            stats: (R, K) :meth:`token_stats` of the rows of ``num_seqs`` whole sequences.
-            seq_id: (R,) int64 sequence of each row in ``[0, num_seqs)``, sequences in group order
-                (``segment_sum(stats, seq_id, num_seqs)`` gives per-sequence sums).
-            num_seqs: S, a multiple of ``seqs_per_group`` (a Python int).
-            token: per-row tensors, (R, ...).
-            sequence: per-sequence tensors of ``Batch.sequence`` for these sequences, (S, ...).
-            scalars: ``Batch.scalars``.
-            opts: the loss's options.
-
-        Returns:
-            ``(loss, metrics)`` as :meth:`chunk_loss`'s: the share of these sequences, adding up over calls.
-            It is called on the sequences of one chunk (one pass) or of the whole batch (two passes).
-        """
-        raise NotImplementedError
-
-    def rows_in_pass_1(self, batch: Batch) -> tuple[int, int, Tensor] | None:
-        """Two passes: ``(k, n, m)`` when the batch's last ``n`` rows get their whole gradient through
-        statistics column ``k``, as ``dL/dstats[row] = λ·m[row]·e_k`` (in the columns that depend on the
-        logits) for one scalar λ and multipliers ``m`` (n,) known before the loss is (e.g. the preference
-        losses: the last pair's rejected sequence, whose summed log-prob alone reaches the loss, with m = 1).
-        Those rows then run their backward in pass 1 with coefficient ``m·e_k``, their gradients are scaled by
-        λ once the loss is known, and pass 2 projects only the other rows again. None (the default): every
-        row waits for pass 2.
-        """
-        return None
-
-    def pass_1_estimates(self, batch: Batch) -> Callable[[list[Tensor]], dict[str, Tensor]] | None:
-        """Two passes: for a loss whose rows' coefficients ``dL/dstats`` depend on the rest of the batch only
-        through a few scalars of its statistics (GRPO's entropy threshold), a function from statistics (a
-        list of (C, K) tensors) to those scalars, which ``sequence_loss`` then reads from ``scalars`` instead
-        of computing them. Every chunk runs its backward in pass 1 with the coefficient ``sequence_loss``
-        gives on the chunk alone with the scalars estimated from the statistics seen so far (this chunk's
-        included); once every row is seen, ``sequence_loss`` runs over all rows with the final scalars, and
-        pass 2 projects only the rows whose coefficient changed, adding the difference (the logits gradient
-        is linear in the coefficient). None (the default): rows wait for pass 2 (or ``rows_in_pass_1``).
-        """
-        return None
-
-    @property
-    def is_sequence_loss(self) -> bool:
-        """Run ``token_stats`` + ``sequence_loss`` rather than ``chunk_loss``. By default: the class
-        defines ``sequence_loss``; a loss with both forms (GRPO) decides from its options."""
-        return type(self).sequence_loss is not FusedLinearBase.sequence_loss
 
     # ----------------------------------------------------------------------------------------------
     def run(self, hidden: Tensor, weight: Tensor, bias: Tensor | None, batch: Batch) -> Tensor:
         """Run the chunk loop. ``hidden`` (N, H) is the flattened hidden state, ``batch.rows`` the
         rows that take part. Returns the loss (0-d, or (N,) for per-row outputs)."""
-        metrics: dict[str, Tensor] = {}
-        loss = FusedLinearFunction.apply(hidden, weight, bias, self, batch, metrics)
-        self.metrics = metrics
+        sums: dict[str, Tensor] = {}
+        loss = FusedLinearFunction.apply(hidden, weight, bias, self, batch, sums)
+        self.chunk_sums = sums
+        self.metrics = dict(sums)
         return loss
-
-    def chunk_rows(self, weight, hidden, extra: list[Head] = (), fp32_grad_w=False, whole=0) -> int:
-        """Rows per chunk (``chunkloss.engine.plan.chunk_rows``)."""
-        return plan.chunk_rows(self, weight, hidden, extra, fp32_grad_w, whole)
-
-    def _step_fn(self, kind: StepKind | str, device_type: str = "cuda"):
-        """The per-chunk step of ``kind`` (``chunkloss.engine.steps.step_for``)."""
-        return steps.step_for(self, StepKind(kind), device_type)
-
-    def _build_step(self, kind: StepKind, opts: FusedOptions, device_type: str):
-        return steps.build_step(self, kind, opts, device_type)
-
-    def _step_upcasts_extra(self, device_type: str) -> bool:
-        """Whether the chunk step holds an fp32 copy of the extra heads' logits: the compiled step does
-        (inductor upcasts bf16 inputs of a reduction), a Triton step reads them in place."""
-        return steps.gpu_step(type(self), StepKind.TOKEN, self.options, device_type) is None

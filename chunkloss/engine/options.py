@@ -1,12 +1,28 @@
-"""The options every chunked loss takes, and the automatic chunk size (see docs/design.md, "Chunk size")."""
+"""The options every chunked loss takes, the automatic chunk size (see docs/design.md, "Chunk size"), and a
+loss constructor's parameters and documentation read from its options dataclass."""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import re
+import textwrap
+import typing
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FusedOptions", "default_chunk_size"]
+__all__ = [
+    "DEFAULT_LOGITS_BUDGET_MB",
+    "FusedOptions",
+    "default_chunk_size",
+    "option_parameters",
+    "options_doc",
+]
+
+#: Memory for one chunk's logits and their gradient when no ``chunk_size`` is given (docs/design.md, "Chunk
+#: size").
+DEFAULT_LOGITS_BUDGET_MB = 448
 
 
 @dataclass(frozen=True)
@@ -26,7 +42,7 @@ class FusedOptions:
     """
 
     chunk_size: int | None = None
-    logits_budget_mb: int = 448
+    logits_budget_mb: int = DEFAULT_LOGITS_BUDGET_MB
     accum_dtype: torch.dtype | None = torch.float32
     compile: bool = True
 
@@ -49,3 +65,80 @@ def default_chunk_size(
     """
     rows = budget_mb * 2**20 // (((1 if grad_in_place else 2) * vocab + extra_vocab) * max(itemsize, 2))
     return int(min(16384, max(128, rows // 128 * 128)))
+
+
+def option_parameters(options_cls: type, positional: tuple[str, ...] = ()) -> list[inspect.Parameter]:
+    """The constructor parameters of a loss whose options are ``options_cls``'s fields: keyword-only, with the
+    fields' defaults and types, the loss's own options first and the engine's (:class:`FusedOptions`) last;
+    the ``positional`` ones lead, positional-or-keyword."""
+    try:
+        hints = typing.get_type_hints(options_cls)
+    except Exception:  # an annotation that names a type imported only for type checkers: keep its text
+        hints = {}
+    engine = {f.name for f in dataclasses.fields(FusedOptions)}
+    fields = [f for f in dataclasses.fields(options_cls) if f.init]
+    fields.sort(key=lambda f: (f.name not in positional, f.name in engine))
+    params = []
+    for f in fields:
+        kind = (
+            inspect.Parameter.POSITIONAL_OR_KEYWORD
+            if f.name in positional
+            else inspect.Parameter.KEYWORD_ONLY
+        )
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = inspect.Parameter.empty
+        params.append(inspect.Parameter(f.name, kind, default=default, annotation=hints.get(f.name, f.type)))
+    return params
+
+
+_ARG = re.compile(r"^(\s*)([A-Za-z_][\w, ]*):(\s.*|)$")
+
+
+def _args_entries(doc: str | None) -> list[tuple[tuple[str, ...], str]]:
+    """The entries of a Google-style ``Args:`` section: (names, text with its continuation lines)."""
+    if not doc:
+        return []
+    lines = inspect.cleandoc(doc).splitlines()
+    try:
+        start = next(i for i, line in enumerate(lines) if line.strip() == "Args:") + 1
+    except StopIteration:
+        return []
+    entries, indent = [], None
+    for line in lines[start:]:
+        if not line.strip():
+            continue
+        m = _ARG.match(line)
+        depth = len(line) - len(line.lstrip())
+        if m and (indent is None or depth == indent):
+            indent = depth
+            names = tuple(n.strip() for n in m.group(2).split(","))
+            entries.append((names, m.group(3).strip()))
+        elif indent is not None and depth > indent and entries:
+            names, text = entries[-1]
+            entries[-1] = (names, f"{text} {line.strip()}")
+        else:
+            break
+    return entries
+
+
+def options_doc(options_cls: type, positional: tuple[str, ...] = ()) -> str:
+    """A Google-style ``Args:`` section of every option of ``options_cls``, in :func:`option_parameters`'
+    order, from the ``Args:`` sections of the docstrings along its bases (a subclass's entry wins)."""
+    entries: dict[str, tuple[tuple[str, ...], str]] = {}
+    for klass in options_cls.__mro__:
+        for names, text in _args_entries(klass.__dict__.get("__doc__")):
+            for name in names:
+                entries.setdefault(name, (names, text))
+    out, seen = [f"The fields of :class:`{options_cls.__name__}`, by keyword.", "", "Args:"], set()
+    for p in option_parameters(options_cls, positional):
+        names, text = entries.get(p.name, ((p.name,), ""))
+        if names in seen:
+            continue
+        seen.add(names)
+        entry = f"{', '.join(names)}: {text}".rstrip()
+        out += textwrap.wrap(entry, 106, initial_indent="    ", subsequent_indent="        ")
+    return "\n".join(out)

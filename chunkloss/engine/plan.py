@@ -4,16 +4,14 @@ runs in one pass or two (docs/design.md, "Chunk size" and "One pass or two")."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from chunkloss.engine.batch import Batch, Head
+from chunkloss.engine.batch import Batch, ExtraHead
+from chunkloss.engine.contract import LossContract
 from chunkloss.engine.options import default_chunk_size
-
-if TYPE_CHECKING:
-    from chunkloss.engine.loss import FusedLinearBase
+from chunkloss.engine.steps import step_upcasts_extra
 
 __all__ = ["ONE_CHUNK_DEVICES", "Plan", "chunk_rows", "even_bounds", "one_pass_possible", "plan_chunks"]
 
@@ -24,10 +22,10 @@ ONE_CHUNK_DEVICES = ("cuda", "meta")
 
 
 def chunk_rows(
-    loss: FusedLinearBase,
+    loss: LossContract,
     weight: Tensor,
     hidden: Tensor,
-    extra: list[Head] = (),
+    extra: list[ExtraHead] = (),
     fp32_grad_w: bool = False,
     whole: int = 0,
 ) -> int:
@@ -37,8 +35,8 @@ def chunk_rows(
     cast to the weight's dtype at once, so a chunk whose logits take no more than that cast's V·H bytes
     leaves the step's peak where it is; the loss then takes that larger budget, with the logits of extra
     heads (a teacher) counted twice where the step makes an fp32 copy of them
-    (``FusedLinearBase._step_upcasts_extra``). Sequence losses take it too: automatic chunks run them in two
-    passes, each holding one [C, V] tensor.
+    (``chunkloss.engine.steps.step_upcasts_extra``). Sequence losses take it too: automatic chunks run them
+    in two passes, each holding one [C, V] tensor.
 
     ``whole``: the call's rows, when one chunk of them all would be the loop's only weight-gradient
     contribution (a token loss, or a sequence loss that then runs in one pass); 0 otherwise. One chunk needs
@@ -59,7 +57,7 @@ def chunk_rows(
     v, itemsize = weight.shape[0], hidden.element_size()
     if fp32_grad_w and opts.compile:
         budget = max(budget, weight.numel() * weight.element_size() // 2**20)
-        if loss._step_upcasts_extra(hidden.device.type):
+        if step_upcasts_extra(loss, hidden.device.type):
             extra_vocab *= 2
     rows = default_chunk_size(v, itemsize, budget, extra_vocab, grad_in_place=opts.compile)
     one_gemm = hidden.device.type in ONE_CHUNK_DEVICES and weight.dtype in (torch.bfloat16, torch.float16)
@@ -79,7 +77,7 @@ class Plan:
     seq_bounds: list[tuple[int, int]] | None = None  # sequences [s0, s1) of each chunk
 
 
-def one_pass_possible(loss: FusedLinearBase, batch: Batch) -> bool:
+def one_pass_possible(loss: LossContract, batch: Batch) -> bool:
     """Whether the loss can run in one pass given chunks that hold whole groups: a token loss always; a
     sequence loss when it needs no batch-wide statistics first and the batch carries its group sizes."""
     if not loss.is_sequence_loss:
@@ -87,7 +85,7 @@ def one_pass_possible(loss: FusedLinearBase, batch: Batch) -> bool:
     return not (loss.needs_global_stats or batch.tokens_per_group is None or batch.seqs_per_group is None)
 
 
-def plan_chunks(loss: FusedLinearBase, batch: Batch, n_rows: int, chunk: int) -> tuple[Plan, bool]:
+def plan_chunks(loss: LossContract, batch: Batch, n_rows: int, chunk: int) -> tuple[Plan, bool]:
     """Chunk boundaries, and whether a sequence loss runs in one pass: where every group fits a chunk, chunks
     hold whole groups (packed greedily, each ending on a group boundary) and the loss runs in one pass."""
     if not loss.is_sequence_loss:

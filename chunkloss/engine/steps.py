@@ -21,21 +21,30 @@ chunk). ``out_i`` of ``TOKEN_ROWS`` is the loss's per-row output ``metrics[token
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping
+import weakref
+from collections.abc import Callable, Collection, Iterator, Mapping
 from enum import Enum
-from typing import TYPE_CHECKING
 
 import torch
 
 from chunkloss.engine.compiled import RowDynamic, SequenceDynamic, bind
+from chunkloss.engine.contract import LossContract
 from chunkloss.engine.options import FusedOptions
 
-if TYPE_CHECKING:
-    from chunkloss.engine.loss import FusedLinearBase
-
-__all__ = ["StepKind", "build_step", "gpu_step", "register_gpu_steps", "step_for"]
+__all__ = [
+    "StepKind",
+    "StepSelection",
+    "build_step",
+    "gpu_step",
+    "register_gpu_steps",
+    "select_steps",
+    "step_for",
+    "step_upcasts_extra",
+    "steps_of",
+]
 
 
 class StepKind(str, Enum):
@@ -99,7 +108,7 @@ def _sequence_coef(sequence_loss, opts, stats, seq_id, groups, token, sequence, 
     """:func:`sequence_coef_eager` for torch.compile; ``groups`` (G, g, 0) carries the number of groups G and
     of sequences per group g, and the per-sequence tensors come as (G, g, ...) (see ``SequenceDynamic``)."""
     num_seqs = groups.shape[0] * groups.shape[1]
-    sequence = {k: v.flatten(0, 1) for k, v in sequence.items()}
+    sequence = sequence.map(lambda v: v.flatten(0, 1))
     coef, (loss, metrics) = torch.func.grad_and_value(
         lambda s: _with_aux(sequence_loss(s, seq_id, num_seqs, token, sequence, scalars, opts)), has_aux=True
     )(stats)
@@ -137,7 +146,7 @@ def register_gpu_steps(
     """Run ``steps`` instead of the compiled steps of ``loss_cls`` on CUDA when ``compile`` is on.
 
     Args:
-        loss_cls: a :class:`~chunkloss.engine.FusedLinearBase` subclass.
+        loss_cls: a :class:`~chunkloss.engine.FusedLinearBase` subclass (a registration is inherited).
         steps: by step kind, ``fn(opts, *step_args)`` with the arguments and result of that kind (module
             docstring); kinds left out stay compiled.
         math: names of the class attributes whose functions the steps compute (``"chunk_loss"``,
@@ -161,16 +170,77 @@ def gpu_step(loss_cls: type, kind: StepKind, opts: FusedOptions, device_type: st
     return functools.partial(fn, opts)
 
 
+def step_upcasts_extra(loss: LossContract, device_type: str) -> bool:
+    """Whether the ``TOKEN`` step holds an fp32 copy of the extra heads' logits: the compiled step does
+    (inductor upcasts bf16 inputs of a reduction), a Triton step reads them in place."""
+    return gpu_step(type(loss), StepKind.TOKEN, loss.options, device_type) is None
+
+
+# --------------------------------------------------------------------------------------------------
+# Which steps are built: as for the tensors' device, or as a selection asks.
+class StepSelection:
+    """The steps built inside one :func:`select_steps` block.
+
+    Attributes:
+        device_type: the device type the steps are built for, whatever their tensors' device (``None``: the
+            tensors' own).
+        kinds: the step kinds ``device_type`` applies to (``None``: every kind).
+        eager_seq_coef: ``SEQ_COEF`` runs :func:`sequence_coef_eager`, never a compiled graph.
+        built: the steps built inside the block, by the key :func:`step_for` shares them under (its first
+            item is the step kind).
+    """
+
+    def __init__(self, device_type, kinds, eager_seq_coef):
+        self.device_type = device_type
+        self.kinds = None if kinds is None else frozenset(StepKind(k) for k in kinds)
+        self.eager_seq_coef = eager_seq_coef
+        self.built: dict[tuple, object] = {}
+
+    def device_for(self, kind: StepKind, device_type: str) -> str:
+        if self.device_type is None or (self.kinds is not None and kind not in self.kinds):
+            return device_type
+        return self.device_type
+
+
+_DEFAULT = StepSelection(None, None, False)
+_selection = _DEFAULT
+
+
+@contextlib.contextmanager
+def select_steps(
+    device_type: str | None = None, *, kinds: Collection[StepKind | str] | None = None, eager_seq_coef=False
+) -> Iterator[StepSelection]:
+    """Inside the block every loss builds its steps afresh, in a cache of the block's own, and builds them as
+    for ``device_type`` (e.g. ``"cuda"``: the Triton steps a loss registered, which CPU tensors run through
+    ``TRITON_INTERPRET=1``), for the step ``kinds`` given or all of them; with ``eager_seq_coef`` the
+    ``SEQ_COEF`` step runs eagerly. Steps built before the block are not reused inside it, and steps built
+    inside are dropped at its end. Yields the :class:`StepSelection` (its ``built`` steps)."""
+    global _selection
+    outer = _selection
+    _selection = StepSelection(device_type, kinds, eager_seq_coef)
+    try:
+        yield _selection
+    finally:
+        _selection = outer
+
+
 # --------------------------------------------------------------------------------------------------
 # Built steps, by (kind, device type, loss class, per-row outputs, options); see ``step_for``.
 _SHARED_STEPS: dict[tuple, object] = {}
+#: Each loss instance's steps by (kind, device type, selection): skips the options' hashing on later calls.
+_BY_LOSS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def step_for(loss: FusedLinearBase, kind: StepKind, device_type: str):
-    """The step of ``kind`` for ``loss``, built once per loss class, options (those the step reads) and
-    device type, and shared by every instance with those (a compiled graph is built once)."""
-    key = (kind, device_type)
-    fn = loss._compiled.get(key)
+def step_for(loss: LossContract, kind: StepKind | str, device_type: str):
+    """The step of ``kind`` for ``loss`` on tensors of ``device_type``, built once per loss class, options
+    (those the step reads) and device type, and shared by every instance with those (a compiled graph is built
+    once)."""
+    kind = StepKind(kind)
+    selection = _selection
+    device_type = selection.device_for(kind, device_type)
+    own = _BY_LOSS.setdefault(loss, {})
+    key = (kind, device_type, selection)
+    fn = own.get(key)
     if fn is not None:
         return fn
     # The engine's own fields do not enter the step: losses differing only there share it.
@@ -181,20 +251,29 @@ def step_for(loss: FusedLinearBase, kind: StepKind, device_type: str):
         logits_budget_mb=base.logits_budget_mb,
         accum_dtype=base.accum_dtype,
     )
+    shared = _SHARED_STEPS if selection is _DEFAULT else selection.built
     shared_key = (kind, device_type, type(loss), loss.token_outputs, opts)
     try:
-        fn = _SHARED_STEPS.get(shared_key)
+        fn = shared.get(shared_key)
     except TypeError:  # options with unhashable fields: this instance builds its own
         shared_key = None
     if fn is None:
-        fn = loss._build_step(kind, opts, device_type)
+        if kind is StepKind.SEQ_COEF and selection.eager_seq_coef:
+            fn = functools.partial(sequence_coef_eager, type(loss).sequence_loss, opts)
+        else:
+            fn = build_step(loss, kind, opts, device_type)
         if shared_key is not None:
-            _SHARED_STEPS[shared_key] = fn
-    loss._compiled[key] = fn
+            shared[shared_key] = fn
+    own[key] = fn
     return fn
 
 
-def build_step(loss: FusedLinearBase, kind: StepKind, opts: FusedOptions, device_type: str):
+def steps_of(loss: LossContract) -> dict[tuple[StepKind, str], object]:
+    """The steps ``loss`` has run under the current selection, by (kind, device type)."""
+    return {(k, d): fn for (k, d, sel), fn in _BY_LOSS.get(loss, {}).items() if sel is _selection}
+
+
+def build_step(loss: LossContract, kind: StepKind, opts: FusedOptions, device_type: str):
     """The step of ``kind``: the loss's registered Triton step on CUDA, else its math bound by :func:`bind`,
     under :class:`RowDynamic` when ``opts.compile``. ``SEQ_COEF`` runs eagerly beside compiled ``STATS``/
     ``SEQ_PASS2`` steps (a loss keeps two graphs) and compiled beside Triton ones (docs/design.md)."""

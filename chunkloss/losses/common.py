@@ -1,12 +1,31 @@
-"""Checks and small math shared by the losses (no chunk loop here: that lives in chunkloss.engine)."""
+"""Checks, small math and the per-row / per-batch tensors shared by the losses (no chunk loop here: that lives
+in chunkloss.engine)."""
 
 from __future__ import annotations
 
 import math
 import numbers
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from chunkloss.engine import Rows
+
+
+@dataclass
+class LabelRows(Rows):
+    """Per row: the label of a loss over one target per row (cross-entropy, DFT, JSD's hard loss)."""
+
+    labels: Tensor  # (N,) int64, each in [0, V)
+
+
+@dataclass
+class Normalisers:
+    """A token loss's tensors of the whole batch."""
+
+    normaliser: Tensor  # 0-d: divides the summed loss
+    n_valid: Tensor  # 0-d: the rows that take part, at least 1 (the metrics' means)
 
 
 def scale_logits(z: Tensor, logit_scale: float = 1.0, softcap: float | None = None, temperature: float = 1.0):
@@ -143,8 +162,16 @@ def check_head(hidden: Tensor, weight: Tensor, bias: Tensor | None, name: str = 
         # An empty vocabulary or hidden size has no logits to normalise (and no chunk size to plan).
         raise ValueError(f"{w_name} must be (V, H) with V ≥ 1 and H ≥ 1, got shape {tuple(weight.shape)}")
     if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
+        if hidden.dim() >= 1 and hidden.shape[-1] == weight.shape[0]:
+            raise ValueError(
+                f"{w_name} of shape {tuple(weight.shape)} looks transposed: {name}'s hidden size is "
+                f"{hidden.shape[-1]}, and {w_name} must be (V, H)=({weight.shape[1]}, {weight.shape[0]}) as "
+                f"nn.Linear stores it (pass lm_head.weight, not its .T)"
+            )
+        last = hidden.shape[-1] if hidden.dim() else None
         raise ValueError(
-            f"{name} last dim ({tuple(hidden.shape)}) must equal {w_name}'s hidden size H={weight.shape[1]}"
+            f"{name}'s last dim {last} (shape {tuple(hidden.shape)}) must equal {w_name}'s hidden size "
+            f"H={weight.shape[1]} ({w_name} is (V, H)={tuple(weight.shape)})"
         )
     if hidden.dtype != weight.dtype:
         raise TypeError(f"{name} dtype {hidden.dtype} differs from {w_name} dtype {weight.dtype}")
@@ -222,11 +249,6 @@ def check_range(name: str, value: float, low: float, high: float) -> None:
     otherwise."""
     if not low <= value <= high:
         raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
-
-
-def options_of(arguments: dict) -> dict:
-    """A loss constructor's options from its ``locals()``: every name but ``self`` and ``__class__``."""
-    return {k: v for k, v in arguments.items() if k not in ("self", "__class__")}
 
 
 def to_scalar(x, device, dtype=torch.float32) -> Tensor:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from chunkloss.losses.common import check_choice, check_range, options_of
+from chunkloss.losses.common import check_choice, check_range
 from chunkloss.losses.preference import FusedLinearPreferenceLoss, PreferenceOptions
 
 __all__ = ["CPO_LOSS_TYPES", "CPOOptions", "FusedLinearCPOLoss"]
@@ -30,8 +30,22 @@ CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
 
 @dataclass(frozen=True)
 class CPOOptions(PreferenceOptions):
-    """The validated options of :class:`FusedLinearCPOLoss` and ``FusedLinearSimPOLoss`` (documented on their
-    constructors; names and defaults of TRL 1.16's ``CPOConfig``)."""
+    """The options of :class:`FusedLinearCPOLoss`, its constructor's keywords (names and defaults of TRL
+    1.16's ``CPOConfig``).
+
+    Args:
+        beta: β of the loss and the rewards.
+        loss_type: 'sigmoid', 'hinge', 'ipo' or 'simpo'.
+        label_smoothing: ε in [0, 0.5] of sigmoid and simpo.
+        cpo_alpha: weight of the NLL term over the chosen rows.
+        simpo_gamma: γ, SimPO's target margin.
+        alpha: AlphaPO's α (0: plain log-prob rewards).
+        ignore_index: label value of prompt and padding tokens (their rows cost no GEMM).
+        logit_scale: the logits are multiplied by it (Cohere's ``logit_scale``).
+        softcap: final logit softcapping ``c·tanh(z/c)`` after the scale (Gemma-2), ``None`` for off.
+        return_token_metrics: also report ``entropy`` and ``mean_token_accuracy`` (one more reduction
+            over V per row).
+    """
 
     loss_type: str = "sigmoid"
     label_smoothing: float = 0.0
@@ -56,7 +70,7 @@ class CPOOptions(PreferenceOptions):
 def cpo_pair_loss(pair, scalars, opts: CPOOptions):
     """Per-pair loss of ``CPOTrainer.cpo_loss`` (TRL 1.16)."""
     beta, eps = opts.beta, opts.label_smoothing
-    chosen, rejected = pair["chosen"], pair["rejected"]
+    chosen, rejected = pair.chosen, pair.rejected
     if opts.alpha != 0.0:
         chosen = (1 - torch.exp(-opts.alpha * chosen)) / opts.alpha  # (1 - p^-α)/α
         rejected = (1 - torch.exp(-opts.alpha * rejected)) / opts.alpha
@@ -90,41 +104,6 @@ class FusedLinearCPOLoss(FusedLinearPreferenceLoss):
     options: CPOOptions
     uses_nll = True
     pair_loss = staticmethod(cpo_pair_loss)
-
-    def __init__(
-        self,
-        *,
-        beta: float = 0.1,
-        loss_type: str = "sigmoid",
-        label_smoothing: float = 0.0,
-        cpo_alpha: float = 1.0,
-        simpo_gamma: float = 0.5,
-        alpha: float = 0.0,
-        ignore_index: int = -100,
-        logit_scale: float = 1.0,
-        softcap: float | None = None,
-        return_token_metrics: bool = False,
-        chunk_size: int | None = None,
-        logits_budget_mb: int = 448,
-        accum_dtype: torch.dtype | None = torch.float32,
-        compile: bool = True,
-    ):
-        """Args:
-            beta: β of the loss and the rewards.
-            loss_type: 'sigmoid', 'hinge', 'ipo' or 'simpo'.
-            label_smoothing: ε in [0, 0.5] of sigmoid and simpo.
-            cpo_alpha: weight of the NLL term over the chosen rows.
-            simpo_gamma: γ, SimPO's target margin.
-            alpha: AlphaPO's α (0: plain log-prob rewards).
-            ignore_index: label value of prompt and padding tokens (their rows cost no GEMM).
-            logit_scale: the logits are multiplied by it (Cohere's ``logit_scale``).
-            softcap: final logit softcapping ``c·tanh(z/c)`` after the scale (Gemma-2), ``None`` for off.
-            return_token_metrics: also report ``entropy`` and ``mean_token_accuracy`` (one more reduction
-                over V per row).
-            chunk_size, logits_budget_mb, accum_dtype, compile: the engine's options
-                (:class:`chunkloss.engine.FusedOptions`).
-        """
-        super().__init__(**options_of(locals()))
 
     @staticmethod
     def margin_power(opts: CPOOptions) -> int | None:

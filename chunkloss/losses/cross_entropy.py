@@ -20,14 +20,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from chunkloss.engine import Batch, FusedLinearBase, FusedOptions
+from chunkloss.engine import Batch, FusedLinearBase, FusedOptions, StepKind, register_gpu_steps
 from chunkloss.losses.common import (
+    LabelRows,
+    Normalisers,
     check_choice,
     check_head,
     check_labels,
     check_range,
     item_count,
-    options_of,
     row_statistics,
 )
 
@@ -38,7 +39,19 @@ _REDUCTIONS = ("mean", "sum", "none")
 
 @dataclass(frozen=True)
 class CrossEntropyOptions(FusedOptions):
-    """The validated options of :class:`FusedLinearCrossEntropyLoss` (documented on its constructor)."""
+    """The options of :class:`FusedLinearCrossEntropyLoss`, its constructor's keywords.
+
+    Args:
+        ignore_index: label value that takes no part (its row costs no GEMM).
+        reduction: 'mean' over non-ignored rows, 'sum', or 'none' (per-row losses, 0 where ignored).
+        label_smoothing: ε in [0, 1], as in ``F.cross_entropy``.
+        lse_square_scale: λ of the z-loss ``λ·logsumexp²``; 0 turns it off.
+        softcap: final logit softcapping ``c·tanh(z/c)`` (Gemma-2), ``None`` for none.
+        temperature: the logits are divided by it (after the softcap).
+        logit_scale: the logits are multiplied by it first (Cohere).
+        return_token_accuracy: report ``mean_token_accuracy`` (TRL's SFT name).
+        return_entropy: report ``entropy``, the mean per-token entropy.
+    """
 
     ignore_index: int = -100
     reduction: str = "mean"
@@ -90,25 +103,27 @@ def cross_entropy_rows(logits: Tensor, labels: Tensor, opts: CrossEntropyOptions
     return rows
 
 
-def cross_entropy_chunk(logits, extra_logits, token, scalars, opts: CrossEntropyOptions):
+def cross_entropy_chunk(
+    logits, extra_logits, token: LabelRows, scalars: Normalisers, opts: CrossEntropyOptions
+):
     """Loss of one chunk: Σ_i w_i·ℓ_i / normaliser, and metrics as sums over the chunk."""
-    return _chunk_sums(cross_entropy_rows(logits, token["labels"], opts), token, scalars, opts)
+    return _chunk_sums(cross_entropy_rows(logits, token.labels, opts), token, scalars, opts)
 
 
-def _chunk_sums(rows: dict[str, Tensor], token, scalars, opts: CrossEntropyOptions):
+def _chunk_sums(rows: dict[str, Tensor], token: LabelRows, scalars: Normalisers, opts: CrossEntropyOptions):
     """The chunk's loss and metric sums from its per-row values (``loss`` ℓ_i and, as asked, ``z_loss``,
     ``correct``, ``entropy``); shared by the compiled step and the Triton one."""
     per_row = rows["loss"]
-    loss = per_row.sum() / scalars["normaliser"]
+    loss = per_row.sum() / scalars.normaliser
     metrics = {}
     if "z_loss" in rows:
-        metrics["z_loss"] = rows["z_loss"].sum() / scalars["n_valid"]
+        metrics["z_loss"] = rows["z_loss"].sum() / scalars.n_valid
     if opts.reduction == "none":
         metrics["loss"] = per_row
     if "correct" in rows:
-        metrics["mean_token_accuracy"] = rows["correct"].sum() / scalars["n_valid"]
+        metrics["mean_token_accuracy"] = rows["correct"].sum() / scalars.n_valid
     if "entropy" in rows:
-        metrics["entropy"] = rows["entropy"].sum() / scalars["n_valid"]
+        metrics["entropy"] = rows["entropy"].sum() / scalars.n_valid
     return loss, metrics
 
 
@@ -130,39 +145,10 @@ class FusedLinearCrossEntropyLoss(FusedLinearBase):
     options: CrossEntropyOptions
     chunk_loss = staticmethod(cross_entropy_chunk)
 
-    def __init__(
-        self,
-        *,
-        ignore_index: int = -100,
-        reduction: str = "mean",
-        label_smoothing: float = 0.0,
-        lse_square_scale: float = 0.0,
-        softcap: float | None = None,
-        temperature: float = 1.0,
-        logit_scale: float = 1.0,
-        return_token_accuracy: bool = False,
-        return_entropy: bool = False,
-        chunk_size: int | None = None,
-        logits_budget_mb: int = 448,
-        accum_dtype: torch.dtype | None = torch.float32,
-        compile: bool = True,
-    ):
-        """Args:
-            ignore_index: label value that takes no part (its row costs no GEMM).
-            reduction: 'mean' over non-ignored rows, 'sum', or 'none' (per-row losses, 0 where ignored).
-            label_smoothing: ε in [0, 1], as in ``F.cross_entropy``.
-            lse_square_scale: λ of the z-loss ``λ·logsumexp²``; 0 turns it off.
-            softcap: final logit softcapping ``c·tanh(z/c)`` (Gemma-2), ``None`` for none.
-            temperature: the logits are divided by it (after the softcap).
-            logit_scale: the logits are multiplied by it first (Cohere).
-            return_token_accuracy: report ``mean_token_accuracy`` (TRL's SFT name).
-            return_entropy: report ``entropy``, the mean per-token entropy.
-            chunk_size, logits_budget_mb, accum_dtype, compile: the engine's options
-                (:class:`chunkloss.engine.FusedOptions`).
-        """
-        super().__init__(**options_of(locals()))
-        if self.options.reduction == "none":
-            self.token_outputs = ("loss",)
+    @property
+    def token_outputs(self) -> tuple[str, ...]:
+        """``("loss",)`` with reduction='none': the per-row losses are the output."""
+        return ("loss",) if self.options.reduction == "none" else ()
 
     def forward(
         self,
@@ -200,8 +186,8 @@ class FusedLinearCrossEntropyLoss(FusedLinearBase):
             normaliser = torch.ones((), device=x.device)
         batch = Batch(
             rows=rows,
-            token={"labels": y[rows].long()},
-            scalars={"normaliser": normaliser, "n_valid": n_valid},
+            token=LabelRows(labels=y[rows].long()),
+            scalars=Normalisers(normaliser=normaliser, n_valid=n_valid),
             num_rows=x.shape[0],
             all_rows=rows.numel() == x.shape[0],
         )
@@ -223,3 +209,41 @@ def _metric_names(opts: CrossEntropyOptions) -> list[str]:
         ("entropy", opts.return_entropy),
     )
     return [name for name, on in asked if on]
+
+
+# --------------------------------------------------------------------------------------------------
+# The CUDA steps: one Triton kernel (``chunkloss.kernels.cross_entropy``) reads the chunk's logits twice and
+# writes the gradient over them. Triton is imported only when a step first runs on CUDA.
+def cross_entropy_kernel_rows(opts: CrossEntropyOptions, logits, labels, normaliser, row_weight=None):
+    """The kernel's per-row values (``cross_entropy_rows``' names), the gradient written over ``logits``."""
+    from chunkloss.kernels.cross_entropy import cross_entropy_step
+
+    same = ("label_smoothing", "lse_square_scale", "softcap", "temperature", "logit_scale")
+    return cross_entropy_step(
+        logits,
+        labels,
+        normaliser,
+        None if row_weight is None else row_weight.float(),
+        **{name: getattr(opts, name) for name in same},
+        want_accuracy=opts.return_token_accuracy,
+        want_entropy=opts.return_entropy,
+    )
+
+
+def cross_entropy_token(opts, logits, extra_logits, token, scalars):
+    """``TOKEN``: ``grad_and_value(cross_entropy_chunk)``."""
+    rows = cross_entropy_kernel_rows(opts, logits, token.labels, scalars.normaliser)
+    return (logits, *_chunk_sums(rows, token, scalars, opts))
+
+
+def cross_entropy_token_rows(opts, logits, extra_logits, token, scalars, row_weight):
+    """``TOKEN_ROWS`` (reduction='none', normaliser 1): the gradient of ``Σ_i w_i·ℓ_i``."""
+    cross_entropy_kernel_rows(opts, logits, token.labels, scalars.normaliser, row_weight)
+    return logits
+
+
+register_gpu_steps(
+    FusedLinearCrossEntropyLoss,
+    {StepKind.TOKEN: cross_entropy_token, StepKind.TOKEN_ROWS: cross_entropy_token_rows},
+    math=("chunk_loss",),
+)

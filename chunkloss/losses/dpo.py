@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from chunkloss.losses.common import check_choice, check_range, options_of
+from chunkloss.losses.common import check_choice, check_range
 from chunkloss.losses.preference import FusedLinearPreferenceLoss, PreferenceOptions
 
 __all__ = ["DPOOptions", "FusedLinearDPOLoss", "DPO_LOSS_TYPES"]
@@ -58,11 +58,33 @@ _F_DIVERGENCE_LOSS_TYPES = {
 
 @dataclass(frozen=True)
 class DPOOptions(PreferenceOptions):
-    """The validated options of :class:`FusedLinearDPOLoss` (documented on its constructor; names and
-    defaults of ``trl.DPOConfig`` 1.16)."""
+    """The options of :class:`FusedLinearDPOLoss`, its constructor's keywords (names and defaults of
+    ``trl.DPOConfig`` 1.16).
 
-    loss_type: str | tuple[str, ...] = "sigmoid"
-    loss_weights: tuple[float, ...] | None = None
+    Args:
+        beta: β of the loss and the rewards.
+        loss_type: one loss type of ``DPO_LOSS_TYPES`` or a sequence of them (weighted by
+            ``loss_weights`` and summed).
+        loss_weights: weight of each loss type; ``None`` weighs each 1.
+        label_smoothing: ε of robust, exo_pair and aot (conservative DPO).
+        f_divergence_type: 'reverse_kl' (standard DPO), 'forward_kl', 'js_divergence' or
+            'alpha_divergence'.
+        f_alpha_divergence_coef: α of alpha_divergence.
+        ld_alpha: LD-DPO's α in [0, 1] for tokens past the shorter completion of a pair; ``None``: off.
+        use_weighting: WPO weights (no grad) on each pair's loss.
+        discopop_tau: τ of discopop.
+        average_log_prob: the sequence log-prob is the mean over completion tokens instead of the sum
+            (not a TRL option; TRL sums).
+        ignore_index: label value of prompt and padding tokens (their rows cost no GEMM).
+        logit_scale: the logits are multiplied by it (Cohere's ``logit_scale``).
+        softcap: final logit softcapping ``c·tanh(z/c)`` after the scale (Gemma-2), ``None`` for off.
+        return_token_metrics: also report ``entropy`` (mean over the chosen and rejected completion
+            tokens) and ``mean_token_accuracy`` (top-1 over the chosen completion tokens), as
+            DPOTrainer logs them; one more reduction over V per row.
+    """
+
+    loss_type: str | Sequence[str] = "sigmoid"  # a tuple once validated
+    loss_weights: Sequence[float] | None = None  # a tuple once validated
     label_smoothing: float = 0.0
     f_divergence_type: str = "reverse_kl"
     f_alpha_divergence_coef: float = 0.5
@@ -133,15 +155,15 @@ def _scores(logratios: Tensor, opts: DPOOptions) -> Tensor:
 def dpo_pair_loss(pair, scalars, opts: DPOOptions):
     """Per-pair loss of ``trl.DPOTrainer._compute_loss`` (TRL 1.16), its loss-type loop verbatim."""
     beta, eps = opts.beta, opts.label_smoothing
-    chosen, rejected = pair["chosen"], pair["rejected"]
-    chosen_logratios = chosen - pair["ref_chosen"]
-    rejected_logratios = rejected - pair["ref_rejected"]
+    chosen, rejected = pair.chosen, pair.rejected
+    chosen_logratios = chosen - pair.ref_chosen
+    rejected_logratios = rejected - pair.ref_rejected
     chosen_scores, rejected_scores = _scores(chosen_logratios, opts), _scores(rejected_logratios, opts)
     delta_score = chosen_scores - rejected_scores
-    n_c, n_r = pair["n_chosen"].clamp(min=1.0), pair["n_rejected"].clamp(min=1.0)
+    n_c, n_r = pair.n_chosen.clamp(min=1.0), pair.n_rejected.clamp(min=1.0)
     if opts.use_weighting:
         # WPO (Eq. 2): exp of the mean aligned log-prob of each completion, no grad.
-        wpo = torch.exp(pair["wpo_chosen"] / n_c) * torch.exp(pair["wpo_rejected"] / n_r)
+        wpo = torch.exp(pair.wpo_chosen / n_c) * torch.exp(pair.wpo_rejected / n_r)
     loss = torch.zeros_like(chosen)
     for loss_type, loss_weight in zip(opts.loss_type, opts.loss_weights):
         if loss_type == "sigmoid":
@@ -167,7 +189,7 @@ def dpo_pair_loss(pair, scalars, opts: DPOOptions):
             per = (chosen_logratios - 0.5 / beta) ** 2 + (rejected_logratios + 0.5 / beta) ** 2
         elif loss_type in ("aot", "aot_unpaired"):
             if loss_type == "aot":
-                a, b = chosen - rejected, pair["ref_chosen"] - pair["ref_rejected"]
+                a, b = chosen - rejected, pair.ref_chosen - pair.ref_rejected
             else:
                 a, b = chosen_logratios, rejected_logratios
             delta = torch.sort(a, dim=0)[0] - torch.sort(b, dim=0)[0]
@@ -187,9 +209,9 @@ def dpo_pair_loss(pair, scalars, opts: DPOOptions):
         elif loss_type == "sft":
             # The mean NLL over every chosen completion token of the batch, the same for each pair.
             if opts.use_weighting:  # × per-pair weights: needs the whole batch (two passes)
-                per = (-pair["raw_chosen"].sum() / scalars["n_chosen_tokens"]).expand_as(chosen)
+                per = (-pair.raw_chosen.sum() / scalars.n_chosen_tokens).expand_as(chosen)
             else:  # spread over the pairs, so that a chunk of whole pairs adds up its share
-                per = -pair["raw_chosen"] * (scalars["n_pairs"] / scalars["n_chosen_tokens"])
+                per = -pair.raw_chosen * (scalars.n_pairs / scalars.n_chosen_tokens)
         else:  # sigmoid_norm
             per = -F.logsigmoid(beta * (chosen_scores / n_c - rejected_scores / n_r))
         if opts.use_weighting:
@@ -237,57 +259,12 @@ class FusedLinearDPOLoss(FusedLinearPreferenceLoss):
     pair_loss = staticmethod(dpo_pair_loss)
     margin_power = staticmethod(dpo_margin_power)
 
-    def __init__(
-        self,
-        *,
-        beta: float = 0.1,
-        loss_type: str | Sequence[str] = "sigmoid",
-        loss_weights: Sequence[float] | None = None,
-        label_smoothing: float = 0.0,
-        f_divergence_type: str = "reverse_kl",
-        f_alpha_divergence_coef: float = 0.5,
-        ld_alpha: float | None = None,
-        use_weighting: bool = False,
-        discopop_tau: float = 0.05,
-        average_log_prob: bool = False,
-        ignore_index: int = -100,
-        logit_scale: float = 1.0,
-        softcap: float | None = None,
-        return_token_metrics: bool = False,
-        chunk_size: int | None = None,
-        logits_budget_mb: int = 448,
-        accum_dtype: torch.dtype | None = torch.float32,
-        compile: bool = True,
-    ):
-        """Args:
-            beta: β of the loss and the rewards.
-            loss_type: one loss type of ``DPO_LOSS_TYPES`` or a sequence of them (weighted by
-                ``loss_weights`` and summed).
-            loss_weights: weight of each loss type; ``None`` weighs each 1.
-            label_smoothing: ε of robust, exo_pair and aot (conservative DPO).
-            f_divergence_type: 'reverse_kl' (standard DPO), 'forward_kl', 'js_divergence' or
-                'alpha_divergence'.
-            f_alpha_divergence_coef: α of alpha_divergence.
-            ld_alpha: LD-DPO's α in [0, 1] for tokens past the shorter completion of a pair; ``None``: off.
-            use_weighting: WPO weights (no grad) on each pair's loss.
-            discopop_tau: τ of discopop.
-            average_log_prob: the sequence log-prob is the mean over completion tokens instead of the sum
-                (not a TRL option; TRL sums).
-            ignore_index: label value of prompt and padding tokens (their rows cost no GEMM).
-            logit_scale: the logits are multiplied by it (Cohere's ``logit_scale``).
-            softcap: final logit softcapping ``c·tanh(z/c)`` after the scale (Gemma-2), ``None`` for off.
-            return_token_metrics: also report ``entropy`` (mean over the chosen and rejected completion
-                tokens) and ``mean_token_accuracy`` (top-1 over the chosen completion tokens), as
-                DPOTrainer logs them; one more reduction over V per row.
-            chunk_size, logits_budget_mb, accum_dtype, compile: the engine's options
-                (:class:`chunkloss.engine.FusedOptions`).
-        """
-        super().__init__(**options_of(locals()))
-        # aot sorts the pairs of the whole batch, and WPO-weighted sft multiplies two batch sums:
-        # the loss needs every pair's log-probs at once.
+    @property
+    def needs_global_stats(self) -> bool:
+        """aot sorts the pairs of the whole batch, and WPO-weighted sft multiplies two batch sums: the loss
+        needs every pair's log-probs at once."""
         types = set(self.options.loss_type)
-        if {"aot", "aot_unpaired"} & types or ("sft" in types and self.options.use_weighting):
-            self.needs_global_stats = True
+        return bool({"aot", "aot_unpaired"} & types) or ("sft" in types and self.options.use_weighting)
 
     def token_weights(self, chosen_mask: Tensor, rejected_mask: Tensor) -> Tensor:
         """LD-DPO: completion tokens past the shorter completion of the pair weigh ``ld_alpha``."""

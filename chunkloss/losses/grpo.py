@@ -54,31 +54,37 @@ evaluated on those (C,) statistics in between; elsewhere the compiled or eager `
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
 
 import torch
 from torch import Tensor
 
-from chunkloss.engine import FusedLinearBase, FusedOptions, segment_sum, sequence_batch
+from chunkloss.engine import FusedLinearBase, StepKind, register_gpu_steps, segment_sum, sequence_batch
 from chunkloss.losses.common import (
-    check_choice,
     check_head,
-    check_range,
     nograd_label_logprob,
-    options_of,
     quantile,
     row_statistics,
     to_scalar,
 )
 from chunkloss.losses.grpo_batch import (
-    GLOBAL_COUNT_LOSS_TYPES,
-    LOG_RATIO_MIN,
+    GRPORows,
+    GRPOScalars,
+    GRPOSequences,
     batch_tensors,
     check_advantages_and_ratio,
     check_completions,
     check_trainer_state,
     normaliser,
     reference_head,
+)
+from chunkloss.losses.grpo_options import (
+    CLIP_LOSS_TYPES,
+    GLOBAL_COUNT_LOSS_TYPES,
+    IS_LEVELS,
+    LOG_RATIO_MIN,
+    LOSS_TYPES,
+    GRPOOptions,
 )
 
 __all__ = [
@@ -92,80 +98,6 @@ __all__ = [
     "nanmin",
 ]
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
-IS_LEVELS = ("token", "sequence", "sequence_token")
-#: The PPO-clip loss types; TRL logs ``clip_ratio/*`` for these.
-CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
-
-
-@dataclass(frozen=True)
-class GRPOOptions(FusedOptions):
-    """The validated options of :class:`FusedLinearGRPOLoss` (documented on its constructor; GRPOConfig's
-    names, except ``epsilon_low`` for TRL's ``epsilon``)."""
-
-    loss_type: str = "dapo"
-    beta: float = 0.0
-    epsilon_low: float = 0.2
-    epsilon_high: float | None = None
-    delta: float | None = None
-    importance_sampling_level: str = "token"
-    sapo_temperature_pos: float = 1.0
-    sapo_temperature_neg: float = 1.05
-    vespo_k_pos: float = 2.0
-    vespo_lambda_pos: float = 3.0
-    vespo_k_neg: float = 3.0
-    vespo_lambda_neg: float = 2.0
-    use_bias_correction_kl: bool = True
-    temperature: float = 1.0
-    logit_scale: float = 1.0
-    softcap: float | None = None
-    off_policy_mask_threshold: float | None = None
-    top_entropy_quantile: float = 1.0
-    entropy_coef: float = 0.0
-    use_adaptive_entropy: bool = False
-    max_completion_length: int | None = None
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_choice("loss_type", self.loss_type, LOSS_TYPES)
-        check_choice("importance_sampling_level", self.importance_sampling_level, IS_LEVELS)
-        if self.loss_type == "dr_grpo" and (
-            self.max_completion_length is None or self.max_completion_length <= 0
-        ):
-            raise ValueError(
-                "loss_type='dr_grpo' normalises by B·max_completion_length: pass max_completion_length "
-                f"(a positive int), got {self.max_completion_length!r}"
-            )
-        if self.use_adaptive_entropy:
-            raise ValueError(
-                "use_adaptive_entropy=True is not supported: the adaptive controller is trainer state that "
-                "changes entropy_coef between optimizer steps; pass its current value to each call as "
-                "entropy_coef (the constructor's entropy_coef != 0 switches the bonus on)"
-            )
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be positive, got {self.temperature}")
-        if not self.logit_scale > 0:
-            raise ValueError(f"logit_scale must be positive, got {self.logit_scale}")
-        if self.softcap is not None and not self.softcap > 0:
-            raise ValueError(f"softcap must be positive or None, got {self.softcap}")
-        check_range("top_entropy_quantile", self.top_entropy_quantile, 0, 1)
-        if self.sapo_temperature_pos <= 0 or self.sapo_temperature_neg <= 0:
-            raise ValueError("sapo_temperature_pos and sapo_temperature_neg must be positive")
-
-    @property
-    def eps_high(self) -> float:
-        return self.epsilon_low if self.epsilon_high is None else self.epsilon_high
-
-    @property
-    def needs_sequence_path(self) -> bool:
-        """Whether some per-sequence statistic of the policy log-probs enters the loss."""
-        return (
-            self.importance_sampling_level != "token"
-            or self.loss_type == "vespo"
-            or self.off_policy_mask_threshold is not None
-            or self.top_entropy_quantile < 1.0
-        )
-
 
 # --------------------------------------------------------------------------------------------------
 # Per-row math shared by both paths. Every row is a completion token with mask 1.
@@ -174,7 +106,7 @@ def _row_logprobs(logits, extra_logits, token, opts: GRPOOptions, stats_fn=row_s
     ``stats_fn`` is ``common.row_statistics`` (differentiable) or the CUDA steps' Triton ``row_stats``."""
     rows = stats_fn(
         logits,
-        token["ids"],
+        token.ids,
         logit_scale=opts.logit_scale,
         softcap=opts.softcap,
         temperature=opts.temperature,
@@ -186,15 +118,13 @@ def _row_logprobs(logits, extra_logits, token, opts: GRPOOptions, stats_fn=row_s
     ref = None
     if opts.beta != 0.0:
         # A reference head arrives reduced (grpo_ref_stats); otherwise precomputed log-probs.
-        ref = token["extra_stats"][:, 0] if "extra_stats" in token else token["ref_logps"]
+        ref = token.extra_stats[:, 0] if token.extra_stats is not None else token.ref_logps
     return rows["logp"], ent, ref, rows
 
 
 def grpo_ref_stats(extra_logits, token, opts: GRPOOptions):
     """The reference head's label log-prob per row (C, 1), reduced as soon as it is projected."""
-    ref = nograd_label_logprob(
-        extra_logits[0], token["ids"], opts.logit_scale, opts.softcap, opts.temperature
-    )
+    ref = nograd_label_logprob(extra_logits[0], token.ids, opts.logit_scale, opts.softcap, opts.temperature)
     return ref.unsqueeze(1)
 
 
@@ -207,9 +137,12 @@ def _gamma_weight(adv, log_w_seq, opts: GRPOOptions):
     return torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def _row_loss(logp, ent, ref, log_w, token, scalars, opts: GRPOOptions, keep=None, phi=None, n_bonus=None):
+def _row_loss(
+    logp, ent, ref, log_w, token: GRPORows, scalars: GRPOScalars, opts: GRPOOptions, keep=None, phi=None,
+    n_bonus=None, emask=None,
+):  # fmt: skip
     """Σ over the rows of the normalised TRL per-token loss, and token-shaped metric sums."""
-    adv = token["adv"]
+    adv = token.adv
     coef_1 = torch.exp(log_w)
     metrics = {}
     if opts.beta != 0.0:
@@ -217,7 +150,7 @@ def _row_loss(logp, ent, ref, log_w, token, scalars, opts: GRPOOptions, keep=Non
         kl = torch.exp(d) - d - 1
         if opts.use_bias_correction_kl:
             kl = kl * coef_1
-        metrics["kl"] = kl.detach().sum() / scalars["n_valid"]
+        metrics["kl"] = kl.detach().sum() / scalars.n_valid
     eps_hi = opts.eps_high
     if opts.loss_type == "cispo":
         per = -torch.clamp(coef_1, max=eps_hi).detach() * adv * logp
@@ -233,74 +166,83 @@ def _row_loss(logp, ent, ref, log_w, token, scalars, opts: GRPOOptions, keep=Non
         per = -torch.min(coef_1 * adv, coef_2 * adv)
     if keep is not None:
         per = per * keep
-    if "is_ratio" in token and opts.loss_type != "vespo":
-        per = per * token["is_ratio"]
+    if token.is_ratio is not None and opts.loss_type != "vespo":
+        per = per * token.is_ratio
     if opts.beta != 0.0:
         per = per + opts.beta * kl
-    loss = (per * token["weight"]).sum()
+    loss = (per * token.weight).sum()
     if opts.entropy_coef != 0.0:
         # TRL logs the policy part alone when the bonus is on (before its GA division for the
         # per-sequence / local normalisers).
-        metrics["policy_loss"] = loss.detach() * scalars["policy_scale"]
-        eff = ent * token["emask"] if "emask" in token else ent
-        n_eff = scalars["n_bonus"] if n_bonus is None else n_bonus
-        loss = loss - scalars["entropy_coef"] * eff.sum() / n_eff / scalars["grad_accum"]
-    metrics["entropy"] = ent.detach().sum() / scalars["n_valid"]
+        metrics["policy_loss"] = loss.detach() * scalars.policy_scale
+        eff = ent if emask is None else ent * emask
+        n_eff = scalars.n_bonus if n_bonus is None else n_bonus
+        loss = loss - scalars.entropy_coef * eff.sum() / n_eff / scalars.grad_accum
+    metrics["entropy"] = ent.detach().sum() / scalars.n_valid
     c = coef_1.detach()
     if opts.loss_type in CLIP_LOSS_TYPES:
         low = ((c < 1 - opts.epsilon_low) & (adv < 0)).float()
         high = ((c > 1 + eps_hi) & (adv > 0)).float()
-        metrics["_low"], metrics["_high"], metrics["_region"] = low, high, torch.maximum(low, high)
+        metrics["low_flags"], metrics["high_flags"] = low, high
+        metrics["region_flags"] = torch.maximum(low, high)
     elif opts.loss_type == "cispo":
-        metrics["cispo_clip_ratio"] = ((c > eps_hi) & (adv > 0)).float().sum() / scalars["n_valid"]
+        metrics["cispo_clip_ratio"] = ((c > eps_hi) & (adv > 0)).float().sum() / scalars.n_valid
     elif opts.loss_type == "vespo":
-        metrics["_phi"] = phi
+        metrics["phi_rows"] = phi
     return loss, metrics
 
 
-def _token_shaped_metrics(m: dict, token, scalars) -> dict:
-    """Token means of the per-row flags, and their per-sequence means scattered into (B,) vectors."""
-    out = {k: v for k, v in m.items() if not k.startswith("_")}
+#: Per-row values of ``_row_loss`` that ``_token_shaped_metrics`` turns into metrics.
+_ROW_VALUES = ("low_flags", "high_flags", "region_flags", "phi_rows")
+
+
+def _token_shaped_metrics(m: dict, token: GRPORows, scalars: GRPOScalars) -> dict:
+    """Token means of the per-row flags, and their per-sequence means scattered into (B,) vectors
+    (``low_per_seq``, ``high_per_seq``: chunk sums that ``forward`` reduces to ``clip_ratio/low_min`` and
+    ``clip_ratio/high_max``)."""
+    out = {k: v for k, v in m.items() if k not in _ROW_VALUES}
     names = {
-        "_low": "clip_ratio/low_mean",
-        "_high": "clip_ratio/high_mean",
-        "_region": "clip_ratio/region_mean",
+        "low_flags": "clip_ratio/low_mean",
+        "high_flags": "clip_ratio/high_mean",
+        "region_flags": "clip_ratio/region_mean",
     }
     for k, name in names.items():
         if k in m:
-            out[name] = m[k].sum() / scalars["n_valid"]
-    if "_low" in m:
-        zeros = scalars["seq_zeros"]
-        out["_low_seq"] = zeros.index_add(0, token["seq"], m["_low"] * token["inv_len"])
-        out["_high_seq"] = zeros.index_add(0, token["seq"], m["_high"] * token["inv_len"])
-    if "_phi" in m:
-        out["vespo/phi_seq_mean"] = m["_phi"].sum() / scalars["n_valid"]
+            out[name] = m[k].sum() / scalars.n_valid
+    if "low_flags" in m:
+        zeros = scalars.seq_zeros
+        out["low_per_seq"] = zeros.index_add(0, token.seq, m["low_flags"] * token.inv_len)
+        out["high_per_seq"] = zeros.index_add(0, token.seq, m["high_flags"] * token.inv_len)
+    if "phi_rows" in m:
+        out["vespo/phi_seq_mean"] = m["phi_rows"].sum() / scalars.n_valid
     return out
 
 
-def grpo_chunk(logits, extra_logits, token, scalars, opts: GRPOOptions):
+def grpo_chunk(logits, extra_logits, token: GRPORows, scalars: GRPOScalars, opts: GRPOOptions):
     """Token path: token-level weights, nothing per sequence but the normaliser."""
     logp, ent, ref, _ = _row_logprobs(logits, extra_logits, token, opts)
-    old = token["old_logps"] if "old_logps" in token else logp.detach()
+    old = logp.detach() if token.old_logps is None else token.old_logps
     loss, m = _row_loss(logp, ent, ref, logp - old, token, scalars, opts)
     return loss, _token_shaped_metrics(m, token, scalars)
 
 
-def grpo_token_stats(logits, extra_logits, token, opts: GRPOOptions):
+def grpo_token_stats(logits, extra_logits, token: GRPORows, opts: GRPOOptions):
     """Sequence path statistics: (logp, entropy[, ref_logp]) per row."""
     logp, ent, ref, _ = _row_logprobs(logits, extra_logits, token, opts)
     cols = [logp, ent] if ref is None else [logp, ent, ref]
     return torch.stack(cols, dim=1)
 
 
-def grpo_sequence_loss(stats, seq_id, num_seqs, token, sequence, scalars, opts: GRPOOptions):
+def grpo_sequence_loss(
+    stats, seq_id, num_seqs, token: GRPORows, sequence: GRPOSequences, scalars: GRPOScalars, opts: GRPOOptions
+):
     """Sequence path: the per-sequence statistics of TRL, then the per-row loss of the token path."""
     logp, ent = stats[:, 0], stats[:, 1]
     ref = stats[:, 2] if stats.shape[1] > 2 else None
-    old = token["old_logps"] if "old_logps" in token else logp.detach()
+    old = logp.detach() if token.old_logps is None else token.old_logps
     log_ratio = logp - old
-    n_rows = sequence["len"].clamp(min=1)  # (S,) mask count per sequence
-    adv = token["adv"]
+    n_rows = sequence.length.clamp(min=1)  # (S,) mask count per sequence
+    adv = token.adv
     lw_seq = segment_sum(log_ratio, seq_id, num_seqs) / n_rows
     if opts.importance_sampling_level == "sequence":
         log_w = lw_seq[seq_id]
@@ -310,7 +252,7 @@ def grpo_sequence_loss(stats, seq_id, num_seqs, token, sequence, scalars, opts: 
         log_w = log_ratio
     keep = None
     if opts.off_policy_mask_threshold is not None:
-        samp = token["sampling_logps"] if "sampling_logps" in token else old
+        samp = old if token.sampling_logps is None else token.sampling_logps
         kl_div = torch.nan_to_num(samp - logp.detach(), nan=0.0)
         avg_kl = segment_sum(kl_div, seq_id, num_seqs) / n_rows
         keep = ((adv >= 0) | (avg_kl[seq_id] <= opts.off_policy_mask_threshold)).float()
@@ -322,7 +264,7 @@ def grpo_sequence_loss(stats, seq_id, num_seqs, token, sequence, scalars, opts: 
         if e.numel():
             # The engine may hand in the threshold (``pass_1_estimates``): the same quantile of the same rows,
             # or, for pass 1's chunks, of the rows seen so far.
-            thr = scalars.get("entropy_threshold")
+            thr = scalars.entropy_threshold
             if thr is None:
                 thr = quantile(e, 1 - opts.top_entropy_quantile)
             emask = (e >= thr).float()
@@ -335,41 +277,41 @@ def grpo_sequence_loss(stats, seq_id, num_seqs, token, sequence, scalars, opts: 
         with torch.no_grad():
             slr = (
                 segment_sum(torch.clamp(log_ratio.detach(), -20.0, 20.0), seq_id, num_seqs)
-                + sequence["vespo_log_is"]
+                + sequence.vespo_log_is
             )
             lw_v = torch.clamp(slr, LOG_RATIO_MIN, 20.0)
             phi = _gamma_weight(adv, lw_v[seq_id], opts)
-            if "adv" in sequence:
-                phi_seq = _gamma_weight(sequence["adv"], lw_v, opts)
-    tok = token if emask is None else {**token, "emask": emask}
-    loss, m = _row_loss(logp, ent, ref, log_w, tok, scalars, opts, keep=keep, phi=phi, n_bonus=n_bonus)
-    seq_clip = opts.importance_sampling_level == "sequence" and "adv" in sequence
-    if phi_seq is not None:
-        m.pop("_phi")
-    out = _token_shaped_metrics(
-        {k: v for k, v in m.items() if not (seq_clip and k in ("_low", "_high", "_region"))}, token, scalars
+            if sequence.adv is not None:
+                phi_seq = _gamma_weight(sequence.adv, lw_v, opts)
+    loss, m = _row_loss(
+        logp, ent, ref, log_w, token, scalars, opts, keep=keep, phi=phi, n_bonus=n_bonus, emask=emask
     )
+    seq_clip = opts.importance_sampling_level == "sequence" and sequence.adv is not None
     if phi_seq is not None:
-        out["vespo/phi_seq_mean"] = phi_seq.sum() / scalars["n_seqs"]
+        m.pop("phi_rows")
+    flags = ("low_flags", "high_flags", "region_flags")
+    out = _token_shaped_metrics({k: v for k, v in m.items() if not (seq_clip and k in flags)}, token, scalars)
+    if phi_seq is not None:
+        out["vespo/phi_seq_mean"] = phi_seq.sum() / scalars.n_seqs
     if seq_clip and opts.loss_type in CLIP_LOSS_TYPES:
         # One ratio per sequence: TRL's metrics are over the B sequences (empty ones included).
         c = torch.exp(lw_seq.detach())
         if opts.delta is not None:
             c = torch.clamp(c, max=opts.delta)
-        a = sequence["adv"]
+        a = sequence.adv
         low = ((c < 1 - opts.epsilon_low) & (a < 0)).float()
         high = ((c > 1 + opts.eps_high) & (a > 0)).float()
-        out["clip_ratio/low_mean"] = low.sum() / scalars["n_seqs"]
-        out["clip_ratio/high_mean"] = high.sum() / scalars["n_seqs"]
-        out["clip_ratio/region_mean"] = torch.maximum(low, high).sum() / scalars["n_seqs"]
-        zeros = scalars["seq_zeros"]
-        out["_low_seq"] = zeros.index_add(0, sequence["index"], low)
-        out["_high_seq"] = zeros.index_add(0, sequence["index"], high)
+        out["clip_ratio/low_mean"] = low.sum() / scalars.n_seqs
+        out["clip_ratio/high_mean"] = high.sum() / scalars.n_seqs
+        out["clip_ratio/region_mean"] = torch.maximum(low, high).sum() / scalars.n_seqs
+        zeros = scalars.seq_zeros
+        out["low_per_seq"] = zeros.index_add(0, sequence.index, low)
+        out["high_per_seq"] = zeros.index_add(0, sequence.index, high)
     if seq_clip and opts.loss_type == "cispo":
         # One ratio per sequence: TRL averages the (B, 1) flags over the B sequences (empty ones included).
         c = torch.exp(lw_seq.detach())
-        flags = ((c > opts.eps_high) & (sequence["adv"] > 0)).float()
-        out["cispo_clip_ratio"] = flags.sum() / scalars["n_seqs"]
+        flags = ((c > opts.eps_high) & (sequence.adv > 0)).float()
+        out["cispo_clip_ratio"] = flags.sum() / scalars.n_seqs
     return loss, out
 
 
@@ -391,69 +333,16 @@ class FusedLinearGRPOLoss(FusedLinearBase):
 
     options_cls = GRPOOptions
     options: GRPOOptions
+    head_args = ("hidden", "weight", "bias", "ref_hidden", "ref_weight", "ref_bias")
     chunk_loss = staticmethod(grpo_chunk)
     token_stats = staticmethod(grpo_token_stats)
     sequence_loss = staticmethod(grpo_sequence_loss)
     extra_token_stats = staticmethod(grpo_ref_stats)
 
-    def __init__(
-        self,
-        *,
-        loss_type: str = "dapo",
-        beta: float = 0.0,
-        epsilon_low: float = 0.2,
-        epsilon_high: float | None = None,
-        delta: float | None = None,
-        importance_sampling_level: str = "token",
-        sapo_temperature_pos: float = 1.0,
-        sapo_temperature_neg: float = 1.05,
-        vespo_k_pos: float = 2.0,
-        vespo_lambda_pos: float = 3.0,
-        vespo_k_neg: float = 3.0,
-        vespo_lambda_neg: float = 2.0,
-        use_bias_correction_kl: bool = True,
-        temperature: float = 1.0,
-        logit_scale: float = 1.0,
-        softcap: float | None = None,
-        off_policy_mask_threshold: float | None = None,
-        top_entropy_quantile: float = 1.0,
-        entropy_coef: float = 0.0,
-        use_adaptive_entropy: bool = False,
-        max_completion_length: int | None = None,
-        chunk_size: int | None = None,
-        logits_budget_mb: int = 448,
-        accum_dtype: torch.dtype | None = torch.float32,
-        compile: bool = True,
-    ):
-        """Args (GRPOConfig's names, except ``epsilon_low`` for TRL's ``epsilon``):
-            loss_type: one of ``LOSS_TYPES``: 'grpo', 'bnpo', 'dr_grpo', 'dapo' (TRL's default), 'cispo',
-                'sapo', 'luspo', 'vespo'.
-            beta: KL coefficient; needs ``ref_logps`` or a reference head when non-zero.
-            epsilon_low: lower clip ε (TRL's ``epsilon``).
-            epsilon_high: upper clip ε (cispo: the ratio cap ε_max); ``None`` means ``epsilon_low``.
-            delta: two-sided clip: the ratio is first clamped at ``delta`` (INTELLECT-2); ``None`` for off.
-            importance_sampling_level: 'token', 'sequence' (GSPO) or 'sequence_token' (GSPO-token).
-            sapo_temperature_pos, sapo_temperature_neg: SAPO gate temperatures τ_pos, τ_neg.
-            vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO Gamma weight parameters.
-            use_bias_correction_kl: multiply the KL term by the importance ratio (DeepSeek-V3.2).
-            temperature: the logits (policy and reference) are divided by it.
-            logit_scale: the logits are first multiplied by it (Cohere's ``logit_scale``).
-            softcap: final logit softcapping ``c·tanh(z/c)`` after the scale, before the temperature
-                (Gemma-2's ``final_logit_softcapping``); ``None`` for off.
-            off_policy_mask_threshold: drop negative-advantage sequences whose mean KL(sampler ‖ policy)
-                exceeds it (DeepSeek-V3.2 off-policy sequence masking); ``None`` for off.
-            top_entropy_quantile: keep only the top ρ of tokens by entropy in the policy loss (1.0: all).
-            entropy_coef: coefficient of the entropy bonus (loss -= coef · mean entropy / GA); ≠ 0 switches
-                the bonus on, and a call may pass another value (see ``forward``).
-            use_adaptive_entropy: must be False: the adaptive controller is trainer state; pass its current
-                coefficient to each call as ``entropy_coef``.
-            max_completion_length: the dr_grpo normaliser's constant (required for dr_grpo).
-            chunk_size, logits_budget_mb, accum_dtype, compile: the engine's options
-                (:class:`chunkloss.engine.FusedOptions`).
-        """
-        super().__init__(**options_of(locals()))
-        # Entropy masking needs every token's entropy before the quantile is known: two passes.
-        self.needs_global_stats = self.options.top_entropy_quantile < 1.0
+    @property
+    def needs_global_stats(self) -> bool:
+        """Entropy masking needs every token's entropy before the quantile is known: two passes."""
+        return self.options.top_entropy_quantile < 1.0
 
     def pass_1_estimates(self, batch):
         """With the entropy mask, every chunk runs its backward in pass 1 with the quantile of the entropies
@@ -552,7 +441,7 @@ class FusedLinearGRPOLoss(FusedLinearBase):
         )
         if self.options.entropy_coef != 0.0:
             coef = self.options.entropy_coef if entropy_coef is None else entropy_coef
-            scalars["entropy_coef"] = to_scalar(coef, hidden.device)
+            scalars.entropy_coef = to_scalar(coef, hidden.device)
         elif entropy_coef is not None:
             raise ValueError(
                 "entropy_coef given to the call needs the entropy bonus switched on: construct the loss "
@@ -565,8 +454,8 @@ class FusedLinearGRPOLoss(FusedLinearBase):
         )  # fmt: skip
         loss = self.run(hidden.reshape(b * t, h), weight, bias, batch)
         seq_shaped = self.options.importance_sampling_level == "sequence" and advantages.dim() == 1
-        raw = {**_zero_metrics(self.options, hidden.device), **self.metrics}
-        self.metrics = _finish_metrics(raw, sequence["len"], seq_shaped)
+        sums = {**_zero_metrics(self.options, hidden.device), **self.chunk_sums}
+        self.metrics = _finish_metrics(sums, sequence.length, seq_shaped)
         return loss
 
 
@@ -583,16 +472,17 @@ def _zero_metrics(opts: GRPOOptions, device) -> dict:
     return out
 
 
-def _finish_metrics(raw: dict, len_s: Tensor, seq_shaped: bool) -> dict:
-    """Per-sequence clip vectors -> TRL's low_min / high_max (NaN-skipping over this process)."""
-    out = {k: v for k, v in raw.items() if not k.startswith("_")}
-    if "_low_seq" in raw:
+def _finish_metrics(sums: dict, len_s: Tensor, seq_shaped: bool) -> dict:
+    """The metrics from the chunk sums: the per-sequence clip vectors become TRL's low_min / high_max
+    (NaN-skipping over this process)."""
+    out = {k: v for k, v in sums.items() if k not in ("low_per_seq", "high_per_seq")}
+    if "low_per_seq" in sums:
         empty = (len_s == 0) & (not seq_shaped)
         for key, name, extremum in (
-            ("_low_seq", "clip_ratio/low_min", nanmin),
-            ("_high_seq", "clip_ratio/high_max", nanmax),
+            ("low_per_seq", "clip_ratio/low_min", nanmin),
+            ("high_per_seq", "clip_ratio/high_max", nanmax),
         ):
-            out[name] = extremum(raw[key][: len_s.numel()].masked_fill(empty, float("nan")))
+            out[name] = extremum(sums[key][: len_s.numel()].masked_fill(empty, float("nan")))
     return out
 
 
@@ -613,3 +503,57 @@ def _nan_extremum(values: Tensor, reduce, neutral: float) -> Tensor:
         return values.new_full((), float("nan"))
     ok = ~torch.isnan(values)
     return torch.where(ok.any(), reduce(torch.where(ok, values, neutral)), float("nan"))
+
+
+# --------------------------------------------------------------------------------------------------
+# The CUDA steps: the row statistics (``chunkloss.kernels.logprob``), the loss on the (C,) statistics, the
+# gradient written in place.
+def _grpo_scalings(opts: GRPOOptions) -> dict:
+    return dict(logit_scale=opts.logit_scale, softcap=opts.softcap, temperature=opts.temperature)
+
+
+def grpo_token(opts: GRPOOptions, logits, extra_logits, token, scalars, grad: bool = True):
+    """``TOKEN`` (``grad``) or ``TOKEN_VALUE``: ``grad_and_value(grpo_chunk)``."""
+    from chunkloss.kernels.logprob import row_grad_from_loss_, row_stats
+
+    logp, ent, ref, rows = _row_logprobs(logits, extra_logits, token, opts, row_stats)
+    with torch.enable_grad():
+        logp.requires_grad_(grad)
+        ent.requires_grad_(grad and opts.entropy_coef != 0)
+        old = logp.detach() if token.old_logps is None else token.old_logps
+        loss, m = _row_loss(logp, ent, ref, logp - old, token, scalars, opts)
+    metrics = _token_shaped_metrics(m, token, scalars)
+    if not grad:
+        return None, loss, metrics
+    row_grad_from_loss_(logits, token.ids, rows, loss, **_grpo_scalings(opts))
+    return logits, loss.detach(), metrics
+
+
+def grpo_stats(opts: GRPOOptions, logits, extra_logits, token):
+    """``STATS``: ``grpo_token_stats``, and the rows' statistics for ``SEQ_PASS2`` on these logits."""
+    from chunkloss.kernels.logprob import row_stats
+
+    logp, ent, ref, rows = _row_logprobs(logits, extra_logits, token, opts, row_stats)
+    return torch.stack([logp, ent] if ref is None else [logp, ent, ref], dim=1), rows
+
+
+def grpo_pass2(opts: GRPOOptions, logits, extra_logits, token, coef, rows=None):
+    """``SEQ_PASS2``: ``grad((grpo_token_stats * coef).sum())`` over the logits (the reference column carries
+    no gradient, the entropy one only with the entropy bonus). ``rows``: as for ``preference_pass2``."""
+    from chunkloss.kernels.logprob import row_grad_
+
+    coef_ent = coef[:, 1].contiguous() if opts.entropy_coef != 0 else None
+    a = coef[:, 0].contiguous()
+    return row_grad_(logits, token.ids, a, coef_entropy=coef_ent, stats=rows, **_grpo_scalings(opts))
+
+
+register_gpu_steps(
+    FusedLinearGRPOLoss,
+    {
+        StepKind.TOKEN: grpo_token,
+        StepKind.TOKEN_VALUE: functools.partial(grpo_token, grad=False),
+        StepKind.STATS: grpo_stats,
+        StepKind.SEQ_PASS2: grpo_pass2,
+    },
+    math=("chunk_loss", "token_stats"),
+)

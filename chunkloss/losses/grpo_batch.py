@@ -6,23 +6,54 @@ docstring.
 
 from __future__ import annotations
 
-import math
 import numbers
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from chunkloss.engine import Head
+from chunkloss.engine import ExtraHead, Rows, Sequences
 from chunkloss.losses.common import check_head, check_labels, item_count, to_scalar
+from chunkloss.losses.grpo_options import GLOBAL_COUNT_LOSS_TYPES, LOG_RATIO_MIN, GRPOOptions
 
-if TYPE_CHECKING:
-    from chunkloss.losses.grpo import GRPOOptions
 
-#: The loss types normalised by the global masked-token count ``num_items_in_batch``.
-GLOBAL_COUNT_LOSS_TYPES = ("dapo", "cispo", "vespo")
-#: TRL clamps log importance weights from below at log(1e-8).
-LOG_RATIO_MIN = math.log(1e-8)
+@dataclass
+class GRPORows(Rows):
+    """Per completion token that takes part."""
+
+    ids: Tensor  # (N,) int64 the sampled token
+    adv: Tensor  # (N,) its sequence's (or its own) advantage
+    weight: Tensor  # (N,) 1 / the loss type's normaliser
+    seq: Tensor  # (N,) int64 its sequence
+    inv_len: Tensor  # (N,) 1 / its sequence's length
+    old_logps: Tensor | None = None  # (N,) the sampling policy's log-prob (None: on-policy)
+    ref_logps: Tensor | None = None  # (N,) the reference's log-prob (without a reference head)
+    sampling_logps: Tensor | None = None  # (N,) the sampler's log-prob (off-policy mask)
+    is_ratio: Tensor | None = None  # (N,) vLLM's importance-sampling ratio
+
+
+@dataclass
+class GRPOSequences(Sequences):
+    """Per completion."""
+
+    length: Tensor  # (S,) its tokens that take part
+    index: Tensor  # (S,) int64 its index in the batch
+    adv: Tensor | None = None  # (S,) its advantage, where advantages are per sequence
+    vespo_log_is: Tensor | None = None  # (S,) Σ_t log of vLLM's ratio (vespo)
+
+
+@dataclass
+class GRPOScalars:
+    """The batch's tensors."""
+
+    n_valid: Tensor  # 0-d tokens that take part (at least 1)
+    n_bonus: Tensor  # 0-d the entropy bonus's normaliser
+    n_seqs: Tensor  # 0-d sequences (at least 1)
+    grad_accum: Tensor  # 0-d TRL's gradient-accumulation steps
+    policy_scale: Tensor  # 0-d scale of the logged ``policy_loss``
+    seq_zeros: Tensor  # (B + 1,) zeros the per-sequence clip flags are added into
+    entropy_coef: Tensor | None = None  # 0-d this call's entropy-bonus coefficient (bonus on)
+    entropy_threshold: Tensor | None = None  # 0-d the entropy mask's threshold, where the engine estimates it
 
 
 def check_trainer_state(num_processes, gradient_accumulation_steps, steps_per_generation) -> None:
@@ -101,7 +132,7 @@ def reference_head(opts: GRPOOptions, hidden, weight, ref_logps, ref_hidden, ref
     if ref_hidden.device != hidden.device:
         raise ValueError(f"ref_hidden is on {ref_hidden.device} but hidden is on {hidden.device}")
     ref_b = None if ref_bias is None else ref_bias.detach()
-    return [Head(ref_hidden.detach().reshape(b * t, -1), ref_weight.detach(), ref_b)]
+    return [ExtraHead(ref_hidden.detach().reshape(b * t, -1), ref_weight.detach(), ref_b)]
 
 
 def normaliser(opts: GRPOOptions, mask, num_items_in_batch, num_processes, ga: float, spg) -> Tensor:
@@ -124,45 +155,48 @@ def normaliser(opts: GRPOOptions, mask, num_items_in_batch, num_processes, ga: f
 
 
 def batch_tensors(opts: GRPOOptions, completion_ids, mask, advantages, per_token, isr, norm, ga: float):
-    """The batch's per-row (B, T), per-sequence (B,) and 0-d tensors, by the names the per-chunk math
-    reads."""
+    """The batch's per-row (B, T), per-sequence (B,) and whole-batch tensors."""
     b, t = mask.shape
     dev = mask.device
     f32 = torch.float32
     n_valid = mask.sum().clamp(min=1).to(f32)
     len_s = mask.sum(-1).to(f32)
     adv = advantages.to(f32)
-    token = {
-        "ids": completion_ids.long(),
-        "adv": adv.unsqueeze(1).expand(b, t) if adv.dim() == 1 else adv,
-        "weight": (1.0 / norm).expand(b, t),
-        "seq": torch.arange(b, device=dev).unsqueeze(1).expand(b, t),
-        "inv_len": (1.0 / len_s.clamp(min=1.0)).unsqueeze(1).expand(b, t),
+    optional = {
+        name: None if v is None else check_bt(v, (b, t), name, dev).to(f32) for name, v in per_token.items()
     }
-    for name, v in per_token.items():
-        if v is not None:
-            token[name] = check_bt(v, (b, t), name, dev).to(f32)
-    if isr is not None:
-        token["is_ratio"] = isr.to(f32).reshape(b, -1).expand(b, t)
-    sequence = {"len": len_s, "index": torch.arange(b, device=dev)}
-    if adv.dim() == 1:
-        sequence["adv"] = adv
+    token = GRPORows(
+        ids=completion_ids.long(),
+        adv=adv.unsqueeze(1).expand(b, t) if adv.dim() == 1 else adv,
+        weight=(1.0 / norm).expand(b, t),
+        seq=torch.arange(b, device=dev).unsqueeze(1).expand(b, t),
+        inv_len=(1.0 / len_s.clamp(min=1.0)).unsqueeze(1).expand(b, t),
+        is_ratio=None if isr is None else isr.to(f32).reshape(b, -1).expand(b, t),
+        **optional,
+    )
+    vespo_log_is = None
     if opts.loss_type == "vespo":
-        sequence["vespo_log_is"] = (
+        vespo_log_is = (
             torch.zeros(b, device=dev)
             if isr is None
             else torch.clamp(torch.log(isr.to(f32)), LOG_RATIO_MIN, 20.0).sum(-1)
         )
-    scalars = {
-        "n_valid": n_valid,
-        "n_bonus": n_valid,
-        "n_seqs": to_scalar(max(b, 1), dev),
-        "grad_accum": to_scalar(ga, dev),
-        "policy_scale": to_scalar(1.0 if opts.loss_type in GLOBAL_COUNT_LOSS_TYPES else ga, dev),
+    sequence = GRPOSequences(
+        length=len_s,
+        index=torch.arange(b, device=dev),
+        adv=adv if adv.dim() == 1 else None,
+        vespo_log_is=vespo_log_is,
+    )
+    scalars = GRPOScalars(
+        n_valid=n_valid,
+        n_bonus=n_valid,
+        n_seqs=to_scalar(max(b, 1), dev),
+        grad_accum=to_scalar(ga, dev),
+        policy_scale=to_scalar(1.0 if opts.loss_type in GLOBAL_COUNT_LOSS_TYPES else ga, dev),
         # One slot more than there are sequences (dropped in _finish_metrics): inductor's CPU codegen
         # (torch 2.13) fails on an index_add into a 1-element buffer, i.e. a batch of one sequence.
-        "seq_zeros": torch.zeros(b + 1, device=dev),
-    }
+        seq_zeros=torch.zeros(b + 1, device=dev),
+    )
     return token, sequence, scalars
 
 

@@ -39,13 +39,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from chunkloss.engine import Batch, FusedLinearBase, FusedOptions, Head
+from chunkloss.engine import Batch, ExtraHead, FusedLinearBase, FusedOptions, StepKind, register_gpu_steps
 from chunkloss.losses.common import (
+    LabelRows,
+    Normalisers,
     check_head,
     check_labels,
     check_range,
     item_count,
-    options_of,
     pick,
     scale_logits,
 )
@@ -57,7 +58,20 @@ _REDUCTIONS = ("batchmean", "sum", "mean")
 
 @dataclass(frozen=True)
 class JSDOptions(FusedOptions):
-    """The validated options of :class:`FusedLinearJSDLoss` (documented on its constructor)."""
+    """The options of :class:`FusedLinearJSDLoss`, its constructor's keywords.
+
+    Args:
+        beta: β in [0, 1]; 0 is forward KL(T‖S), 1 reverse KL(S‖T), TRL's convention.
+        temperature: τ dividing both heads' logits in the divergence (not in the hard loss).
+        weight_hard_loss: weight of the student's cross-entropy on the labels.
+        weight_soft_loss: weight of the divergence.
+        ignore_index: label value that takes no part (its row costs no GEMM).
+        reduction: 'batchmean' (sum over vocabulary, mean over labelled rows), 'sum', or 'mean' (mean over
+            rows and vocabulary, GKD's ``reduction='mean'``). ``num_items_in_batch`` overrides it.
+        student_logit_scale, teacher_logit_scale: multipliers of each head's logits (Cohere, Granite).
+        student_softcap, teacher_softcap: each head's final logit softcapping (Gemma-2), ``None`` for
+            none.
+    """
 
     beta: float = 0.5
     temperature: float = 1.0
@@ -109,9 +123,9 @@ def jsd_rows(logits: Tensor, teacher_logits: Tensor, labels: Tensor, opts: JSDOp
     return rows
 
 
-def _chunk_sums(rows: dict[str, Tensor], scalars, opts: JSDOptions):
+def _chunk_sums(rows: dict[str, Tensor], scalars: Normalisers, opts: JSDOptions):
     """The chunk's loss (weighted, over the global normaliser) and metric sums from its per-row terms."""
-    normaliser = scalars["normaliser"]
+    normaliser = scalars.normaliser
     soft = rows["soft"].sum() / normaliser
     loss = opts.weight_soft_loss * soft
     metrics = {"soft_loss": soft}
@@ -119,14 +133,14 @@ def _chunk_sums(rows: dict[str, Tensor], scalars, opts: JSDOptions):
         hard = rows["hard"].sum() / normaliser
         loss = loss + opts.weight_hard_loss * hard
         metrics["hard_loss"] = hard
-    metrics["entropy"] = rows["entropy"].sum() / scalars["n_valid"]
+    metrics["entropy"] = rows["entropy"].sum() / scalars.n_valid
     return loss, metrics
 
 
-def jsd_chunk(logits, extra_logits, token, scalars, opts: JSDOptions):
+def jsd_chunk(logits, extra_logits, token: LabelRows, scalars: Normalisers, opts: JSDOptions):
     """Loss of one chunk: the weighted divergence and hard loss summed over rows, divided by the
     global normaliser; metrics are the same sums, unweighted."""
-    return _chunk_sums(jsd_rows(logits, extra_logits[0], token["labels"], opts), scalars, opts)
+    return _chunk_sums(jsd_rows(logits, extra_logits[0], token.labels, opts), scalars, opts)
 
 
 class FusedLinearJSDLoss(FusedLinearBase):
@@ -146,41 +160,8 @@ class FusedLinearJSDLoss(FusedLinearBase):
 
     options_cls = JSDOptions
     options: JSDOptions
+    head_args = ("hidden", "weight", "bias", "teacher_hidden", "teacher_weight", "teacher_bias")
     chunk_loss = staticmethod(jsd_chunk)
-
-    def __init__(
-        self,
-        *,
-        beta: float = 0.5,
-        temperature: float = 1.0,
-        weight_hard_loss: float = 0.0,
-        weight_soft_loss: float = 1.0,
-        ignore_index: int = -100,
-        reduction: str = "batchmean",
-        student_logit_scale: float = 1.0,
-        teacher_logit_scale: float = 1.0,
-        student_softcap: float | None = None,
-        teacher_softcap: float | None = None,
-        chunk_size: int | None = None,
-        logits_budget_mb: int = 448,
-        accum_dtype: torch.dtype | None = torch.float32,
-        compile: bool = True,
-    ):
-        """Args:
-            beta: β in [0, 1]; 0 is forward KL(T‖S), 1 reverse KL(S‖T), TRL's convention.
-            temperature: τ dividing both heads' logits in the divergence (not in the hard loss).
-            weight_hard_loss: weight of the student's cross-entropy on the labels.
-            weight_soft_loss: weight of the divergence.
-            ignore_index: label value that takes no part (its row costs no GEMM).
-            reduction: 'batchmean' (sum over vocabulary, mean over labelled rows), 'sum', or 'mean' (mean over
-                rows and vocabulary, GKD's ``reduction='mean'``). ``num_items_in_batch`` overrides it.
-            student_logit_scale, teacher_logit_scale: multipliers of each head's logits (Cohere, Granite).
-            student_softcap, teacher_softcap: each head's final logit softcapping (Gemma-2), ``None`` for
-                none.
-            chunk_size, logits_budget_mb, accum_dtype, compile: the engine's options
-                (:class:`chunkloss.engine.FusedOptions`).
-        """
-        super().__init__(**options_of(locals()))
 
     def forward(
         self,
@@ -226,11 +207,13 @@ class FusedLinearJSDLoss(FusedLinearBase):
             normaliser = n_valid * vocab
         else:
             normaliser = torch.ones((), device=x.device)
-        teacher = Head(x_t, teacher_weight.detach(), None if teacher_bias is None else teacher_bias.detach())
+        teacher = ExtraHead(
+            x_t, teacher_weight.detach(), None if teacher_bias is None else teacher_bias.detach()
+        )
         batch = Batch(
             rows=rows,
-            token={"labels": y[rows].long()},
-            scalars={"normaliser": normaliser, "n_valid": n_valid},
+            token=LabelRows(labels=y[rows].long()),
+            scalars=Normalisers(normaliser=normaliser, n_valid=n_valid),
             extra=[teacher],
             num_rows=x.shape[0],
             all_rows=rows.numel() == x.shape[0],
@@ -265,3 +248,24 @@ def _check_heads(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_b
         )
     if teacher_hidden.device != hidden.device:
         raise ValueError(f"teacher_hidden is on {teacher_hidden.device}, hidden on {hidden.device}")
+
+
+# --------------------------------------------------------------------------------------------------
+# The CUDA step: one kernel (``chunkloss.kernels.jsd``) reads both heads' logits three times, with no fp32
+# copy.
+_JSD_KERNEL_OPTIONS = (
+    "beta", "temperature", "weight_soft_loss", "weight_hard_loss",
+    "student_logit_scale", "student_softcap", "teacher_logit_scale", "teacher_softcap",
+)  # fmt: skip
+
+
+def jsd_token(opts: JSDOptions, logits, extra_logits, token, scalars):
+    """``TOKEN``: ``grad_and_value(jsd_chunk)``."""
+    from chunkloss.kernels.jsd import jsd_step
+
+    kernel_args = {name: getattr(opts, name) for name in _JSD_KERNEL_OPTIONS}
+    rows = jsd_step(logits, extra_logits[0], token.labels, scalars.normaliser, **kernel_args)
+    return (logits, *_chunk_sums(rows, scalars, opts))
+
+
+register_gpu_steps(FusedLinearJSDLoss, {StepKind.TOKEN: jsd_token}, math=("chunk_loss",))

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from chunkloss.engine import Batch, FusedLinearBase
-from chunkloss.losses.common import check_head, check_labels, item_count
-from chunkloss.losses.cross_entropy import CrossEntropyOptions, cross_entropy_rows
+from chunkloss.engine import Batch, FusedLinearBase, StepKind, register_gpu_steps
+from chunkloss.losses.common import LabelRows, check_head, check_labels, item_count
+from chunkloss.losses.cross_entropy import CrossEntropyOptions, cross_entropy_kernel_rows, cross_entropy_rows
 
 __all__ = ["FusedLinearMultiTokenLoss", "MultiTokenOptions"]
 
@@ -50,14 +50,24 @@ _METRIC_NAMES = {
 
 @dataclass(frozen=True)
 class MultiTokenOptions(CrossEntropyOptions):
-    """The options of :class:`~chunkloss.losses.cross_entropy.CrossEntropyOptions`, and:
+    """The options of :class:`FusedLinearMultiTokenLoss`, its constructor's keywords (``head_weights`` also
+    by position).
 
     Args:
         head_weights: ``w_k`` of each head (K floats ≥ 0); ``None`` weighs every head 1.
-        return_token_accuracy: report ``head{k}/accuracy`` (top-1); on by default here.
+        ignore_index: label value that takes no part.
+        reduction: 'mean' (each head's mean over its targets, weighted and summed), 'sum', or 'none'
+            ((K, B, T) per-position ``w_k·loss``, 0 where a head has no target).
+        label_smoothing: ε in [0, 1], as in ``F.cross_entropy``.
+        lse_square_scale: λ of the z-loss ``λ·logsumexp²``; 0 turns it off.
+        softcap: final logit softcapping ``c·tanh(z/c)``, ``None`` for none.
+        temperature: the logits are divided by it (after the softcap).
+        logit_scale: the logits are multiplied by it first.
+        return_token_accuracy: report ``head{k}/accuracy`` (top-1); on by default.
+        return_entropy: report each head's mean per-token entropy.
     """
 
-    head_weights: tuple[float, ...] | None = None
+    head_weights: Sequence[float] | None = None  # a tuple once validated
     return_token_accuracy: bool = True
 
     def __post_init__(self):
@@ -79,20 +89,40 @@ class MultiTokenOptions(CrossEntropyOptions):
         object.__setattr__(self, "head_weights", weights)  # hashable: the compiled steps are keyed on it
 
 
-def _head_sums(rows: dict[str, Tensor], token, scalars, opts: MultiTokenOptions):
+@dataclass
+class MultiTokenRows(LabelRows):
+    """Per row of the stacked heads: its label, its head k and that head's weight ``w_k / n_k``."""
+
+    head: Tensor  # (N,) int64 in [0, K)
+    row_weight: Tensor  # (N,) fp32
+
+
+@dataclass
+class MultiTokenScalars:
+    """The stacked heads' tensors of the whole batch."""
+
+    head_zeros: Tensor  # (K,) zeros: each head's sums are added into a copy
+    one: Tensor  # 0-d 1: the cross-entropy kernel's normaliser (the rows carry w_k / n_k)
+
+
+def _head_sums(
+    rows: dict[str, Tensor], token: MultiTokenRows, scalars: MultiTokenScalars, opts: MultiTokenOptions
+):
     """The chunk's weighted loss and, per head, the sums of its rows' values (``head_loss`` (K,), …)."""
     per_row = rows["loss"]
-    loss = (per_row * token["row_weight"]).sum()
-    zeros, head = scalars["head_zeros"], token["head"]
+    loss = (per_row * token.row_weight).sum()
+    zeros, head = scalars.head_zeros, token.head
     metrics = {_HEAD_SUMS[k]: zeros.index_add(0, head, v) for k, v in rows.items() if k in _HEAD_SUMS}
     if opts.reduction == "none":
-        metrics["loss"] = per_row * token["row_weight"]
+        metrics["loss"] = per_row * token.row_weight
     return loss, metrics
 
 
-def multi_token_chunk(logits, extra_logits, token, scalars, opts: MultiTokenOptions):
+def multi_token_chunk(
+    logits, extra_logits, token: MultiTokenRows, scalars: MultiTokenScalars, opts: MultiTokenOptions
+):
     """Loss of one chunk of stacked heads' rows: ``Σ_i (w_k/n_k)_i · ℓ_i``, and the per-head sums."""
-    return _head_sums(cross_entropy_rows(logits, token["labels"], opts), token, scalars, opts)
+    return _head_sums(cross_entropy_rows(logits, token.labels, opts), token, scalars, opts)
 
 
 def _per_head(value, k: int, name: str, dims: int, optional: bool = False) -> list:
@@ -188,75 +218,15 @@ class FusedLinearMultiTokenLoss(FusedLinearBase):
 
     options_cls = MultiTokenOptions
     options: MultiTokenOptions
+    head_args = ("hiddens", "weight", "bias")
     chunk_loss = staticmethod(multi_token_chunk)
 
-    def __init__(
-        self,
-        head_weights: Sequence[float] | None = None,
-        *,
-        ignore_index: int = -100,
-        reduction: str = "mean",
-        label_smoothing: float = 0.0,
-        lse_square_scale: float = 0.0,
-        softcap: float | None = None,
-        temperature: float = 1.0,
-        logit_scale: float = 1.0,
-        return_token_accuracy: bool = True,
-        return_entropy: bool = False,
-        chunk_size: int | None = None,
-        logits_budget_mb: int = 448,
-        accum_dtype: torch.dtype | None = torch.float32,
-        compile: bool = True,
-    ):
-        """Args:
-            head_weights: ``w_k`` of each head (K floats ≥ 0); ``None`` weighs every head 1.
-            ignore_index: label value that takes no part.
-            reduction: 'mean' (each head's mean over its targets, weighted and summed), 'sum', or 'none'
-                ((K, B, T) per-position ``w_k·loss``, 0 where a head has no target).
-            label_smoothing: ε in [0, 1], as in ``F.cross_entropy``.
-            lse_square_scale: λ of the z-loss ``λ·logsumexp²``; 0 turns it off.
-            softcap: final logit softcapping ``c·tanh(z/c)``, ``None`` for none.
-            temperature: the logits are divided by it (after the softcap).
-            logit_scale: the logits are multiplied by it first.
-            return_token_accuracy: report ``head{k}/accuracy`` (top-1); on by default.
-            return_entropy: report each head's mean per-token entropy.
-            chunk_size, logits_budget_mb, accum_dtype, compile: the engine's options
-                (:class:`chunkloss.engine.FusedOptions`).
-        """
-        super().__init__(
-            head_weights=head_weights,
-            ignore_index=ignore_index,
-            reduction=reduction,
-            label_smoothing=label_smoothing,
-            lse_square_scale=lse_square_scale,
-            softcap=softcap,
-            temperature=temperature,
-            logit_scale=logit_scale,
-            return_token_accuracy=return_token_accuracy,
-            return_entropy=return_entropy,
-            chunk_size=chunk_size,
-            logits_budget_mb=logits_budget_mb,
-            accum_dtype=accum_dtype,
-            compile=compile,
-        )
-        if self.options.reduction == "none":
-            self.token_outputs = ("loss",)
+    positional_options = ("head_weights",)
 
-    def __call__(self, hiddens, weight, labels, *, bias=None, num_items_in_batch=None):
-        """Under ``torch.autocast`` every head's hidden, weight and bias are cast to the autocast dtype first,
-        as for the other losses (``FusedLinearBase.__call__``), here also inside sequences."""
-        first = hiddens if isinstance(hiddens, Tensor) else next(iter(hiddens), None)
-        device = first.device.type if isinstance(first, Tensor) else None
-        if device is not None and torch.is_autocast_enabled(device):
-            cast = _autocast_cast(torch.get_autocast_dtype(device))
-            hiddens, weight, bias = cast(hiddens), cast(weight), cast(bias)
-            with torch.autocast(device, enabled=False):
-                return torch.nn.Module.__call__(
-                    self, hiddens, weight, labels, bias=bias, num_items_in_batch=num_items_in_batch
-                )
-        return torch.nn.Module.__call__(
-            self, hiddens, weight, labels, bias=bias, num_items_in_batch=num_items_in_batch
-        )
+    @property
+    def token_outputs(self) -> tuple[str, ...]:
+        """``("loss",)`` with reduction='none': the per-row losses are the output."""
+        return ("loss",) if self.options.reduction == "none" else ()
 
     def forward(
         self,
@@ -295,7 +265,9 @@ class FusedLinearMultiTokenLoss(FusedLinearBase):
         scale = torch.tensor(head_weights, dtype=torch.float32).to(device) / _normalisers(
             counts, num_items_in_batch, opts
         )
-        scalars = {"head_zeros": torch.zeros(k, device=device), "one": torch.ones((), device=device)}
+        scalars = MultiTokenScalars(
+            head_zeros=torch.zeros(k, device=device), one=torch.ones((), device=device)
+        )
         n = labels.numel()
         outs, losses, sums = [None] * k, [], {}
         for group in _groups(weights, biases):
@@ -312,11 +284,9 @@ class FusedLinearMultiTokenLoss(FusedLinearBase):
             head = index[rows // n]
             batch = Batch(
                 rows=rows,
-                token={
-                    "labels": shifted[index].reshape(-1)[rows].long(),
-                    "head": head,
-                    "row_weight": scale[head],
-                },
+                token=MultiTokenRows(
+                    labels=shifted[index].reshape(-1)[rows].long(), head=head, row_weight=scale[head]
+                ),
                 scalars=scalars,
                 num_rows=len(group) * n,
                 all_rows=rows.numel() == len(group) * n,
@@ -353,14 +323,22 @@ def _head_metrics(sums: dict[str, Tensor], counts: Tensor, opts: MultiTokenOptio
     return metrics
 
 
-def _autocast_cast(dtype: torch.dtype):
-    """A function casting a tensor, or each tensor of a sequence, to ``dtype`` if it is floating point."""
+# --------------------------------------------------------------------------------------------------
+# The CUDA steps: the cross-entropy kernel, each row weighted by its head's ``w_k/n_k``.
+def multi_token_token(opts, logits, extra_logits, token, scalars):
+    """``TOKEN``: ``grad_and_value(multi_token_chunk)``."""
+    rows = cross_entropy_kernel_rows(opts, logits, token.labels, scalars.one, token.row_weight)
+    return (logits, *_head_sums(rows, token, scalars, opts))
 
-    def cast(value):
-        if isinstance(value, Tensor):
-            return value.to(dtype) if value.is_floating_point() else value
-        if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
-            return [cast(v) for v in value]
-        return value
 
-    return cast
+def multi_token_token_rows(opts, logits, extra_logits, token, scalars, row_weight):
+    """``TOKEN_ROWS`` (reduction='none'): the gradient of ``Σ_i row_weight_i·w_k·ℓ_i``."""
+    cross_entropy_kernel_rows(opts, logits, token.labels, scalars.one, row_weight * token.row_weight)
+    return logits
+
+
+register_gpu_steps(
+    FusedLinearMultiTokenLoss,
+    {StepKind.TOKEN: multi_token_token, StepKind.TOKEN_ROWS: multi_token_token_rows},
+    math=("chunk_loss",),
+)

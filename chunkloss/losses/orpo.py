@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from chunkloss.losses.common import log1mexp, options_of
+from chunkloss.losses.common import log1mexp
 from chunkloss.losses.preference import FusedLinearPreferenceLoss, PreferenceOptions
 
 __all__ = ["FusedLinearORPOLoss", "ORPOOptions"]
@@ -30,8 +30,17 @@ __all__ = ["FusedLinearORPOLoss", "ORPOOptions"]
 
 @dataclass(frozen=True)
 class ORPOOptions(PreferenceOptions):
-    """The validated options of :class:`FusedLinearORPOLoss` (documented on its constructor). ORPO fixes what
-    the base leaves to options: ℓ is the mean completion log-prob and the NLL term weighs 1."""
+    """The options of :class:`FusedLinearORPOLoss`, its constructor's keywords. ORPO fixes what the base
+    leaves to options: ℓ is the mean completion log-prob and the NLL term weighs 1.
+
+    Args:
+        beta: λ, the weight of the odds-ratio term (``ORPOConfig.beta``).
+        ignore_index: label value of prompt and padding tokens (their rows cost no GEMM).
+        logit_scale: the logits are multiplied by it (Cohere's ``logit_scale``).
+        softcap: final logit softcapping ``c·tanh(z/c)`` after the scale (Gemma-2), ``None`` for off.
+        return_token_metrics: also report ``entropy`` and ``mean_token_accuracy`` (one more reduction
+            over V per row).
+    """
 
     avg_logps = True
     nll_coef = 1.0
@@ -39,14 +48,14 @@ class ORPOOptions(PreferenceOptions):
 
 def orpo_pair_loss(pair, scalars, opts: ORPOOptions):
     """``-β·logσ(log_odds)`` per pair, as ``ORPOTrainer.odds_ratio_loss`` (TRL 1.16)."""
-    valid = pair["valid"]
+    valid = pair.valid
     # Empty completions give ℓ = 0 and log(1 - e^0) = -inf: stand in a finite value, masked below.
-    c = torch.where(valid, pair["chosen"], -1.0)
-    r = torch.where(valid, pair["rejected"], -1.0)
+    c = torch.where(valid, pair.chosen, -1.0)
+    r = torch.where(valid, pair.rejected, -1.0)
     log_odds = (c - r) - (log1mexp(c) - log1mexp(r))
     ratio = torch.where(valid, F.logsigmoid(log_odds), 0.0)
     metrics = {"log_odds_ratio": ratio, "log_odds_chosen": torch.where(valid, log_odds, 0.0)}
-    return -opts.beta * ratio, opts.beta * pair["chosen"], opts.beta * pair["rejected"], metrics
+    return -opts.beta * ratio, opts.beta * pair.chosen, opts.beta * pair.rejected, metrics
 
 
 class FusedLinearORPOLoss(FusedLinearPreferenceLoss):
@@ -68,28 +77,3 @@ class FusedLinearORPOLoss(FusedLinearPreferenceLoss):
     options: ORPOOptions
     uses_nll = True
     pair_loss = staticmethod(orpo_pair_loss)
-
-    def __init__(
-        self,
-        *,
-        beta: float = 0.1,
-        ignore_index: int = -100,
-        logit_scale: float = 1.0,
-        softcap: float | None = None,
-        return_token_metrics: bool = False,
-        chunk_size: int | None = None,
-        logits_budget_mb: int = 448,
-        accum_dtype: torch.dtype | None = torch.float32,
-        compile: bool = True,
-    ):
-        """Args:
-            beta: λ, the weight of the odds-ratio term (``ORPOConfig.beta``).
-            ignore_index: label value of prompt and padding tokens (their rows cost no GEMM).
-            logit_scale: the logits are multiplied by it (Cohere's ``logit_scale``).
-            softcap: final logit softcapping ``c·tanh(z/c)`` after the scale (Gemma-2), ``None`` for off.
-            return_token_metrics: also report ``entropy`` and ``mean_token_accuracy`` (one more reduction
-                over V per row).
-            chunk_size, logits_budget_mb, accum_dtype, compile: the engine's options
-                (:class:`chunkloss.engine.FusedOptions`).
-        """
-        super().__init__(**options_of(locals()))

@@ -38,7 +38,17 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from chunkloss.engine import FusedLinearBase, FusedOptions, Head, segment_sum, sequence_batch
+from chunkloss.engine import (
+    ExtraHead,
+    FusedLinearBase,
+    FusedOptions,
+    Rows,
+    Sequences,
+    StepKind,
+    register_gpu_steps,
+    segment_sum,
+    sequence_batch,
+)
 from chunkloss.losses.common import (
     check_head,
     check_labels,
@@ -47,10 +57,67 @@ from chunkloss.losses.common import (
     to_scalar,
 )
 
-__all__ = ["FusedLinearPreferenceLoss", "PreferenceOptions"]
+__all__ = [
+    "FusedLinearPreferenceLoss",
+    "Pairs",
+    "PreferenceOptions",
+    "PreferenceRows",
+    "PreferenceScalars",
+    "PreferenceSequences",
+]
 
 # Columns of the per-row statistics.
 LOGP, LOGP_RAW, NLL, REF_LOGP, MEAN_LOGIT, WPO, ENTROPY, TOP1 = range(8)
+
+
+@dataclass
+class PreferenceRows(Rows):
+    """Per row of the chosen then rejected sequences (the module docstring's ``w_t``, ``m_t``, ``n_t``,
+    ``l_t``)."""
+
+    labels: Tensor  # (N,) int64 completion labels (0 where ignored)
+    pref_mask: Tensor  # (N,) m_t: 1 on completion tokens
+    pref_weight: Tensor  # (N,) w_t: the token's weight in the sequence log-prob
+    logit_mask: Tensor  # (N,) l_t: 1 on the rows averaged into the ``logits/*`` metrics
+    nll_labels: Tensor | None = None  # (N,) y'_t, the NLL targets of the chosen rows (ORPO, CPO)
+    nll_mask: Tensor | None = None  # (N,) n_t: 1 where y'_t is a target
+
+
+@dataclass
+class PreferenceSequences(Sequences):
+    """Per sequence (chosen, rejected of each pair)."""
+
+    n_tokens: Tensor  # (S,) completion tokens
+    ref_logps: Tensor | None = None  # (S,) precomputed reference log-probs, instead of a reference head
+
+
+@dataclass
+class PreferenceScalars:
+    """The batch's normalisers (each at least 1)."""
+
+    n_pairs: Tensor
+    n_chosen_tokens: Tensor
+    n_rejected_tokens: Tensor
+    n_tokens: Tensor
+    n_chosen_logit_rows: Tensor
+    n_rejected_logit_rows: Tensor
+    n_nll_tokens: Tensor | None = None  # with an NLL term
+
+
+@dataclass
+class Pairs:
+    """What ``pair_loss`` receives: (P,) tensors per pair."""
+
+    chosen: Tensor  # policy sequence log-probs, summed or averaged per ``opts.avg_logps``
+    rejected: Tensor
+    ref_chosen: Tensor  # the reference's (0 without a reference)
+    ref_rejected: Tensor
+    n_chosen: Tensor  # completion tokens
+    n_rejected: Tensor
+    raw_chosen: Tensor  # unweighted chosen log-prob sum
+    wpo_chosen: Tensor  # WPO statistics (0 unless ``opts.wpo``)
+    wpo_rejected: Tensor
+    valid: Tensor  # bool: both completions non-empty
 
 
 @dataclass(frozen=True)
@@ -99,14 +166,14 @@ class PreferenceOptions(FusedOptions):
 
 def preference_ref_stats(extra_logits, token, opts: PreferenceOptions) -> Tensor:
     """The reference head's weighted label log-prob per row (C, 1), reduced as soon as it is projected."""
-    ref_lp = nograd_label_logprob(extra_logits[0], token["labels"], opts.logit_scale, opts.softcap)
-    return (ref_lp * token["pref_weight"]).unsqueeze(1)
+    ref_lp = nograd_label_logprob(extra_logits[0], token.labels, opts.logit_scale, opts.softcap)
+    return (ref_lp * token.pref_weight).unsqueeze(1)
 
 
 def _row_request(token, opts: PreferenceOptions) -> dict:
     """What the statistics below read of a row (``row_statistics`` / ``row_stats`` arguments)."""
     return dict(
-        labels2=token.get("nll_labels"),
+        labels2=token.nll_labels,
         logit_scale=opts.logit_scale,
         softcap=opts.softcap,
         lse=True,  # for WPO, and for the CUDA pass-2 step when it runs on the same logits
@@ -120,58 +187,67 @@ def _row_request(token, opts: PreferenceOptions) -> dict:
 def _columns(rows: dict[str, Tensor], token, opts: PreferenceOptions) -> Tensor:
     """The (C, 8) statistics of the module docstring from the rows' ``row_statistics``."""
     lp = rows["logp"]
-    m, w = token["pref_mask"], token["pref_weight"]
+    m, w = token.pref_mask, token.pref_weight
     zero = torch.zeros_like(lp)
-    nll = rows["logp2"] * token["nll_mask"] if "nll_labels" in token else zero
-    ref = token["extra_stats"][:, 0] if "extra_stats" in token else zero
-    mean_logit = (rows["mean"] * token["logit_mask"]).detach()
+    nll = rows["logp2"] * token.nll_mask if token.nll_labels is not None else zero
+    ref = token.extra_stats[:, 0] if token.extra_stats is not None else zero
+    mean_logit = (rows["mean"] * token.logit_mask).detach()
     # log Σ_v p_v² = logsumexp(2z) - 2·lse
     wpo = ((lp - (rows["lse2"] - 2 * rows["lse"])) * m).detach() if opts.wpo else zero
     if opts.return_token_metrics:
         ent = rows["entropy"].detach() * m
         # argmax takes the first maximum: TRL's is_top1 (the label is the first maximal logit).
-        top1 = (rows["argmax"] == token["labels"]).float() * m
+        top1 = (rows["argmax"] == token.labels).float() * m
     else:
         ent = top1 = zero
     return torch.stack([lp * w, lp * m, nll, ref, mean_logit, wpo, ent, top1], dim=1)
 
 
-def preference_token_stats(logits, extra_logits, token, opts: PreferenceOptions) -> Tensor:
+def preference_token_stats(logits, extra_logits, token: PreferenceRows, opts: PreferenceOptions) -> Tensor:
     """Per-row statistics (C, 8) of one chunk; columns as in the module docstring."""
-    return _columns(row_statistics(logits, token["labels"], **_row_request(token, opts)), token, opts)
+    return _columns(row_statistics(logits, token.labels, **_row_request(token, opts)), token, opts)
 
 
-def preference_sequence_loss(pair_loss, stats, seq_id, num_seqs, token, sequence, scalars, opts):
+def preference_sequence_loss(
+    pair_loss,
+    stats,
+    seq_id,
+    num_seqs,
+    token: PreferenceRows,
+    sequence: PreferenceSequences,
+    scalars: PreferenceScalars,
+    opts,
+):
     """Loss of whole pairs from their rows' statistics: ``Σ pair_loss / B + nll_coef·NLL``.
 
     Sequences come ordered [c0, r0, c1, r1, ...] (``sequence_batch`` groups each pair), so the
     per-sequence sums reshape to (P, 2, K).
     """
     s = segment_sum(stats, seq_id, num_seqs).view(-1, 2, stats.shape[1])
-    n_tok = sequence["n_tokens"].view(-1, 2)
+    n_tok = sequence.n_tokens.view(-1, 2)
     logps = s[:, :, LOGP]
     if opts.avg_logps:
         logps = logps / n_tok.clamp(min=1)
-    if "ref_logps" in sequence:
-        ref = sequence["ref_logps"].view(-1, 2)
+    if sequence.ref_logps is not None:
+        ref = sequence.ref_logps.view(-1, 2)
     else:
         ref = s[:, :, REF_LOGP]
         if opts.avg_logps:
             ref = ref / n_tok.clamp(min=1)
-    pair = {
-        "chosen": logps[:, 0],
-        "rejected": logps[:, 1],
-        "ref_chosen": ref[:, 0],
-        "ref_rejected": ref[:, 1],
-        "n_chosen": n_tok[:, 0],
-        "n_rejected": n_tok[:, 1],
-        "raw_chosen": s[:, 0, LOGP_RAW],
-        "wpo_chosen": s[:, 0, WPO],
-        "wpo_rejected": s[:, 1, WPO],
-        "valid": (n_tok[:, 0] > 0) & (n_tok[:, 1] > 0),
-    }
+    pair = Pairs(
+        chosen=logps[:, 0],
+        rejected=logps[:, 1],
+        ref_chosen=ref[:, 0],
+        ref_rejected=ref[:, 1],
+        n_chosen=n_tok[:, 0],
+        n_rejected=n_tok[:, 1],
+        raw_chosen=s[:, 0, LOGP_RAW],
+        wpo_chosen=s[:, 0, WPO],
+        wpo_rejected=s[:, 1, WPO],
+        valid=(n_tok[:, 0] > 0) & (n_tok[:, 1] > 0),
+    )
     per_pair, reward_c, reward_r, extra = pair_loss(pair, scalars, opts)
-    n_pairs = scalars["n_pairs"]
+    n_pairs = scalars.n_pairs
     loss = per_pair.sum() / n_pairs
     reward_c, reward_r = reward_c.detach(), reward_r.detach()
     metrics = {
@@ -179,16 +255,16 @@ def preference_sequence_loss(pair_loss, stats, seq_id, num_seqs, token, sequence
         "rewards/rejected": reward_r.sum() / n_pairs,
         "rewards/accuracies": (reward_c > reward_r).float().sum() / n_pairs,
         "rewards/margins": (reward_c - reward_r).sum() / n_pairs,
-        "logps/chosen": pair["chosen"].detach().sum() / n_pairs,
-        "logps/rejected": pair["rejected"].detach().sum() / n_pairs,
-        "logits/chosen": s[:, 0, MEAN_LOGIT].sum() / scalars["n_chosen_logit_rows"],
-        "logits/rejected": s[:, 1, MEAN_LOGIT].sum() / scalars["n_rejected_logit_rows"],
+        "logps/chosen": pair.chosen.detach().sum() / n_pairs,
+        "logps/rejected": pair.rejected.detach().sum() / n_pairs,
+        "logits/chosen": s[:, 0, MEAN_LOGIT].sum() / scalars.n_chosen_logit_rows,
+        "logits/rejected": s[:, 1, MEAN_LOGIT].sum() / scalars.n_rejected_logit_rows,
     }
     if opts.return_token_metrics:
-        metrics["entropy"] = s[:, :, ENTROPY].sum() / scalars["n_tokens"]
-        metrics["mean_token_accuracy"] = s[:, 0, TOP1].sum() / scalars["n_chosen_tokens"]
-    if "nll_labels" in token:
-        nll = -s[:, 0, NLL].sum() / scalars["n_nll_tokens"]
+        metrics["entropy"] = s[:, :, ENTROPY].sum() / scalars.n_tokens
+        metrics["mean_token_accuracy"] = s[:, 0, TOP1].sum() / scalars.n_chosen_tokens
+    if token.nll_labels is not None:
+        nll = -s[:, 0, NLL].sum() / scalars.n_nll_tokens
         metrics["nll_loss"] = nll.detach()
         loss = loss + opts.nll_coef * nll
     metrics.update({k: v.detach().sum() / n_pairs for k, v in extra.items()})
@@ -199,17 +275,16 @@ class FusedLinearPreferenceLoss(FusedLinearBase):
     """Base of the paired preference losses. A subclass sets ``options_cls`` and defines::
 
         @staticmethod
-        def pair_loss(pair, scalars, opts) -> (per_pair_loss, reward_chosen, reward_rejected, metrics)
+        def pair_loss(pair: Pairs, scalars: PreferenceScalars, opts) -> (per_pair_loss, reward_chosen,
+                                                                          reward_rejected, metrics)
 
-    where ``pair`` holds (P,) tensors: ``chosen``/``rejected`` (policy sequence log-probs, summed or
-    averaged per ``opts.avg_logps``), ``ref_chosen``/``ref_rejected`` (0 without a reference),
-    ``n_chosen``/``n_rejected`` (completion tokens), ``raw_chosen`` (unweighted chosen log-prob sum),
-    ``wpo_chosen``/``wpo_rejected`` and ``valid`` (both completions non-empty); ``metrics`` are (P,)
-    tensors averaged over pairs under their names.
+    where ``pair`` holds (P,) tensors (:class:`Pairs`); ``metrics`` are (P,) tensors averaged over pairs
+    under their names.
     """
 
     options_cls = PreferenceOptions
     options: PreferenceOptions
+    head_args = ("hidden", "weight", "bias", "ref_hidden", "ref_weight", "ref_bias")
     seqs_per_group = 2  # a chosen/rejected pair
     token_stats = staticmethod(preference_token_stats)
     extra_token_stats = staticmethod(preference_ref_stats)
@@ -246,7 +321,7 @@ class FusedLinearPreferenceLoss(FusedLinearBase):
     def rows_in_pass_1(self, batch):
         """The last pair's rows when its loss is a function of its margin (``margin_power``): multipliers
         ``n_c^-p`` on the chosen rows and ``-n_r^-p`` on the rejected ones. Otherwise the last sequence's rows
-        (the last pair's rejected one, which reaches the loss through ``pair["rejected"]`` alone; its NLL and
+        (the last pair's rejected one, which reaches the loss through ``pair.rejected`` alone; its NLL and
         raw log-prob columns are not read), multiplier 1. See ``FusedLinearBase.rows_in_pass_1``."""
         if not self.own_math_rows_in_pass_1 or not batch.tokens_per_group:
             return None
@@ -255,7 +330,7 @@ class FusedLinearPreferenceLoss(FusedLinearBase):
             n = batch.last_seq_rows
             return LOGP, n, torch.ones(n, device=batch.rows.device)
         n = batch.tokens_per_group[-1]
-        n_tok = batch.sequence["n_tokens"][-2:].float().clamp(min=1.0)
+        n_tok = batch.sequence.n_tokens[-2:].float().clamp(min=1.0)
         per_seq = torch.stack([n_tok[0] ** -p, -(n_tok[1] ** -p)])
         return LOGP, n, per_seq[batch.seq_id[-n:] - (batch.num_seqs - 2)] if n else per_seq[:0]
 
@@ -310,10 +385,8 @@ class FusedLinearPreferenceLoss(FusedLinearBase):
         if has_ref_head and has_ref_logps:
             raise ValueError("give the reference either as ref_hidden/ref_weight or as ref_*_logps, not both")
         extra = _reference_head(hidden, weight, ref_hidden, ref_weight, ref_bias) if has_ref_head else []
-        sequence = {}
-        if has_ref_logps:
-            sequence["ref_logps"] = _reference_logps(hidden, ref_chosen_logps, ref_rejected_logps)
-        keep, token, scalars = self._rows(chosen, rejected, nll_labels, logit_rows, sequence)
+        ref_logps = _reference_logps(hidden, ref_chosen_logps, ref_rejected_logps) if has_ref_logps else None
+        keep, token, sequence, scalars = self._rows(chosen, rejected, nll_labels, logit_rows, ref_logps)
         n_pairs = hidden.shape[0] // 2
         group = torch.arange(2 * n_pairs, device=hidden.device) % max(n_pairs, 1)
         batch, _ = sequence_batch(
@@ -341,30 +414,22 @@ class FusedLinearPreferenceLoss(FusedLinearBase):
             )
         return label_checks
 
-    def _rows(self, chosen, rejected, nll_labels, logit_rows, sequence: dict):
-        """The rows that take part (2B, T), their per-row tensors and the batch's normalisers; adds the
-        completion lengths to ``sequence``."""
+    def _rows(self, chosen, rejected, nll_labels, logit_rows, ref_logps):
+        """The rows that take part (2B, T), their per-row tensors (2B, T), the per-sequence tensors (2B,) and
+        the batch's normalisers."""
         opts = self.options
         n_pairs, t = chosen.shape
         dev = chosen.device
         labels = torch.cat([chosen, rejected]).long()  # (2B, T)
         pref_mask = labels != opts.ignore_index
         keep = pref_mask
-        token = {
-            "labels": labels.masked_fill(~pref_mask, 0),
-            "pref_mask": pref_mask.float(),
-            "pref_weight": self.token_weights(pref_mask[:n_pairs], pref_mask[n_pairs:]),
-        }
-        # Means over pairs; a batch of no pairs gives loss and metrics 0 (sums of nothing), not 0/0.
-        scalars = {"n_pairs": to_scalar(max(n_pairs, 1), dev)}
+        nll = nll_mask = n_nll_tokens = None
         if self.uses_nll and opts.nll_coef != 0:
             nll = (chosen if nll_labels is None else nll_labels).long()
             nll = torch.cat([nll, torch.full_like(nll, opts.ignore_index)])
             nll_mask = nll != opts.ignore_index
             keep = keep | nll_mask
-            token["nll_labels"] = nll.masked_fill(~nll_mask, 0)
-            token["nll_mask"] = nll_mask.float()
-            scalars["n_nll_tokens"] = nll_mask.sum().clamp(min=1).float()
+            n_nll_tokens = nll_mask.sum().clamp(min=1).float()
         if logit_rows is None:
             logit_mask = pref_mask
         else:
@@ -375,19 +440,30 @@ class FusedLinearPreferenceLoss(FusedLinearBase):
                 )
             logit_mask = logit_rows.to(dev).bool()
             keep = keep | logit_mask
-        token["logit_mask"] = logit_mask.float()
+        token = PreferenceRows(
+            labels=labels.masked_fill(~pref_mask, 0),
+            pref_mask=pref_mask.float(),
+            pref_weight=self.token_weights(pref_mask[:n_pairs], pref_mask[n_pairs:]),
+            logit_mask=logit_mask.float(),
+            nll_labels=None if nll is None else nll.masked_fill(~nll_mask, 0),
+            nll_mask=None if nll is None else nll_mask.float(),
+        )
         n_tok = pref_mask.sum(1).float()
-        sequence["n_tokens"] = n_tok
-        scalars["n_chosen_tokens"] = n_tok[:n_pairs].sum().clamp(min=1)
-        scalars["n_rejected_tokens"] = n_tok[n_pairs:].sum().clamp(min=1)
-        scalars["n_tokens"] = n_tok.sum().clamp(min=1)
         n_logit = logit_mask.sum(1).float()
-        scalars["n_chosen_logit_rows"] = n_logit[:n_pairs].sum().clamp(min=1)
-        scalars["n_rejected_logit_rows"] = n_logit[n_pairs:].sum().clamp(min=1)
-        return keep, token, scalars
+        # Means over pairs; a batch of no pairs gives loss and metrics 0 (sums of nothing), not 0/0.
+        scalars = PreferenceScalars(
+            n_pairs=to_scalar(max(n_pairs, 1), dev),
+            n_chosen_tokens=n_tok[:n_pairs].sum().clamp(min=1),
+            n_rejected_tokens=n_tok[n_pairs:].sum().clamp(min=1),
+            n_tokens=n_tok.sum().clamp(min=1),
+            n_chosen_logit_rows=n_logit[:n_pairs].sum().clamp(min=1),
+            n_rejected_logit_rows=n_logit[n_pairs:].sum().clamp(min=1),
+            n_nll_tokens=n_nll_tokens,
+        )
+        return keep, token, PreferenceSequences(n_tokens=n_tok, ref_logps=ref_logps), scalars
 
 
-def _reference_head(hidden, weight, ref_hidden, ref_weight, ref_bias) -> list[Head]:
+def _reference_head(hidden, weight, ref_hidden, ref_weight, ref_bias) -> list[ExtraHead]:
     """The reference model's head, checked against the policy's, as the batch's extra head (no grad)."""
     if ref_hidden is None or ref_weight is None:
         raise ValueError("a reference head needs both ref_hidden and ref_weight")
@@ -401,7 +477,7 @@ def _reference_head(hidden, weight, ref_hidden, ref_weight, ref_bias) -> list[He
     if ref_hidden.device != hidden.device:
         raise ValueError(f"ref_hidden is on {ref_hidden.device} but hidden is on {hidden.device}")
     ref_b = None if ref_bias is None else ref_bias.detach()
-    return [Head(ref_hidden.detach().reshape(-1, ref_hidden.shape[-1]), ref_weight.detach(), ref_b)]
+    return [ExtraHead(ref_hidden.detach().reshape(-1, ref_hidden.shape[-1]), ref_weight.detach(), ref_b)]
 
 
 def _reference_logps(hidden, ref_chosen_logps, ref_rejected_logps) -> Tensor:
@@ -415,3 +491,35 @@ def _reference_logps(hidden, ref_chosen_logps, ref_rejected_logps) -> Tensor:
         if v.device != hidden.device:
             raise ValueError(f"{arg} is on {v.device} but hidden is on {hidden.device}")
     return torch.cat([ref_chosen_logps, ref_rejected_logps]).detach().float()
+
+
+# --------------------------------------------------------------------------------------------------
+# The CUDA steps: the row statistics in one read (``chunkloss.kernels.logprob``), the gradient in one more
+# read and a write.
+def preference_stats(opts: PreferenceOptions, logits, extra_logits, token):
+    """``STATS``: ``preference_token_stats``, and the rows' statistics for ``SEQ_PASS2`` on these logits."""
+    from chunkloss.kernels.logprob import row_stats
+
+    rows = row_stats(logits, token.labels, **_row_request(token, opts))
+    return _columns(rows, token, opts), rows
+
+
+def preference_pass2(opts: PreferenceOptions, logits, extra_logits, token, coef, rows=None):
+    """``SEQ_PASS2``: ``grad((preference_token_stats * coef).sum())`` over the logits. Only the LOGP, LOGP_RAW
+    and NLL columns carry a gradient (the others are detached or the reference's). ``rows``: the stats step's
+    statistics of these logits in one pass, else read again."""
+    from chunkloss.kernels.logprob import row_grad_
+
+    a = coef[:, LOGP] * token.pref_weight + coef[:, LOGP_RAW] * token.pref_mask
+    nll = {}
+    if token.nll_labels is not None:
+        nll = dict(labels2=token.nll_labels, coef2=(coef[:, NLL] * token.nll_mask).float().contiguous())
+    return row_grad_(logits, token.labels, a.float().contiguous(), **nll, stats=rows,
+                     logit_scale=opts.logit_scale, softcap=opts.softcap)  # fmt: skip
+
+
+register_gpu_steps(
+    FusedLinearPreferenceLoss,
+    {StepKind.STATS: preference_stats, StepKind.SEQ_PASS2: preference_pass2},
+    math=("token_stats",),
+)

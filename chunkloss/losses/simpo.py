@@ -9,9 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from chunkloss.losses.common import options_of
 from chunkloss.losses.cpo import CPOOptions, FusedLinearCPOLoss
 
 __all__ = ["FusedLinearSimPOLoss", "SimPOOptions"]
@@ -19,7 +16,20 @@ __all__ = ["FusedLinearSimPOLoss", "SimPOOptions"]
 
 @dataclass(frozen=True)
 class SimPOOptions(CPOOptions):
-    """CPO's options with SimPO's defaults: ``loss_type="simpo"``, ``cpo_alpha=0``, γ = ``simpo_gamma``."""
+    """CPO's options with SimPO's defaults: ``loss_type="simpo"``, ``cpo_alpha=0``, γ = ``simpo_gamma``.
+
+    Args:
+        beta: β, the reward scale.
+        simpo_gamma: γ, the target margin: the loss is ``-logσ(β(ℓ̄_c - ℓ̄_r) - γ)``.
+        label_smoothing: ε in [0, 0.5].
+        cpo_alpha: weight of an NLL term over the chosen rows (CPO-SimPO; 0 in the paper).
+        loss_type: CPO's loss type; 'simpo' is SimPO.
+        alpha: AlphaPO's α (0: plain log-prob rewards).
+        ignore_index: label value of prompt and padding tokens (their rows cost no GEMM).
+        logit_scale: the logits are multiplied by it (Cohere's ``logit_scale``).
+        softcap: final logit softcapping ``c·tanh(z/c)`` after the scale (Gemma-2), ``None`` for off.
+        return_token_metrics: also report ``entropy`` and ``mean_token_accuracy``.
+    """
 
     loss_type: str = "simpo"
     cpo_alpha: float = 0.0
@@ -41,37 +51,3 @@ class FusedLinearSimPOLoss(FusedLinearCPOLoss):
 
     options_cls = SimPOOptions
     options: SimPOOptions
-
-    def __init__(
-        self,
-        *,
-        beta: float = 0.1,
-        simpo_gamma: float = 0.5,
-        label_smoothing: float = 0.0,
-        cpo_alpha: float = 0.0,
-        loss_type: str = "simpo",
-        alpha: float = 0.0,
-        ignore_index: int = -100,
-        logit_scale: float = 1.0,
-        softcap: float | None = None,
-        return_token_metrics: bool = False,
-        chunk_size: int | None = None,
-        logits_budget_mb: int = 448,
-        accum_dtype: torch.dtype | None = torch.float32,
-        compile: bool = True,
-    ):
-        """Args:
-            beta: β, the reward scale.
-            simpo_gamma: γ, the target margin: the loss is ``-logσ(β(ℓ̄_c - ℓ̄_r) - γ)``.
-            label_smoothing: ε in [0, 0.5].
-            cpo_alpha: weight of an NLL term over the chosen rows (CPO-SimPO; 0 in the paper).
-            loss_type: CPO's loss type; 'simpo' is SimPO.
-            alpha: AlphaPO's α (0: plain log-prob rewards).
-            ignore_index: label value of prompt and padding tokens (their rows cost no GEMM).
-            logit_scale: the logits are multiplied by it (Cohere's ``logit_scale``).
-            softcap: final logit softcapping ``c·tanh(z/c)`` after the scale (Gemma-2), ``None`` for off.
-            return_token_metrics: also report ``entropy`` and ``mean_token_accuracy``.
-            chunk_size, logits_budget_mb, accum_dtype, compile: the engine's options
-                (:class:`chunkloss.engine.FusedOptions`).
-        """
-        super().__init__(**options_of(locals()))

@@ -18,6 +18,7 @@ import chunkloss.kernels.cross_entropy as ce
 import pytest
 import torch
 
+from chunkloss.losses.common import LabelRows, Normalisers
 from chunkloss.losses.cross_entropy import CrossEntropyOptions, cross_entropy_chunk
 from tests.tolerances import assert_close_to_ref
 
@@ -75,8 +76,8 @@ def chunk_step(logits, labels, normaliser, grad_scale, opts):
     """The engine's token step (eager): grad_and_value of cross_entropy_chunk, metrics summed over rows; with
     per-row weights, of ``Σ_i w_i·ℓ_i / normaliser`` from the per-row losses (as the engine's ``TOKEN_ROWS``
     step weights them)."""
-    token = {"labels": labels}
-    scalars = {"normaliser": normaliser, "n_valid": torch.ones(())}  # n_valid 1: metrics are plain sums
+    token = LabelRows(labels)
+    scalars = Normalisers(normaliser, n_valid=torch.ones(()))  # n_valid 1: metrics are plain sums
 
     def step(z):
         loss, metrics = cross_entropy_chunk(z, [], token, scalars, opts)
@@ -288,8 +289,8 @@ def test_cross_entropy_step_real_vocab(name):
     del ref_grad, ref
 
     opts = chunk_options(kw, True)
-    token = {"labels": labels} | ({} if grad_scale is None else {"grad_scale": grad_scale})
-    scalars = {"normaliser": normaliser, "n_valid": torch.ones((), device="cuda")}
+    token = LabelRows(labels)
+    scalars = Normalisers(normaliser, n_valid=torch.ones((), device="cuda"))
     compiled = _compiled_chunk_step(opts)
     buf = logits.clone()  # both overwrite their input with a gradient each call; the values do not matter
     t_ours = triton.testing.do_bench(

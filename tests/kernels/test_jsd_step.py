@@ -86,6 +86,7 @@ def test_jsd_step_real_vocab(beta):
     it replaces (printed)."""
     import triton
 
+    from chunkloss.losses.common import LabelRows, Normalisers
     from chunkloss.losses.jsd import JSDOptions, jsd_chunk
 
     c, v = 1280, 128256
@@ -101,7 +102,7 @@ def test_jsd_step_real_vocab(beta):
 
     def compiled_step(z):
         g, _ = torch.func.grad_and_value(
-            lambda x: jsd_chunk(x, [zt], {"labels": y}, {"normaliser": norm, "n_valid": norm}, opts),
+            lambda x: jsd_chunk(x, [zt], LabelRows(y), Normalisers(norm, n_valid=norm), opts),
             has_aux=True,
         )(z)
         z.copy_(g)

@@ -7,6 +7,7 @@ import dataclasses
 import inspect
 import pydoc
 import re
+import typing
 
 import pytest
 import torch
@@ -83,15 +84,53 @@ def test_forward_takes_tensors_first_and_biases_by_keyword(cls):
     "cls,args",
     [
         (FusedLinearCrossEntropyLoss, lambda h, w, b: (h, w, torch.zeros(2, 3, dtype=torch.long), b)),
-        (FusedLinearGRPOLoss, lambda h, w, b: (h, w, torch.zeros(2, 3, dtype=torch.long),
-                                               torch.ones(2, 3), torch.zeros(2), b)),
+        (
+            FusedLinearGRPOLoss,
+            lambda h, w, b: (h, w, torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3), torch.zeros(2), b),
+        ),
     ],  # fmt: skip
     ids=["ce", "grpo"],
 )
 def test_bias_given_by_position_is_refused(cls, args):
+    """The error says which arguments are positional and that ``bias=`` is a keyword (was: Python's "takes 4
+    positional arguments but 5 were given")."""
     h, w, b = torch.randn(2, 3, 4), torch.randn(5, 4), torch.randn(5)
-    with pytest.raises(TypeError, match="positional argument"):
+    match = r"takes \d positional arguments \(hidden, weight, .*\) but \d were given: pass the others"
+    with pytest.raises(TypeError, match=match + r" by keyword, e\.g\. bias="):
         cls(compile=False)(*args(h, w, b))
+
+
+@pytest.mark.parametrize("cls", PUBLIC, ids=lambda c: c.__name__)
+def test_help_is_short_and_about_the_loss(cls):
+    """``help()`` shows the loss, its options and its contract, not the hundred methods of ``nn.Module`` (was
+    1218 lines for the cross-entropy); an instance keeps them all."""
+    text = pydoc.render_doc(cls, renderer=pydoc.plaintext)
+    assert len(text.splitlines()) < 400, len(text.splitlines())
+    assert "register_forward_hook" not in text and "forward(self, " in text and "metrics" in text
+    assert callable(cls(compile=False).register_forward_hook) and "parameters" in dir(cls(compile=False))
+
+
+@pytest.mark.parametrize("cls", PUBLIC, ids=lambda c: c.__name__)
+def test_options_are_declared_once(cls):
+    """The constructor is generated from the options dataclass: every option keyword-only (Medusa's
+    ``head_weights`` also positional), its annotation the field's, and no ``__init__`` written in the loss."""
+    params = inspect.signature(cls).parameters
+    hints = typing.get_type_hints(cls.options_cls)
+    for name, p in params.items():
+        assert p.kind is (inspect.Parameter.POSITIONAL_OR_KEYWORD if name in cls.positional_options else KW)
+        assert p.annotation == hints[name], name
+    own = [c for c in cls.__mro__ if c.__module__.startswith("chunkloss.losses") and "__init__" in vars(c)]
+    assert own and all(getattr(c.__init__, "generated", False) for c in own)
+
+
+def test_positional_options():
+    from chunkloss import FusedLinearMultiTokenLoss
+
+    assert FusedLinearMultiTokenLoss((1.0, 0.5), chunk_size=8).options.head_weights == (1.0, 0.5)
+    with pytest.raises(TypeError, match="both by position and by keyword"):
+        FusedLinearMultiTokenLoss((1.0,), head_weights=(1.0,))
+    with pytest.raises(TypeError, match="takes its options by keyword"):
+        FusedLinearCrossEntropyLoss(-100)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -142,6 +142,18 @@ HEAD_CASES = {
         TypeError,
         "{h} dtype torch.float64 differs from {w} dtype torch.float32",
     ),
+    # A (H, V) weight, e.g. lm_head.weight.T: said to look transposed (was: "must equal H=50").
+    "transposed_weight": (
+        lambda d, h, w, b: {**d, w: d[w].detach().t()},
+        ValueError,
+        r"{w} of shape \(16, 50\) looks transposed: .* must be \(V, H\)=\(50, 16\)",
+    ),
+    # The shape in single brackets (was: "last dim ((2, 5, 15))").
+    "hidden_size": (
+        lambda d, h, w, b: {**d, h: d[h].detach()[..., :-1]},
+        ValueError,
+        r"{h}'s last dim 15 \(shape \(\d+, 5, 15\)\) must equal {w}'s hidden size H=16",
+    ),
 }
 
 
@@ -218,6 +230,20 @@ DEVICE_CASES = [
     ("grpo", "tool_mask"),
     ("grpo", "sampling_logps"),
 ]
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("kind", KINDS)
+def test_meta_device_is_one_clear_line(kind, autocast):
+    """Every tensor on the meta device (a model built without its weights): a ValueError naming the first
+    argument, with or without autocast (was: "unknown device type for autocast" from inside torch)."""
+    d = {k: v.detach().to("meta") if isinstance(v, torch.Tensor) else v for k, v in make(kind).items()}
+    h = head_names(kind)[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with pytest.raises(
+            ValueError, match=f"^{h} is on the meta device .*: load or materialise the weights"
+        ):
+            module(kind)(**d)
 
 
 @pytest.mark.parametrize("kind,arg", DEVICE_CASES)

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from chunkloss import FusedLinearCrossEntropyLoss
+from chunkloss.engine.plan import chunk_rows
+from chunkloss.engine.steps import StepKind, select_steps, step_upcasts_extra
 from chunkloss.reference import cross_entropy_ref
 from tests.tolerances import assert_close_to_ref
 
@@ -118,7 +120,7 @@ def test_options_match_reference(opts, grad_out):
 
 
 @pytest.mark.parametrize("opts", OPTION_CASES, ids=lambda o: ",".join(o))
-def test_triton_step_matches_reference(opts, monkeypatch):
+def test_triton_step_matches_reference(opts):
     """On CUDA the compiled "token" step is the Triton kernel (``chunkloss.kernels.cross_entropy``); here it
     runs on CPU through TRITON_INTERPRET=1 inside the whole loss (chunking, metrics, reduction='none''s
     per-row backward) against the fp32 reference, at the tolerances of the compiled step."""
@@ -126,16 +128,11 @@ def test_triton_step_matches_reference(opts, monkeypatch):
         # The test's tensors are on CPU, which compiled Triton cannot take; without a GPU tests/conftest.py
         # sets TRITON_INTERPRET=1 (CI), and on a GPU the CUDA tests run the kernel inside the loss.
         pytest.skip("CPU tensors reach the Triton kernel only under TRITON_INTERPRET=1")
-    real = FusedLinearCrossEntropyLoss._build_step
-
-    def build(self, kind, options, device_type):
-        return real(self, kind, options, "cuda" if kind == "token" else device_type)
-
-    monkeypatch.setattr(FusedLinearCrossEntropyLoss, "_build_step", build)
     hidden, weight, b, labels = make(torch.float32)
     grad_out = torch.rand(labels.shape) * 2.5 if opts.get("reduction") == "none" else 2.5
     kw = dict(chunk_size=16, return_token_accuracy=True, return_entropy=True, **opts)
-    loss, grads, metrics = run_ours(hidden, weight, b, labels, grad_out, **kw)
+    with select_steps("cuda", kinds=[StepKind.TOKEN]):
+        loss, grads, metrics = run_ours(hidden, weight, b, labels, grad_out, **kw)
     ref, ref_grads, ref_metrics = run_ref(hidden, weight, b, labels, grad_out, **opts)
     assert_close_to_ref(loss, ref, name="loss")
     for g, r in zip(grads, ref_grads):
@@ -191,44 +188,45 @@ def test_chunk_sizes_agree():
 def test_automatic_chunk_rows():
     """The logits budget sets the rows; with an fp32 weight-gradient accumulator a token loss may use the
     weight gradient's own size (the backward's cast holds that much anyway)."""
-    from chunkloss.engine import Head
+    from chunkloss.engine import ExtraHead
     from chunkloss.losses.jsd import FusedLinearJSDLoss
 
     v, h = 128256, 4096
     weight = torch.empty(v, h, dtype=torch.bfloat16, device="meta")
     hidden = torch.empty(8, h, dtype=torch.bfloat16, device="meta")
     ce = FusedLinearCrossEntropyLoss()
-    assert ce.chunk_rows(weight, hidden) == 1792  # 448 MiB of bf16 logits, gradient in place
-    assert ce.chunk_rows(weight, hidden, fp32_grad_w=True) == 4096  # V*H*2 bytes = 4096 rows of logits
-    assert FusedLinearCrossEntropyLoss(compile=False).chunk_rows(weight, hidden, fp32_grad_w=True) == 896
-    assert FusedLinearCrossEntropyLoss(chunk_size=300).chunk_rows(weight, hidden, fp32_grad_w=True) == 300
+    assert chunk_rows(ce, weight, hidden) == 1792  # 448 MiB of bf16 logits, gradient in place
+    assert chunk_rows(ce, weight, hidden, fp32_grad_w=True) == 4096  # V*H*2 bytes = 4096 rows of logits
+    assert chunk_rows(FusedLinearCrossEntropyLoss(compile=False), weight, hidden, fp32_grad_w=True) == 896
+    assert chunk_rows(FusedLinearCrossEntropyLoss(chunk_size=300), weight, hidden, fp32_grad_w=True) == 300
     # All the call's rows in one chunk (no fp32 accumulator) while their logits fit the accumulator's
     # 4·V·H bytes: 2·H = 8192 rows of bf16 logits here.
     for whole, rows in [(8192, 8192), (7022, 7022), (8193, 4096), (3000, 4096), (0, 4096)]:
-        assert ce.chunk_rows(weight, hidden, fp32_grad_w=True, whole=whole) == rows, whole
-    assert ce.chunk_rows(weight, hidden, whole=7022) == 1792  # weight-dtype accumulation: no accumulator
-    assert FusedLinearCrossEntropyLoss(compile=False).chunk_rows(weight, hidden, [], True, whole=7022) == 896
-    teacher = [Head(hidden, weight, None)]
+        assert chunk_rows(ce, weight, hidden, fp32_grad_w=True, whole=whole) == rows, whole
+    assert chunk_rows(ce, weight, hidden, whole=7022) == 1792  # weight-dtype accumulation: no accumulator
+    eager = FusedLinearCrossEntropyLoss(compile=False)
+    assert chunk_rows(eager, weight, hidden, [], True, whole=7022) == 896
+    teacher = [ExtraHead(hidden, weight, None)]
     jsd = FusedLinearJSDLoss()
-    assert jsd.chunk_rows(weight, hidden, teacher) == 896  # 448 MiB over student and teacher logits
-    assert jsd.chunk_rows(weight, hidden, teacher, True) == 1280  # 1002 MiB, teacher counted in fp32
+    assert chunk_rows(jsd, weight, hidden, teacher) == 896  # 448 MiB over student and teacher logits
+    assert chunk_rows(jsd, weight, hidden, teacher, True) == 1280  # 1002 MiB, teacher counted in fp32
     # One chunk: 4·V·H bytes over the student's bf16 logits and the teacher's counted in fp32 (2688 rows).
-    assert jsd.chunk_rows(weight, hidden, teacher, True, whole=2600) == 2600
-    assert jsd.chunk_rows(weight, hidden, teacher, True, whole=2700) == 1280
+    assert chunk_rows(jsd, weight, hidden, teacher, True, whole=2600) == 2600
+    assert chunk_rows(jsd, weight, hidden, teacher, True, whole=2700) == 1280
     # On CUDA the JSD kernel reads the teacher's bf16 logits in place (no fp32 copy): 2048 rows in 1002 MiB;
     # a subclass with its own math keeps the compiled step and its fp32 copy.
-    assert not jsd._step_upcasts_extra("cuda") and jsd._step_upcasts_extra("cpu")
+    assert not step_upcasts_extra(jsd, "cuda") and step_upcasts_extra(jsd, "cpu")
 
     class OtherJSD(FusedLinearJSDLoss):
         chunk_loss = staticmethod(lambda *a: None)
 
-    assert OtherJSD()._step_upcasts_extra("cuda")
-    assert FusedLinearJSDLoss(compile=False)._step_upcasts_extra("cuda")  # eager step: no kernel
+    assert step_upcasts_extra(OtherJSD(), "cuda")
+    assert step_upcasts_extra(FusedLinearJSDLoss(compile=False), "cuda")  # eager step: no kernel
     from chunkloss.losses.dpo import FusedLinearDPOLoss
 
     dpo = FusedLinearDPOLoss()  # automatic chunks: two passes, one [C, V] tensor live, ref head reduced first
-    assert dpo.chunk_rows(weight, hidden, teacher, True) == 4096
-    assert dpo.chunk_rows(weight, hidden, teacher) == 1792
+    assert chunk_rows(dpo, weight, hidden, teacher, True) == 4096
+    assert chunk_rows(dpo, weight, hidden, teacher) == 1792
 
 
 @pytest.mark.parametrize("v, h", [(128256, 4096), (151936, 1024), (32000, 8192), (1000, 64)])
@@ -238,20 +236,20 @@ def test_one_chunk_holds_no_more_than_chunks_and_accumulator(v, h, teacher):
     as the budget counts them: twice, for the compiled step's fp32 copy) than the budget's chunks plus the
     fp32 accumulator they need; where it takes all the rows as one chunk, they fit in the accumulator's
     4·V·H bytes alone."""
-    from chunkloss.engine import Head
+    from chunkloss.engine import ExtraHead
     from chunkloss.losses.jsd import FusedLinearJSDLoss
 
     weight = torch.empty(v, h, dtype=torch.bfloat16, device="meta")
     hidden = torch.empty(8, h, dtype=torch.bfloat16, device="meta")
     if teacher:
-        loss, extra, per_row = FusedLinearJSDLoss(), [Head(hidden, weight, None)], (v + 2 * v) * 2
+        loss, extra, per_row = FusedLinearJSDLoss(), [ExtraHead(hidden, weight, None)], (v + 2 * v) * 2
     else:
         loss, extra, per_row = FusedLinearCrossEntropyLoss(), [], v * 2
-    budget_rows = loss.chunk_rows(weight, hidden, extra, True)
+    budget_rows = chunk_rows(loss, weight, hidden, extra, True)
     acc = 4 * v * h
     fit = acc // per_row
     for whole in (1, budget_rows, budget_rows + 1, 2 * budget_rows, fit, fit + 1, 10**6):
-        rows = loss.chunk_rows(weight, hidden, extra, True, whole=whole)
+        rows = chunk_rows(loss, weight, hidden, extra, True, whole=whole)
         assert rows in (budget_rows, whole), (whole, rows)
         if rows == whole and whole > budget_rows:
             assert whole * per_row <= acc, (whole, per_row, acc)

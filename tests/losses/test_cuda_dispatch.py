@@ -32,8 +32,8 @@ pytestmark = pytest.mark.skipif(
 def _focal_chunk(logits, extra_logits, token, scalars, opts):
     """A user's loss on a cross-entropy subclass: focal loss, γ = 2."""
     z = scale_logits(logits.float(), opts.logit_scale, opts.softcap, opts.temperature)
-    logp = torch.log_softmax(z, -1).gather(-1, token["labels"][:, None])[:, 0]
-    return -(((1 - logp.exp()) ** 2) * logp).sum() / scalars["normaliser"], {}
+    logp = torch.log_softmax(z, -1).gather(-1, token.labels[:, None])[:, 0]
+    return -(((1 - logp.exp()) ** 2) * logp).sum() / scalars.normaliser, {}
 
 
 class FocalLoss(FusedLinearCrossEntropyLoss):

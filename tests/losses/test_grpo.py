@@ -586,14 +586,14 @@ def test_bad_inputs():
 def _count_projections(monkeypatch, weight):
     from chunkloss.engine import loop as base
 
-    projected, real = [], base._project
+    projected, real = [], base.project_head
 
     def spy(x, w, bias):
         if w is weight:
             projected.append(x.shape[0])
         return real(x, w, bias)
 
-    monkeypatch.setattr(base, "_project", spy)
+    monkeypatch.setattr(base, "project_head", spy)
     return projected
 
 

@@ -410,7 +410,7 @@ def test_bad_teacher_head():
 
 def test_bad_student_and_labels():
     d = _inputs()
-    with pytest.raises(ValueError, match="hidden last dim"):
+    with pytest.raises(ValueError, match="hidden.s last dim"):
         FusedLinearJSDLoss(compile=False)(d["x_s"][:, :-1], d["w_s"], d["x_t"], d["w_t"], d["y"])
     y = d["y"].clone()
     y[0] = 123

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from chunkloss.engine.plan import chunk_rows
 from chunkloss.engine.plan import plan_chunks as _plan_chunks
 from chunkloss.losses.cpo import FusedLinearCPOLoss
 from chunkloss.losses.dpo import DPO_LOSS_TYPES, FusedLinearDPOLoss
@@ -109,7 +110,7 @@ def test_one_and_two_pass_are_what_the_chunk_sizes_pick():
     assert _plan_chunks(mod, batch, n, TWO_PASS)[1] is False
     # The automatic chunk size picks one pass too when every pair fits (3 GEMMs instead of 4).
     auto = FusedLinearDPOLoss()
-    assert _plan_chunks(auto, batch, n, auto.chunk_rows(d["w"], d["x"]))[1] is True
+    assert _plan_chunks(auto, batch, n, chunk_rows(auto, d["w"], d["x"]))[1] is True
 
 
 def _loss_opts(loss_type):
@@ -549,14 +550,13 @@ _MARGIN = {0: 0, 1: 0, 2: 1, 3: 0, 5: 0, 12: 0, 14: 1, 15: 0, 17: 1, 20: 0, 23: 
 @pytest.mark.parametrize(
     "case", range(len(_LAST_ROWS_CASES)), ids=lambda i: f"{i}-{_LAST_ROWS_CASES[i][0].__name__}"
 )
-def test_last_rows_get_one_column_of_gradient(case, monkeypatch):
+def test_last_rows_get_one_column_of_gradient(case, monkeypatch, fresh_steps):
     from chunkloss.engine import loop, steps
     from chunkloss.losses.preference import LOGP, LOGP_RAW, NLL
 
     cls, opts, ref_mode = _LAST_ROWS_CASES[case]
-    monkeypatch.setattr(steps, "_SHARED_STEPS", {})
     coefs, projected, deferred = [], [], []
-    real_coef, real_project, real_rows = steps.sequence_coef_eager, loop._project, cls.rows_in_pass_1
+    real_coef, real_project, real_rows = steps.sequence_coef_eager, loop.project_head, cls.rows_in_pass_1
 
     def spy_coef(*args, **kwargs):
         out = real_coef(*args, **kwargs)
@@ -573,7 +573,7 @@ def test_last_rows_get_one_column_of_gradient(case, monkeypatch):
         return deferred[-1]
 
     monkeypatch.setattr(steps, "sequence_coef_eager", spy_coef)
-    monkeypatch.setattr(loop, "_project", spy_project)
+    monkeypatch.setattr(loop, "project_head", spy_project)
     monkeypatch.setattr(cls, "rows_in_pass_1", spy_rows)
     d = _inputs()
     call_kw = _ref_kwargs(d, ref_mode) if ref_mode else {}
@@ -604,7 +604,7 @@ def test_rows_in_pass_1_is_dropped_by_subclasses_with_their_own_math():
     class OwnPairLoss(FusedLinearDPOLoss):
         @staticmethod
         def pair_loss(pair, scalars, opts):
-            return -pair["chosen"], pair["chosen"], pair["rejected"], {}
+            return -pair.chosen, pair.chosen, pair.rejected, {}
 
     assert not OwnLoss.own_math_rows_in_pass_1
     assert OwnPairLoss.own_math_rows_in_pass_1 and OwnPairLoss.margin_power(OwnPairLoss().options) is not None

@@ -15,15 +15,15 @@ gradients, tests/kernels/test_logprob.py).
 
 from __future__ import annotations
 
-import functools
 import warnings
 
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from chunkloss.engine import FusedLinearBase, StepKind, compiled, steps
-from chunkloss.losses import gpu_steps, jsd
+from chunkloss.engine import StepKind, compiled
+from chunkloss.engine.steps import select_steps, step_for
+from chunkloss.losses import cross_entropy, grpo, jsd
 from chunkloss.losses.cpo import FusedLinearCPOLoss
 from chunkloss.losses.dpo import FusedLinearDPOLoss
 from chunkloss.losses.grpo import LOSS_TYPES, FusedLinearGRPOLoss
@@ -111,7 +111,7 @@ def test_grpo_no_grad(level, chunk, cuda_steps):
     inp, kw = tg.make_inputs()
     opts = tg.grid_opts("dapo", level, beta=0.04, entropy_coef=0.05)
     mod = FusedLinearGRPOLoss(**dict(opts, compile=True, chunk_size=chunk))
-    assert mod._step_fn(StepKind.TOKEN_VALUE, "cpu").func is gpu_steps.grpo_token  # the fixture took effect
+    assert step_for(mod, StepKind.TOKEN_VALUE, "cpu").func is grpo.grpo_token  # the fixture took effect
     with torch.no_grad():
         loss = mod(**inp, **kw)
     assert_close_to_ref(loss, tg.run_ref(inp, kw, opts)[0], name="loss")
@@ -170,13 +170,12 @@ def test_cpo_simpo(chunk, cuda_steps):
     assert_close_to_ref(ours[0], eager[0])
 
 
-def test_dpo_token_metrics(cuda_steps, monkeypatch):
+def test_dpo_token_metrics(cuda_steps):
     """Entropy and top-1 columns (``return_token_metrics``) equal the eager steps'."""
     d = tp._inputs()
     kw = tp._ref_kwargs(d, "model")
     ours = tp._run(FusedLinearDPOLoss, d, kw, chunk_size=tp.TWO_PASS, compile=True, return_token_metrics=True)
-    monkeypatch.undo()  # the eager steps again
-    eager = tp._run(
+    eager = tp._run(  # compile=False: the eager steps
         FusedLinearDPOLoss, d, kw, chunk_size=tp.TWO_PASS, compile=False, return_token_metrics=True
     )
     assert set(ours[2]) == set(eager[2]) and any("entropy" in k for k in ours[2])
@@ -240,7 +239,7 @@ def test_jsd_accumulation_and_no_grad(cuda_steps):
     """``num_items_in_batch`` reaches the kernel's normaliser; without grad the loss is the compiled one's."""
     d = tj._inputs()
     # The fixture took effect:
-    assert jsd.FusedLinearJSDLoss()._step_fn(StepKind.TOKEN, "cpu").func is gpu_steps.jsd_token
+    assert step_for(jsd.FusedLinearJSDLoss(), StepKind.TOKEN, "cpu").func is jsd.jsd_token
     tj._assert_close_all(tj._ours(d, 17, beta=0.3, compile=True), tj._ref(d, 17, beta=0.3))
     with torch.no_grad():
         loss = jsd.FusedLinearJSDLoss(beta=0.3)(
@@ -262,7 +261,7 @@ def test_cross_entropy_per_row_backward(chunk, cuda_steps):
     y[0, :3] = -100
     grad_out = torch.rand(3, 7, generator=g) * 3 - 1
     mod = FusedLinearCrossEntropyLoss(reduction="none", label_smoothing=0.1, chunk_size=chunk)
-    assert mod._step_fn(StepKind.TOKEN_ROWS, "cpu").func is gpu_steps.cross_entropy_token_rows
+    assert step_for(mod, StepKind.TOKEN_ROWS, "cpu").func is cross_entropy.cross_entropy_token_rows
     ours = [t.clone().requires_grad_(True) for t in (x, w)]
     ref = [t.double().requires_grad_(True) for t in (x, w)]
     loss = mod(ours[0], ours[1], y)
@@ -338,7 +337,7 @@ def _run_seq_case(case, chunk, grad=True):
 
 @pytest.mark.parametrize("chunk", [tp.TWO_PASS, tp.ONE_PASS])
 @pytest.mark.parametrize("case", ["dpo-ref-head", "orpo", "grpo-sequence"])
-def test_compiled_sequence_coef_equals_eager(case, chunk, cuda_steps, monkeypatch):
+def test_compiled_sequence_coef_equals_eager(case, chunk, cuda_steps):
     """The compiled "seq_coef" step gives the loss, metrics and gradients of the eager one (``sequence_loss``
     with ``torch.autograd.grad``) beside the same Triton steps, with and without gradients; test_preference.py
     and test_grpo.py's fp32 tolerances. Its graph compiled (no fallback to eager) and ran."""
@@ -349,22 +348,14 @@ def test_compiled_sequence_coef_equals_eager(case, chunk, cuda_steps, monkeypatc
         ours = _run_seq_case(case, chunk)
         ours_value = _run_seq_case(case, chunk, grad=False)
     assert not [w for w in caught if "could not build" in str(w.message)], [str(w.message) for w in caught]
-    built = [v for (kind, *_), v in steps._SHARED_STEPS.items() if kind is StepKind.SEQ_COEF]
+    built = [v for (kind, *_), v in cuda_steps.built.items() if kind is StepKind.SEQ_COEF]
     assert len(built) == 1 and isinstance(built[0], compiled.SequenceDynamic) and built[0].fn is not None
     assert counters["stats"]["unique_graphs"] >= 1 and counters["frames"]["ok"] == counters["frames"]["total"]
 
-    real = FusedLinearBase._build_step
-
-    def build_eager_seq_coef(self, kind, opts, device_type):
-        if kind is StepKind.SEQ_COEF:
-            return functools.partial(steps.sequence_coef_eager, type(self).sequence_loss, opts)
-        return real(self, kind, opts, device_type)
-
-    monkeypatch.setattr(FusedLinearBase, "_build_step", build_eager_seq_coef)
-    monkeypatch.setattr(steps, "_SHARED_STEPS", {})
-    eager = _run_seq_case(case, chunk)
-    eager_value = _run_seq_case(case, chunk, grad=False)
-    assert all(callable(v) and not isinstance(v, compiled.RowDynamic) for v in steps._SHARED_STEPS.values())
+    with select_steps("cuda", eager_seq_coef=True) as eager_steps:
+        eager = _run_seq_case(case, chunk)
+        eager_value = _run_seq_case(case, chunk, grad=False)
+    assert all(callable(v) and not isinstance(v, compiled.RowDynamic) for v in eager_steps.built.values())
     for (loss, grads, metrics), (e_loss, e_grads, e_metrics) in ((ours, eager), (ours_value, eager_value)):
         if case == "grpo-sequence":
             tg.assert_close_fp32((loss, grads or [], metrics), (e_loss, e_grads or [], e_metrics))
@@ -398,5 +389,5 @@ def test_grpo_entropy_mask_estimates_compiled(chunk, cuda_steps, monkeypatch):
     assert sum(projected[: -(-n_valid // chunk)]) == n_valid
     if chunk == 1000:
         assert projected == [n_valid]
-    step = mod._step_fn(StepKind.SEQ_COEF, "cuda")
+    step = step_for(mod, StepKind.SEQ_COEF, "cuda")
     assert isinstance(step, compiled.SequenceDynamic) and step.fn is not None  # compiled, no eager fallback
