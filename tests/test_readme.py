@@ -14,6 +14,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -60,7 +61,10 @@ def test_python_block_runs_as_written(code, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # whatever a block writes (a trainer's output_dir) stays in tmp_path
     threads = torch.get_num_threads()
     try:
-        exec(compile(code, str(README), "exec"), {"__name__": "readme"})
+        # As a script runs: its own module, registered, so a dataclass in the block can resolve its annotations.
+        module = types.ModuleType("readme_block")
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+        exec(compile(code, str(README), "exec"), module.__dict__)
     finally:
         torch.set_num_threads(threads)
 
