@@ -61,7 +61,7 @@ def test_python_block_runs_as_written(code, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # whatever a block writes (a trainer's output_dir) stays in tmp_path
     threads = torch.get_num_threads()
     try:
-        # As a script runs: its own module, registered, so a dataclass in the block can resolve its annotations.
+        # As a script runs: its own registered module, so a dataclass in the block resolves its annotations.
         module = types.ModuleType("readme_block")
         monkeypatch.setitem(sys.modules, module.__name__, module)
         exec(compile(code, str(README), "exec"), module.__dict__)

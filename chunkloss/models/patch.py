@@ -164,8 +164,10 @@ class ChunkedLossForCausalLM:
         ce = self.chunkloss_cross_entropy()
         loss = ce(hidden, self.lm_head.weight, shift_labels.to(hidden.device), bias=self.lm_head.bias,
                   num_items_in_batch=kwargs.get("num_items_in_batch"))
-        out = CausalLMOutputWithPast(loss=loss, logits=None, cache=outputs.cache,
-                                     hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+        # transformers 5.24 renamed the outputs' past_key_values to cache; take whichever this version has.
+        cache = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+        out = CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states,
+                                     attentions=outputs.attentions, **{cache: getattr(outputs, cache, None)})
         if return_dict is False or (return_dict is None and not getattr(self.config, "return_dict", True)):
             return out.to_tuple()
         return out

@@ -110,8 +110,8 @@ def _long_texts(n: int = 64, words: int = 1200) -> Dataset:
 
 @pytest.mark.gpu
 def test_out_of_memory_on_gpu_retries_with_kernels_and_compile_and_frees_the_failed_attempt(tmp_path):
-    """A Qwen3-shaped model (H = 1024, 4 layers, V = 65536) on 1024-token sequences: each sequence adds about
-    0.3 GB, so under a cap between the peaks of batches 6 and 7 batches 8 and 7 run out of memory, and 6
+    """A Qwen3-shaped model (H = 1024, 16 layers, V = 65536) on 1024-token sequences: each sequence adds about
+    0.2 GB (about 57 MiB with 4 layers, measured on an H100), so under a cap between the peaks of batches 6 and 7 batches 8 and 7 run out of memory, and 6
     trains; its allocated memory after the first step is a fresh batch-6 run's."""
     data = _long_texts()
     cfg = dict(max_length=1024, bf16=True, use_cpu=False, chunk_kernels=True, chunk_compile=True,
@@ -119,7 +119,7 @@ def test_out_of_memory_on_gpu_retries_with_kernels_and_compile_and_frees_the_fai
 
     def model():
         torch.manual_seed(0)
-        return tiny_model(tokenizer(), hidden_size=1024, num_layers=4, vocab_size=65536,
+        return tiny_model(tokenizer(), hidden_size=1024, num_layers=16, vocab_size=65536,
                           max_position_embeddings=2048).cuda()  # fmt: skip
 
     def run(batch, **extra):
