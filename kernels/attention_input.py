@@ -30,14 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .lora import LoraAdapter, LoraPlan, lora_down, lora_grads, lora_ref, lora_up_, plan_lora
-from .rms_norm import (
-    RMSNormOptions,
-    _rms_norm_bwd,
-    _rms_norm_fwd,
-    rms_norm_bwd_op,
-    rms_norm_fwd_op,
-    rms_norm_ref,
-)
+from .rms_norm import RMSNormOptions, _rms_norm_bwd, _rms_norm_fwd, rms_norm_ref
 from .rope import RoPEOptions, _rope_launch, _tables, apply_rotary_pos_emb_ref, rope_op
 
 _ROPE = RoPEOptions(head_axis=1)
@@ -79,6 +72,39 @@ def _head_views(qkv: torch.Tensor, batch: int, opts: AttentionInputOptions):
     """q, k, v as (B, heads, T, head_dim) views of the (B·T, width) ``qkv``."""
     return tuple(part.view(batch, -1, part.shape[1] // opts.head_dim, opts.head_dim).transpose(1, 2)
                  for part in qkv.split(opts.widths, dim=1))  # fmt: skip
+
+
+# The RMSNorm launches as custom ops with new outputs, which torch.compile calls without tracing into Triton
+# (the interpreter included): the Function uses them while compiling and the in-place launches otherwise.
+# They have no autograd formula (the Function's backward is written out): their inputs are passed detached,
+# which keeps autograd's fallback for custom ops out of the trace.
+@torch.library.custom_op("chunkloss::rms_norm_fwd", mutates_args=())
+def rms_norm_fwd_op(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    y, _, rstd = _rms_norm_fwd(x, weight, RMSNormOptions(eps, offset, casting))
+    return y, rstd
+
+
+@rms_norm_fwd_op.register_fake
+def _(x, weight, eps, offset, casting):
+    dtype = torch.promote_types(x.dtype, weight.dtype) if casting == "llama" else x.dtype
+    return x.new_empty(x.shape, dtype=dtype), x.new_empty(x.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("chunkloss::rms_norm_bwd", mutates_args=())
+def rms_norm_bwd_op(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, eps: float, offset: float,
+    casting: str, needs_dx: bool, needs_dw: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dw), each empty when not needed."""
+    dx, dw = _rms_norm_bwd(dy, x, weight, rstd, RMSNormOptions(eps, offset, casting), needs_dx, needs_dw)
+    return (x.new_empty(0) if dx is None else dx), (weight.new_empty(0) if dw is None else dw)
+
+
+@rms_norm_bwd_op.register_fake
+def _(dy, x, weight, rstd, eps, offset, casting, needs_dx, needs_dw):
+    return x.new_empty(x.shape if needs_dx else 0), weight.new_empty(weight.shape if needs_dw else 0)
 
 
 def _norm_fwd(x, weight, opts: RMSNormOptions):

@@ -285,47 +285,10 @@ def _rms_norm_bwd(dy, x, weight, rstd, opts: RMSNormOptions, needs_dx: bool, nee
     return dx, dw
 
 
-# The RMSNorm launches as custom ops with new outputs, which torch.compile calls without tracing into Triton
-# (the interpreter included): the Functions (here and in attention_input) use them while compiling, and the
-# in-place launches otherwise. They have no autograd formula (the Functions' backwards are written out): their
-# inputs are passed detached, which keeps autograd's fallback for custom ops out of the trace.
-@torch.library.custom_op("chunkloss::rms_norm_fwd", mutates_args=())
-def rms_norm_fwd_op(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    y, _, rstd = _rms_norm_fwd(x, weight, RMSNormOptions(eps, offset, casting))
-    return y, rstd
-
-
-@rms_norm_fwd_op.register_fake
-def _(x, weight, eps, offset, casting):
-    dtype = torch.promote_types(x.dtype, weight.dtype) if casting == "llama" else x.dtype
-    return x.new_empty(x.shape, dtype=dtype), x.new_empty(x.shape[0], dtype=torch.float32)
-
-
-@torch.library.custom_op("chunkloss::rms_norm_bwd", mutates_args=())
-def rms_norm_bwd_op(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, eps: float, offset: float,
-    casting: str, needs_dx: bool, needs_dw: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx, dw), each empty when not needed."""
-    dx, dw = _rms_norm_bwd(dy, x, weight, rstd, RMSNormOptions(eps, offset, casting), needs_dx, needs_dw)
-    return (x.new_empty(0) if dx is None else dx), (weight.new_empty(0) if dw is None else dw)
-
-
-@rms_norm_bwd_op.register_fake
-def _(dy, x, weight, rstd, eps, offset, casting, needs_dx, needs_dw):
-    return x.new_empty(x.shape if needs_dx else 0), weight.new_empty(weight.shape if needs_dw else 0)
-
-
 class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, opts: RMSNormOptions):
-        if torch.compiler.is_compiling():
-            x = lastdim_contiguous(x)
-            y, rstd = rms_norm_fwd_op(x.detach(), weight.detach(), opts.eps, opts.offset, opts.casting)
-        else:
-            y, x, rstd = _rms_norm_fwd(x, weight, opts)
+        y, x, rstd = _rms_norm_fwd(x, weight, opts)
         ctx.save_for_backward(x, weight, rstd)
         ctx.opts = opts
         return y
@@ -335,14 +298,8 @@ class RMSNormFunction(torch.autograd.Function):
         x, weight, rstd = ctx.saved_tensors
         if not any(ctx.needs_input_grad[:2]):
             return None, None, None
-        needs_dx, needs_dw = ctx.needs_input_grad[:2]
-        if not torch.compiler.is_compiling():
-            dx, dw = _rms_norm_bwd(dy, x, weight, rstd, ctx.opts, needs_dx, needs_dw)
-            return dx, dw, None
-        o = ctx.opts
-        dx, dw = rms_norm_bwd_op(dy.detach(), x.detach(), weight.detach(), rstd, o.eps, o.offset, o.casting,
-                                 needs_dx, needs_dw)  # fmt: skip
-        return (dx if needs_dx else None), (dw if needs_dw else None), None
+        dx, dw = _rms_norm_bwd(dy, x, weight, rstd, ctx.opts, *ctx.needs_input_grad[:2])
+        return dx, dw, None
 
 
 def rms_norm(
@@ -368,9 +325,7 @@ def rms_norm(
     Returns:
         (..., D), dtype as :func:`rms_norm_ref`.
     """
-    # Dynamo cannot trace the lru_cache; a compiled graph builds its options once anyway.
-    compiling = torch.compiler.is_compiling()
-    opts = (RMSNormOptions if compiling else _options)(eps, offset, casting, in_place)
+    opts = _options(eps, offset, casting, in_place)
     if x.ndim == 2:  # no reshape/view pair: each would add an autograd node
         return RMSNormFunction.apply(x, weight, opts)
     shape = x.shape
