@@ -15,8 +15,8 @@ from chunkloss.kernels import glu, lora, rope
 from chunkloss.kernels.attention_input import attention_input_ref
 from chunkloss.kernels.mlp import gated_mlp_ref
 from chunkloss.kernels.rms_norm import rms_norm_ref
-from chunkloss.models import layers, patch
 
+from chunkloss.models import layers, patch
 from tests.models.test_lora import lora_model
 from tests.models.test_patch import VOCAB, tiny_model
 from tests.tolerances import assert_close_to_ref
