@@ -37,11 +37,11 @@ from chunkloss.kernels import (
     rms_norm_ref,
     swiglu,
 )
-from chunkloss.models import saved_norms
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_apply_rotary_pos_emb
 
 from benchmarks.harness import PEAK_TFLOPS, is_oom, stamp, timed_ms
 from benchmarks.report import write_set
+from chunkloss.models import saved_norms
 
 BLOCKS = ("mlp", "attn_in")
 SET_NAMES = {"mlp": "decoder", "attn_in": "decoder_attn"}  # block -> result set

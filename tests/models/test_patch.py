@@ -6,9 +6,9 @@ import sys
 import pytest
 import torch
 import transformers
-from chunkloss.models import SUPPORTED_MODEL_TYPES, patch
 from transformers import AutoModelForCausalLM
 
+from chunkloss.models import SUPPORTED_MODEL_TYPES, patch
 from tests.tolerances import assert_close_to_ref
 
 # fp32 models; the kernels round in a different order than PyTorch, nothing else differs.
@@ -348,6 +348,7 @@ def test_norm_recompute_needs_the_norm_kernel():
 def test_norm_recompute_with_lora_gives_the_same_bits(monkeypatch):
     """LoRA adapters inside the fused calls read the recomputed norm output like the base projections."""
     import peft
+
     from chunkloss.models import saved_norms
 
     runs = []

@@ -13,8 +13,9 @@ autograd Functions save on a GPU, so the byte counts are those of a GPU run. Att
 import pytest
 import torch
 import transformers
-from chunkloss.models import patch
 from transformers import AutoModelForCausalLM
+
+from chunkloss.models import patch
 
 N_LAYERS, VOCAB, BATCH, SEQ = 2, 64, 2, 32
 # Width proportions of Llama-3.2-1B (I = 4H, 32 x 64 heads, 8 KV heads), Qwen3-8B (I = 3H, 32 x 128, 8 KV

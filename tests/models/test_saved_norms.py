@@ -1,6 +1,7 @@
 """chunkloss.models.saved_norms: saved norm outputs packed as recipes, the rest through the hooks outside."""
 
 import torch
+
 from chunkloss.models import saved_norms
 
 

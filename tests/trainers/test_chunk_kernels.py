@@ -10,14 +10,14 @@ import logging
 
 import pytest
 import torch
-from chunkloss.models import SUPPORTED_MODEL_TYPES
-from chunkloss.models.layers import PatchedGatedMLP, PatchedRMSNorm
 from chunkloss.trainers._common import ChunkedArguments
 from chunkloss.trainers.dpo import ChunkedDPOConfig, ChunkedDPOTrainer
 from chunkloss.trainers.orpo import ChunkedORPOConfig, ChunkedORPOTrainer
 from chunkloss.trainers.sft import ChunkedSFTConfig, ChunkedSFTTrainer
 
 from chunkloss.data import tiny_dataset, tiny_model
+from chunkloss.models import SUPPORTED_MODEL_TYPES
+from chunkloss.models.layers import PatchedGatedMLP, PatchedRMSNorm
 from tests.models.test_patch import grad_fn_counts
 from tests.tolerances import assert_close_to_ref
 from tests.trainers.helpers import assert_same_grads, common_args, model_pair, teacher_model, tokenizer
