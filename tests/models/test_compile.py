@@ -3,8 +3,10 @@
 On CPU the kernels run in the Triton interpreter, which dynamo reaches only through the kernels' custom ops.
 One test swaps every kernel for its pure-PyTorch reference (the same arguments), so what is traced is the
 integration itself (the per-family forwards, the per-call choice of the fused path, the LoRA read-out), and
-compiles it with ``fullgraph=True``; another keeps the kernels but the standalone RMSNorm (not a custom op
-yet). On a GPU every kernel runs under ``torch._dynamo``.
+compiles it with ``fullgraph=True``. Tracing the real kernels' custom ops through a whole model crashes torch
+2.13's CPU build (a segfault in a custom op's fake-tensor dispatch, when it is the first compilation in the
+process), so that runs on a GPU only; each kernel's own compile test (``tests/kernels``) runs on CPU in a
+fresh process.
 """
 
 import copy
@@ -61,17 +63,6 @@ def test_patched_forward_has_no_graph_break(model_type, lora_targets, monkeypatc
     assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
     compiled = torch.compile(lambda ids: patched(input_ids=ids, labels=ids).loss, fullgraph=True)
     assert_close_to_ref(compiled(input_ids), ref)
-
-
-@pytest.mark.parametrize("lora_targets", [None, "all"])
-def test_patched_forward_with_the_kernels_has_no_graph_break(lora_targets, monkeypatch):
-    """attention_input, gated_mlp, lora_linear and RoPE as traced custom ops inside the patched model."""
-    monkeypatch.setattr(layers, "rms_norm", lambda x, w, eps, offset, casting, in_place=False: rms_norm_ref(
-        x, w, eps, offset, casting))  # fmt: skip
-    model = lora_model("llama") if lora_targets else tiny_model("llama")
-    patch(model, loss=False)
-    explained = _explain(model, torch.randint(0, VOCAB, (2, 7)))
-    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
 
 
 @pytest.mark.gpu
