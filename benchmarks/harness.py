@@ -384,7 +384,8 @@ class StepTimer:
             return None
         return (torch.cuda.max_memory_allocated() - self.allocated_before) / 2**30
 
-    def callback(self):
+    def callback(self, after_step=None):
+        """A ``TrainerCallback`` with the step hooks; ``after_step()``, if given, runs at each step's end."""
         from transformers import TrainerCallback
 
         timer = self
@@ -398,5 +399,7 @@ class StepTimer:
 
             def on_step_end(self, *a, **kw):
                 timer.on_step_end(*a, **kw)
+                if after_step is not None:
+                    after_step()
 
         return Callback()

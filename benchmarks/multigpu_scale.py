@@ -136,25 +136,6 @@ class TokenCount:
         self._handle.remove()
 
 
-def _callback(timer: StepTimer, tokens: TokenCount):
-    """A ``TrainerCallback``: ``timer``'s step hooks (the CUDA peak reset when training begins, after the
-    model is sharded and the optimizer built), closing each step's token count."""
-    from transformers import TrainerCallback
-
-    class Callback(TrainerCallback):
-        def on_train_begin(self, *a, **kw):
-            timer.on_train_begin(*a, **kw)
-
-        def on_step_begin(self, *a, **kw):
-            timer.on_step_begin(*a, **kw)
-
-        def on_step_end(self, *a, **kw):
-            timer.on_step_end(*a, **kw)
-            tokens.end_step()
-
-    return Callback()
-
-
 def _setting(a, world: int) -> dict:
     return dict(
         trainer=a.trainer,
@@ -188,7 +169,7 @@ def _train(batch: int, a, tokenizer, t0: float) -> dict:
                            gc=a.gradient_checkpointing, kernels=a.kernels == "on",
                            chunk_compile=a.chunk_compile)  # fmt: skip
     timer, tokens = StepTimer(), TokenCount(model)
-    callback = _callback(timer, tokens)
+    callback = timer.callback(after_step=tokens.end_step)
     trainer.add_callback(callback)
     t2 = time.perf_counter()
     trainer.train()
