@@ -1,4 +1,4 @@
-"""Every code block of the README runs as written.
+"""Every code block of the README, and of the docs pages it sends a newcomer to, runs as written.
 
 Python blocks run with ``exec`` in a fresh namespace, in a temporary working directory, on CPU (their shapes
 are tiny); a block whose first line is ``# needs: ...`` (a GPU, a download) is skipped with that reason.
@@ -22,6 +22,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+# The README and the pages it moves its longer examples to.
+PAGES = (README, ROOT / "docs" / "writing-a-loss.md", ROOT / "docs" / "kernels.md")
 NEEDS = "# needs:"
 # Blocks that run an end-to-end training (generation included): over 20 s on a busy 2-core machine.
 SLOW = ("ChunkedGRPOTrainer(",)
@@ -29,13 +31,15 @@ SLOW = ("ChunkedGRPOTrainer(",)
 
 def _blocks(language: str) -> list[tuple[str, str]]:
     """(id, code) of each ``language`` block: the id is the section's heading and the block's index in it."""
-    found, section, counts = [], "top", {}
-    for part in re.split(r"(^## [^\n]*$|^```\w*\n.*?^```$)", README.read_text(), flags=re.M | re.S):
-        if part.startswith("## "):
-            section = part[3:].strip().lower().replace(" ", "-").replace("`", "")
-        elif part.startswith(f"```{language}\n"):
-            counts[section] = counts.get(section, 0) + 1
-            found.append((f"{section}-{counts[section]}", part[len(language) + 4 : -3]))
+    found, counts = [], {}
+    for page in PAGES:
+        section = page.stem.lower()
+        for part in re.split(r"(^#+ [^\n]*$|^```\w*\n.*?^```$)", page.read_text(), flags=re.M | re.S):
+            if part.startswith("#"):
+                section = part.lstrip("#").strip().lower().replace(" ", "-").replace("`", "")
+            elif part.startswith(f"```{language}\n"):
+                counts[section] = counts.get(section, 0) + 1
+                found.append((f"{section}-{counts[section]}", part[len(language) + 4 : -3]))
     return found
 
 
