@@ -325,6 +325,10 @@ def rms_norm(
     Returns:
         (..., D), dtype as :func:`rms_norm_ref`.
     """
+    if torch.compiler.is_compiling():
+        # Traced as the reference: Inductor fuses it, and the residual add before it, into one kernel per
+        # direction, where a launch of this kernel would break the graph at its launch plan.
+        return rms_norm_ref(x, weight, eps, offset, casting)
     opts = _options(eps, offset, casting, in_place)
     if x.ndim == 2:  # no reshape/view pair: each would add an autograd node
         return RMSNormFunction.apply(x, weight, opts)

@@ -23,6 +23,7 @@ from chunkloss.kernels import (
 )
 from chunkloss.kernels.glu import GLU, glu_ref
 
+from tests.kernels.compiled import compiled_matches_eager
 from tests.tolerances import assert_close_to_ref
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -261,3 +262,16 @@ def test_rope_ref_matches_transformers():
     q, k = torch.randn(2, 4, 5, 16), torch.randn(2, 2, 5, 16)
     for got, want in zip(apply_rotary_pos_emb_ref(q, k, cos, sin), hf_rope(q, k, cos, sin)):
         torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_norm_compiles_whole_as_its_reference(norm):
+    """Under torch.compile the norms trace as their references (no graph break at the launch plan), so the
+    compiled call equals eager's reference, output and gradients."""
+    x = torch.randn(6, 40, requires_grad=True)
+    w = torch.randn(40, requires_grad=True)
+    if norm == "rms":
+        compiled_matches_eager(lambda x, w: rms_norm(x, w, 1e-6, 0.0, "llama"), (x, w))
+    else:
+        b = torch.randn(40, requires_grad=True)
+        compiled_matches_eager(lambda x, w, b: layer_norm(x, w, b, 1e-5), (x, w, b))

@@ -66,7 +66,6 @@ def test_patched_forward_has_no_graph_break(model_type, lora_targets, monkeypatc
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=True, reason="the standalone RMSNorm's launch plan (an lru_cache) breaks the graph")
 @pytest.mark.parametrize("lora_targets", [None, "all"])
 def test_patched_forward_and_backward_compile_on_gpu(lora_targets):
     """The kernels themselves under torch.compile: no graph break, the eager loss and gradients."""
