@@ -30,7 +30,14 @@ import torch
 import torch.nn.functional as F
 
 from .lora import LoraAdapter, LoraPlan, lora_down, lora_grads, lora_ref, lora_up_, plan_lora
-from .rms_norm import RMSNormOptions, _rms_norm_bwd, _rms_norm_fwd, rms_norm_ref
+from .rms_norm import (
+    RMSNormOptions,
+    _rms_norm_bwd,
+    _rms_norm_fwd,
+    rms_norm_bwd_torch,
+    rms_norm_fwd_torch,
+    rms_norm_ref,
+)
 from .rope import RoPEOptions, _rope_launch, _tables, apply_rotary_pos_emb_ref, rope_op
 
 _ROPE = RoPEOptions(head_axis=1)
@@ -74,53 +81,18 @@ def _head_views(qkv: torch.Tensor, batch: int, opts: AttentionInputOptions):
                  for part in qkv.split(opts.widths, dim=1))  # fmt: skip
 
 
-# The RMSNorm launches as custom ops with new outputs, which torch.compile calls without tracing into Triton
-# (the interpreter included): the Function uses them while compiling and the in-place launches otherwise.
-# They have no autograd formula (the Function's backward is written out): their inputs are passed detached,
-# which keeps autograd's fallback for custom ops out of the trace.
-@torch.library.custom_op("chunkloss::rms_norm_fwd", mutates_args=())
-def rms_norm_fwd_op(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    y, _, rstd = _rms_norm_fwd(x, weight, RMSNormOptions(eps, offset, casting))
-    return y, rstd
-
-
-@rms_norm_fwd_op.register_fake
-def _(x, weight, eps, offset, casting):
-    dtype = torch.promote_types(x.dtype, weight.dtype) if casting == "llama" else x.dtype
-    return x.new_empty(x.shape, dtype=dtype), x.new_empty(x.shape[0], dtype=torch.float32)
-
-
-@torch.library.custom_op("chunkloss::rms_norm_bwd", mutates_args=())
-def rms_norm_bwd_op(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, eps: float, offset: float,
-    casting: str, needs_dx: bool, needs_dw: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx, dw), each empty when not needed."""
-    dx, dw = _rms_norm_bwd(dy, x, weight, rstd, RMSNormOptions(eps, offset, casting), needs_dx, needs_dw)
-    return (x.new_empty(0) if dx is None else dx), (weight.new_empty(0) if dw is None else dw)
-
-
-@rms_norm_bwd_op.register_fake
-def _(dy, x, weight, rstd, eps, offset, casting, needs_dx, needs_dw):
-    return x.new_empty(x.shape if needs_dx else 0), weight.new_empty(weight.shape if needs_dw else 0)
-
-
 def _norm_fwd(x, weight, opts: RMSNormOptions):
-    """(h, rstd) of the (N, H) rows ``x`` (contiguous)."""
+    """(h, rstd) of the (N, H) rows ``x`` (contiguous); the kernel's math in PyTorch ops while compiling."""
     if torch.compiler.is_compiling():
-        return rms_norm_fwd_op(x.detach(), weight.detach(), opts.eps, opts.offset, opts.casting)
+        return rms_norm_fwd_torch(x, weight, opts.eps, opts.offset, opts.casting)
     h, _, rstd = _rms_norm_fwd(x, weight, opts)
     return h, rstd
 
 
 def _norm_bwd(dh, x, weight, rstd, opts: RMSNormOptions, needs_dx, needs_dw):
-    if not torch.compiler.is_compiling():
-        return _rms_norm_bwd(dh, x, weight, rstd, opts, needs_dx, needs_dw)
-    args = (dh.detach(), x.detach(), weight.detach(), rstd, opts.eps, opts.offset, opts.casting)
-    dx, dw = rms_norm_bwd_op(*args, needs_dx, needs_dw)
-    return (dx if needs_dx else None), (dw if needs_dw else None)
+    if torch.compiler.is_compiling():
+        return rms_norm_bwd_torch(dh, x, weight, rstd, opts.offset, opts.casting, needs_dx, needs_dw)
+    return _rms_norm_bwd(dh, x, weight, rstd, opts, needs_dx, needs_dw)
 
 
 def _adapted(parts, plan: LoraPlan):
