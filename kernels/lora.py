@@ -202,7 +202,7 @@ def lora_dt(gs, t: torch.Tensor, weights, plan: LoraPlan, need, need_dt: bool):
         gc = g.to(plan.dtype)
         dbs.append((gc.t() @ (tj * s)).to(b.dtype) if need[2 * j + 1] else None)
         if need_dt:
-            dts.append((gc @ b.to(plan.dtype)).mul_(s))
+            dts.append(gc @ b.to(plan.dtype) * s)
     dt = None if not need_dt else dts[0] if len(dts) == 1 else torch.cat(dts, dim=1)
     return dt, dbs
 
