@@ -8,8 +8,9 @@ before). The forwards follow transformers' own (``modeling_llama.py``, ``modelin
 (``ALL_ATTENTION_FUNCTIONS`` / the family's ``eager_attention_forward``), as the family's forward does.
 
 What runs fused is decided at each call from what the modules are then: a projection that is not an
-``nn.Linear`` or a plain LoRA layer (:mod:`chunkloss.models.lora`), a module with a hook, or dtypes that
-autocast would change run the separate path, which computes the same values.
+``nn.Linear`` or a plain LoRA layer (:mod:`chunkloss.models.lora`; over a 4-bit base too, where the call
+computes in its compute dtype), a module with a hook, or dtypes that autocast would change run the separate
+path, which computes the same values.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from chunkloss.kernels.rms_norm import rms_norm
 from chunkloss.kernels.rope import apply_rotary_pos_emb
 
 from . import saved_norms
-from .lora import Projection, _unhooked, projection
+from .lora import Projection, _unhooked, computes_as_is, projection
 
 __all__ = [
     "NormSpec", "MLPSpec", "LayerSpec", "PatchedRMSNorm", "PatchedGatedMLP", "PatchedAttention",
@@ -65,16 +66,18 @@ def _family(module: nn.Module):
     return sys.modules[type(module).__module__]
 
 
-def _fusable(projections: tuple[nn.Module, ...]) -> tuple[Projection, ...] | None:
-    """The projections as :class:`Projection` when a fused kernel can take all of them."""
+def _fusable(projections: tuple[nn.Module, ...], x: torch.Tensor) -> tuple[Projection, ...] | None:
+    """The projections as :class:`Projection` when a fused kernel can take all of them on ``x``."""
     parts = tuple(map(projection, projections))
-    return None if any(p is None for p in parts) else parts
+    return None if any(p is None or not computes_as_is(p, x) for p in parts) else parts
 
 
 def _linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``module(x)``, a plain LoRA layer's as one :func:`~chunkloss.kernels.lora.lora_linear` call."""
+    """``module(x)``, a plain LoRA layer's (over a 4-bit base too) as one
+    :func:`~chunkloss.kernels.lora.lora_linear` call."""
     part = projection(module)
-    if part is None or part.adapter is None:  # a plain nn.Linear runs as the module it is
+    # A plain nn.Linear, or a LoRA layer computing its base alone, runs as the module it is.
+    if part is None or part.adapter is None or not computes_as_is(part, x):
         return module(x)
     return lora_linear(x, part.weight, part.bias, part.adapter)
 
@@ -109,7 +112,7 @@ class PatchedGatedMLP:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         spec = self.chunkloss_mlp
-        parts = _fusable((self.gate_proj, self.up_proj, self.down_proj))
+        parts = _fusable((self.gate_proj, self.up_proj, self.down_proj), x)
         if parts is not None:
             gate, up, down = parts
             return gated_mlp(x, gate.weight, up.weight, down.weight, b_gate=gate.bias, b_up=up.bias,
@@ -168,7 +171,7 @@ class PatchedAttention:
                              norm_recompute=False, **kwargs):  # fmt: skip
         """``self(norm(x), ...)`` with the norm, q/k/v (and their LoRA adapters) and RoPE as one
         attention_input call, or None when this call cannot take it."""
-        parts = _fusable((self.q_proj, self.k_proj, self.v_proj))
+        parts = _fusable((self.q_proj, self.k_proj, self.v_proj), x)
         # Under autocast the separate modules normalise x in its own dtype and cast only the projections'
         # operands, a rounding attention_input does not reproduce.
         if parts is None or autocast_changes_dtype(x, *(p.weight for p in parts)):
