@@ -218,7 +218,7 @@ def test_bf16_qlora_matches_peft_gpu(model_type, adapters):
     assert_close_to_ref(loss.float(), ref_loss, torch_loss.float(), dtype=torch.bfloat16)
     assert_close_to_ref(dx, ref_dx, torch_dx, name="dx")
     # k = 4, not the bf16 row's 2: measured on an H100, Qwen3's layer-1 up_proj lora_B (bf16 adapters under
-    # autocast, 14 tokens) had error 0.0218 against PEFT's 0.00669, the largest ratio of the 120 comparisons.
+    # autocast, 14 tokens) had error 0.0218 against PEFT's 0.00669 (3.3x), over the row's bound of 0.0214.
     for name, g in grads.items():
         assert g.dtype == torch_grads[name].dtype, name
         assert_close_to_ref(g, ref_grads[name], torch_grads[name], name=name, k=4.0, dtype=torch.bfloat16)
