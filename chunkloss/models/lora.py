@@ -4,8 +4,9 @@ A projection is fused when it is an ``nn.Linear`` (``F.linear(x, weight, bias)``
 whose forward is ``base(x) + scaling · lora_B(lora_A(dropout(x)))`` with one active, unmerged, plain adapter
 (no DoRA or other variant, no ``lora_bias``, not ``fan_in_fan_out``) over an ``nn.Linear`` base; a LoRA layer
 whose adapters are disabled, or none of whose adapters is active, computes its base layer alone. Anything
-else (a quantised base, DoRA, several active adapters, a merged adapter, another PEFT tuner, a hooked module)
-runs its own forward; :func:`why_not_fused` says why, for the one log line ``patch`` writes.
+else (a quantised base, DoRA, several active adapters, a merged adapter, another PEFT tuner, a module with a
+hook other than FSDP2's and DeepSpeed's) runs its own forward; :func:`why_not_fused` says why, for the one log
+line ``patch`` writes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import torch
 from torch import nn
 
 from chunkloss.kernels.lora import LoraAdapter
+
+from .hooks import gathering_hooks_only
 
 __all__ = ["Projection", "projection", "why_not_fused"]
 
@@ -30,13 +33,15 @@ class Projection:
     adapter: LoraAdapter | None = None
 
 
-def _unhooked(module: nn.Module) -> bool:
-    """No hook (accelerate's offload, DeepSpeed ZeRO-3's gathering, a user's) that a fused call would skip."""
-    return not module._forward_hooks and not module._forward_pre_hooks and not hasattr(module, "_hf_hook")
+def _fusable_hooks(module: nn.Module) -> bool:
+    """No hooks on ``module`` or under it but FSDP2's and DeepSpeed's, which gather parameters: the fused
+    calls run inside the forwards of the modules they read (:mod:`chunkloss.models.hooks`). Another hook
+    (accelerate's offload, a user's) expects the module's own forward."""
+    return all(gathering_hooks_only(m) for m in module.modules())
 
 
 def _plain_linear(module: nn.Module) -> bool:
-    return type(module) is nn.Linear and _unhooked(module)
+    return type(module) is nn.Linear and gathering_hooks_only(module)
 
 
 def _lora_linear_class():
@@ -50,7 +55,7 @@ def _active(module) -> list[str]:
 
 def _lora_refusal(module) -> str | None:
     """Why a PEFT LoRA Linear cannot run as :class:`Projection`, or None when it can."""
-    if not _unhooked(module):
+    if not _fusable_hooks(module):
         return "a hook on the LoRA layer"
     if not _plain_linear(module.base_layer):
         return f"its base layer is {type(module.base_layer).__name__}"
