@@ -2,8 +2,9 @@
 
 Implementations (``--impl``), each in its own process (Liger patches transformers' classes process-wide):
 
-``trl`` (TRL's trainer), ``liger`` (with ``use_liger_kernel=True``), ``compile`` (with ``torch_compile=True``)
-and ``chunkloss`` (chunkloss's trainer, ``chunk_kernels=True`` passed explicitly; ``--no-kernels``: False).
+``trl`` (TRL's trainer), ``liger`` (with ``use_liger_kernel=True``), ``compile`` (with
+``torch_compile=True``), ``chunkloss`` (chunkloss's trainer, ``chunk_kernels=True`` passed explicitly;
+``--no-kernels``: False) and ``chunkloss_compile`` (the same with ``torch_compile=True``).
 
 Losses (``--loss``): ``sft`` (prompt-completion rows, loss on the completion), ``dpo`` (pairs; the reference
 is the initial policy, or the adapter-free model under LoRA), ``grpo`` (fixed completions, nothing sampled:
@@ -17,8 +18,10 @@ Shapes (``--shape``): real models' configs with random weights (nothing is downl
 Per implementation, the per-device batches of ``--batches`` run in turn until the first OOM. Each trains
 ``--steps`` steps; step time is the median of the steps after ``--warmup`` (CUDA events, at least 5 timed
 steps); peak memory is the highest CUDA memory allocated during training minus what was allocated when it
-began (the weights; optimizer states and gradients count). ``--out FILE.json`` is rewritten after every
-implementation; ``python -m benchmarks.report --merge DIR`` merges such files into the committed sets.
+began (the weights; optimizer states and gradients count). A chunkloss row with its kernels keeps the line
+``chunkloss.models.patch`` logged (``patch``: what ran fused, what did not and why). ``--out FILE.json`` is
+rewritten after every implementation; ``python -m benchmarks.report --merge DIR`` merges such files into the
+committed sets.
 
     python -m benchmarks.bench_e2e --shape llama-3.2-1b --task full --loss sft --seq 1024 --gc off \\
         --impl trl,liger,compile,chunkloss --batches 8,16 --out /tmp/e2e/sft_full.json
@@ -31,15 +34,19 @@ implementation; ``python -m benchmarks.report --merge DIR`` merges such files in
 summed into GEMMs, attention, Triton kernels (ours, Liger's or inductor's), the optimizer, copies and casts,
 other, and idle time (step time minus the union of kernel intervals). ``--floor``: the step's GEMMs (the same
 M, K, N, forward and backward, no weight gradient for frozen weights) and attention (SDPA forward + backward)
-timed alone. Both write rows the report renders.
+timed alone; with ``--task qlora`` also the dequantisation of each 4-bit weight before each GEMM that reads
+it (bitsandbytes' ``dequantize_4bit``; once per forward pass and once for the input gradient). Both write rows
+the report renders.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import importlib.util
 import json
+import logging
 import os
 import pathlib
 import statistics
@@ -115,7 +122,7 @@ def build_model(a, seed: int = 0):
         del model
         q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
         return AutoModelForCausalLM.from_pretrained(tmp, quantization_config=q, dtype=dtype,
-                                                    device_map={"": 0})  # fmt: skip
+                                                    device_map={"": 0 if cuda else "cpu"})  # fmt: skip
 
 
 def peft_config(task: str):
@@ -130,7 +137,7 @@ def peft_config(task: str):
 def setting(a, impl: str) -> dict:
     """What a run is, the keys of its case (``report.e2e_case``) first."""
     medusa = {"medusa": f"stage {a.medusa_stage} K={a.medusa_heads}"} if a.loss == "medusa" else {}
-    kernels = impl == "chunkloss" and a.kernels and kernels_available()
+    kernels = impl.startswith("chunkloss") and a.kernels and kernels_available()
     return dict(shape=a.shape, task=a.task, loss=a.loss, **medusa, seq=a.seq, gc=a.gc == "on", impl=impl,
                 layers=a.layers or SHAPES[a.shape]["layers"], kernels=kernels)  # fmt: skip
 
@@ -150,9 +157,13 @@ def train(a, batch: int, profile: bool = False) -> dict:
         # GKD's collator keeps the prompt whole, so its completions leave room for it (up to --seq tokens).
         ds = counting_dataset(a.loss, max(64, batch * a.steps), a.seq // 2 if a.loss == "gkd" else a.seq)
         medusa = dict(num_heads=a.medusa_heads, stage=a.medusa_stage)
-        trainer = make_trainer(a.loss, a.impl, model, tokenizer, ds, out_dir=tempfile.mkdtemp(), batch=batch,
-                               steps=a.steps, seq=a.seq, gc=a.gc == "on", ref=ref, kernels=a.kernels,
-                               peft_config=peft_config(a.task), medusa=medusa)  # fmt: skip
+        with patch_lines() as lines:
+            trainer = make_trainer(a.loss, a.impl, model, tokenizer, ds, out_dir=tempfile.mkdtemp(),
+                                   batch=batch, steps=a.steps, seq=a.seq, gc=a.gc == "on", ref=ref,
+                                   kernels=a.kernels, peft_config=peft_config(a.task),
+                                   medusa=medusa)  # fmt: skip
+        if lines:
+            res["patch"] = lines[0]
         timer = StepTimer()
         trainer.add_callback(timer.callback())
         if profile:
@@ -174,6 +185,22 @@ def train(a, batch: int, profile: bool = False) -> dict:
         del model, ref, trainer
         free_memory()
     return res
+
+
+@contextlib.contextmanager
+def patch_lines():
+    """The lines ``chunkloss.models.patch`` logs meanwhile (INFO and above)."""
+    log, lines = logging.getLogger("chunkloss.models"), []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    level = log.level
+    log.setLevel(logging.INFO)
+    log.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
 
 
 def _profile_window(prof, warmup: int):
@@ -219,6 +246,20 @@ def _time_ms(fn, repeats: int = 10) -> float:
     return statistics.median(timed_ms(fn, device) for _ in range(repeats))
 
 
+def _linears(a) -> list[tuple[int, int]]:
+    """(in, out) of a layer's q, k, v, o, gate, up and down projections."""
+    s = SHAPES[a.shape]
+    q, kv = s["heads"] * s["head_dim"], s["kv"] * s["head_dim"]
+    h, i = s["hidden"], s["inter"]
+    return [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)]
+
+
+def _forward_passes(a) -> int:
+    """The layers' forward passes per step: once, again under checkpointing, DPO's reference or GKD's
+    teacher."""
+    return 1 + (a.gc == "on") + (a.loss in ("dpo", "gkd"))
+
+
 def step_gemms(a, batch: int) -> list[tuple[int, int, int, int]]:
     """``(M, K, N, count)`` of the step's matrix products: per linear, the forward ``x W^T``, the input
     gradient and (trainable weights) the weight gradient; LoRA's adapters their own; the layers' forward
@@ -226,12 +267,10 @@ def step_gemms(a, batch: int) -> list[tuple[int, int, int, int]]:
     s = SHAPES[a.shape]
     layers = a.layers or s["layers"]
     rows = batch * ROWS_PER_EXAMPLE.get(a.loss, 1) * a.seq
-    q, kv = s["heads"] * s["head_dim"], s["kv"] * s["head_dim"]
-    h, i = s["hidden"], s["inter"]
-    linears = [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)]  # q k v o gate up down: (in, out)
-    full, fwd_passes = a.task == "full", 1 + (a.gc == "on") + (a.loss in ("dpo", "gkd"))
+    h = s["hidden"]
+    full, fwd_passes = a.task == "full", _forward_passes(a)
     out = []
-    for fin, fout in linears:
+    for fin, fout in _linears(a):
         out += [(rows, fin, fout, layers * fwd_passes), (rows, fout, fin, layers)]
         if full:
             out.append((fout, rows, fin, layers))
@@ -246,8 +285,22 @@ def step_gemms(a, batch: int) -> list[tuple[int, int, int, int]]:
     return out
 
 
+def dequant_ms(a, dev) -> float:
+    """``--task qlora``: ms per step of dequantising each 4-bit nf4 weight before each GEMM that reads it
+    (once per forward pass, once for the input gradient), as the QLoRA base's forward and backward do."""
+    from bitsandbytes.functional import dequantize_4bit, quantize_4bit
+
+    total, count = 0.0, (a.layers or SHAPES[a.shape]["layers"]) * (_forward_passes(a) + 1)
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    for fin, fout in _linears(a):
+        packed, state = quantize_4bit(torch.randn(fout, fin, device=dev, dtype=dtype), quant_type="nf4")
+        total += count * _time_ms(lambda packed=packed, state=state: dequantize_4bit(packed, state))
+        del packed, state
+    return total
+
+
 def floor(a, batch: int) -> dict:
-    """The step's GEMMs and attention timed alone (ms per step)."""
+    """The step's GEMMs and attention timed alone (ms per step); a QLoRA step's dequantisation too."""
     cuda = torch.cuda.is_available()
     dev, dt = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     gemm_ms = 0.0
@@ -270,9 +323,10 @@ def floor(a, batch: int) -> dict:
     with torch.no_grad():
         fwd_ms = _time_ms(lambda: sdpa(q, k, v, is_causal=True, enable_gqa=True))
     attn_ms = layers * (_time_ms(fwd_bwd) + extra_fwd * fwd_ms)
-    res = {**setting(a, "floor"), "batch": batch, "ms": gemm_ms + attn_ms}
-    res["parts"] = {"gemm": gemm_ms, "attention": attn_ms}
-    return res
+    parts = {"gemm": gemm_ms, "attention": attn_ms}
+    if a.task == "qlora":
+        parts["dequant"] = dequant_ms(a, dev)
+    return {**setting(a, "floor"), "batch": batch, "ms": sum(parts.values()), "parts": parts}
 
 
 def worker(a) -> None:
@@ -324,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.profile and (len(impls) != 1 or len(a.batches) != 1):
         p.error("--profile takes one --impl and one batch")
     if a.task == "qlora" and importlib.util.find_spec("bitsandbytes") is None:
-        p.error("--task qlora needs bitsandbytes (pip install bitsandbytes)")
+        p.error("--task qlora needs bitsandbytes: pip install 'chunkloss[qlora]'")
     if a.worker:
         worker(a)
         return 0

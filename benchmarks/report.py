@@ -71,7 +71,8 @@ KINDS = {
                 "minus the union of kernel intervals (launch and CPU gaps)."),
     "floor": ("The training step's floor: its GEMMs and attention alone", "ms", PEAK,
               "The step's matrix products (same M, K, N; forward and backward; no weight gradient for "
-              "frozen weights) and attention (SDPA forward + backward), each timed alone on the same card."),
+              "frozen weights) and attention (SDPA forward + backward), each timed alone on the same card; "
+              "QLoRA: the 4-bit weights' dequantisation too."),
     "multigpu": ("Multi-GPU parity: chunked trainers on 2 GPUs vs 1 GPU, same global batch", "s",
                  "peak GiB per GPU", "Gradients of the first step and a 20-step loss curve against 1 GPU: "
                  "largest difference relative to each tensor's largest entry."),

@@ -1,4 +1,5 @@
-"""Triton kernels (RMSNorm, LayerNorm, RoPE, SwiGLU, GeGLU, the gated MLP, the attention input), with LoRA.
+"""Triton kernels (RMSNorm, LayerNorm, RoPE, SwiGLU, GeGLU, the gated MLP, the attention input), with LoRA
+and QLoRA (a frozen base weight materialised for each GEMM: ``FrozenWeight``).
 
 Every kernel has a pure-PyTorch ``*_ref`` beside it that matches the corresponding ``transformers`` module.
 This package imports nothing from the rest of chunkloss; :func:`chunkloss.models.patch` puts the kernels into
@@ -6,6 +7,7 @@ a transformers model.
 """
 
 from .attention_input import attention_input, attention_input_ref
+from .frozen import FrozenWeight
 from .glu import GeGLU, SwiGLU, geglu, geglu_ref, swiglu, swiglu_ref
 from .layer_norm import LayerNorm, layer_norm, layer_norm_ref
 from .lora import LoraAdapter, lora_linear, lora_linear_ref
@@ -35,6 +37,7 @@ __all__ = [
     "attention_input",
     "attention_input_ref",
     "LoraAdapter",
+    "FrozenWeight",
     "lora_linear",
     "lora_linear_ref",
 ]

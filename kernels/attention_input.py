@@ -22,6 +22,10 @@ backward is written out in ``kernels/lora.py``: without dropout one GEMM ``h·[A
 adapter, and ``dh`` is the base's ``[dq dk dv]·[Wq; Wk; Wv]`` plus one ``addmm`` of the adapters'
 ``[dt_q dt_k dt_v]·[A_q; A_k; A_v]``. Frozen projection weights get no gradient GEMM. Saved besides: the
 adapters' ``t = h·Aᵀ`` (N, Σr) and their dropout masks.
+
+QLoRA: a projection weight given as a :class:`~chunkloss.kernels.frozen.FrozenWeight` (a 4-bit base's
+dequantisation) is loaded into ``[Wq; Wk; Wv]`` for the forward GEMM and again for the backward's ``dh``, and
+is not saved.
 """
 
 from dataclasses import dataclass
@@ -29,15 +33,23 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .frozen import Weight, check_weights, joined, materialize, split_frozen, stacked
 from .lora import LoraAdapter, LoraPlan, lora_down, lora_grads, lora_ref, lora_up_, plan_lora
-from .rms_norm import RMSNormOptions, _rms_norm_bwd, _rms_norm_fwd, rms_norm_ref
+from .rms_norm import (
+    RMSNormOptions,
+    _rms_norm_bwd,
+    _rms_norm_fwd,
+    rms_norm_bwd_torch,
+    rms_norm_fwd_torch,
+    rms_norm_ref,
+)
 from .rope import RoPEOptions, _rope_launch, _tables, apply_rotary_pos_emb_ref, rope_op
 
 _ROPE = RoPEOptions(head_axis=1)
 
 
 def attention_input_ref(
-    x: torch.Tensor, norm_weight: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor,
+    x: torch.Tensor, norm_weight: torch.Tensor, w_q: Weight, w_k: Weight, w_v: Weight,
     cos: torch.Tensor, sin: torch.Tensor, *, b_q: torch.Tensor | None = None, b_k: torch.Tensor | None = None,
     b_v: torch.Tensor | None = None, head_dim: int | None = None, eps: float = 1e-6, offset: float = 0.0,
     casting: str = "llama", adapters: tuple[LoraAdapter | None, ...] | None = None,
@@ -49,7 +61,8 @@ def attention_input_ref(
     q_ad, k_ad, v_ad = adapters or (None, None, None)
 
     def heads(w, b, adapter):
-        return lora_ref(F.linear(h, w, b), h, adapter).view(*x.shape[:-1], -1, head_dim).transpose(1, 2)
+        y = lora_ref(F.linear(h, materialize(w), b), h, adapter)
+        return y.view(*x.shape[:-1], -1, head_dim).transpose(1, 2)
 
     q, k = apply_rotary_pos_emb_ref(heads(w_q, b_q, q_ad), heads(w_k, b_k, k_ad), cos, sin)
     return q, k, heads(w_v, b_v, v_ad)
@@ -74,53 +87,18 @@ def _head_views(qkv: torch.Tensor, batch: int, opts: AttentionInputOptions):
                  for part in qkv.split(opts.widths, dim=1))  # fmt: skip
 
 
-# The RMSNorm launches as custom ops with new outputs, which torch.compile calls without tracing into Triton
-# (the interpreter included): the Function uses them while compiling and the in-place launches otherwise.
-# They have no autograd formula (the Function's backward is written out): their inputs are passed detached,
-# which keeps autograd's fallback for custom ops out of the trace.
-@torch.library.custom_op("chunkloss::rms_norm_fwd", mutates_args=())
-def rms_norm_fwd_op(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, casting: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    y, _, rstd = _rms_norm_fwd(x, weight, RMSNormOptions(eps, offset, casting))
-    return y, rstd
-
-
-@rms_norm_fwd_op.register_fake
-def _(x, weight, eps, offset, casting):
-    dtype = torch.promote_types(x.dtype, weight.dtype) if casting == "llama" else x.dtype
-    return x.new_empty(x.shape, dtype=dtype), x.new_empty(x.shape[0], dtype=torch.float32)
-
-
-@torch.library.custom_op("chunkloss::rms_norm_bwd", mutates_args=())
-def rms_norm_bwd_op(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, eps: float, offset: float,
-    casting: str, needs_dx: bool, needs_dw: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx, dw), each empty when not needed."""
-    dx, dw = _rms_norm_bwd(dy, x, weight, rstd, RMSNormOptions(eps, offset, casting), needs_dx, needs_dw)
-    return (x.new_empty(0) if dx is None else dx), (weight.new_empty(0) if dw is None else dw)
-
-
-@rms_norm_bwd_op.register_fake
-def _(dy, x, weight, rstd, eps, offset, casting, needs_dx, needs_dw):
-    return x.new_empty(x.shape if needs_dx else 0), weight.new_empty(weight.shape if needs_dw else 0)
-
-
 def _norm_fwd(x, weight, opts: RMSNormOptions):
-    """(h, rstd) of the (N, H) rows ``x`` (contiguous)."""
+    """(h, rstd) of the (N, H) rows ``x`` (contiguous); the kernel's math in PyTorch ops while compiling."""
     if torch.compiler.is_compiling():
-        return rms_norm_fwd_op(x.detach(), weight.detach(), opts.eps, opts.offset, opts.casting)
+        return rms_norm_fwd_torch(x, weight, opts.eps, opts.offset, opts.casting)
     h, _, rstd = _rms_norm_fwd(x, weight, opts)
     return h, rstd
 
 
 def _norm_bwd(dh, x, weight, rstd, opts: RMSNormOptions, needs_dx, needs_dw):
-    if not torch.compiler.is_compiling():
-        return _rms_norm_bwd(dh, x, weight, rstd, opts, needs_dx, needs_dw)
-    args = (dh.detach(), x.detach(), weight.detach(), rstd, opts.eps, opts.offset, opts.casting)
-    dx, dw = rms_norm_bwd_op(*args, needs_dx, needs_dw)
-    return (dx if needs_dx else None), (dw if needs_dw else None)
+    if torch.compiler.is_compiling():
+        return rms_norm_bwd_torch(dh, x, weight, rstd, opts.offset, opts.casting, needs_dx, needs_dw)
+    return _rms_norm_bwd(dh, x, weight, rstd, opts, needs_dx, needs_dw)
 
 
 def _adapted(parts, plan: LoraPlan):
@@ -135,7 +113,7 @@ class AttentionInputFunction(torch.autograd.Function):
         batch = x.shape[0]
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         h, rstd = _norm_fwd(x2, norm_weight, opts.norm)
-        qkv = F.linear(h, torch.cat((w_q, w_k, w_v)), _cat((b_q, b_k, b_v)))
+        qkv = F.linear(h, stacked((w_q, w_k, w_v)), _cat((b_q, b_k, b_v)))
         t, masks = None, ()
         if opts.lora is not None:  # before RoPE: the adapters add to the projections' outputs
             t, masks = lora_down(h, lora, opts.lora)
@@ -146,7 +124,8 @@ class AttentionInputFunction(torch.autograd.Function):
         else:
             _rope_launch(q, k, cos, sin, _ROPE, backward=False, out=(q, k))
         kept = None if opts.norm_recompute else h
-        ctx.save_for_backward(x2, norm_weight, rstd, kept, w_q, w_k, w_v, cos, sin, t, *masks, *lora)
+        weights, ctx.frozen = split_frozen((w_q, w_k, w_v))  # a FrozenWeight is loaded again, not saved
+        ctx.save_for_backward(x2, norm_weight, rstd, kept, *weights, cos, sin, t, *masks, *lora)
         ctx.opts, ctx.batch, ctx.x_shape, ctx.has_bias = opts, batch, x.shape, b_q is not None
         return q, k, v
 
@@ -166,7 +145,7 @@ class AttentionInputFunction(torch.autograd.Function):
             dq_out, dk_out, dv_out = _head_views(dqkv, ctx.batch, opts)
             _rope_launch(dq, dk, cos, sin, _ROPE, backward=True, out=(dq_out, dk_out))
             dv_out.copy_(dv)
-        dh = dqkv @ torch.cat((w_q, w_k, w_v)) if need[0] or need[1] else None
+        dh = dqkv @ stacked(joined((w_q, w_k, w_v), ctx.frozen)) if need[0] or need[1] else None
         lora_g = ()
         if plan is not None:  # adds the adapters' share of dh into it
             parts = _adapted(dqkv.split(opts.widths, dim=1), plan)
@@ -213,7 +192,7 @@ def _check(x, norm_weight, weights, biases, cos, head_dim):
 
 
 def attention_input(
-    x: torch.Tensor, norm_weight: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor,
+    x: torch.Tensor, norm_weight: torch.Tensor, w_q: Weight, w_k: Weight, w_v: Weight,
     cos: torch.Tensor, sin: torch.Tensor, *, b_q: torch.Tensor | None = None, b_k: torch.Tensor | None = None,
     b_v: torch.Tensor | None = None, head_dim: int | None = None, eps: float = 1e-6, offset: float = 0.0,
     casting: str = "llama", norm_recompute: bool = False,
@@ -225,8 +204,9 @@ def attention_input(
         x: (B, T, H) the layer's input (the residual stream).
         norm_weight: (H,) the input RMSNorm's weight; ``eps``, ``offset`` and ``casting`` as
             :func:`~chunkloss.kernels.rms_norm` takes them (Gemma: ``offset=1.0, casting="gemma"``).
-        w_q, w_k, w_v: (Hq·D, H), (Hkv·D, H), (Hkv·D, H) projection weights; ``b_q``, ``b_k``, ``b_v`` their
-            biases (Qwen2) or None.
+        w_q, w_k, w_v: (Hq·D, H), (Hkv·D, H), (Hkv·D, H) projection weights, each a tensor or a
+            :class:`~chunkloss.kernels.frozen.FrozenWeight` (loaded for each GEMM, never saved); ``b_q``,
+            ``b_k``, ``b_v`` their biases (Qwen2) or None.
         cos, sin: (B or 1, T, R) rotary tables as transformers' rotary embedding returns them, R <= D even.
         head_dim: D; default R.
         norm_recompute: do not keep the normalised ``h`` for the backward (H elements per token); the
@@ -249,6 +229,7 @@ def attention_input(
     """
     head_dim = head_dim or cos.shape[-1]
     weights, biases = (w_q, w_k, w_v), (b_q, b_k, b_v)
+    check_weights("attention_input", ("w_q", "w_k", "w_v"), weights)
     _check(x, norm_weight, weights, biases, cos, head_dim)
     if autocast_changes_dtype(x, *weights):
         dtype = torch.get_autocast_dtype(x.device.type)

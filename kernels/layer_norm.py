@@ -352,6 +352,8 @@ def layer_norm(
     Returns:
         (..., D) in ``x.dtype``.
     """
+    if torch.compiler.is_compiling():  # traced as the reference, which Inductor fuses (see rms_norm)
+        return layer_norm_ref(x, weight, bias, eps)
     opts = _options(eps, in_place)
     if x.ndim == 2:  # no reshape/view pair: each would add an autograd node
         return LayerNormFunction.apply(x, weight, bias, opts)

@@ -14,9 +14,23 @@ adapters on a bf16 base included), or in the autocast dtype under ``torch.autoca
 and ``lora_B`` linears run. The base weight is frozen or not: its gradient is computed only when it requires
 one.
 
-Public API (the fused blocks take one adapter per projection, ``None`` for a projection without one)::
+QLoRA: PEFT's ``Linear4bit`` (``peft/tuners/lora/bnb.py``) adds the adapter to a bitsandbytes 4-bit base in
+another order, which an adapter built with ``cast_before_add=True`` follows::
 
-    LoraAdapter(a, b, scaling, dropout_p=0.0)
+    result = base_layer(x).clone()
+    if not torch.is_autocast_enabled():                   # CUDA's autocast
+        x = x.to(lora_A.weight.dtype)
+        result = result + (lora_B(lora_A(dropout(x))) * scaling).to(result.dtype)
+    else:                                                 # nothing cast: dropout draws on x as it is
+        result = result + lora_B(lora_A(dropout(x))) * scaling
+
+The base weight is then a :class:`~chunkloss.kernels.frozen.FrozenWeight` (its dequantisation), materialised
+for each GEMM and never saved (``kernels/frozen.py``).
+
+Public API (the fused blocks take one adapter per projection, ``None`` for a projection without one; each
+base weight a tensor or a ``FrozenWeight``)::
+
+    LoraAdapter(a, b, scaling, dropout_p=0.0, cast_before_add=False)
     lora_linear(x, weight, bias=None, adapter=None)           # o_proj; equals lora_linear_ref
     attention_input(x, norm_weight, w_q, w_k, w_v, cos, sin, ..., adapters=(q, k, v))
     gated_mlp(x, w_gate, w_up, w_down, ..., adapters=(gate, up, down))
@@ -49,6 +63,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .frozen import FrozenWeight, Weight, check_weights, materialize, split_frozen
+
 
 @dataclass(frozen=True, eq=False)
 class LoraAdapter:
@@ -60,12 +76,17 @@ class LoraAdapter:
         scaling: ``scaling[name]`` (``lora_alpha / r``; ``lora_alpha / sqrt(r)`` with ``use_rslora``).
         dropout_p: the dropout probability applied to the adapter's input: ``lora_dropout[name].p`` in
             training mode, 0 in eval mode (or for ``nn.Identity``).
+        cast_before_add: add as PEFT's 4-bit ``Linear4bit`` does (see the module docstring): outside CUDA's
+            autocast the update is cast to the base output's dtype and then added (``lora.Linear`` adds in the
+            promoted dtype and casts the sum); under it the input is not cast to the adapter's dtype, so
+            dropout draws its mask on the input's dtype.
     """
 
     a: torch.Tensor
     b: torch.Tensor
     scaling: float
     dropout_p: float = 0.0
+    cast_before_add: bool = False
 
 
 @dataclass(frozen=True)
@@ -77,6 +98,8 @@ class LoraPlan:
     scalings: tuple[float, ...]
     dropout_ps: tuple[float, ...]
     dtype: torch.dtype  # the adapters' compute dtype: theirs, or the autocast dtype
+    cast_outs: tuple[bool, ...]  # the update is cast to the output's dtype before the addition
+    keep_inputs: tuple[bool, ...]  # dropout draws on the input in its own dtype, not the adapter's
 
     @property
     def shared(self) -> bool:
@@ -91,22 +114,26 @@ def _dropout(x: torch.Tensor, mask: torch.Tensor | None, p: float) -> torch.Tens
 
 def lora_ref(result: torch.Tensor, x: torch.Tensor, adapter: LoraAdapter | None) -> torch.Tensor:
     """PEFT's adapter step, ``(result + lora_B(lora_A(dropout(x.to(A.dtype)))) * scaling)`` cast back to
-    ``result.dtype``."""
+    ``result.dtype``; with ``cast_before_add``, ``Linear4bit``'s (see the module docstring)."""
     if adapter is None:
         return result
     dtype = result.dtype
-    x = x.to(adapter.a.dtype)
+    convert = not (adapter.cast_before_add and torch.is_autocast_enabled("cuda"))
+    if convert:
+        x = x.to(adapter.a.dtype)
     if adapter.dropout_p:  # nn.Dropout in training mode, as F.dropout runs it on CUDA
         x = torch.native_dropout(x, adapter.dropout_p, True)[0]
-    return (result + F.linear(F.linear(x, adapter.a), adapter.b) * adapter.scaling).to(dtype)
+    update = F.linear(F.linear(x, adapter.a), adapter.b) * adapter.scaling
+    if not adapter.cast_before_add:
+        return (result + update).to(dtype)
+    return result + (update.to(dtype) if convert else update)
 
 
 def lora_linear_ref(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-    adapter: LoraAdapter | None = None,
+    x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None, adapter: LoraAdapter | None = None,
 ) -> torch.Tensor:
     """Pure PyTorch, op for op as PEFT's ``lora.Linear.forward``; arguments as :func:`lora_linear`."""
-    return lora_ref(F.linear(x, weight, bias), x, adapter)
+    return lora_ref(F.linear(x, materialize(weight), bias), x, adapter)
 
 
 def _check_adapter(where: str, adapter, in_features: int, out_features: int, x: torch.Tensor) -> None:
@@ -153,18 +180,23 @@ def plan_lora(
                         f"{sorted(map(str, dtypes))}")  # fmt: skip
     device = x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else dtypes.pop()
+    cuda_autocast = torch.is_autocast_enabled("cuda")  # what PEFT's Linear4bit asks
     plan = LoraPlan(
         slots=tuple(i for i, _ in present), ranks=tuple(ad.a.shape[0] for _, ad in present),
         scalings=tuple(float(ad.scaling) for _, ad in present),
         dropout_ps=tuple(float(ad.dropout_p) for _, ad in present), dtype=dtype,
+        cast_outs=tuple(bool(ad.cast_before_add) and not cuda_autocast for _, ad in present),
+        keep_inputs=tuple(bool(ad.cast_before_add) and cuda_autocast for _, ad in present),
     )
     return plan, tuple(t for _, ad in present for t in (ad.a, ad.b))
 
 
-def _dropped(x: torch.Tensor, weights, mask, p: float, plan: LoraPlan) -> torch.Tensor:
+def _dropped(x: torch.Tensor, weights, mask, p: float, keep_input: bool, plan: LoraPlan) -> torch.Tensor:
     """``dropout(x)`` in ``plan.dtype`` with a saved mask, as PEFT's forward computed it: in the adapters'
-    dtype, or straight in ``plan.dtype`` when ``x`` is in it (``x·mask/(1 - p)`` rounds once either way)."""
-    return _dropout(x if x.dtype == plan.dtype else x.to(weights[0].dtype), mask, p).to(plan.dtype)
+    dtype (``x``'s own with ``keep_input``), or straight in ``plan.dtype`` when ``x`` is in it
+    (``x·mask/(1 - p)`` rounds once either way)."""
+    keep = keep_input or x.dtype == plan.dtype
+    return _dropout(x if keep else x.to(weights[0].dtype), mask, p).to(plan.dtype)
 
 
 def lora_down(x: torch.Tensor, weights, plan: LoraPlan):
@@ -175,8 +207,9 @@ def lora_down(x: torch.Tensor, weights, plan: LoraPlan):
         return xc @ (a_list[0] if len(a_list) == 1 else torch.cat(a_list)).t(), (None,) * len(a_list)
     xa = x.to(weights[0].dtype)
     ts, masks = [], []
-    for a, p in zip(a_list, plan.dropout_ps, strict=True):
-        xd, mask = torch.native_dropout(xa, p, True) if p else (xa, None)
+    for a, p, keep in zip(a_list, plan.dropout_ps, plan.keep_inputs, strict=True):
+        xin = x if keep else xa  # PEFT's Linear4bit under CUDA's autocast drops x as it comes
+        xd, mask = torch.native_dropout(xin, p, True) if p else (xin, None)
         ts.append(xd.to(plan.dtype) @ a.t())
         masks.append(mask)
     return (ts[0] if len(ts) == 1 else torch.cat(ts, dim=1)), tuple(masks)
@@ -185,10 +218,13 @@ def lora_down(x: torch.Tensor, weights, plan: LoraPlan):
 def lora_up_(outs, t: torch.Tensor, weights, plan: LoraPlan) -> None:
     """``outs[j] += s_j·t_j·B_jᵀ`` in place, rounded once; ``outs`` are the (N, out_j) outputs (views) of
     the projections with an adapter."""
-    for out, tj, b, s in zip(outs, t.split(plan.ranks, dim=1), weights[1::2], plan.scalings, strict=True):
+    parts = zip(outs, t.split(plan.ranks, dim=1), weights[1::2], plan.scalings, plan.cast_outs, strict=True)
+    for out, tj, b, s, cast_out in parts:
         b = b.to(plan.dtype)
         if out.dtype == plan.dtype:
             out.addmm_(tj, b.t(), alpha=s)
+        elif cast_out:  # PEFT's Linear4bit: the update rounded to the base's dtype, then added
+            out.add_((tj @ b.t()).mul_(s).to(out.dtype))
         else:  # PEFT adds in the promoted dtype, then casts to the base's
             out.add_(tj @ b.t(), alpha=s)
 
@@ -202,7 +238,7 @@ def lora_dt(gs, t: torch.Tensor, weights, plan: LoraPlan, need, need_dt: bool):
         gc = g.to(plan.dtype)
         dbs.append((gc.t() @ (tj * s)).to(b.dtype) if need[2 * j + 1] else None)
         if need_dt:
-            dts.append((gc @ b.to(plan.dtype)).mul_(s))
+            dts.append(gc @ b.to(plan.dtype) * s)
     dt = None if not need_dt else dts[0] if len(dts) == 1 else torch.cat(dts, dim=1)
     return dt, dbs
 
@@ -233,8 +269,9 @@ def lora_da(dt: torch.Tensor, x: torch.Tensor, masks, weights, plan: LoraPlan, n
     if plan.shared:
         das = (dt.t() @ x.to(plan.dtype)).split(plan.ranks)
     else:
-        parts = zip(dt.split(plan.ranks, dim=1), masks, plan.dropout_ps, wanted, strict=True)
-        das = [dtj.t() @ _dropped(x, weights, m, p, plan) if w else None for dtj, m, p, w in parts]
+        parts = zip(dt.split(plan.ranks, dim=1), masks, plan.dropout_ps, plan.keep_inputs, wanted,
+                    strict=True)  # fmt: skip
+        das = [dtj.t() @ _dropped(x, weights, m, p, k, plan) if w else None for dtj, m, p, k, w in parts]
     return [da.to(a.dtype) if w else None for da, a, w in zip(das, a_list, wanted, strict=True)]
 
 
@@ -251,11 +288,15 @@ def lora_grads(gs, x: torch.Tensor, t, masks, weights, plan: LoraPlan, need, dx:
 
 class LoraLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, plan: LoraPlan, *lora):
-        y = F.linear(x, weight, bias)
-        t, masks = lora_down(x, lora, plan)
-        lora_up_([y], t, lora, plan)
-        ctx.save_for_backward(x, weight, t, *masks, *lora)
+    def forward(ctx, x, weight, bias, plan: LoraPlan | None, *lora):
+        y = F.linear(x, materialize(weight), bias)
+        t, masks = None, ()
+        if plan is not None:
+            t, masks = lora_down(x, lora, plan)
+            lora_up_([y], t, lora, plan)
+        (kept,), (ctx.frozen,) = split_frozen((weight,))
+        x_kept = x if plan is not None or ctx.needs_input_grad[1] else None  # for dA, dW
+        ctx.save_for_backward(x_kept, kept, t, *masks, *lora)
         ctx.plan = plan
         return y
 
@@ -263,17 +304,17 @@ class LoraLinearFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, t, *rest = ctx.saved_tensors
         plan, need = ctx.plan, ctx.needs_input_grad
-        masks, lora = rest[: len(plan.ranks)], rest[len(plan.ranks):]
-        dx = dy @ weight if need[0] else None
+        n = 0 if plan is None else len(plan.ranks)
+        masks, lora = rest[:n], rest[n:]
+        dx = dy @ materialize(weight if ctx.frozen is None else ctx.frozen) if need[0] else None
         dw = dy.t() @ x if need[1] else None
         db = dy.sum(0) if need[2] else None
-        grads = lora_grads([dy], x, t, masks, lora, plan, need[4:], dx)
+        grads = () if plan is None else lora_grads([dy], x, t, masks, lora, plan, need[4:], dx)
         return dx, dw, db, None, *grads
 
 
 def lora_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-    adapter: LoraAdapter | None = None,
+    x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None, adapter: LoraAdapter | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` plus a LoRA adapter: one autograd Function, its backward written out.
 
@@ -282,7 +323,9 @@ def lora_linear(
 
     Args:
         x: (..., in) input.
-        weight: (out, in) the base weight (frozen or not); bias: (out,) or None.
+        weight: (out, in) the base weight (frozen or not), or a
+            :class:`~chunkloss.kernels.frozen.FrozenWeight` loaded for the forward's GEMM and again for the
+            backward's, never saved; bias: (out,) or None.
         adapter: the projection's :class:`LoraAdapter`, or None (then this is ``F.linear``).
 
     Returns:
@@ -292,6 +335,7 @@ def lora_linear(
         ValueError: mismatched shapes or devices, a rank outside [1, min(in, out)], dropout outside [0, 1).
         TypeError: mixed base dtypes, or an adapter whose a and b differ in dtype.
     """
+    check_weights("lora_linear", ("weight",), (weight,))
     if torch.is_autocast_enabled(x.device.type):
         dtype = torch.get_autocast_dtype(x.device.type)
         x, weight = x.to(dtype), weight.to(dtype)
@@ -305,7 +349,7 @@ def lora_linear(
     if len(dtypes) > 1:
         raise TypeError(f"lora_linear: x, weight and bias must share a dtype, got {sorted(map(str, dtypes))}")
     plan, lora = plan_lora("lora_linear", ("weight",), (adapter,), in_features, (out_features,), x)
-    if plan is None:
+    if plan is None and not isinstance(weight, FrozenWeight):
         return F.linear(x, weight, bias)
     x2 = x.reshape(-1, in_features)
     with torch.autocast(x.device.type, enabled=False):

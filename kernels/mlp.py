@@ -25,6 +25,10 @@ their backward written out in ``kernels/lora.py``: ``dh`` gets the down adapter'
 and up adapters', in one ``addmm`` each (and, without dropout, one GEMM ``x·[A_g; A_u]ᵀ`` and one for both
 ``dA``). The replay of ``g`` and ``u`` adds the saved ``t = x·Aᵀ`` (N, r) back. Saved besides ``x``: each
 adapter's ``t`` and dropout mask.
+
+QLoRA: a weight given as a :class:`~chunkloss.kernels.frozen.FrozenWeight` (a 4-bit base's dequantisation)
+is loaded right before each GEMM that reads it (forward; ``dh`` or ``dx`` in the backward; the replay) and
+dropped after it; it is never saved.
 """
 
 from dataclasses import dataclass
@@ -33,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .frozen import FrozenWeight, Weight, check_weights, joined, materialize, split_frozen
 from .glu import ACTIVATIONS, GLUOptions, _glu_bwd, _glu_fwd, glu_ref
 from .lora import (
     LoraAdapter,
@@ -49,7 +54,7 @@ from .lora import (
 
 
 def gated_mlp_ref(
-    x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, *,
+    x: torch.Tensor, w_gate: Weight, w_up: Weight, w_down: Weight, *,
     b_gate: torch.Tensor | None = None, b_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None,
     activation: str = "silu", adapters: tuple[LoraAdapter | None, ...] | None = None,
 ) -> torch.Tensor:
@@ -57,7 +62,8 @@ def gated_mlp_ref(
 
     Args:
         x: (..., H) input.
-        w_gate, w_up: (I, H) ``gate_proj`` / ``up_proj`` weights; ``w_down``: (H, I).
+        w_gate, w_up: (I, H) ``gate_proj`` / ``up_proj`` weights; ``w_down``: (H, I); each a tensor or a
+            ``FrozenWeight``.
         b_gate, b_up: (I,) biases, ``b_down``: (H,) bias, or None.
         activation: "silu", "gelu_tanh" or "gelu" (exact).
         adapters: ``(gate, up, down)`` LoRA adapters (each a ``LoraAdapter`` or None) computed as PEFT's LoRA
@@ -67,10 +73,10 @@ def gated_mlp_ref(
         (..., H) ``F.linear(act(F.linear(x, w_gate, b_gate)) * F.linear(x, w_up, b_up), w_down, b_down)``.
     """
     gate_ad, up_ad, down_ad = adapters or (None, None, None)
-    g = lora_ref(F.linear(x, w_gate, b_gate), x, gate_ad)
-    u = lora_ref(F.linear(x, w_up, b_up), x, up_ad)
+    g = lora_ref(F.linear(x, materialize(w_gate), b_gate), x, gate_ad)
+    u = lora_ref(F.linear(x, materialize(w_up), b_up), x, up_ad)
     gated = glu_ref(g, u, activation)
-    return lora_ref(F.linear(gated, w_down, b_down), gated, down_ad)
+    return lora_ref(F.linear(gated, materialize(w_down), b_down), gated, down_ad)
 
 
 @dataclass(frozen=True)
@@ -96,7 +102,7 @@ def _split(items, *sizes):
 
 def _gate_up(x, w_gate, w_up, b_gate, b_up, lora_in, t_in, opts: MLPOptions):
     """g, u (M, I): the base GEMMs plus the gate and up adapters' ``s·t·Bᵀ``."""
-    g, u = F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up)
+    g, u = F.linear(x, materialize(w_gate), b_gate), F.linear(x, materialize(w_up), b_up)
     if opts.lora_in is not None:
         lora_up_([(g, u)[i] for i in opts.lora_in.slots], t_in, lora_in, opts.lora_in)
     return g, u
@@ -109,26 +115,27 @@ class GatedMLPFunction(torch.autograd.Function):
         t_in, masks_in = lora_down(x, lora_in, opts.lora_in) if opts.lora_in is not None else (None, ())
         g, u = _gate_up(x, w_gate, w_up, b_gate, b_up, lora_in, t_in, opts)
         h, g, u = _glu_fwd(g, u, GLUOptions(opts.activation))
-        y = F.linear(h, w_down, b_down)
+        y = F.linear(h, materialize(w_down), b_down)
         t_out, masks_out = None, ()
         if opts.lora_out is not None:
             t_out, masks_out = lora_down(h, lora_out, opts.lora_out)
             lora_up_([y], t_out, lora_out, opts.lora_out)
         saved = () if opts.recompute else (g, u)
-        ctx.save_for_backward(x, w_gate, w_up, w_down, b_gate, b_up, t_in, t_out, *masks_in, *masks_out,
-                              *lora, *saved)  # fmt: skip
+        weights, ctx.frozen = split_frozen((w_gate, w_up, w_down))  # a FrozenWeight is loaded again
+        ctx.save_for_backward(x, *weights, b_gate, b_up, t_in, t_out, *masks_in, *masks_out, *lora, *saved)
         ctx.opts = opts
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, w_gate, w_up, w_down, b_gate, b_up, t_in, t_out, *rest = ctx.saved_tensors
+        w_gate, w_up, w_down = joined((w_gate, w_up, w_down), ctx.frozen)
         need, opts = ctx.needs_input_grad, ctx.opts
         n_in, n_out = _n_tensors(opts.lora_in), _n_tensors(opts.lora_out)
         masks_in, masks_out, lora_in, lora_out, saved = _split(rest, n_in, n_out, 2 * n_in, 2 * n_out)
         need_in, need_out = need[8: 8 + 2 * n_in], need[8 + 2 * n_in:]
         dy = dy.contiguous()
-        dh = dy @ w_down
+        dh = dy @ materialize(w_down)
         dt_out = grads_out = None
         if opts.lora_out is not None:  # dt·A into dh now, dA once the pass below has written h
             dt_out, db_out = lora_dt([dy], t_out, lora_out, opts.lora_out, need_out, True)
@@ -146,8 +153,8 @@ class GatedMLPFunction(torch.autograd.Function):
         del h, dh  # freed before the input and gate/up weight gradients are allocated
         dx = None
         if need[0]:
-            dx = dg @ w_gate
-            dx.addmm_(du, w_up)
+            dx = dg @ materialize(w_gate)
+            dx.addmm_(du, materialize(w_up))
         grads_in = ()
         if opts.lora_in is not None:
             parts = [(dg, du)[i] for i in opts.lora_in.slots]
@@ -179,7 +186,7 @@ def _check(x, w_gate, w_up, w_down, biases, activation):
 
 
 def gated_mlp(
-    x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, *,
+    x: torch.Tensor, w_gate: Weight, w_up: Weight, w_down: Weight, *,
     b_gate: torch.Tensor | None = None, b_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None,
     activation: str = "silu", recompute: bool = True, adapters: tuple[LoraAdapter | None, ...] | None = None,
 ) -> torch.Tensor:
@@ -191,7 +198,8 @@ def gated_mlp(
 
     Args:
         x: (..., H) input.
-        w_gate, w_up: (I, H) weights; w_down: (H, I).
+        w_gate, w_up: (I, H) weights; w_down: (H, I); each a tensor or a
+            :class:`~chunkloss.kernels.frozen.FrozenWeight` (loaded for each GEMM, never saved).
         b_gate, b_up: (I,) biases or None; b_down: (H,) bias or None.
         activation: "silu" (SwiGLU), "gelu_tanh" or "gelu" (exact; GeGLU).
         recompute: save only ``x`` for the backward, which replays the gate/up GEMMs (H elements saved per
@@ -207,6 +215,7 @@ def gated_mlp(
         TypeError: mixed dtypes of x, weights and biases outside autocast.
     """
     biases = (b_gate, b_up, b_down)
+    check_weights("gated_mlp", ("w_gate", "w_up", "w_down"), (w_gate, w_up, w_down))
     if torch.is_autocast_enabled(x.device.type):
         dtype = torch.get_autocast_dtype(x.device.type)
         x, w_gate, w_up, w_down = (t.to(dtype) for t in (x, w_gate, w_up, w_down))
@@ -227,7 +236,8 @@ def gated_mlp(
                              activation=activation, adapters=adapters)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    w_gate, w_up, w_down = w_gate.contiguous(), w_up.contiguous(), w_down.contiguous()
+    w_gate, w_up, w_down = (w if isinstance(w, FrozenWeight) else w.contiguous()
+                            for w in (w_gate, w_up, w_down))  # fmt: skip
     opts = MLPOptions(activation, recompute, plan_in, plan_out)
     with torch.autocast(x.device.type, enabled=False):
         y = GatedMLPFunction.apply(x2, w_gate, w_up, w_down, b_gate, b_up, b_down, opts, *lora_in, *lora_out)

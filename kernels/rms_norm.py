@@ -49,6 +49,32 @@ def rms_norm_ref(
     raise ValueError(f"casting must be one of {CASTING_MODES}, got {casting!r}")
 
 
+def rms_norm_fwd_torch(x, weight, eps: float, offset: float, casting: str):
+    """The forward kernel's math in PyTorch ops, ``(y, rstd)`` of (N, D) rows: what a Function built on the
+    kernel runs while ``torch.compile`` traces it (Inductor fuses these ops; no Triton launch is traced)."""
+    rstd = torch.rsqrt(x.float().square().mean(-1) + eps)
+    xhat = x.float() * rstd[:, None]
+    wt = weight.float() + offset
+    if casting == "llama":
+        return (xhat.to(x.dtype).float() * wt).to(torch.promote_types(x.dtype, weight.dtype)), rstd
+    return (xhat * wt).to(x.dtype), rstd
+
+
+def rms_norm_bwd_torch(dy, x, weight, rstd, offset: float, casting: str, needs_dx: bool, needs_dw: bool):
+    """The backward kernel's math in PyTorch ops (see :func:`rms_norm_fwd_torch`): ``(dx, dw)``, each None
+    when not needed. ``dx = rstd * (dxhat - xhat * mean(dxhat * xhat))`` with ``dxhat = dy * (w + offset)``;
+    ``dw = sum over rows of dy * xhat`` (``xhat`` rounded to ``x``'s dtype first for "llama")."""
+    dyf, xhat = dy.float(), x.float() * rstd[:, None]
+    dx = dw = None
+    if needs_dx:
+        dxhat = dyf * (weight.float() + offset)
+        dx = (rstd[:, None] * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True))).to(x.dtype)
+    if needs_dw:
+        xhat = xhat.to(x.dtype).float() if casting == "llama" else xhat
+        dw = (dyf * xhat).sum(0).to(weight.dtype)
+    return dx, dw
+
+
 @dataclass(frozen=True)
 class RMSNormOptions:
     eps: float = 1e-6
@@ -325,6 +351,10 @@ def rms_norm(
     Returns:
         (..., D), dtype as :func:`rms_norm_ref`.
     """
+    if torch.compiler.is_compiling():
+        # Traced as the reference: Inductor fuses it, and the residual add before it, into one kernel per
+        # direction, where a launch of this kernel would break the graph at its launch plan.
+        return rms_norm_ref(x, weight, eps, offset, casting)
     opts = _options(eps, offset, casting, in_place)
     if x.ndim == 2:  # no reshape/view pair: each would add an autograd node
         return RMSNormFunction.apply(x, weight, opts)

@@ -79,3 +79,34 @@ def test_bad_arguments_get_one_line():
         bench_e2e.main([*SMOKE, "--impl", "unsloth", "--out", "x.json"])
     with pytest.raises(SystemExit):
         bench_e2e.main([*SMOKE, "--profile", "--impl", "trl,liger", "--out", "x.json"])
+
+
+def test_qlora_floor_adds_the_dequantisation_of_each_4bit_weight(monkeypatch):
+    """Each 4-bit weight dequantised once per forward pass and once for the input gradient (the full task has
+    no such part)."""
+    pytest.importorskip("bitsandbytes")
+    shapes = []
+
+    def timed(fn, repeats=10):
+        out = fn()
+        shapes.append(tuple(out.shape) if hasattr(out, "shape") else None)
+        return 1.0
+
+    monkeypatch.setattr(bench_e2e, "_time_ms", timed)
+    layers, linears = bench_e2e.SHAPES["tiny"]["layers"], 7
+    assert bench_e2e.dequant_ms(_args(task="qlora"), "cpu") == linears * layers * 2
+    assert bench_e2e.dequant_ms(_args(task="qlora", gc="on"), "cpu") == linears * layers * 3
+    s = bench_e2e.SHAPES["tiny"]
+    assert shapes[:2] == [(s["heads"] * s["head_dim"], s["hidden"]), (s["kv"] * s["head_dim"], s["hidden"])]
+    assert "dequant" not in bench_e2e.floor(_args(), 2)["parts"]
+    row = bench_e2e.floor(_args(task="qlora"), 2)
+    assert row["parts"]["dequant"] == linears * layers * 2 and row["ms"] == sum(row["parts"].values())
+
+
+def test_qlora_without_bitsandbytes_gets_one_line(monkeypatch, capsys):
+    real = bench_e2e.importlib.util.find_spec
+    monkeypatch.setattr(bench_e2e.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "bitsandbytes" else real(name, *a))  # fmt: skip
+    with pytest.raises(SystemExit):
+        bench_e2e.main([*SMOKE, "--task", "qlora", "--out", "x.json"])
+    assert "--task qlora needs bitsandbytes" in capsys.readouterr().err

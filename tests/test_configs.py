@@ -180,6 +180,10 @@ MISTAKES = {
     "unknown_reward": (_tiny("grpo", "reward_funcs: [nosuch]"), "unknown reward 'nosuch'; use a registered"),
     "unimportable_reward": (_tiny("grpo", "reward_funcs: ['chunkloss.data:nope']"),
                             "cannot import 'chunkloss.data:nope'"),
+    "two_quantization_configs": (
+        _tiny("sft", "load_in_4bit: true\nmodel_init_kwargs: {quantization_config: {load_in_8bit: true}}"),
+        "set load_in_4bit or model_init_kwargs.quantization_config, not both",
+    ),
     # keys and types (TrlParser's checks, reported by key)
     "unknown_key": (TINY_SFT + "learning_rat: 0.1\n", "unknown key 'learning_rat' for trainer 'sft'"),
     "unknown_key_suggestion": (TINY_SFT + "learning_rat: 0.1\n", "did you mean learning_rate"),
@@ -384,3 +388,41 @@ def test_hub_reward_model_is_looked_up_once(monkeypatch):
         rewards.reward_funcs(["org/missing"])
     assert calls == ["org/reward", "org/missing"]
     rewards._hub_model.cache_clear()
+
+
+QLORA = "load_in_4bit: true\nuse_bnb_nested_quant: true\nuse_peft: true\n"
+
+
+def test_load_in_4bit_reaches_the_trainer_as_a_quantization_config(tmp_path, monkeypatch):
+    """TRL's ModelConfig keys load_in_4bit / bnb_4bit_quant_type / use_bnb_nested_quant become the
+    BitsAndBytesConfig the trainer loads the model with (model_init_kwargs), as TRL's scripts pass it."""
+    pytest.importorskip("bitsandbytes")
+    from chunkloss.cli import run
+
+    seen = {}
+
+    class Trainer:
+        def __init__(self, **kwargs):
+            seen.update(kwargs)
+
+    monkeypatch.setattr(run, "trainer_classes", lambda name: (Trainer, None))
+    path = tmp_path / "qlora.yaml"
+    path.write_text(_tiny("sft", QLORA + f"output_dir: {tmp_path / 'out'}\n"))
+    run.build(str(path), *load_config(str(path)))
+    config = seen["args"].model_init_kwargs["quantization_config"]
+    assert config.load_in_4bit and config.bnb_4bit_quant_type == "nf4" and config.bnb_4bit_use_double_quant
+    assert seen["peft_config"] is not None
+
+
+def test_load_in_4bit_without_bitsandbytes_is_one_line(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "bitsandbytes" else real(name, *a))  # fmt: skip
+    path = tmp_path / "qlora.yaml"
+    path.write_text(_tiny("sft", QLORA))
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    message = "load_in_4bit needs bitsandbytes: pip install 'chunkloss[qlora]'"
+    assert err == [f"chunkloss: error: {path}: {message}"]

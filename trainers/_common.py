@@ -237,7 +237,7 @@ def apply_chunk_kernels(trainer) -> None:
     The causal-LM loss is left alone: the trainer already computes it chunked. A reference model (DPO, GRPO)
     or teacher (GKD, distillation) is patched too when the kernels can take it, since its no-grad forwards get
     faster as well; one they cannot take keeps transformers' modules (named in the log line). What ``patch``
-    leaves to the separate modules (a DoRA adapter, a quantised layer, a hook) its own log line names. The
+    leaves to the separate modules (a DoRA adapter, an 8-bit layer, a hook) its own log line names. The
     kernels' in-place choices (rotary on fresh q/k projections, MLP and norm backwards over buffers read by
     nothing else) hold under gradient checkpointing: a recomputed forward builds the same fresh tensors.
     """

@@ -6,6 +6,7 @@ loaded or mid-training, with a traceback from deep inside: they are checked at l
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -47,6 +48,13 @@ def _check_models(name: str, run_args, model_args, training_args) -> None:
     if name in ("gkd", "distillation"):
         if run_args.teacher_tiny_model is None and training_args.teacher_model_name_or_path is None:
             raise ConfigError(f"{name} needs a teacher: set teacher_model_name_or_path or teacher_tiny_model")
+    for key in ("load_in_4bit", "load_in_8bit"):  # TRL's ModelConfig: bitsandbytes quantises while loading
+        if not getattr(model_args, key, False):
+            continue
+        if "quantization_config" in (training_args.model_init_kwargs or {}):
+            raise ConfigError(f"set {key} or model_init_kwargs.quantization_config, not both")
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise ConfigError(f"{key} needs bitsandbytes: pip install 'chunkloss[qlora]'")
     for key in ("tiny_model", "teacher_tiny_model"):
         spec = getattr(run_args, key)
         if spec is not None:

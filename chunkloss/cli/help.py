@@ -59,7 +59,8 @@ def train_overview() -> str:
     lines += [
         "",
         "model keys (TRL ModelConfig): model_name_or_path, model_revision, dtype,",
-        "  attn_implementation, use_peft, lora_r, lora_alpha, lora_dropout, lora_target_modules, ...",
+        "  attn_implementation, use_peft, lora_r, lora_alpha, lora_dropout, lora_target_modules,",
+        "  load_in_4bit, bnb_4bit_quant_type, use_bnb_nested_quant (QLoRA: needs bitsandbytes), ...",
         "  (`chunkloss train --trainer NAME --help` lists every key of a trainer)",
     ]
     return "\n".join(lines)

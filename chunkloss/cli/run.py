@@ -53,7 +53,7 @@ def build(path: str, run_args, model_args, training_args):
 def _build(name: str, run_args, model_args, training_args):
     """The trainer of ``name`` with its model, tokenizer and dataset, ready to train."""
     import transformers
-    from trl import get_peft_config
+    from trl import get_peft_config, get_quantization_config
 
     from chunkloss.data import tiny_model, tiny_tokenizer
 
@@ -85,6 +85,10 @@ def _build(name: str, run_args, model_args, training_args):
         )
         init.update(training_args.model_init_kwargs or {})
         training_args.model_init_kwargs = {k: v for k, v in init.items() if v is not None}
+    quantization = get_quantization_config(model_args)  # load_in_4bit / load_in_8bit, as TRL reads them
+    if quantization is not None:  # every trainer loads the model by path with model_init_kwargs
+        init = training_args.model_init_kwargs or {}
+        training_args.model_init_kwargs = {**init, "quantization_config": quantization}
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
 

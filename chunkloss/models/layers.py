@@ -8,10 +8,11 @@ before). The forwards follow transformers' own (``modeling_llama.py``, ``modelin
 (``ALL_ATTENTION_FUNCTIONS`` / the family's ``eager_attention_forward``), as the family's forward does.
 
 What runs fused is decided at each call from what the modules are then: a projection that is not an
-``nn.Linear`` or a plain LoRA layer (:mod:`chunkloss.models.lora`), a module with a hook other than FSDP2's
-and DeepSpeed's, or dtypes that autocast would change run the separate path, which computes the same values.
-A fused call runs inside the forwards of the modules whose parameters it reads that have such hooks
-(:mod:`chunkloss.models.hooks`), so that FSDP2 and ZeRO-3 gather those parameters for it and for its backward.
+``nn.Linear`` or a plain LoRA layer (:mod:`chunkloss.models.lora`; over a 4-bit base too, where the call
+computes in its compute dtype), a module with a hook other than FSDP2's and DeepSpeed's, or dtypes that
+autocast would change run the separate path, which computes the same values. A fused call runs inside the
+forwards of the modules whose parameters it reads that have such hooks (:mod:`chunkloss.models.hooks`), so
+that FSDP2 and ZeRO-3 gather those parameters for it and for its backward.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from chunkloss.kernels.rope import apply_rotary_pos_emb
 
 from . import saved_norms
 from .hooks import gathering_hooks_only, hooked_owners, run_inside
-from .lora import Projection, projection
+from .lora import Projection, computes_as_is, projection
 
 __all__ = [
     "NormSpec", "MLPSpec", "LayerSpec", "PatchedRMSNorm", "PatchedGatedMLP", "PatchedAttention",
@@ -68,16 +69,18 @@ def _family(module: nn.Module):
     return sys.modules[type(module).__module__]
 
 
-def _fusable(projections: tuple[nn.Module, ...]) -> tuple[Projection, ...] | None:
-    """The projections as :class:`Projection` when a fused kernel can take all of them."""
+def _fusable(projections: tuple[nn.Module, ...], x: torch.Tensor) -> tuple[Projection, ...] | None:
+    """The projections as :class:`Projection` when a fused kernel can take all of them on ``x``."""
     parts = tuple(map(projection, projections))
-    return None if any(p is None for p in parts) else parts
+    return None if any(p is None or not computes_as_is(p, x) for p in parts) else parts
 
 
 def _linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``module(x)``, a plain LoRA layer's as one :func:`~chunkloss.kernels.lora.lora_linear` call."""
+    """``module(x)``, a plain LoRA layer's (over a 4-bit base too) as one
+    :func:`~chunkloss.kernels.lora.lora_linear` call."""
     part = projection(module)
-    if part is None or part.adapter is None:  # a plain nn.Linear runs as the module it is
+    # A plain nn.Linear, or a LoRA layer computing its base alone, runs as the module it is.
+    if part is None or part.adapter is None or not computes_as_is(part, x):
         return module(x)
 
     def fused(y):
@@ -118,7 +121,7 @@ class PatchedGatedMLP:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         spec = self.chunkloss_mlp
         projections = (self.gate_proj, self.up_proj, self.down_proj)
-        if _fusable(projections) is not None:
+        if _fusable(projections, x) is not None:
             return run_inside(hooked_owners(projections), self._fused, x)
         # gate_proj / up_proj outputs are read only here, so the backward may overwrite them with their grads.
         gated = _glu._glu(_linear(self.gate_proj, x), _linear(self.up_proj, x), spec.activation, True)
@@ -126,7 +129,7 @@ class PatchedGatedMLP:
 
     def _fused(self, x: torch.Tensor) -> torch.Tensor:
         spec = self.chunkloss_mlp
-        parts = gate, up, down = _fusable((self.gate_proj, self.up_proj, self.down_proj))
+        parts = gate, up, down = _fusable((self.gate_proj, self.up_proj, self.down_proj), x)
         return gated_mlp(x, gate.weight, up.weight, down.weight, b_gate=gate.bias, b_up=up.bias,
                          b_down=down.bias, activation=spec.activation, recompute=spec.recompute,
                          adapters=_adapters(parts))  # fmt: skip
@@ -178,7 +181,7 @@ class PatchedAttention:
 
     def takes_residual(self, x) -> bool:
         """Whether :meth:`attend_from_residual` can take ``x`` with the projections as they are now."""
-        parts = _fusable((self.q_proj, self.k_proj, self.v_proj))
+        parts = _fusable((self.q_proj, self.k_proj, self.v_proj), x)
         # Under autocast the separate modules normalise x in its own dtype and cast only the projections'
         # operands, a rounding attention_input does not reproduce.
         return parts is not None and not autocast_changes_dtype(x, *(p.weight for p in parts))
@@ -191,7 +194,7 @@ class PatchedAttention:
         projections = (self.q_proj, self.k_proj, self.v_proj)
 
         def qkv(y):
-            parts = _fusable(projections)
+            parts = _fusable(projections, y)
             cos, sin = position_embeddings
             spec = norm.chunkloss_norm
             return attention_input(y, norm.weight, *(p.weight for p in parts), cos, sin, b_q=parts[0].bias,

@@ -17,18 +17,20 @@ name):
   and its gate and up pre-activations but not the gated product (recomputed in the backward), or with
   ``mlp_recompute=True`` the input only (the backward replays the gate and up GEMMs);
 * a q/k/v, o, gate, up or down projection that is a PEFT LoRA layer with one active plain adapter runs inside
-  those fused calls with its adapter (:mod:`chunkloss.models.lora`) where the LoRA kernels are installed;
+  those fused calls with its adapter (:mod:`chunkloss.models.lora`) where the LoRA kernels are installed; over
+  a bitsandbytes 4-bit base (QLoRA) too, its weight dequantised for each GEMM and never saved;
 * the causal-LM forward, when called with ``labels``, feeds the final hidden states straight into
   ``chunkloss.FusedLinearCrossEntropyLoss``: the (tokens x vocab) logits are never materialised and the
   output's ``logits`` is ``None``. Without labels the model's own forward runs and returns logits as usual.
 
 What runs fused is decided at each call: a projection that is neither an ``nn.Linear`` nor a plain LoRA layer
-(DoRA, several active adapters, a merged adapter, a quantised base), a module with a hook other than FSDP2's
-and DeepSpeed ZeRO-3's (accelerate's offload, a user's), or fp32 weights under bf16 autocast run the separate
-modules (the norm, RoPE and gating kernels still), which compute the same values. Under FSDP2's and ZeRO-3's
-hooks a fused call runs inside the forwards of the modules whose weights it reads
-(:mod:`chunkloss.models.hooks`), so that their hooks gather those weights for it and for its backward.
-``patch`` logs one line saying what runs fused and what does not, and why.
+(DoRA, several active adapters, a merged adapter, an 8-bit base), a module with a hook other than FSDP2's and
+DeepSpeed ZeRO-3's (accelerate's offload, a user's), fp32 weights under bf16 autocast, or a 4-bit base whose
+compute dtype is not the one the call computes in (or that is hooked or sharded) run the separate modules (the
+norm, RoPE and gating kernels still), which compute the same values. Under FSDP2's and ZeRO-3's hooks a fused
+call runs inside the forwards of the modules whose weights it reads (:mod:`chunkloss.models.hooks`), so that
+their hooks gather those weights for it and for its backward. ``patch`` logs one line saying what runs fused
+and what does not, and why.
 
 Only this model's modules change; other models of the same family in the process keep transformers' code.
 """
@@ -40,6 +42,7 @@ import os
 import warnings
 from collections import Counter
 
+import torch
 from torch import nn
 
 from .layers import (
@@ -56,7 +59,7 @@ from .layers import (
     SandwichLayer,
     SlidingWindowAttention,
 )
-from .lora import why_not_fused
+from .lora import on_4bit_base, why_not_fused
 
 logger = logging.getLogger("chunkloss.models")
 
@@ -197,12 +200,15 @@ def _peft_tuner(module: nn.Module) -> str | None:
 def _summary(model: nn.Module, fused: Counter) -> tuple[str, bool]:
     """The log line: what runs fused, what does not and why; and whether anything falls back."""
     reasons: Counter = Counter()
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    weight = getattr(embed, "weight", None)
+    dtype = weight.dtype if isinstance(weight, torch.Tensor) else None  # the hidden states' dtype
     for name, module in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
         if leaf in _PROJECTIONS:
-            why, tuner = why_not_fused(module), _peft_tuner(module)
+            why, tuner = why_not_fused(module, dtype), _peft_tuner(module)
             if why is None and tuner == "lora":
-                fused["LoRA projections"] += 1
+                fused["QLoRA projections (4-bit base)" if on_4bit_base(module) else "LoRA projections"] += 1
             elif why is not None:
                 reasons[f"{leaf} ({f'{tuner} ' if tuner and tuner != 'lora' else ''}{why})"] += 1
         elif leaf in ("embed_tokens", "lm_head") and _peft_tuner(module):

@@ -22,7 +22,9 @@ from chunkloss.kernels import (
     swiglu_ref,
 )
 from chunkloss.kernels.glu import GLU, glu_ref
+from chunkloss.kernels.rms_norm import rms_norm_bwd_torch, rms_norm_fwd_torch
 
+from tests.kernels.compiled import compiled_matches_eager
 from tests.tolerances import assert_close_to_ref
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -78,6 +80,33 @@ def test_rms_norm(casting, offset, width, dtype, layout):
     w = torch.randn(width) * 0.3 + (0.0 if offset else 1.0)
     results = run3(lambda x, w: rms_norm(x, w, 1e-6, offset, casting),
                    lambda x, w: rms_norm_ref(x, w, 1e-6, offset, casting), [x, w], [layout, None], dtype)
+    check3(results, dtype, ["x", "w"])
+
+
+class _RMSNormTorchMath(torch.autograd.Function):
+    """The norm kernels' forward and backward as the PyTorch ops a compiled ``attention_input`` traces."""
+
+    @staticmethod
+    def forward(ctx, x, w, offset, casting):
+        y, rstd = rms_norm_fwd_torch(x, w, 1e-6, offset, casting)
+        ctx.save_for_backward(x, w, rstd)
+        ctx.args = offset, casting
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, rstd = ctx.saved_tensors
+        return *rms_norm_bwd_torch(dy, x, w, rstd, *ctx.args, True, True), None, None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("casting,offset", [("llama", 0.0), ("gemma", 1.0)])
+def test_rms_norm_torch_math(casting, offset, dtype):
+    x = torch.randn(19, 127) * 3
+    w = torch.randn(127) * 0.3 + (0.0 if offset else 1.0)
+    results = run3(lambda x, w: _RMSNormTorchMath.apply(x, w, offset, casting),
+                   lambda x, w: rms_norm_ref(x, w, 1e-6, offset, casting), [x, w], ["contiguous", None],
+                   dtype)  # fmt: skip
     check3(results, dtype, ["x", "w"])
 
 
@@ -261,3 +290,16 @@ def test_rope_ref_matches_transformers():
     q, k = torch.randn(2, 4, 5, 16), torch.randn(2, 2, 5, 16)
     for got, want in zip(apply_rotary_pos_emb_ref(q, k, cos, sin), hf_rope(q, k, cos, sin)):
         torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_norm_compiles_whole_as_its_reference(norm):
+    """Under torch.compile the norms trace as their references (no graph break at the launch plan), so the
+    compiled call equals eager's reference, output and gradients."""
+    x = torch.randn(6, 40, requires_grad=True)
+    w = torch.randn(40, requires_grad=True)
+    if norm == "rms":
+        compiled_matches_eager(lambda x, w: rms_norm(x, w, 1e-6, 0.0, "llama"), (x, w))
+    else:
+        b = torch.randn(40, requires_grad=True)
+        compiled_matches_eager(lambda x, w, b: layer_norm(x, w, b, 1e-5), (x, w, b))

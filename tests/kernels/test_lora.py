@@ -12,7 +12,7 @@ import contextlib
 
 import pytest
 import torch
-from chunkloss.kernels import LoraAdapter, lora_linear, lora_linear_ref
+from chunkloss.kernels import FrozenWeight, LoraAdapter, lora_linear, lora_linear_ref
 from chunkloss.kernels.attention_input import attention_input, attention_input_ref
 from chunkloss.kernels.mlp import gated_mlp, gated_mlp_ref
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -34,12 +34,12 @@ def adapter_masters(in_features, out_features, rank, scaling, dropout_p, gen):
     return a, b, scaling, dropout_p
 
 
-def run(fn, base, adapters, dtypes, dys, trainable, device=None, **kw):
+def run(fn, base, adapters, dtypes, dys, trainable, device=None, cast_before_add=False, **kw):
     """Outputs and the gradients of every leaf that requires grad, of ``fn(**base, adapters=...)``.
 
     ``base``: fp32 masters of the base tensors, cast to ``dtypes[0]`` (those named in ``trainable`` require
-    grad); ``adapters``: per projection ``(a, b, scaling, p)`` masters or None, cast to ``dtypes[1]``;
-    ``dys``: the upstream gradients, or None for the outputs alone.
+    grad); ``adapters``: per projection ``(a, b, scaling, p)`` masters or None, cast to ``dtypes[1]``, built
+    with ``cast_before_add``; ``dys``: the upstream gradients, or None for the outputs alone.
     """
     base_dtype, adapter_dtype = dtypes
     device = device or torch.get_default_device()  # CUDA where tests/kernels/conftest.py makes it the default
@@ -52,7 +52,7 @@ def run(fn, base, adapters, dtypes, dys, trainable, device=None, **kw):
         a, b, scaling, p = spec
         leaves[f"a{i}"] = a.to(device=device, dtype=adapter_dtype).requires_grad_(True)
         leaves[f"b{i}"] = b.to(device=device, dtype=adapter_dtype).requires_grad_(True)
-        built.append(LoraAdapter(leaves[f"a{i}"], leaves[f"b{i}"], scaling, p))
+        built.append(LoraAdapter(leaves[f"a{i}"], leaves[f"b{i}"], scaling, p, cast_before_add))
     torch.manual_seed(SEED)
     outs = fn(**leaves_by_role(leaves), adapters=tuple(built), **kw)
     outs = outs if isinstance(outs, tuple) else (outs,)
@@ -85,12 +85,13 @@ def masks_drawn_in(dtype):
         torch.native_dropout = real
 
 
-def check_three_way(ours, ref, base, adapters, dtypes, trainable, device=None, **kw):
-    """Outputs and every gradient of ``ours`` against ``ref`` in fp64; ``ref`` in ``dtypes`` sets the bar."""
+def check_three_way(ours, ref, base, adapters, dtypes, trainable, device=None, mask_dtype=None, **kw):
+    """Outputs and every gradient of ``ours`` against ``ref`` in fp64; ``ref`` in ``dtypes`` sets the bar.
+    The fp64 reference draws its dropout masks on ``mask_dtype`` (default: the adapters' dtype)."""
     probe, _ = run(ref, base, adapters, (torch.float64, torch.float64), None, (), device, **kw)
     g = torch.Generator().manual_seed(1)
     dys = [torch.randn(o.shape, generator=g, dtype=torch.float64, device="cpu") for o in probe]
-    with masks_drawn_in(dtypes[1]):  # PEFT drops the input cast to the adapters' dtype
+    with masks_drawn_in(mask_dtype or dtypes[1]):  # PEFT drops the input cast to the adapters' dtype
         out_ref, g_ref = run(ref, base, adapters, (torch.float64,) * 2, dys, trainable, device, **kw)
     out_tch, g_tch = run(ref, base, adapters, dtypes, dys, trainable, device, **kw)
     out, grads = run(ours, base, adapters, dtypes, dys, trainable, device, **kw)
@@ -468,3 +469,149 @@ def test_compiles_without_graph_breaks(fn, dropout_p):
 
     flat = [t for s in adapters if s is not None for t in s[:2]]
     compiled_matches_eager(model, [*leaves, *flat], values=dropout_p == 0)
+
+
+# QLoRA: a frozen base given as a FrozenWeight (kernels/frozen.py), loaded for each GEMM and never saved.
+# fn -> (the base weights given as FrozenWeight, loads in the forward, loads in the backward)
+FROZEN = {
+    "lora_linear": (("weight",), 1, 1),
+    "gated_mlp": (("w_gate", "w_up", "w_down"), 3, 3),  # backward: dh, then dx = dg·Wg + du·Wu
+    "gated_mlp-recompute": (("w_gate", "w_up", "w_down"), 3, 5),  # and the replay of g and u
+    "attention_input": (("w_q", "w_k", "w_v"), 3, 3),  # one stacked [Wq; Wk; Wv] each way
+}
+
+
+def _frozen_case(fn, p):
+    if fn == "lora_linear":
+        base, adapters = linear_case(4, True, p)
+        return base, adapters, _lora_linear, {}
+    if fn.startswith("gated_mlp"):
+        base, adapters = mlp_case(*MLP_CASES[0][:5], p)
+        return base, adapters, _mlp(gated_mlp, recompute=fn.endswith("recompute")), {}
+    base, adapters, tables = attention_case(*ATTN_CASES[0], p)
+    return base, adapters, _attention(attention_input), {"tables": tables}
+
+
+def _frozen_run(fn, as_frozen: bool):
+    """Outputs, gradients (of x and the adapters), the loads per pass and the bytes saved for the backward,
+    with the base weights as frozen Parameters or as FrozenWeights loading copies of them."""
+    base, specs, call, kw = _frozen_case(fn, 0.1)
+    names, _, _ = FROZEN[fn]
+    device = torch.get_default_device()
+    loads = []
+
+    def frozen(w):
+        def load():
+            loads.append(tuple(w.shape))
+            return w.clone()
+
+        return FrozenWeight(load, tuple(w.shape), w.dtype, w.device)
+
+    args = {k: torch.nn.Parameter(v.to(device), requires_grad=k == "x") for k, v in base.items()}
+    x = args["x"]
+    if as_frozen:
+        args.update({k: frozen(args[k].detach()) for k in names})
+    leaves = [(s[0].to(device).requires_grad_(), s[1].to(device).requires_grad_()) for s in specs]
+    adapters = tuple(LoraAdapter(a, b, s[2], s[3]) for (a, b), s in zip(leaves, specs, strict=True))
+    outs = []
+
+    def forward():
+        torch.manual_seed(SEED)
+        out = call(**args, adapters=adapters, **kw)
+        outs.extend(out if isinstance(out, tuple) else (out,))
+
+    saved = saved_bytes(forward)
+    n_forward = len(loads)
+    wrt = [x, *(t for pair in leaves for t in pair)]
+    grads = torch.autograd.grad([o.float().square().sum() for o in outs], wrt)
+    return outs, grads, (n_forward, len(loads) - n_forward), saved
+
+
+@pytest.mark.parametrize("fn", list(FROZEN))
+def test_frozen_weight_is_loaded_per_gemm_and_never_saved(fn):
+    """A base weight given as a FrozenWeight: the outputs and gradients of the same call on the tensor it
+    loads, bit for bit; loaded right before each GEMM that reads it (forward; the backward's dx or dh, and the
+    replay); the backward keeps none of the loaded weights (it saves what it saves for a frozen Parameter)."""
+    outs, grads, _, saved = _frozen_run(fn, as_frozen=False)
+    outs_f, grads_f, loads, saved_f = _frozen_run(fn, as_frozen=True)
+    for a, b in zip((*outs, *grads), (*outs_f, *grads_f), strict=True):
+        assert torch.equal(a, b)
+    assert loads == FROZEN[fn][1:], loads
+    assert saved_f == saved, (saved_f, saved)
+
+
+def test_frozen_weight_without_adapters_runs_the_function():
+    """No adapter (PEFT's disabled adapters, DPO's reference): a FrozenWeight still goes through lora_linear's
+    Function, which keeps only what the input gradient needs."""
+    base, _ = linear_case(4, True, 0.0)
+    w = base["weight"].to(torch.get_default_device())
+    frozen = FrozenWeight(w.clone, tuple(w.shape), w.dtype, w.device)
+    x = base["x"].to(w.device).requires_grad_()
+    saved = saved_bytes(lambda: lora_linear(x, frozen, None).sum().backward())
+    assert saved == 0 and x.grad is not None
+    torch.testing.assert_close(x.grad, torch.ones(3, 7, w.shape[0], device=w.device) @ w, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fn", ["lora_linear", "gated_mlp", "attention_input"])
+def test_cast_before_add_matches_pefts_4bit_math(fn):
+    """PEFT's Linear4bit casts the update to the base's dtype before adding it: fp32 adapters on a bf16 base,
+    with dropout, against the fp64 reference of that order."""
+    base, adapters, ours, kw = _frozen_case(fn, 0.1)
+    ref = {"lora_linear": _lora_linear_ref, "gated_mlp": _mlp(gated_mlp_ref),
+           "attention_input": _attention(attention_input_ref)}[fn]  # fmt: skip
+    check_three_way(ours, ref, base, adapters, (torch.bfloat16, torch.float32), trainable={"x"},
+                    cast_before_add=True, **kw)  # fmt: skip
+
+
+def test_cast_before_add_is_pefts_op_order():
+    """lora_linear's forward with cast_before_add runs lora_linear_ref's ops (PEFT's Linear4bit) bit for bit:
+    fp32 adapters on a bf16 base, where adding before or after the cast rounds differently."""
+    base, specs = linear_case(4, True, 0.0)
+    device = torch.get_default_device()
+    x, w, bias = (base[k].to(device, torch.bfloat16) for k in ("x", "weight", "bias"))
+    a, b, s, _ = specs[0]
+
+    def adapter(cast):
+        return LoraAdapter(a.to(device), b.to(device), s, cast_before_add=cast)
+
+    y = lora_linear(x, w, bias, adapter(True))
+    assert torch.equal(y, lora_linear_ref(x, w, bias, adapter(True)))
+    assert not torch.equal(y, lora_linear_ref(x, w, bias, adapter(False)))
+
+
+def test_bad_frozen_weights_raise_one_line_errors():
+    x = torch.randn(2, 8)
+    packed = torch.zeros(24, 1, dtype=torch.uint8)  # a 4-bit weight's storage (Params4bit), not its values
+    with pytest.raises(TypeError, match=r"lora_linear: weight must be a floating-point tensor or a "
+                       r"FrozenWeight, got torch.uint8 \(a packed quantised weight"):
+        lora_linear(x, packed)
+    wrong = FrozenWeight(lambda: torch.zeros(8, 6), (6, 8), torch.float32, x.device)
+    with pytest.raises(ValueError, match=r"load\(\) must return a \(6, 8\) torch.float32 tensor, got "
+                       r"\(8, 6\) "):
+        lora_linear(x, wrong)
+    with pytest.raises(ValueError, match=r"shape must be \(out, in\)"):
+        FrozenWeight(lambda: torch.zeros(6), (6,), torch.float32, x.device)
+    mlp_base, _ = mlp_case(5, 8, 12, 1, (False,) * 3, 0.0)
+    with pytest.raises(TypeError, match="gated_mlp: w_up must be a floating-point tensor"):
+        gated_mlp(mlp_base["x"], mlp_base["w_gate"], packed, mlp_base["w_down"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fn", ["lora_linear", "gated_mlp", "attention_input"])
+def test_cast_before_add_under_cuda_autocast_gpu(fn):
+    """Under CUDA's autocast PEFT's Linear4bit casts nothing: dropout draws its masks on the bf16 input (CUDA
+    spends its random numbers by vector width, so masks drawn on an fp32 copy would be other masks)."""
+    base, adapters, ours, kw = _frozen_case(fn, 0.1)
+    ref = {"lora_linear": _lora_linear_ref, "gated_mlp": _mlp(gated_mlp_ref),
+           "attention_input": _attention(attention_input_ref)}[fn]  # fmt: skip
+
+    def autocast(fn):
+        def call(**args):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                return fn(**args)
+
+        return call
+
+    check_three_way(autocast(ours), autocast(ref), base, adapters, (torch.bfloat16, torch.float32),
+                    trainable={"x"}, device="cuda", cast_before_add=True, mask_dtype=torch.bfloat16,
+                    **kw)  # fmt: skip
