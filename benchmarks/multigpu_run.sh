@@ -9,9 +9,10 @@
 # OUT_DIR/multigpu.{json,md,png}. Logs and a run report: OUT_DIR/logs/. Wheels in .whl/ and .whl-ds/ are
 # installed into $CHUNKLOSS_SITE first (multigpu_common.sh). If DeepSpeed does not import, its error goes to
 # OUT_DIR/zero3.error and the rest runs. Every run is killed at its limit, cut to a deadline of
-# $CHUNKLOSS_BUDGET_S seconds (default 480). .whl-ds/ holds DeepSpeed 0.19.8 built with DS_BUILD_OPS=0 (ops
-# JIT-build on the host's nvcc) and the runtime dependencies the host lacks (hjson, py-cpuinfo, msgpack,
-# ninja, einops, nvidia-ml-py, pydantic).
+# $CHUNKLOSS_BUDGET_S seconds (default 480). .whl-ds/ holds DeepSpeed 0.19.8 built with DS_BUILD_OPS=0 and
+# DS_ACCELERATOR=cuda (ops JIT-build on the host's nvcc) and the runtime dependencies the host lacks, for
+# CPython 3.12 (hjson, py-cpuinfo, msgpack, ninja, einops, nvidia-ml-py, pydantic with pydantic-core,
+# annotated-types, typing-inspection and typing-extensions).
 set -u
 
 if [ $# -ne 1 ]; then

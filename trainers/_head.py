@@ -3,10 +3,10 @@ chunked loss gets the last hidden states with the head's weight, bias and logit 
 
 ``add_chunked_head(model)`` patches ``model.forward`` the way TRL 1.16's ``add_fused_lm_head`` does, so
 that ``model(**inputs, chunked_head=fn)`` returns ``ChunkedHeadOutput(fn(hidden, head), aux_loss)``.
-Running the loss inside the forward keeps FSDP's and DeepSpeed ZeRO-3's hooks armed: under FSDP2 a
-``DTensor`` head weight is gathered with ``full_tensor()``, under ZeRO-3 the loss runs as the head's
-``nn.Linear`` forward so that ZeRO-3 gathers the weight for the forward and for the gradient's accumulation,
-and the chunked losses compute their gradients in the forward.
+The backbone runs inside the model's forward and the loss runs as the forward of the LM head module
+(:func:`in_head_forward`), so FSDP2 and DeepSpeed ZeRO-3 gather and release the head's weight, and reduce its
+gradient, with their own hooks on that module, as for an ``nn.Linear`` head; the chunked losses compute their
+gradients in that forward.
 
 A LoRA adapter on ``lm_head`` trains through the chunked loss: its logits
 ``x·Wᵀ + b + Σ_a s_a·(drop_a(x)·A_aᵀ)·B_aᵀ`` equal ``[x, drop_a(x)·A_aᵀ, …] · [W, s_a·B_a, …]ᵀ + b``, so the
@@ -147,86 +147,82 @@ def check_head_supported(model: nn.Module) -> None:
         raise ValueError(f"lm_head must be an nn.Linear for the chunked loss, got {type(base).__name__}")
 
 
-def _gathered_weight(t: Tensor | None) -> Tensor | None:
-    # FSDP2 exposes sharded parameters as DTensors; the backbone output is a plain tensor. A head that no FSDP
-    # unit unshards reaches here sharded, and FSDP never reduces its gradient: declare the full tensor's
-    # gradient a partial average over ranks, so that backward reduce-scatters it as FSDP would (mean over
-    # data-parallel ranks). A plain full_tensor() would keep each rank's local gradient.
-    if t is not None and type(t).__name__ == "DTensor":
-        from torch.distributed.tensor import Partial
+def _adapters(lm_head: nn.Module) -> list[tuple[nn.Module, nn.Module, nn.Module, float]]:
+    """``(lora_A, lora_B, lora_dropout, scaling)`` of each active, unmerged LoRA adapter on ``lm_head``."""
+    if lm_head is _base_linear(lm_head) or lm_head.disable_adapters or lm_head.merged:
+        return []
+    return [
+        (lm_head.lora_A[name], lm_head.lora_B[name], lm_head.lora_dropout[name], lm_head.scaling[name])
+        for name in lm_head.active_adapters
+        if name in lm_head.lora_A
+    ]
 
-        return t.full_tensor(grad_placements=[Partial("avg")] * t.device_mesh.ndim)
+
+def has_active_head_adapter(model: nn.Module) -> bool:
+    """Whether ``model``'s ``lm_head`` has an active LoRA adapter (read without touching its parameters)."""
+    return bool(_adapters(model.get_output_embeddings()))
+
+
+def _unsharded(t: Tensor | None, name: str) -> Tensor | None:
+    # Inside the head's forward FSDP2 has unsharded every unit the forward runs; a DTensor here belongs to a
+    # unit it does not run (its gradient would never be reduce-scattered).
+    if t is not None and type(t).__name__ == "DTensor":
+        raise RuntimeError(
+            f"chunkloss: {name} is still sharded inside the LM head's forward: it belongs to an FSDP2 unit "
+            "that is neither the lm_head module, a module under it, nor a module whose forward is running. "
+            "Shard lm_head in a unit of its own or with the final norm (as accelerate does)."
+        )
     return t
 
 
-def _head_of(model: nn.Module) -> tuple[Head, tuple[Tensor, ...]]:
-    """The :class:`Head` of ``model`` (looked up on each call: FSDP and PEFT replace modules) and the raw
-    parameters to gather under ZeRO-3."""
+def _head_of(model: nn.Module) -> Head:
+    """The :class:`Head` of ``model`` from its parameters as they are now (looked up on each call: FSDP and
+    PEFT replace modules and parameters). Inside :func:`in_head_forward` they are the gathered ones."""
     lm_head = model.get_output_embeddings()
     base = _base_linear(lm_head)
     softcap, logit_scale = head_transforms(model.config)
-    weight, bias = _gathered_weight(base.weight), _gathered_weight(base.bias)
-    raw = tuple(p for p in (base.weight, base.bias) if p is not None)
-    adapters = []
-    if lm_head is not base and not lm_head.disable_adapters and not lm_head.merged:
-        for name in lm_head.active_adapters:
-            if name in lm_head.lora_A:
-                adapters.append(
-                    (
-                        lm_head.lora_A[name],
-                        lm_head.lora_B[name],
-                        lm_head.lora_dropout[name],
-                        lm_head.scaling[name],
-                    )
-                )
+    weight, bias = _unsharded(base.weight, "lm_head.weight"), _unsharded(base.bias, "lm_head.bias")
+    adapters = _adapters(lm_head)
     if not adapters:
-        return Head(weight, bias, softcap, logit_scale), raw
+        return Head(weight, bias, softcap, logit_scale)
 
     def features(x: Tensor) -> Tensor:
         cols = [x]
         for a, _, drop, _ in adapters:
-            cols.append(drop(x.to(a.weight.dtype)) @ _gathered_weight(a.weight).t())
+            cols.append(drop(x.to(a.weight.dtype)) @ _unsharded(a.weight, "lora_A.weight").t())
         return torch.cat([c.to(x.dtype) for c in cols], dim=-1)
 
     weight = torch.cat(
-        [weight, *[s * _gathered_weight(b.weight).to(weight.dtype) for _, b, _, s in adapters]], 1
+        [weight, *[s * _unsharded(b.weight, "lora_B.weight").to(weight.dtype) for _, b, _, s in adapters]], 1
     )
-    return Head(weight, bias, softcap, logit_scale, features), raw
+    return Head(weight, bias, softcap, logit_scale, features)
 
 
-def _gather_ctx(params: tuple[Tensor, ...]):
-    try:
-        from trl.trainer.utils import maybe_gather_lm_head_ctx
-    except ImportError:  # pragma: no cover - TRL is a dependency
-        return contextlib.nullcontext()
-    return maybe_gather_lm_head_ctx(*params)
+def in_head_forward(model: nn.Module, fn: Callable[[Tensor, Head], Any], hidden: Tensor) -> Any:
+    """``fn(hidden, head)`` run as the forward of ``model``'s LM head; returns ``fn``'s result.
 
+    The head module and those under it that have forward hooks and hold parameters (a LoRA adapter's base
+    layer, ``lora_A``, ``lora_B``) each run ``fn`` inside their forward
+    (:func:`chunkloss.models.hooks.run_inside`): FSDP2 unshards their unit before the call and again before
+    the backward, and reduce-scatters the gradients after it; ZeRO-3 gathers each module's parameters at the
+    same two points and reduce-scatters a gradient as it is accumulated, as for any ``nn.Linear``. The
+    :class:`Head` is read inside those forwards. Other forward hooks on these modules run too, with ``fn``'s
+    result as the head's output. Without hooks ``fn`` is called directly.
 
-def _in_module_forward(module: nn.Module, chunked_head, hidden: Tensor, head: Head, raw: tuple[Tensor, ...]):
-    """``chunked_head(hidden, head)`` run as ``module``'s forward (the head's ``nn.Linear``), for ZeRO-3.
-
-    ZeRO-3 gathers a module's parameters in its pre-forward hook, and again in the pre-backward hook it hangs
-    on the forward's outputs. The gradient of ``lm_head.weight`` reaches the parameter's ``AccumulateGrad`` in
-    the backward, after a gather around the fused call alone has ended and the parameter is an empty
-    partition again (its shape ``(0,)`` cannot take the ``(V, H)`` gradient). Run as the head's forward, the
-    weight is gathered at both points, as for any ``nn.Linear``, and ZeRO-3's own hook reduce-scatters the
-    gradient.
+    With gradients off the hooks see no output (``fn``'s result leaves by another way): the head takes no part
+    in a backward then, and a result with a graph of its own, such as GKD's loss computed with gradients on
+    inside the teacher's head, is not cut from it by a hook that detaches outputs under ``no_grad``.
     """
-    had_own = "forward" in module.__dict__
-    own = module.__dict__.get("forward")
+    from chunkloss.models.hooks import hooked_owners, run_inside
 
-    def forward(x):
-        with _gather_ctx(raw):  # a no-op for the head's own parameters, gathered by the hook by now
-            return chunked_head(x, head)
-
-    module.forward = forward
-    try:
-        return module(hidden)
-    finally:
-        if had_own:
-            module.forward = own
-        else:
-            del module.forward
+    lm_head = model.get_output_embeddings()
+    hidden = hidden.to(_base_linear(lm_head).weight.device)
+    owners = hooked_owners([lm_head])
+    if torch.is_grad_enabled():
+        return run_inside(owners, lambda x: fn(x, _head_of(model)), hidden)
+    out = []
+    run_inside(owners, lambda x: out.append(fn(x, _head_of(model))), hidden)
+    return out[0]
 
 
 def add_chunked_head(model: nn.Module) -> None:
@@ -251,14 +247,7 @@ def add_chunked_head(model: nn.Module) -> None:
         if getattr(text_config, "output_router_logits", False):
             kwargs.setdefault("output_router_logits", True)
         backbone_out = self.base_model(*args, **kwargs)
-        head, raw = _head_of(self)
-        hidden = backbone_out.last_hidden_state.to(head.weight.device)
-        if any(hasattr(p, "ds_id") for p in raw):  # DeepSpeed ZeRO-3
-            lm_head = _base_linear(self.get_output_embeddings())
-            result = _in_module_forward(lm_head, chunked_head, hidden, head, raw)
-        else:
-            with _gather_ctx(raw):
-                result = chunked_head(hidden, head)
+        result = in_head_forward(self, chunked_head, backbone_out.last_hidden_state)
         aux_loss = None
         if kwargs.get("output_router_logits"):
             from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func

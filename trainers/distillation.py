@@ -12,8 +12,10 @@ training. The logged ``entropy`` is the student's mean per-token entropy at that
 same tokens.
 
 Like TRL's path, the student's backbone and the loss run inside the student wrapper's forward
-(``_forward_redirection``), and the teacher's backbone inside the teacher's; both heads are gathered under
-ZeRO-3 around the loss. The chunked loss projects only labelled rows, chunk by chunk, on every device.
+(``_forward_redirection``), and the teacher's backbone inside the teacher's; the loss runs as the forward of
+the student's head and, within it, of the teacher's (``in_head_forward``), so that FSDP2 and ZeRO-3 gather
+both heads with their own hooks. The chunked loss projects only labelled rows, chunk by chunk, on every
+device.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from trl import DistillationConfig, DistillationTrainer
 from chunkloss.losses.jsd import FusedLinearJSDLoss
 
 from ._common import ChunkedArguments, jsd_loss_for, refuse
-from ._head import _gather_ctx, _head_of
+from ._head import in_head_forward
 from ._setup import ChunkedTrainerSetup, teacher_head
 
 __all__ = ["ChunkedDistillationConfig", "ChunkedDistillationTrainer"]
@@ -106,28 +108,40 @@ class ChunkedDistillationTrainer(ChunkedTrainerSetup, DistillationTrainer):
                 **multimodal_inputs,
             )
 
-        head_s, raw_s = _head_of(unwrapped_student)
-        head_t, raw_t = _head_of(unwrapped_teacher)
-        device = head_s.weight.device
-        if head_t.weight.device != device:
+        device = unwrapped_student.get_output_embeddings().weight.device
+        teacher_device = unwrapped_teacher.get_output_embeddings().weight.device
+        if teacher_device != device:
             raise ValueError(
                 f"The student `lm_head` is on {device} but the teacher `lm_head` is on "
-                f"{head_t.weight.device}. Place both on the same device in their `device_map`."
+                f"{teacher_device}. Place both on the same device in their `device_map`."
             )
         # The completion tokens the hidden states predict; rows outside the loss mask take no part.
         labels = inputs["completion_ids"].to(device).masked_fill(loss_mask.to(device) == 0, -100)
-        loss_mod = self._loss_module(head_s, head_t)
-        with _gather_ctx(raw_s), _gather_ctx(raw_t):
-            loss = loss_mod(
-                head_s.features(student_hidden.to(device)),
-                head_s.weight,
-                head_t.features(teacher_hidden.to(device)),
-                head_t.weight,
-                labels,
-                bias=head_s.bias,
-                teacher_bias=head_t.bias,
-                num_items_in_batch=num_items_in_batch,
-            )
+        grad_enabled = torch.is_grad_enabled()
+        used = {}
+
+        def student_fn(hidden_s, head_s):
+            def teacher_fn(hidden_t, head_t):
+                with torch.set_grad_enabled(grad_enabled):
+                    used["loss_mod"] = loss_mod = self._loss_module(head_s, head_t)
+                    return loss_mod(
+                        head_s.features(hidden_s),
+                        head_s.weight,
+                        head_t.features(hidden_t),
+                        head_t.weight,
+                        labels,
+                        bias=head_s.bias,
+                        teacher_bias=head_t.bias,
+                        num_items_in_batch=num_items_in_batch,
+                    )
+
+            # The teacher's head runs without gradient, as its backbone did: its hooks keep nothing for the
+            # backward.
+            with torch.no_grad():
+                return in_head_forward(unwrapped_teacher, teacher_fn, teacher_hidden)
+
+        loss = in_head_forward(unwrapped_student, student_fn, student_hidden)
+        loss_mod = used["loss_mod"]
         n_valid = (labels != -100).sum()
         # TRL returns the raw entropy sum for compute_loss to gather over ranks and log.
         entropy_sum = (loss_mod.metrics["entropy"] * n_valid).detach()

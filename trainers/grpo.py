@@ -27,7 +27,7 @@ from chunkloss.losses.grpo import (
 )
 
 from ._common import ChunkedArguments, DeferredMetrics, peft_base, refuse
-from ._head import _head_of, label_logps_head
+from ._head import has_active_head_adapter, label_logps_head
 from ._setup import ChunkedTrainerSetup
 
 __all__ = ["ChunkedGRPOConfig", "ChunkedGRPOTrainer"]
@@ -158,7 +158,7 @@ class ChunkedGRPOTrainer(ChunkedTrainerSetup, DeferredMetrics, GRPOTrainer):
         adapter would leave the adapter out. They come from the chunked head instead: per-token log-probs of
         the completion tokens, 0 on padding, as TRL returns them. The policy's own are ``_compute_loss``'s."""
         base = peft_base(self.accelerator.unwrap_model(model))
-        if not getattr(base, "_chunkloss_head", False) or _head_of(base)[0]._features is None:
+        if not getattr(base, "_chunkloss_head", False) or not has_active_head_adapter(base):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
                 compute_aux_loss, **multimodal,

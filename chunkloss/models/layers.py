@@ -9,8 +9,10 @@ before). The forwards follow transformers' own (``modeling_llama.py``, ``modelin
 
 What runs fused is decided at each call from what the modules are then: a projection that is not an
 ``nn.Linear`` or a plain LoRA layer (:mod:`chunkloss.models.lora`; over a 4-bit base too, where the call
-computes in its compute dtype), a module with a hook, or dtypes that autocast would change run the separate
-path, which computes the same values.
+computes in its compute dtype), a module with a hook other than FSDP2's and DeepSpeed's, or dtypes that
+autocast would change run the separate path, which computes the same values. A fused call runs inside the
+forwards of the modules whose parameters it reads that have such hooks (:mod:`chunkloss.models.hooks`), so
+that FSDP2 and ZeRO-3 gather those parameters for it and for its backward.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from chunkloss.kernels.rms_norm import rms_norm
 from chunkloss.kernels.rope import apply_rotary_pos_emb
 
 from . import saved_norms
-from .lora import Projection, _unhooked, computes_as_is, projection
+from .hooks import gathering_hooks_only, hooked_owners, run_inside
+from .lora import Projection, computes_as_is, projection
 
 __all__ = [
     "NormSpec", "MLPSpec", "LayerSpec", "PatchedRMSNorm", "PatchedGatedMLP", "PatchedAttention",
@@ -79,7 +82,12 @@ def _linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     # A plain nn.Linear, or a LoRA layer computing its base alone, runs as the module it is.
     if part is None or part.adapter is None or not computes_as_is(part, x):
         return module(x)
-    return lora_linear(x, part.weight, part.bias, part.adapter)
+
+    def fused(y):
+        part = projection(module)  # read inside the forwards: the parameters as gathered
+        return lora_linear(y, part.weight, part.bias, part.adapter)
+
+    return run_inside(hooked_owners([module]), fused, x)
 
 
 def _adapters(parts: tuple[Projection, ...]):
@@ -112,15 +120,19 @@ class PatchedGatedMLP:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         spec = self.chunkloss_mlp
-        parts = _fusable((self.gate_proj, self.up_proj, self.down_proj), x)
-        if parts is not None:
-            gate, up, down = parts
-            return gated_mlp(x, gate.weight, up.weight, down.weight, b_gate=gate.bias, b_up=up.bias,
-                             b_down=down.bias, activation=spec.activation, recompute=spec.recompute,
-                             adapters=_adapters(parts))  # fmt: skip
+        projections = (self.gate_proj, self.up_proj, self.down_proj)
+        if _fusable(projections, x) is not None:
+            return run_inside(hooked_owners(projections), self._fused, x)
         # gate_proj / up_proj outputs are read only here, so the backward may overwrite them with their grads.
         gated = _glu._glu(_linear(self.gate_proj, x), _linear(self.up_proj, x), spec.activation, True)
         return _linear(self.down_proj, gated)
+
+    def _fused(self, x: torch.Tensor) -> torch.Tensor:
+        spec = self.chunkloss_mlp
+        parts = gate, up, down = _fusable((self.gate_proj, self.up_proj, self.down_proj), x)
+        return gated_mlp(x, gate.weight, up.weight, down.weight, b_gate=gate.bias, b_up=up.bias,
+                         b_down=down.bias, activation=spec.activation, recompute=spec.recompute,
+                         adapters=_adapters(parts))  # fmt: skip
 
 
 class PatchedAttention:
@@ -167,21 +179,30 @@ class PatchedAttention:
         out = out.reshape(batch, seq, -1).contiguous()
         return _linear(self.o_proj, out), weights
 
-    def attend_from_residual(self, x, norm, position_embeddings, attention_mask, cache=None, *,
-                             norm_recompute=False, **kwargs):  # fmt: skip
-        """``self(norm(x), ...)`` with the norm, q/k/v (and their LoRA adapters) and RoPE as one
-        attention_input call, or None when this call cannot take it."""
+    def takes_residual(self, x) -> bool:
+        """Whether :meth:`attend_from_residual` can take ``x`` with the projections as they are now."""
         parts = _fusable((self.q_proj, self.k_proj, self.v_proj), x)
         # Under autocast the separate modules normalise x in its own dtype and cast only the projections'
         # operands, a rounding attention_input does not reproduce.
-        if parts is None or autocast_changes_dtype(x, *(p.weight for p in parts)):
-            return None
-        cos, sin = position_embeddings
-        spec = norm.chunkloss_norm
-        q, k, v = attention_input(x, norm.weight, *(p.weight for p in parts), cos, sin, b_q=parts[0].bias,
-                                  b_k=parts[1].bias, b_v=parts[2].bias, head_dim=self.head_dim, eps=spec.eps,
-                                  offset=spec.offset, casting=spec.casting, norm_recompute=norm_recompute,
-                                  adapters=_adapters(parts))  # fmt: skip
+        return parts is not None and not autocast_changes_dtype(x, *(p.weight for p in parts))
+
+    def attend_from_residual(self, x, norm, position_embeddings, attention_mask, cache=None, *,
+                             norm_recompute=False, **kwargs):  # fmt: skip
+        """``self(norm(x), ...)`` with the norm, q/k/v (and their LoRA adapters) and RoPE as one
+        attention_input call, run inside the forwards of the norm and the projections (those with hooks);
+        :meth:`takes_residual` must hold."""
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+
+        def qkv(y):
+            parts = _fusable(projections, y)
+            cos, sin = position_embeddings
+            spec = norm.chunkloss_norm
+            return attention_input(y, norm.weight, *(p.weight for p in parts), cos, sin, b_q=parts[0].bias,
+                                   b_k=parts[1].bias, b_v=parts[2].bias, head_dim=self.head_dim, eps=spec.eps,
+                                   offset=spec.offset, casting=spec.casting, norm_recompute=norm_recompute,
+                                   adapters=_adapters(parts))  # fmt: skip
+
+        q, k, v = run_inside(hooked_owners((norm, *projections)), qkv, x)
         return self.attend(q, k, v, attention_mask, cache, **kwargs)
 
 
@@ -230,11 +251,14 @@ class _Layer:
         attn, norm = self.self_attn, self.input_layernorm
         spec = self.chunkloss_layer
         if (spec.fuse_attention_input and isinstance(attn, PatchedAttention) and attn.takes_attention_input
-                and isinstance(norm, PatchedRMSNorm) and _unhooked(attn) and _unhooked(norm)):  # fmt: skip
-            out = attn.attend_from_residual(x, norm, position_embeddings, attention_mask,
-                                            norm_recompute=spec.norm_recompute, **kwargs)  # fmt: skip
-            if out is not None:
-                return out[0]
+                and isinstance(norm, PatchedRMSNorm) and gathering_hooks_only(attn)
+                and gathering_hooks_only(norm) and attn.takes_residual(x)):  # fmt: skip
+            def fused(y):
+                return attn.attend_from_residual(y, norm, position_embeddings, attention_mask,
+                                                 norm_recompute=spec.norm_recompute, **kwargs)  # fmt: skip
+
+            # Inside the attention module's forward too, as the separate path calls it.
+            return run_inside(hooked_owners([attn], recurse=False), fused, x)[0]
         out, _ = attn(hidden_states=norm(x), position_embeddings=position_embeddings,
                       attention_mask=attention_mask, **kwargs)  # fmt: skip
         return out

@@ -11,11 +11,13 @@ fp4, with or without double quantisation, with or without a bias) is fused the s
 ``bitsandbytes.functional.dequantize_4bit(weight.data, weight.quant_state)`` in the layer's compute dtype
 for each GEMM, and its adapter adds as that class does (``cast_before_add``). bitsandbytes computes the base
 in its compute dtype whatever the input's dtype or autocast: the fused calls take a 4-bit base where that is
-the dtype they compute in (``computes_as_is``).
+the dtype they compute in (``computes_as_is``). A 4-bit base is fused only unhooked and unsharded: under
+FSDP2 or ZeRO-3 (whose gathering does not keep its ``quant_state``) it runs its own forward.
 
 Anything else (an 8-bit or other quantised base, DoRA, several active adapters, a merged adapter, another
-PEFT tuner, a hooked module) runs its own forward; :func:`why_not_fused` says why, for the one log line
-``patch`` writes. bitsandbytes is never imported here: a module is one of its layers only when it was.
+PEFT tuner, a module with a hook other than FSDP2's and DeepSpeed's) runs its own forward;
+:func:`why_not_fused` says why, for the one log line ``patch`` writes. bitsandbytes is never imported here: a
+module is one of its layers only when it was.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from torch import nn
 
 from chunkloss.kernels.frozen import FrozenWeight
 from chunkloss.kernels.lora import LoraAdapter
+
+from .hooks import gathering_hooks_only
 
 __all__ = ["Projection", "projection", "why_not_fused", "computes_as_is"]
 
@@ -43,13 +47,26 @@ class Projection:
     adapter: LoraAdapter | None = None
 
 
+def _fusable_hooks(module: nn.Module) -> bool:
+    """No hooks on ``module`` or under it but FSDP2's and DeepSpeed's, which gather parameters: the fused
+    calls run inside the forwards of the modules they read (:mod:`chunkloss.models.hooks`). Another hook
+    (accelerate's offload, a user's) expects the module's own forward."""
+    return all(gathering_hooks_only(m) for m in module.modules())
+
+
 def _unhooked(module: nn.Module) -> bool:
-    """No hook (accelerate's offload, DeepSpeed ZeRO-3's gathering, a user's) that a fused call would skip."""
+    """No hook at all, FSDP2's and DeepSpeed's included: a 4-bit base is dequantised only as it is."""
     return not module._forward_hooks and not module._forward_pre_hooks and not hasattr(module, "_hf_hook")
 
 
+def _sharded(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` is an FSDP2 shard (a DTensor) or a ZeRO-3 partition (``ds_id``)."""
+    dtensor = _class("torch.distributed.tensor", "DTensor")
+    return (dtensor is not None and isinstance(weight, dtensor)) or hasattr(weight, "ds_id")
+
+
 def _plain_linear(module: nn.Module) -> bool:
-    return type(module) is nn.Linear and _unhooked(module)
+    return type(module) is nn.Linear and gathering_hooks_only(module)
 
 
 def _class(module: str, name: str):
@@ -82,6 +99,8 @@ def _4bit_refusal(base: nn.Module) -> str | None:
         return f"its base layer is {type(base).__name__}"
     if not _unhooked(base):
         return "a hook on its 4-bit base layer"
+    if _sharded(base.weight):
+        return "its 4-bit weight sharded by FSDP2 or ZeRO-3"
     state = getattr(base.weight, "quant_state", None)
     if state is None:
         return "its 4-bit weight has no quant_state (not quantised yet)"
@@ -134,7 +153,7 @@ def _active(module) -> list[str]:
 
 def _lora_refusal(module, kind: str) -> str | None:
     """Why a PEFT LoRA Linear (or Linear4bit) cannot run as :class:`Projection`, or None when it can."""
-    if not _unhooked(module):
+    if not _fusable_hooks(module):
         return "a hook on the LoRA layer"
     if kind == "8bit":
         return "an 8-bit base: bitsandbytes Linear8bitLt"

@@ -24,11 +24,13 @@ name):
   output's ``logits`` is ``None``. Without labels the model's own forward runs and returns logits as usual.
 
 What runs fused is decided at each call: a projection that is neither an ``nn.Linear`` nor a plain LoRA layer
-(DoRA, several active adapters, a merged adapter, an 8-bit base), a module with a hook (accelerate's
-offload, DeepSpeed ZeRO-3), fp32 weights under bf16 autocast, or a 4-bit base whose compute dtype is not the
-one the call computes in run the separate modules (the norm, RoPE and gating kernels still), which compute the
-same values. ``patch`` logs one line saying what runs fused and what
-does not, and why.
+(DoRA, several active adapters, a merged adapter, an 8-bit base), a module with a hook other than FSDP2's and
+DeepSpeed ZeRO-3's (accelerate's offload, a user's), fp32 weights under bf16 autocast, or a 4-bit base whose
+compute dtype is not the one the call computes in (or that is hooked or sharded) run the separate modules (the
+norm, RoPE and gating kernels still), which compute the same values. Under FSDP2's and ZeRO-3's hooks a fused
+call runs inside the forwards of the modules whose weights it reads (:mod:`chunkloss.models.hooks`), so that
+their hooks gather those weights for it and for its backward. ``patch`` logs one line saying what runs fused
+and what does not, and why.
 
 Only this model's modules change; other models of the same family in the process keep transformers' code.
 """
