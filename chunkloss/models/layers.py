@@ -69,10 +69,19 @@ def _family(module: nn.Module):
     return sys.modules[type(module).__module__]
 
 
+def _compiling_adapter(part: Projection) -> bool:
+    """A LoRA projection while ``torch.compile`` traces: it runs PEFT's forward. Compiled by Inductor on CUDA,
+    the fused calls with adapters gave wrong adapter gradients (a Llama's q_proj ``lora_A``, torch 2.11,
+    H100), where eager and CPU compilation are right."""
+    return part.adapter is not None and torch.compiler.is_compiling()
+
+
 def _fusable(projections: tuple[nn.Module, ...], x: torch.Tensor) -> tuple[Projection, ...] | None:
     """The projections as :class:`Projection` when a fused kernel can take all of them on ``x``."""
     parts = tuple(map(projection, projections))
-    return None if any(p is None or not computes_as_is(p, x) for p in parts) else parts
+    if any(p is None or not computes_as_is(p, x) or _compiling_adapter(p) for p in parts):
+        return None
+    return parts
 
 
 def _linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -80,7 +89,7 @@ def _linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     :func:`~chunkloss.kernels.lora.lora_linear` call."""
     part = projection(module)
     # A plain nn.Linear, or a LoRA layer computing its base alone, runs as the module it is.
-    if part is None or part.adapter is None or not computes_as_is(part, x):
+    if part is None or part.adapter is None or not computes_as_is(part, x) or _compiling_adapter(part):
         return module(x)
 
     def fused(y):
