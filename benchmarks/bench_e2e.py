@@ -3,8 +3,8 @@
 Implementations (``--impl``), each in its own process (Liger patches transformers' classes process-wide):
 
 ``trl`` (TRL's trainer), ``liger`` (with ``use_liger_kernel=True``), ``compile`` (with
-``torch_compile=True``), ``chunkloss`` (chunkloss's trainer, ``chunk_kernels=True`` passed explicitly;
-``--no-kernels``: False) and ``chunkloss_compile`` (the same with ``torch_compile=True``).
+``torch_compile=True``) and ``chunkloss`` (chunkloss's trainer, ``chunk_kernels=True`` passed explicitly;
+``--no-kernels``: False).
 
 Losses (``--loss``): ``sft`` (prompt-completion rows, loss on the completion), ``dpo`` (pairs; the reference
 is the initial policy, or the adapter-free model under LoRA), ``grpo`` (fixed completions, nothing sampled:
@@ -137,7 +137,7 @@ def peft_config(task: str):
 def setting(a, impl: str) -> dict:
     """What a run is, the keys of its case (``report.e2e_case``) first."""
     medusa = {"medusa": f"stage {a.medusa_stage} K={a.medusa_heads}"} if a.loss == "medusa" else {}
-    kernels = impl.startswith("chunkloss") and a.kernels and kernels_available()
+    kernels = impl == "chunkloss" and a.kernels and kernels_available()
     return dict(shape=a.shape, task=a.task, loss=a.loss, **medusa, seq=a.seq, gc=a.gc == "on", impl=impl,
                 layers=a.layers or SHAPES[a.shape]["layers"], kernels=kernels)  # fmt: skip
 

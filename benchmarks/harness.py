@@ -183,7 +183,7 @@ def _checkpointing_field() -> str:
 
 # The implementations a user picks with one flag or one class: TRL's trainer, with Liger's kernels, compiled,
 # and chunkloss's chunked trainer (with its kernels unless told otherwise).
-TRAINER_IMPLS = ("trl", "liger", "compile", "chunkloss", "chunkloss_compile")
+TRAINER_IMPLS = ("trl", "liger", "compile", "chunkloss")
 LOSSES = ("sft", "dpo", "grpo", "orpo", "gkd", "medusa")
 NUM_GENERATIONS = 2
 
@@ -282,8 +282,7 @@ def materialised_medusa(base):
 
 
 def trainer_classes(loss: str, impl: str) -> tuple[type, type]:
-    """The config and trainer classes of ``loss``: TRL's for trl/liger/compile, chunkloss's for chunkloss and
-    chunkloss_compile.
+    """The config and trainer classes of ``loss``: TRL's for trl/liger/compile, chunkloss's for chunkloss.
     Medusa has no TRL trainer: its peer is Medusa's own loss on materialised logits
     (:func:`materialised_medusa`)."""
     if loss not in LOSSES or impl not in TRAINER_IMPLS:
@@ -291,11 +290,11 @@ def trainer_classes(loss: str, impl: str) -> tuple[type, type]:
     if loss == "medusa":
         from chunkloss.trainers.medusa import ChunkedMedusaConfig, ChunkedMedusaTrainer
 
-        if impl.startswith("chunkloss"):
+        if impl == "chunkloss":
             return ChunkedMedusaConfig, ChunkedMedusaTrainer
         return ChunkedMedusaConfig, materialised_medusa(ChunkedMedusaTrainer)
     name = loss.upper()
-    if not impl.startswith("chunkloss"):
+    if impl != "chunkloss":
         module = importlib.import_module(f"trl.experimental.{loss}" if loss in ("orpo", "gkd") else "trl")
         return getattr(module, f"{name}Config"), getattr(module, f"{name}Trainer")
     module = importlib.import_module(f"chunkloss.trainers.{loss}")
@@ -307,8 +306,7 @@ def make_trainer(loss: str, impl: str, model, tokenizer, ds, *, out_dir: str, ba
                  chunk_compile: bool = True, medusa: dict | None = None):  # fmt: skip
     """``loss``'s trainer of ``impl`` on ``model``: TRL's (``trl``), with ``use_liger_kernel=True``
     (``liger``), with ``torch_compile=True`` (``compile``), or chunkloss's with ``chunk_kernels=kernels``
-    passed explicitly (``chunkloss``; False where the kernels cannot run: :func:`kernels_available`), and
-    also ``torch_compile=True`` (``chunkloss_compile``). ``ref``:
+    passed explicitly (``chunkloss``; False where the kernels cannot run: :func:`kernels_available`). ``ref``:
     DPO's reference or GKD's teacher (None with a ``peft_config``: the adapter-free model is the reference).
     Sequences are ``seq`` tokens; GRPO's fixed completions fill what the prompt leaves. ``medusa``:
     ``ChunkedMedusaConfig``'s ``medusa_*`` fields (any ``impl`` but chunkloss: Medusa's own loss). The same
@@ -320,11 +318,10 @@ def make_trainer(loss: str, impl: str, model, tokenizer, ds, *, out_dir: str, ba
     chunk = dict(chunk_kernels=kernels and kernels_available(), chunk_compile=chunk_compile and cuda)
     if loss == "medusa":  # both on the chunked trainer's config; the peer swaps in Medusa's own loss
         cfg.update({f"medusa_{k}": v for k, v in (medusa or {}).items()})
-        cfg.update(chunk if impl.startswith("chunkloss") else {})
+        cfg.update(chunk if impl == "chunkloss" else {})
     else:
         cfg.update({"liger": dict(use_liger_kernel=True), "compile": dict(torch_compile=True),
-                    "chunkloss": chunk, "chunkloss_compile": dict(chunk, torch_compile=True)}[impl]
-                   if impl != "trl" else {})  # fmt: skip
+                    "chunkloss": chunk}[impl] if impl != "trl" else {})  # fmt: skip
     if loss == "grpo":
         prompt = max(len(tokenizer(p)["input_ids"]) for p in ds["prompt"])
         cfg.update(num_generations=NUM_GENERATIONS, max_completion_length=max(seq - prompt, 1),

@@ -207,6 +207,10 @@ def _why_not(model, args, *, auto: bool) -> tuple[str, str] | None:
     if getattr(args, "use_liger_kernel", False):
         why = "both replace the model's norms, rotary embedding and MLPs; choose one"
         return "with use_liger_kernel=True", why
+    if getattr(args, "torch_compile", False):
+        why = ("compiling a patched model on CUDA fails in the kernels' custom ops (their fake-tensor calls "
+               "raise 'vector::reserve' under torch 2.11); TRL compiles transformers' modules")
+        return "with torch_compile=True", why
     model_type = _model_type(model)
     if model_type not in SUPPORTED_MODEL_TYPES:
         return f"on model type {model_type!r}", f"the kernels cover {', '.join(SUPPORTED_MODEL_TYPES)}"
@@ -228,11 +232,11 @@ def apply_chunk_kernels(trainer) -> None:
     is patched (a PEFT model's base model, its plain LoRA layers inside the fused calls) when:
 
     * ``chunk_kernels=None`` (the default) and the model is on CUDA, of a type in ``SUPPORTED_MODEL_TYPES``,
-      and ``use_liger_kernel`` is off; otherwise the model keeps transformers' modules and one log line
-      (``chunkloss.trainers``, WARNING) says why;
+      and neither ``use_liger_kernel`` nor ``torch_compile`` is on; otherwise the model keeps transformers'
+      modules and one log line (``chunkloss.trainers``, WARNING) says why;
     * ``chunk_kernels=True``, or the trainer is refused with a ``ValueError`` naming ``chunk_kernels`` when
-      the type is not supported, the parameters are not on CUDA (without ``TRITON_INTERPRET=1``) or
-      ``use_liger_kernel`` is on too (Liger patches the same modules).
+      the type is not supported, the parameters are not on CUDA (without ``TRITON_INTERPRET=1``),
+      ``use_liger_kernel`` is on too (Liger patches the same modules) or ``torch_compile`` is on.
 
     The causal-LM loss is left alone: the trainer already computes it chunked. A reference model (DPO, GRPO)
     or teacher (GKD, distillation) is patched too when the kernels can take it, since its no-grad forwards get

@@ -184,6 +184,17 @@ def test_norm_recompute_with_torch_compile_refused(tmp_path):
         _sft(tmp_path, model_pair()[0], True, chunk_kernels_norm_recompute=True, torch_compile=True)
 
 
+def test_torch_compile_turns_the_default_kernels_off_and_refuses_asked_ones(tmp_path, caplog):
+    with pytest.raises(ValueError, match="chunk_kernels=True with torch_compile=True"):
+        _sft(tmp_path, model_pair()[0], True, torch_compile=True)
+    model = model_pair()[0]
+    with caplog.at_level(logging.WARNING, logger="chunkloss.trainers"):
+        _sft(tmp_path, model, None, torch_compile=True)
+    assert any("chunk_kernels off" in r.getMessage() and "torch_compile=True" in r.getMessage()
+               for r in caplog.records)  # fmt: skip
+    assert not any(_is_patched_norm(m) for m in model.modules())
+
+
 def test_sft_chunk_kernels_peft(tmp_path):
     peft = pytest.importorskip("peft")
     config = peft.LoraConfig(r=4, target_modules=["q_proj", "gate_proj"])
