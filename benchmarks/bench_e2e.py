@@ -3,8 +3,11 @@
 Implementations (``--impl``), each in its own process (Liger patches transformers' classes process-wide):
 
 ``trl`` (TRL's trainer), ``liger`` (with ``use_liger_kernel=True``), ``compile`` (with
-``torch_compile=True``) and ``chunkloss`` (chunkloss's trainer, ``chunk_kernels=True`` passed explicitly;
-``--no-kernels``: False).
+``torch_compile=True``), ``chunkloss`` (chunkloss's trainer, ``chunk_kernels=True`` passed explicitly;
+``--no-kernels``: False) and ``unsloth`` (Unsloth's loader, 4-bit under ``qlora``, and its LoRA on the same
+weights and projections, then TRL's trainer as Unsloth patches it; ``--gc on``: Unsloth's checkpointing).
+Unsloth pins an older TRL and datasets: ``CHUNKLOSS_UNSLOTH_SITE=DIR`` (a ``pip install --target DIR``) puts
+DIR first on the ``PYTHONPATH`` of the unsloth process only.
 
 Losses (``--loss``): ``sft`` (prompt-completion rows, loss on the completion), ``dpo`` (pairs; the reference
 is the initial policy, or the adapter-free model under LoRA), ``grpo`` (fixed completions, nothing sampled:
@@ -44,6 +47,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import importlib.metadata
 import importlib.util
 import json
 import logging
@@ -125,6 +129,24 @@ def build_model(a, seed: int = 0):
                                                     device_map={"": 0 if cuda else "cpu"})  # fmt: skip
 
 
+def unsloth_model(a, tokenizer):
+    """``a.shape``'s random weights saved and loaded by Unsloth's loader; its LoRA unless ``full``."""
+    from unsloth import FastLanguageModel
+
+    gc = "unsloth" if a.gc == "on" else False
+    with tempfile.TemporaryDirectory() as tmp:
+        build_model(argparse.Namespace(**{**vars(a), "task": "full"})).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        free_memory()
+        model, _ = FastLanguageModel.from_pretrained(
+            tmp, max_seq_length=a.seq, dtype=torch.bfloat16, load_in_4bit=a.task == "qlora",
+            full_finetuning=a.task == "full", use_gradient_checkpointing=gc, offload_embedding=False)
+    if a.task == "full":
+        return model
+    return FastLanguageModel.get_peft_model(model, r=LORA_RANK, lora_alpha=2 * LORA_RANK, lora_dropout=0.0,
+                                            target_modules=LORA_TARGETS, use_gradient_checkpointing=gc)
+
+
 def peft_config(task: str):
     if task == "full":
         return None
@@ -144,23 +166,30 @@ def setting(a, impl: str) -> dict:
 
 def train(a, batch: int, profile: bool = False) -> dict:
     """Train ``a.steps`` steps of ``a.impl`` at ``batch`` in this process; the run's measurements."""
-    from chunkloss.data import tiny_tokenizer
-
-    tokenizer = tiny_tokenizer()
     res = {**setting(a, a.impl), "batch": batch, "steps": a.steps, "oom": False}
     model = ref = trainer = prof = None
     try:
-        model = build_model(a)
+        if a.impl == "unsloth":  # imported first: it patches transformers, TRL and PEFT as they load
+            for k in ("HF_HUB_OFFLINE", "UNSLOTH_DISABLE_STATISTICS"):  # nothing downloaded
+                os.environ.setdefault(k, "1")
+            import unsloth  # noqa: F401
+
+            res["versions"] = {p: importlib.metadata.version(p) for p in ("unsloth", "trl", "datasets")}
+        from chunkloss.data import tiny_tokenizer
+
+        tokenizer = tiny_tokenizer()
+        model = unsloth_model(a, tokenizer) if a.impl == "unsloth" else build_model(a)
         if a.loss == "gkd" or (a.loss == "dpo" and a.task == "full"):  # GKD's teacher is another seed
             ref = copy.deepcopy(model) if a.loss == "dpo" else build_model(a, seed=1)
             ref.requires_grad_(False)
         # GKD's collator keeps the prompt whole, so its completions leave room for it (up to --seq tokens).
         ds = counting_dataset(a.loss, max(64, batch * a.steps), a.seq // 2 if a.loss == "gkd" else a.seq)
         medusa = dict(num_heads=a.medusa_heads, stage=a.medusa_stage)
+        peft = None if a.impl == "unsloth" else peft_config(a.task)  # Unsloth's model has its LoRA
         with patch_lines() as lines:
             trainer = make_trainer(a.loss, a.impl, model, tokenizer, ds, out_dir=tempfile.mkdtemp(),
                                    batch=batch, steps=a.steps, seq=a.seq, gc=a.gc == "on", ref=ref,
-                                   kernels=a.kernels, peft_config=peft_config(a.task),
+                                   kernels=a.kernels, peft_config=peft,
                                    medusa=medusa)  # fmt: skip
         if lines:
             res["patch"] = lines[0]
@@ -180,7 +209,7 @@ def train(a, batch: int, profile: bool = False) -> dict:
             res["parts"] = kernel_time(prof, sum(times), len(times))
     except Exception as e:  # noqa: BLE001 - an OOM ends the sweep; another error is the run's result
         res["oom"] = is_oom(e)
-        res["error"] = "OOM" if res["oom"] else f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        res["error"] = "OOM" if res["oom"] else f"{type(e).__name__}: {str(e).partition(chr(10))[0][:300]}"
     finally:
         del model, ref, trainer
         free_memory()
@@ -347,6 +376,14 @@ def worker(a) -> None:
     pathlib.Path(a.out).write_text(json.dumps(rows))
 
 
+def child_env(impl: str) -> dict | None:
+    """The environment of ``impl``'s process: unsloth's has ``$CHUNKLOSS_UNSLOTH_SITE`` first on its path."""
+    site = os.environ.get("CHUNKLOSS_UNSLOTH_SITE")
+    if impl != "unsloth" or not site:
+        return None
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [site, os.environ.get("PYTHONPATH")]))}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -355,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loss", choices=LOSSES, default="sft")
     p.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
     p.add_argument("--gc", choices=("off", "on"), default="off", help="gradient checkpointing")
-    p.add_argument("--impl", default=",".join(TRAINER_IMPLS), help=f"comma-separated, from {TRAINER_IMPLS}")
+    p.add_argument("--impl", default="trl,liger,compile,chunkloss", help=f"comma-separated: {TRAINER_IMPLS}")
     p.add_argument("--batches", default="1,2,4,8,16,32,64,128", help="per-device, in turn until an OOM")
     p.add_argument("--steps", type=int, default=10, help="training steps per batch")
     p.add_argument("--warmup", type=int, default=3, help="steps left out of the timing")
@@ -394,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         if not a.floor:
             cmd += ["--impl", impl]
         try:
-            rc = subprocess.run(cmd, timeout=a.timeout_s).returncode
+            rc = subprocess.run(cmd, timeout=a.timeout_s, env=child_env(impl)).returncode
             error = None if rc == 0 else f"process exited with status {rc}"
         except subprocess.TimeoutExpired:
             error = f"timed out after {a.timeout_s:.0f} s"

@@ -182,8 +182,10 @@ def _checkpointing_field() -> str:
 
 
 # The implementations a user picks with one flag or one class: TRL's trainer, with Liger's kernels, compiled,
-# and chunkloss's chunked trainer (with its kernels unless told otherwise).
-TRAINER_IMPLS = ("trl", "liger", "compile", "chunkloss")
+# chunkloss's chunked trainer (with its kernels unless told otherwise), and TRL's as Unsloth patches it.
+TRAINER_IMPLS = ("trl", "liger", "compile", "chunkloss", "unsloth")
+# The fields whose defaults Unsloth's configs change (to 8-bit AdamW, accumulation, ...): the others' given.
+UNSLOTH_DEFAULTS = ("optim", "gradient_accumulation_steps", "weight_decay", "warmup_steps")
 LOSSES = ("sft", "dpo", "grpo", "orpo", "gkd", "medusa")
 NUM_GENERATIONS = 2
 
@@ -282,7 +284,7 @@ def materialised_medusa(base):
 
 
 def trainer_classes(loss: str, impl: str) -> tuple[type, type]:
-    """The config and trainer classes of ``loss``: TRL's for trl/liger/compile, chunkloss's for chunkloss.
+    """The config and trainer classes of ``loss``: chunkloss's for chunkloss, else TRL's.
     Medusa has no TRL trainer: its peer is Medusa's own loss on materialised logits
     (:func:`materialised_medusa`)."""
     if loss not in LOSSES or impl not in TRAINER_IMPLS:
@@ -305,8 +307,9 @@ def make_trainer(loss: str, impl: str, model, tokenizer, ds, *, out_dir: str, ba
                  seq: int, gc: bool, ref=None, peft_config=None, kernels: bool = True,
                  chunk_compile: bool = True, medusa: dict | None = None):  # fmt: skip
     """``loss``'s trainer of ``impl`` on ``model``: TRL's (``trl``), with ``use_liger_kernel=True``
-    (``liger``), with ``torch_compile=True`` (``compile``), or chunkloss's with ``chunk_kernels=kernels``
-    passed explicitly (``chunkloss``; False where the kernels cannot run: :func:`kernels_available`). ``ref``:
+    (``liger``), with ``torch_compile=True`` (``compile``), chunkloss's with ``chunk_kernels=kernels``
+    passed explicitly (``chunkloss``; False where the kernels cannot run: :func:`kernels_available`), or as
+    Unsloth patches TRL's (``unsloth``: ``UNSLOTH_DEFAULTS`` as the others have them). ``ref``:
     DPO's reference or GKD's teacher (None with a ``peft_config``: the adapter-free model is the reference).
     Sequences are ``seq`` tokens; GRPO's fixed completions fill what the prompt leaves. ``medusa``:
     ``ChunkedMedusaConfig``'s ``medusa_*`` fields (any ``impl`` but chunkloss: Medusa's own loss). The same
@@ -320,7 +323,10 @@ def make_trainer(loss: str, impl: str, model, tokenizer, ds, *, out_dir: str, ba
         cfg.update({f"medusa_{k}": v for k, v in (medusa or {}).items()})
         cfg.update(chunk if impl == "chunkloss" else {})
     else:
+        from transformers import TrainingArguments
+
         cfg.update({"liger": dict(use_liger_kernel=True), "compile": dict(torch_compile=True),
+                    "unsloth": {k: getattr(TrainingArguments, k) for k in UNSLOTH_DEFAULTS},
                     "chunkloss": chunk}[impl] if impl != "trl" else {})  # fmt: skip
     if loss == "grpo":
         prompt = max(len(tokenizer(p)["input_ids"]) for p in ds["prompt"])

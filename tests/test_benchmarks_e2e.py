@@ -4,6 +4,7 @@ matrix products, and the profile's split of kernel time."""
 from __future__ import annotations
 
 import json
+import os
 import types
 
 import pytest
@@ -76,9 +77,29 @@ def test_each_implementation_runs_in_its_own_process_and_the_floor_runs(tmp_path
 
 def test_bad_arguments_get_one_line():
     with pytest.raises(SystemExit):
-        bench_e2e.main([*SMOKE, "--impl", "unsloth", "--out", "x.json"])
+        bench_e2e.main([*SMOKE, "--impl", "deepspeed", "--out", "x.json"])
     with pytest.raises(SystemExit):
         bench_e2e.main([*SMOKE, "--profile", "--impl", "trl,liger", "--out", "x.json"])
+
+
+def test_unsloth_process_finds_its_site_first_and_a_failing_import_is_its_row(monkeypatch, tmp_path):
+    """``$CHUNKLOSS_UNSLOTH_SITE`` leads the unsloth process's ``PYTHONPATH`` (no other's); an Unsloth that
+    cannot import (as without a GPU) gives a row with its error."""
+    site = tmp_path / "site"
+    (site / "unsloth").mkdir(parents=True)
+    (site / "unsloth" / "__init__.py").write_text('raise NotImplementedError("Unsloth: no GPU here")\n')
+    monkeypatch.setenv("CHUNKLOSS_UNSLOTH_SITE", str(site))
+    monkeypatch.setenv("PYTHONPATH", "/rest")
+    assert bench_e2e.child_env("unsloth")["PYTHONPATH"] == os.pathsep.join([str(site), "/rest"])
+    assert bench_e2e.child_env("trl") is None
+    monkeypatch.delenv("PYTHONPATH")
+    assert bench_e2e.child_env("unsloth")["PYTHONPATH"] == str(site)
+    out = tmp_path / "unsloth.json"
+    assert bench_e2e.main([*SMOKE, "--task", "lora", "--impl", "unsloth", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["sweep"]
+    assert row["impl"] == "unsloth" and row["error"] == "NotImplementedError: Unsloth: no GPU here"
+    monkeypatch.delenv("CHUNKLOSS_UNSLOTH_SITE")
+    assert bench_e2e.child_env("unsloth") is None
 
 
 def test_qlora_floor_adds_the_dequantisation_of_each_4bit_weight(monkeypatch):
