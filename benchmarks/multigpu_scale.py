@@ -412,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", choices=tuple(MODELS), default="qwen3-4b")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
     p.add_argument("--batch-sizes", type=_batches, default=DEFAULT_BATCHES, help="per-GPU, e.g. 1,2,4")
-    p.add_argument("--steps", type=int, default=6, help="training steps per batch")
+    p.add_argument("--steps", type=int, default=7, help="training steps per batch")
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the median step time")
     p.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false")
     p.add_argument("--no-chunk-compile", dest="chunk_compile", action="store_false", help="eager chunk step")

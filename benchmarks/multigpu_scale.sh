@@ -8,7 +8,7 @@
 # implementation ($CHUNKLOSS_IMPLS, default "chunked trl liger"; chunked runs its kernels unless
 # CHUNKLOSS_KERNELS=0), on $CHUNKLOSS_MODEL (default qwen3-4b; llama3-8b) with $CHUNKLOSS_SEQ_LEN-token
 # sequences (default 2048), per-GPU batches $CHUNKLOSS_BATCHES (default 1,2,...,64), $CHUNKLOSS_STEPS steps
-# each (default 6, $CHUNKLOSS_WARMUP = 2 untimed), checkpointing on unless CHUNKLOSS_GRADIENT_CHECKPOINTING=0.
+# each (default 7, $CHUNKLOSS_WARMUP = 2 untimed), checkpointing on unless CHUNKLOSS_GRADIENT_CHECKPOINTING=0.
 # Results: OUT_DIR/<model>_<trainer>_<backend>_<impl>_gc<0|1>[_nokernels]/batch_<B>.json, then the set
 # OUT_DIR/multigpu_scale.{json,md,png} of every run found under OUT_DIR (so a sweep split over several calls
 # into one OUT_DIR is summarised whole). A launch failing after some batches is launched again for the rest.
@@ -35,7 +35,7 @@ GPUS=${CHUNKLOSS_GPUS:-2}
 MODEL=${CHUNKLOSS_MODEL:-qwen3-4b}
 SEQ_LEN=${CHUNKLOSS_SEQ_LEN:-2048}
 BATCHES=${CHUNKLOSS_BATCHES:-1,2,4,8,16,32,64}
-STEPS=${CHUNKLOSS_STEPS:-6}
+STEPS=${CHUNKLOSS_STEPS:-7}
 WARMUP=${CHUNKLOSS_WARMUP:-2}
 FLAGS=()
 [ "${CHUNKLOSS_GRADIENT_CHECKPOINTING:-1}" = 0 ] && FLAGS+=(--no-gradient-checkpointing)
@@ -88,15 +88,18 @@ for combo in "${combos[@]}"; do
     [ "$n" -gt 1 ] && lname=$name.r$n
     limit=$((end - SECONDS))
     port=$((port + 1))
+    # ZeRO-3 keeps memory allocated between the batches of one process, so each of its batches gets a launch.
+    this=$batches
+    [ "$b" = zero3 ] && this=${batches%%,*}
     # The script starts no batch it predicts to end after its share, less 30 s for the launcher and teardown.
     guarded "$lname" "$limit" "$OUT/$name" \
       "$PY" -m accelerate.commands.launch --config_file "$CONFIGS/$b.yaml" --num_processes "$GPUS" \
       --main_process_port "$port" -m benchmarks.multigpu_scale --trainer "$t" --impl "$i" --model "$MODEL" \
-      --seq-len "$SEQ_LEN" --batch-sizes "$batches" --steps "$STEPS" --warmup "$WARMUP" \
+      --seq-len "$SEQ_LEN" --batch-sizes "$this" --steps "$STEPS" --warmup "$WARMUP" \
       --time-budget-s $((limit - 30)) ${FLAGS[@]+"${FLAGS[@]}"} --out "$OUT/$name"
     rc=$?
     [ "$rc" = 124 ] || [ "$rc" = 125 ] || [ ! -d "$OUT/$name" ] && break
-    [ "$rc" = 0 ] && break
+    [ "$rc" = 0 ] && [ "$this" = "$batches" ] && break
     # The batches still to run: none after an OOM, a skip, or a launch that failed at its first batch.
     batches=$("$PY" -m benchmarks.multigpu_scale --remaining "$OUT/$name" --batch-sizes "$batches" 2> /dev/null)
     [ -n "$batches" ] && [ "$rc" != 0 ] && note "$name: launching again for batches $batches"
