@@ -39,7 +39,7 @@ from chunkloss.kernels import (
 )
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_apply_rotary_pos_emb
 
-from benchmarks.harness import PEAK_TFLOPS, is_oom, stamp, timed_ms
+from benchmarks.harness import PEAK_TFLOPS, error_text, peak_extra, stamp, timed_ms
 from benchmarks.report import write_set
 from chunkloss.models import saved_norms
 
@@ -262,17 +262,7 @@ def measure(fn, case: Case, warmup, repeats):
         step(fresh())
     times = [timed_ms(functools.partial(step, dys), device) for dys in (fresh() for _ in range(repeats))]
     saved = saved_bytes(fn, case)
-    peak = None
-    dys = fresh()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        out = step(dys)
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - before
-    else:
-        out = step(dys)
+    out, peak = peak_extra(functools.partial(step, fresh()))
     return {"ms": statistics.median(times), "ms_all": times, "saved_bytes": saved, "peak_bytes": peak}, out
 
 
@@ -300,8 +290,7 @@ def run_case(case: Case, impls, device, warmup, repeats) -> list[dict]:
         try:
             result, (ys, grads) = measure(fn, case, warmup, repeats)
         except Exception as exc:  # noqa: BLE001 - one failing peer is recorded, not fatal
-            oom = is_oom(exc)
-            row["error"] = "OOM" if oom else f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            row["error"] = error_text(exc)
             print(f"{case.row['case']} / {name}: {exc!r}", file=sys.stderr)
             continue
         result["err"] = {k: max_rel_err(t, r) for k, t, r in zip(names, (*ys, *grads), ref, strict=True)}

@@ -1,45 +1,31 @@
 """End to end: one training step of TRL's trainers, the peers a user picks with one flag, and chunkloss's.
 
-Implementations (``--impl``), each in its own process (Liger patches transformers' classes process-wide):
+Implementations (``--impl``, ``harness.make_trainer``), each in its own process (Liger patches transformers'
+classes process-wide): ``trl``, ``liger``, ``compile``, ``chunkloss`` (``--no-kernels``: no
+``chunk_kernels``) and ``unsloth`` (Unsloth's loader, 4-bit under ``qlora``, and its LoRA on the same weights
+and projections, then TRL's trainer as Unsloth patches it). Unsloth pins an older TRL and datasets:
+``CHUNKLOSS_UNSLOTH_SITE=DIR`` (a ``pip install --target DIR``) puts DIR first on the ``PYTHONPATH`` of the
+unsloth process only.
 
-``trl`` (TRL's trainer), ``liger`` (with ``use_liger_kernel=True``), ``compile`` (with
-``torch_compile=True``), ``chunkloss`` (chunkloss's trainer, ``chunk_kernels=True`` passed explicitly;
-``--no-kernels``: False) and ``unsloth`` (Unsloth's loader, 4-bit under ``qlora``, and its LoRA on the same
-weights and projections, then TRL's trainer as Unsloth patches it; ``--gc on``: Unsloth's checkpointing).
-Unsloth pins an older TRL and datasets: ``CHUNKLOSS_UNSLOTH_SITE=DIR`` (a ``pip install --target DIR``) puts
-DIR first on the ``PYTHONPATH`` of the unsloth process only.
+Losses (``--loss``): ``sft``, ``dpo`` (the reference is the initial policy, or the adapter-free model under
+LoRA), ``grpo`` (fixed completions, nothing sampled), ``orpo``, ``gkd`` (off-policy, a teacher of the same
+shape) and ``medusa`` (``--medusa-heads``, ``--medusa-stage``; its peer, ``--impl trl``, is Medusa's own loss
+on materialised fp32 logits). Tasks (``--task``): ``full``, ``lora`` (PEFT LoRA r=16 on q/k/v/o/gate/up/down,
+bf16 base) and ``qlora`` (the same on a bitsandbytes 4-bit nf4 base). Shapes (``--shape``): real models'
+configs with random weights.
 
-Losses (``--loss``): ``sft`` (prompt-completion rows, loss on the completion), ``dpo`` (pairs; the reference
-is the initial policy, or the adapter-free model under LoRA), ``grpo`` (fixed completions, nothing sampled:
-scoring, loss, backward and optimizer), ``orpo``, ``gkd`` (off-policy, a teacher of the same shape) and
-``medusa`` (``--medusa-heads`` K heads, ``--medusa-stage`` 1: heads only, 2: heads and model; its peer,
-``--impl trl``, is Medusa's own loss on materialised fp32 logits in the same trainer). Every sequence is
-``--seq`` tokens. Tasks (``--task``): ``full`` fine-tuning, ``lora`` (PEFT LoRA r=16, alpha 32,
-no dropout, on q/k/v/o/gate/up/down, bf16 base) and ``qlora`` (the same on a bitsandbytes 4-bit nf4 base).
-Shapes (``--shape``): real models' configs with random weights (nothing is downloaded).
+Per implementation, the batches of ``--batches`` run in turn until the first OOM, ``--steps`` steps each;
+step time is the median after ``--warmup``; peak memory is the highest CUDA memory allocated during training
+minus what was allocated when it began. A chunkloss row with its kernels keeps the line
+``chunkloss.models.patch`` logged. ``--out FILE.json`` is rewritten after every implementation;
+``python -m benchmarks.report --merge DIR`` merges such files into the committed sets.
 
-Per implementation, the per-device batches of ``--batches`` run in turn until the first OOM. Each trains
-``--steps`` steps; step time is the median of the steps after ``--warmup`` (CUDA events, at least 5 timed
-steps); peak memory is the highest CUDA memory allocated during training minus what was allocated when it
-began (the weights; optimizer states and gradients count). A chunkloss row with its kernels keeps the line
-``chunkloss.models.patch`` logged (``patch``: what ran fused, what did not and why). ``--out FILE.json`` is
-rewritten after every implementation; ``python -m benchmarks.report --merge DIR`` merges such files into the
-committed sets.
-
-    python -m benchmarks.bench_e2e --shape llama-3.2-1b --task full --loss sft --seq 1024 --gc off \\
-        --impl trl,liger,compile,chunkloss --batches 8,16 --out /tmp/e2e/sft_full.json
-    python -m benchmarks.bench_e2e --profile --impl chunkloss --batches 16 ... --out /tmp/e2e/profile.json
-    python -m benchmarks.bench_e2e --floor --batches 16 ... --out /tmp/e2e/floor.json
     TRITON_INTERPRET=1 python -m benchmarks.bench_e2e --shape tiny --impl trl,chunkloss --batches 2 \\
         --steps 6 --warmup 1 --out /tmp/e2e/smoke.json                                   # CPU smoke run
 
-``--profile`` (one implementation, one batch): torch.profiler over the timed steps, CUDA kernel time per step
-summed into GEMMs, attention, Triton kernels (ours, Liger's or inductor's), the optimizer, copies and casts,
-other, and idle time (step time minus the union of kernel intervals). ``--floor``: the step's GEMMs (the same
-M, K, N, forward and backward, no weight gradient for frozen weights) and attention (SDPA forward + backward)
-timed alone; with ``--task qlora`` also the dequantisation of each 4-bit weight before each GEMM that reads
-it (bitsandbytes' ``dequantize_4bit``; once per forward pass and once for the input gradient). Both write rows
-the report renders.
+``--profile`` (one implementation, one batch): CUDA kernel time per step by kind (:func:`kernel_time`).
+``--floor``: the step's GEMMs and attention timed alone (:func:`floor`), with ``--task qlora`` also the
+dequantisation of each 4-bit weight (:func:`dequant_ms`).
 """
 
 from __future__ import annotations
@@ -65,6 +51,7 @@ from benchmarks.harness import (
     TRAINER_IMPLS,
     StepTimer,
     counting_dataset,
+    error_text,
     free_memory,
     is_oom,
     kernels_available,
@@ -73,7 +60,7 @@ from benchmarks.harness import (
     stamp,
     timed_ms,
 )
-from benchmarks.report import e2e_case
+from benchmarks.report import e2e_case, write_json
 
 LLAMA3 = dict(vocab=128256, kv=8, tied=True)
 SHAPES = {
@@ -208,8 +195,7 @@ def train(a, batch: int, profile: bool = False) -> dict:
         if prof is not None:
             res["parts"] = kernel_time(prof, sum(times), len(times))
     except Exception as e:  # noqa: BLE001 - an OOM ends the sweep; another error is the run's result
-        res["oom"] = is_oom(e)
-        res["error"] = "OOM" if res["oom"] else f"{type(e).__name__}: {str(e).partition(chr(10))[0][:300]}"
+        res.update(oom=is_oom(e), error=error_text(e))
     finally:
         del model, ref, trainer
         free_memory()
@@ -347,11 +333,9 @@ def floor(a, batch: int) -> dict:
     def fwd_bwd():
         sdpa(q, k, v, is_causal=True, enable_gqa=True).backward(torch.ones_like(q))
 
-    layers = a.layers or s["layers"]
-    extra_fwd = (a.gc == "on") + (a.loss in ("dpo", "gkd"))
     with torch.no_grad():
         fwd_ms = _time_ms(lambda: sdpa(q, k, v, is_causal=True, enable_gqa=True))
-    attn_ms = layers * (_time_ms(fwd_bwd) + extra_fwd * fwd_ms)
+    attn_ms = (a.layers or s["layers"]) * (_time_ms(fwd_bwd) + (_forward_passes(a) - 1) * fwd_ms)
     parts = {"gemm": gemm_ms, "attention": attn_ms}
     if a.task == "qlora":
         parts["dequant"] = dequant_ms(a, dev)
@@ -373,7 +357,7 @@ def worker(a) -> None:
         print(f"[bench_e2e] {a.impl} b={batch}: {json.dumps(shown)}", flush=True)
         if r.get("oom"):
             break
-    pathlib.Path(a.out).write_text(json.dumps(rows))
+    write_json(a.out, rows)
 
 
 def child_env(impl: str) -> dict | None:
@@ -420,10 +404,8 @@ def main(argv: list[str] | None = None) -> int:
         worker(a)
         return 0
     mode = "floor" if a.floor else "profile" if a.profile else "e2e"
-    data = {"stamp": stamp(command="python -m benchmarks.bench_e2e " + " ".join(argv)), "mode": mode,
-            "sweep" if mode == "e2e" else "rows": []}  # fmt: skip
     key = "sweep" if mode == "e2e" else "rows"
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    data = {"stamp": stamp(command="python -m benchmarks.bench_e2e " + " ".join(argv)), "mode": mode, key: []}
     for impl in ["floor"] if a.floor else impls:
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
             part = f.name
@@ -442,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
             rows = [{**setting(a, impl), "batch": a.batches[0], "oom": False, "error": error}]
             rows[0] = {"case": e2e_case(rows[0]), **rows[0]} if mode != "e2e" else rows[0]
         data[key] += rows
-        pathlib.Path(a.out).write_text(json.dumps(data, indent=1))
+        write_json(a.out, data)
     print(f"[bench_e2e] wrote {a.out}")
     return 0
 

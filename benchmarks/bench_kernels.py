@@ -5,7 +5,7 @@ the memory that call allocates (outputs and gradients included), the minimal byt
 bandwidth floor ``bytes / 3.0 TB/s`` (H100 HBM3). Writes ``kernels.json`` (stamped with date, GPU and
 versions), ``kernels.md`` and ``kernels.png`` under ``--out``.
 
-    python -m benchmarks.bench_kernels [--out benchmarks/results] [--quick]
+    python -m benchmarks.bench_kernels [--out benchmarks/results]
 """
 
 import argparse
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import stamp
+from benchmarks.harness import peak_extra, stamp
 from benchmarks.report import write_set
 
 PEAK_BW = 3.0e12  # bytes/s, H100 SXM HBM3
@@ -36,15 +36,9 @@ def _liger():
         return {}
 
     # Liger's autograd Functions on our leaves (its modules would wrap the weight in a new Parameter).
-    def rms(x, w):
-        return LigerRMSNormFunction.apply(x, w, 1e-6, 0.0, "llama", True)
-
-    def ln(x, w, b):
-        return LigerLayerNormFunction.apply(x, w, b, 1e-5)
-
     return {
-        "rms_norm": rms,
-        "layer_norm": ln,
+        "rms_norm": lambda x, w: LigerRMSNormFunction.apply(x, w, 1e-6, 0.0, "llama", True),
+        "layer_norm": lambda x, w, b: LigerLayerNormFunction.apply(x, w, b, 1e-5),
         "swiglu": LigerSiLUMulFunction.apply,
         "geglu": LigerGELUMulFunction.apply,
         "rope": lambda q, k, cos, sin: liger_rotary_pos_emb(q, k, cos, sin),
@@ -62,12 +56,11 @@ def rope_inputs(batch, seq, n_q, n_k, head_dim, dtype=torch.bfloat16):
     return [q, k, emb.cos().to(dtype).contiguous(), emb.sin().to(dtype).contiguous()]
 
 
-def make_cases(quick: bool):
+def make_cases():
     """(name, op, input factory, minimal bytes) for every case; factories build fresh bf16 inputs."""
     dt, e = torch.bfloat16, 2
     cases = []
-    widths = [4096] if quick else [2048, 4096, 8192, 16384]
-    for width in widths:
+    for width in (2048, 4096, 8192, 16384):
         rows = 16384
         # norm fwd: read x, write y; bwd: read dy and x, write dx (w, b, stats are O(rows + width)).
         nbytes = 5 * rows * width * e
@@ -147,12 +140,7 @@ def measure(step):
     step()  # compile / autotune outside the timing
     torch.cuda.synchronize()
     ms = triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median")
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - before) / 2**20
+    peak = peak_extra(step)[1] / 2**20
     graph_ms = None
     try:
         side = torch.cuda.Stream()
@@ -181,7 +169,6 @@ def _fmt(ms):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--quick", action="store_true", help="only hidden size 4096 for the norms")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels: no CUDA device; CPU timings would mean nothing.", file=sys.stderr)
@@ -191,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     impls = implementations(_liger())
     rows = []
     start = time.time()
-    for name, op, make_inputs, nbytes in make_cases(args.quick):
+    for name, op, make_inputs, nbytes in make_cases():
         floor_ms = nbytes / PEAK_BW * 1e3
         row = {"case": name, "op": op, "bytes": nbytes, "floor_ms": floor_ms}
         for impl in IMPLS:

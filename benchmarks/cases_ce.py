@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -37,7 +39,7 @@ def impls() -> dict:
         "torch": _torch,
         "torch.compile": torch.compile(_torch),
     }
-    try:
+    with contextlib.suppress(ImportError):
         from trl.kernels.chunked_logprob import ChunkedLogProbFunction
 
         def trl_head(i):
@@ -48,21 +50,15 @@ def impls() -> dict:
             return -logps.sum() / mask.sum().clamp(min=1)
 
         out["trl 1.16 head"] = trl_head
-    except ImportError:
-        pass
-    try:
+    with contextlib.suppress(ImportError):
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
         liger = LigerFusedLinearCrossEntropyLoss()
         out["liger"] = lambda i: liger(i["weight"], i["hidden"], i["labels"])
-    except ImportError:
-        pass
-    try:
+    with contextlib.suppress(ImportError):
         from cut_cross_entropy import linear_cross_entropy
 
         out["cce"] = lambda i: linear_cross_entropy(i["hidden"], i["weight"], i["labels"])
-    except ImportError:
-        pass
     return out
 
 

@@ -7,6 +7,8 @@ Floor FLOPs: 6·N_valid·H·V (the policy head's forward and its two gradient GE
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from benchmarks.harness import Case
@@ -75,7 +77,7 @@ def impls(**mode) -> dict:
                                     old_logps=i["old"], ref_logps=i["ref"] if with_ref else None),
         "torch": lambda i: _torch(i, **mode),
     }
-    try:
+    with contextlib.suppress(ImportError):
         from trl.kernels.chunked_logprob import ChunkedLogProbFunction
 
         def trl_head(i):
@@ -86,11 +88,9 @@ def impls(**mode) -> dict:
             return _trl_loss(logps.view(b, t), i, ent.view(b, t).detach(), **mode)
 
         out["trl 1.16 head"] = trl_head
-    except ImportError:
-        pass
     if mode:  # Liger's GRPO has no entropy masking; its sequence level is not TRL 1.16's GSPO transcription
         return out
-    try:
+    with contextlib.suppress(ImportError):
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
         liger = LigerFusedLinearGRPOLoss(beta=BETA, use_ref_model=True, loss_type="dapo")
@@ -100,8 +100,6 @@ def impls(**mode) -> dict:
                          ref_per_token_logps=i["ref"], old_per_token_logps=i["old"])[0]  # fmt: skip
 
         out["liger"] = liger_fn
-    except ImportError:
-        pass
     return out
 
 

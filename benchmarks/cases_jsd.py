@@ -7,6 +7,7 @@ GEMM floor: the student's 3 GEMMs (forward, grad_hidden, grad_weight) and the te
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -61,7 +62,7 @@ def impls() -> dict:
         )
 
     out = {"chunkloss": chunkloss, "torch": _torch, "torch.compile": torch.compile(_torch)}
-    try:
+    with contextlib.suppress(ImportError):
         from trl.trainer.distillation_trainer import _chunked_divergence_loss
 
         def trl_distill(i):
@@ -71,9 +72,7 @@ def impls() -> dict:
             )[0]
 
         out["trl 1.16 chunked divergence"] = trl_distill
-    except ImportError:
-        pass
-    try:
+    with contextlib.suppress(ImportError):
         from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
 
         # Liger's mixture is β·S + (1-β)·T (the mirror of TRL's), identical at β=0.5.
@@ -87,8 +86,6 @@ def impls() -> dict:
             return loss[0] if isinstance(loss, tuple) else loss
 
         out["liger"] = liger_jsd
-    except ImportError:
-        pass
     return out
 
 

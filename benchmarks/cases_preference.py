@@ -8,6 +8,8 @@ chunking over pairs (Liger) grows with T and chunking over tokens (ours, two pas
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -70,13 +72,11 @@ def _orpo_impls() -> dict:
         "chunkloss": lambda i: ours(i["hidden"], i["weight"], i["labels"][: b(i)], i["labels"][b(i) :]),
         "torch": _torch_orpo,
     }
-    try:
+    with contextlib.suppress(ImportError):
         from liger_kernel.chunked_loss import LigerFusedLinearORPOLoss
 
         liger = LigerFusedLinearORPOLoss()
         out["liger"] = lambda i: liger(i["weight"], i["hidden"], i["labels"])[0]
-    except ImportError:
-        pass
     return out
 
 
@@ -90,15 +90,13 @@ def _dpo_impls() -> dict:
                     ref_weight=i["ref_weight"])  # fmt: skip
 
     out = {"chunkloss": chunkloss, "torch": _torch_dpo}
-    try:
+    with contextlib.suppress(ImportError):
         from liger_kernel.chunked_loss import LigerFusedLinearDPOLoss
 
         liger = LigerFusedLinearDPOLoss(use_ref_model=True)
         out["liger"] = lambda i: liger(i["weight"], i["hidden"], i["labels"], None, i["ref_hidden"],
                                        i["ref_weight"])[0]  # fmt: skip
-    except ImportError:
-        pass
-    try:
+    with contextlib.suppress(ImportError):
         from trl.kernels.chunked_logprob import ChunkedLogProbFunction
 
         def trl_head(i, beta=0.1):
@@ -119,8 +117,6 @@ def _dpo_impls() -> dict:
             return -F.logsigmoid(beta * d.float()).mean()
 
         out["trl 1.16 head"] = trl_head
-    except ImportError:
-        pass
     return out
 
 

@@ -15,6 +15,8 @@ import gc
 import importlib
 import importlib.metadata
 import json
+import os
+import pathlib
 import statistics
 import zlib
 from collections.abc import Callable
@@ -27,11 +29,12 @@ PACKAGES = ("torch", "triton", "transformers", "trl", "accelerate", "chunkloss",
             "cut-cross-entropy", "peft", "bitsandbytes", "datasets", "deepspeed")  # fmt: skip
 
 
-def stamp(gpu: str | None = None, command: str = "") -> dict:
-    """Date, GPU name (``gpu``, by default the current CUDA device's or "cpu"), the installed versions of the
-    packages that shape a result (``None`` if absent) and the ``command`` that produced it."""
-    if gpu is None:
-        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+def stamp(command: str = "", gpus: int | None = None) -> dict:
+    """Date, GPU (the CUDA device's name, ``<gpus> x <name>`` if ``gpus`` is given; "cpu" without CUDA), the
+    installed versions of the packages that shape a result (``None`` if absent) and the ``command``."""
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    if gpus is not None and gpu != "cpu":
+        gpu = f"{gpus} x {gpu}"
     versions = {}
     for name in PACKAGES:
         try:
@@ -72,6 +75,11 @@ def is_oom(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and ("out of memory" in text.lower() or "ALLOC_FAILED" in text)
 
 
+def error_text(e: BaseException) -> str:
+    """A failed run's result: ``OOM`` (:func:`is_oom`), else the exception's type and first line."""
+    return "OOM" if is_oom(e) else f"{type(e).__name__}: {str(e).partition(chr(10))[0][:300]}"
+
+
 def free_memory() -> None:
     """Collect unreachable objects and hand cached CUDA blocks back, between runs that must not see each
     other's memory."""
@@ -80,15 +88,11 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def training_input(args: tuple, kwargs: dict):
-    """``(input_ids, attention_mask or None)`` as a forward pre-hook (``with_kwargs=True``) sees them, for a
-    forward with gradients on (a training forward: generation and reference forwards run without), else
-    None. A mask that is not (B, T) padding is returned as None."""
-    ids = kwargs.get("input_ids", args[0] if args else None)
-    if not torch.is_grad_enabled() or ids is None:
-        return None
-    mask = kwargs.get("attention_mask")
-    return ids, (mask if mask is not None and mask.dim() == 2 else None)
+def record_pid(run_dir) -> None:
+    """This process's id in ``run_dir/pids/rank<RANK>.pid``: the shell driver kills leftover workers by id."""
+    pids = pathlib.Path(run_dir) / "pids"
+    pids.mkdir(parents=True, exist_ok=True)
+    (pids / f"rank{os.environ.get('RANK', '0')}.pid").write_text(str(os.getpid()))
 
 
 def random_model(shape: dict, device, dtype, seed: int, tokenizer=None, **config):
@@ -124,16 +128,24 @@ def timed_ms(fn: Callable[[], object], device: torch.device) -> float:
     return start.elapsed_time(end)
 
 
-def grad_leaves(inputs: dict) -> list[torch.Tensor]:
-    """The tensors of ``inputs`` that require grad."""
-    return [t for t in inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
+def peak_extra(fn: Callable[[], object]) -> tuple[object, int | None]:
+    """``fn()`` and the highest CUDA memory allocated during it minus what was allocated before (bytes; None
+    off CUDA)."""
+    if not torch.cuda.is_available():
+        return fn(), None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, torch.cuda.max_memory_allocated() - before
 
 
 def measure(fn: Callable[[dict], torch.Tensor], inputs: dict, warmup: int = 2, repeats: int = 7) -> dict:
     """``ms`` (the median of ``repeats`` forward + backward after ``warmup``), ``ms_all``,
     ``peak_extra_bytes`` (``report.MEMORY_DEFINITION``: gradients set to ``None`` before the step, the bytes
     of those it returns subtracted), ``grad_bytes`` and ``loss`` of one implementation."""
-    leaves = grad_leaves(inputs)
+    leaves = [t for t in inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
 
     def step():
         for t in leaves:
@@ -148,12 +160,7 @@ def measure(fn: Callable[[dict], torch.Tensor], inputs: dict, warmup: int = 2, r
     for t in leaves:
         t.grad = None
     gc.collect()
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    loss = step()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - before
+    loss, peak = peak_extra(step)
     grad_bytes = sum(t.grad.numel() * t.grad.element_size() for t in leaves if t.grad is not None)
     out = {"ms": statistics.median(times), "ms_all": times, "peak_extra_bytes": peak - grad_bytes,
            "grad_bytes": grad_bytes, "loss": float(loss.detach().float())}  # fmt: skip
@@ -168,9 +175,7 @@ def measure_or_error(fn, inputs: dict, repeats: int = 7) -> dict:
     try:
         return measure(fn, inputs, repeats=repeats)
     except Exception as e:
-        if is_oom(e):
-            return {"error": "OOM"}
-        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+        return {"error": error_text(e)}
 
 
 # transformers 5 renamed TrainingArguments' gradient_checkpointing (the old name still works, with a warning).
@@ -193,8 +198,6 @@ NUM_GENERATIONS = 2
 def kernels_available() -> bool:
     """Whether chunkloss's Triton kernels can run here: on CUDA, or through the interpreter
     (``TRITON_INTERPRET=1``) on a CPU."""
-    import os
-
     return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -229,26 +232,31 @@ def even_id_reward(completion_ids, **kwargs) -> list[float]:
     return [sum(i % 2 == 0 for i in ids) / max(len(ids), 1) for ids in completion_ids]
 
 
-def fixed_completions(base):
-    """``base`` (TRL's ``GRPOTrainer`` or a subclass) whose completions are random digits of the tokenizer,
-    seeded by the prompt's ids and the completion's index in its group, each ``max_completion_length`` tokens
-    long: the step is scoring, loss, backward and optimizer, with nothing sampled. TRL lays a generation batch
-    out group after group, each process holding a contiguous slice; a completion's index in its group is its
-    global position modulo ``num_generations``."""
+def random_digits(trainer, seed: int) -> list[int]:
+    """``max_completion_length`` random digit tokens of ``trainer``'s tokenizer, seeded by ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    pick = torch.randint(len(trainer._digit_ids), (trainer.max_completion_length,), generator=g)
+    return torch.tensor(trainer._digit_ids)[pick].tolist()
+
+
+def fixed_completions(base, complete=random_digits):
+    """``base`` (TRL's ``GRPOTrainer`` or a subclass) whose completions are ``complete(trainer, seed)`` (with
+    the tokenizer's digit tokens in ``trainer._digit_ids``), seeded by the prompt's ids and the completion's
+    index in its group: the step is scoring, loss, backward and optimizer, with nothing sampled. TRL lays a
+    generation batch out group after group, each process holding a contiguous slice; a completion's index in
+    its group is its global position modulo ``num_generations``."""
 
     class FixedCompletions(base):
         def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, **kwargs):
             if not hasattr(self, "_digit_ids"):
                 vocab = self.processing_class.get_vocab()
-                self._digit_ids = torch.tensor(sorted(i for t, i in vocab.items() if t.isdigit()))
+                self._digit_ids = sorted(i for t, i in vocab.items() if t.isdigit())
             first = self.accelerator.process_index * len(prompt_ids)
             completions = []
             for i, ids in enumerate(prompt_ids):
                 key = json.dumps([list(ids), (first + i) % num_generations]).encode()
-                g = torch.Generator().manual_seed(zlib.crc32(key))
-                pick = torch.randint(len(self._digit_ids), (self.max_completion_length,), generator=g)
-                completions.append(self._digit_ids[pick].tolist())
-            return completions, None
+                completions.append(complete(self, zlib.crc32(key)))
+            return completions, None  # no sampling log-probs, as TRL's transformers generation
 
     FixedCompletions.__name__ = f"FixedCompletions{base.__name__}"
     return FixedCompletions
@@ -348,26 +356,13 @@ def make_trainer(loss: str, impl: str, model, tokenizer, ds, *, out_dir: str, ba
 
 
 class StepTimer:
-    """A ``TrainerCallback``'s step hooks: each training step timed with CUDA events (wall clock off CUDA),
-    and the memory allocated when training begins, after which the CUDA peak is reset."""
+    """Each training step timed with CUDA events (wall clock off CUDA), and the memory allocated when training
+    begins, after which the CUDA peak is reset: what :meth:`callback`'s ``TrainerCallback`` records."""
 
     def __init__(self):
         self.events: list[tuple] = []
         self.allocated_before = 0
         self._start = None
-
-    def on_train_begin(self, args, state, control, **kw):
-        free_memory()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-            self.allocated_before = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-
-    def on_step_begin(self, args, state, control, **kw):
-        self._start = self._mark()
-
-    def on_step_end(self, args, state, control, **kw):
-        self.events.append((self._start, self._mark()))
 
     @staticmethod
     def _mark():
@@ -399,13 +394,17 @@ class StepTimer:
 
         class Callback(TrainerCallback):
             def on_train_begin(self, *a, **kw):
-                timer.on_train_begin(*a, **kw)
+                free_memory()
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                    timer.allocated_before = torch.cuda.memory_allocated()
+                    torch.cuda.reset_peak_memory_stats()
 
             def on_step_begin(self, *a, **kw):
-                timer.on_step_begin(*a, **kw)
+                timer._start = timer._mark()
 
             def on_step_end(self, *a, **kw):
-                timer.on_step_end(*a, **kw)
+                timer.events.append((timer._start, timer._mark()))
                 if after_step is not None:
                     after_step()
 

@@ -1,8 +1,24 @@
-# Sourced by benchmarks/multigpu_run.sh and benchmarks/multigpu_scale.sh, not run: the environment of a
-# multi-GPU benchmark (NCCL and logging variables, the wheels, chunkloss importable, logs/env.log), `note` and
-# `guarded`. Expects ROOT, OUT, LOGS and PY; `guarded` also reads DEADLINE, MIN_RUN (the shortest limit worth
-# starting a run with, seconds), SKIPPED_RC (its exit status for a run it skips) and WORKER (the module whose
-# leftover worker processes it kills).
+# Sourced by benchmarks/multigpu_run.sh and benchmarks/multigpu_scale.sh (with their argument OUT_DIR), not
+# run: the working directory (the checkout, ROOT), OUT (OUT_DIR made absolute), LOGS, PY, CONFIGS, TRAINERS,
+# the environment of a multi-GPU benchmark (NCCL and logging variables, the wheels, chunkloss importable,
+# logs/env.log), `note`, `left`, `deepspeed_imports`, `guarded` and `report`. `left` reads BUDGET; `guarded`
+# also reads DEADLINE, MIN_RUN (the shortest limit worth starting a run with, seconds), SKIPPED_RC (its exit
+# status for a run it skips) and WORKER (the module whose leftover worker processes it kills).
+
+if [ $# -ne 1 ]; then
+  echo "usage: bash benchmarks/$(basename "$0") OUT_DIR" >&2
+  exit 2
+fi
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT" || exit 2
+mkdir -p "$1/logs" || exit 2
+OUT=$(cd "$1" && pwd)
+LOGS=$OUT/logs
+PY=${PYTHON:-python3}
+CONFIGS=${CHUNKLOSS_ACCELERATE_CONFIGS:-configs/accelerate}
+TRAINERS=${CHUNKLOSS_TRAINERS:-sft dpo grpo}
+# The time left for one step after the runs: the budget plus a 25 s grace, at least 10 s.
+left() { local t=$((BUDGET + 25 - SECONDS)); [ "$t" -lt 10 ] && t=10; echo "$t"; }
 
 # NVLink multicast stays off on the shared H200 hosts (NCCL's NVLS, torch symmetric memory, NVSHMEM).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -52,6 +68,34 @@ for name in ("transformers", "accelerate", "trl", "datasets", "chunkloss"):
 EOF
 } > "$LOGS/env.log"
 cat "$LOGS/env.log"
+
+# deepspeed_imports: whether DeepSpeed imports (logs/deepspeed_import.log); if not, OUT/zero3.error says why.
+deepspeed_imports() {
+  if timeout 180 "$PY" -c "
+import deepspeed, deepspeed.runtime.zero.stage3
+from deepspeed.utils import safe_get_full_grad
+from accelerate.utils import DeepSpeedPlugin
+print('deepspeed', deepspeed.__version__, deepspeed.__file__)" > "$LOGS/deepspeed_import.log" 2>&1; then
+    note "$(tail -n 1 "$LOGS/deepspeed_import.log")"
+    return 0
+  fi
+  { echo "DeepSpeed does not import on this host:"; tail -n 30 "$LOGS/deepspeed_import.log"; } > "$OUT/zero3.error"
+  note "DeepSpeed unavailable, ZeRO-3 runs skipped: $(tail -n 1 "$LOGS/deepspeed_import.log")"
+  return 1
+}
+
+# report SET LINE...: logs/report.txt (the LINEs, the environment, every run's exit), printed after OUT/SET.md.
+report() {
+  local name=$1
+  shift
+  {
+    printf '%s\n' "$@"
+    cat "$LOGS/env.log"
+    awk -F'\t' '{printf "%s exit %s after %ss\n", $1, $2, $3}' "$OUT/runs.tsv"
+    echo "Whole script: ${SECONDS}s; NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE."
+  } > "$LOGS/report.txt"
+  cat "$OUT/$name.md" "$LOGS/report.txt" 2> /dev/null
+}
 
 # guarded NAME LIMIT_S RUN_DIR CMD...: runs CMD under setsid, output tee'd to logs/NAME.log; at the limit (cut
 # to the time before the deadline) its process group is sent TERM, then KILL, and the worker processes the run

@@ -23,10 +23,12 @@ import json  # noqa: E402
 import random  # noqa: E402
 import re  # noqa: E402
 import statistics  # noqa: E402
-import zlib  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
+
+from benchmarks.harness import StepTimer, fixed_completions, record_pid, stamp  # noqa: E402
+from benchmarks.report import write_json, write_set  # noqa: E402
 
 STEPS = 20
 PER_DEVICE_BATCH = 4
@@ -91,31 +93,15 @@ class GradTap:
         return loss
 
 
-def _fixed_completions_grpo():
-    from chunkloss.trainers.grpo import ChunkedGRPOTrainer
-
-    class FixedCompletionsGRPOTrainer(ChunkedGRPOTrainer):
-        """``ChunkedGRPOTrainer`` whose completions are a fixed function of the prompt's token ids and of the
-        completion's index in its group (as ``harness.fixed_completions``): 1 to ``max_completion_length - 1``
-        number tokens, closed by EOS half of the time (the other half truncated, as generation can be)."""
-
-        def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, **kwargs):
-            if not hasattr(self, "_number_ids"):
-                vocab = self.processing_class.get_vocab()
-                self._number_ids = sorted(i for t, i in vocab.items() if t.isdigit())
-            first = self.accelerator.process_index * len(prompt_ids)
-            completions = []
-            for i, ids in enumerate(prompt_ids):
-                k = (first + i) % num_generations
-                rng = random.Random(zlib.crc32(json.dumps([list(ids), k]).encode()))
-                n = rng.randint(1, self.max_completion_length - 1)
-                c = [rng.choice(self._number_ids) for _ in range(n)]
-                if rng.random() < 0.5:
-                    c.append(self.processing_class.eos_token_id)
-                completions.append(c)
-            return completions, None  # no sampling log-probs, as TRL's transformers generation
-
-    return FixedCompletionsGRPOTrainer
+def _short_completion(trainer, seed: int) -> list[int]:
+    """1 to ``max_completion_length - 1`` digit tokens, closed by EOS half of the time (the other half
+    truncated, as generation can be)."""
+    rng = random.Random(seed)
+    n = rng.randint(1, trainer.max_completion_length - 1)
+    c = [rng.choice(trainer._digit_ids) for _ in range(n)]
+    if rng.random() < 0.5:
+        c.append(trainer.processing_class.eos_token_id)
+    return c
 
 
 def _trainer(kind: str, out: Path, steps: int, batch: int, bf16: bool):
@@ -139,11 +125,12 @@ def _trainer(kind: str, out: Path, steps: int, batch: int, bf16: bool):
         return ChunkedDPOTrainer(model, copy.deepcopy(model), args=ChunkedDPOConfig(**common, max_length=48),
                                  train_dataset=ds, processing_class=tok)  # fmt: skip
     if kind == "grpo":
-        from chunkloss.trainers.grpo import ChunkedGRPOConfig
+        from chunkloss.trainers.grpo import ChunkedGRPOConfig, ChunkedGRPOTrainer
 
         cfg = ChunkedGRPOConfig(**common, num_generations=NUM_GENERATIONS,
                                 max_completion_length=MAX_COMPLETION_LENGTH, num_iterations=2)  # fmt: skip
-        return _fixed_completions_grpo()(model, count_reward, cfg, train_dataset=ds, processing_class=tok)
+        trainer = fixed_completions(ChunkedGRPOTrainer, _short_completion)
+        return trainer(model, count_reward, cfg, train_dataset=ds, processing_class=tok)
     raise ValueError(f"--trainer must be one of {TRAINERS}, got {kind!r}")
 
 
@@ -160,15 +147,9 @@ def _peak_memory_gib(trainer) -> list[dict] | None:
 
 def run(kind: str, out: Path, batch: int) -> None:
     bf16 = torch.cuda.is_available()
-    out.mkdir(parents=True, exist_ok=True)
-    # The launcher script kills these by id if the run outlives its time limit.
-    pids = out / "pids"
-    pids.mkdir(exist_ok=True)
-    (pids / f"rank{os.environ.get('RANK', '0')}.pid").write_text(str(os.getpid()))
+    record_pid(out)
     tr = _trainer(kind, out, STEPS, batch, bf16)
     tap = GradTap(tr)
-    from benchmarks.harness import StepTimer
-
     clock = StepTimer()
     tr.add_callback(clock.callback())
     tr.train()
@@ -184,7 +165,7 @@ def run(kind: str, out: Path, batch: int) -> None:
                     median_step_time_s=statistics.median(timed) if timed else None, peak_memory_gib=memory,
                     device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                     nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"), torch=torch.__version__)  # fmt: skip
-        (out / "run.json").write_text(json.dumps(meta, indent=1))
+        write_json(out / "run.json", meta)
 
 
 def compare(multi: Path, single: Path, out: Path) -> dict:
@@ -221,8 +202,7 @@ def compare(multi: Path, single: Path, out: Path) -> dict:
         max_rel_curve_diff=max(abs_diffs, default=0.0) / scale if abs_diffs and scale > 0 else None,
         steps_compared=n,
     )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    write_json(out, result)
     return result
 
 
@@ -241,9 +221,6 @@ def summary(folder: Path) -> dict:
     """Gather every ``<trainer>_<backend>.json`` comparison in ``folder`` into the result set
     ``folder/multigpu`` (json, md, png); a run that left none is named in ``notes`` with the reason from its
     ``<trainer>_<backend>.error`` or the backend's ``<backend>.error``."""
-    from benchmarks.harness import stamp
-    from benchmarks.report import write_set
-
     comparisons, notes = [], []
     for trainer in TRAINERS:
         for backend in BACKENDS:
@@ -259,9 +236,7 @@ def summary(folder: Path) -> dict:
             )
             if r["missing_grads"] or r["extra_grads"]:
                 notes.append(f"{trainer} / {backend}: missing {r['missing_grads']}, extra {r['extra_grads']}")
-    gpus = torch.cuda.device_count()
-    gpu = f"{gpus} x {torch.cuda.get_device_name()}" if gpus else "cpu"
-    st = stamp(gpu=gpu, command="bash benchmarks/multigpu_run.sh OUT")
+    st = stamp(command="bash benchmarks/multigpu_run.sh OUT", gpus=torch.cuda.device_count())
     data = {"stamp": st, "warmup_steps": WARMUP_STEPS, "comparisons": comparisons, "notes": notes}
     write_set(folder, "multigpu", data)
     return data

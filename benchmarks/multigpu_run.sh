@@ -15,39 +15,17 @@
 # annotated-types, typing-inspection and typing-extensions).
 set -u
 
-if [ $# -ne 1 ]; then
-  echo "usage: bash benchmarks/multigpu_run.sh OUT_DIR" >&2
-  exit 2
-fi
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-cd "$ROOT" || exit 2
-mkdir -p "$1/logs" || exit 2
-OUT=$(cd "$1" && pwd)
-LOGS=$OUT/logs
 BUDGET=${CHUNKLOSS_BUDGET_S:-480}
-TRAINERS=${CHUNKLOSS_TRAINERS:-sft dpo grpo}
-CONFIGS=${CHUNKLOSS_ACCELERATE_CONFIGS:-configs/accelerate}
 RESERVE=45  # seconds kept after the runs for the comparisons, the pytest and the summary
-# The time left for one step after the runs: the budget plus a 25 s grace, at least 10 s.
-left() { local t=$((BUDGET + 25 - SECONDS)); [ "$t" -lt 10 ] && t=10; echo "$t"; }
-PY=${PYTHON:-python3}
-
 MIN_RUN=20 SKIPPED_RC=124 WORKER=multigpu_parity
 # shellcheck source=benchmarks/multigpu_common.sh
-source "$ROOT/benchmarks/multigpu_common.sh"
+source "$(dirname "$0")/multigpu_common.sh"
 
 HAVE_DS=1
-if timeout 180 "$PY" -c "
-import deepspeed, deepspeed.runtime.zero.stage3
-from deepspeed.utils import safe_get_full_grad
-from accelerate.utils import DeepSpeedPlugin
-print('deepspeed', deepspeed.__version__, deepspeed.__file__)" > "$LOGS/deepspeed_import.log" 2>&1; then
-  note "$(tail -n 1 "$LOGS/deepspeed_import.log")"
+if deepspeed_imports; then
   timeout 30 ds_report > "$LOGS/ds_report.log" 2>&1 || true
 else
   HAVE_DS=0
-  { echo "DeepSpeed does not import on this host:"; tail -n 30 "$LOGS/deepspeed_import.log"; } > "$OUT/zero3.error"
-  note "DeepSpeed unavailable, ZeRO-3 runs skipped: $(tail -n 1 "$LOGS/deepspeed_import.log")"
 fi
 
 # --- runs -------------------------------------------------------------------------------------------
@@ -119,14 +97,9 @@ if [ "$HAVE_DS" = 1 ] && [ "$(left)" -gt 100 ]; then
 fi
 
 timeout "$(left)" "$PY" -m benchmarks.multigpu_parity --summary "$OUT" > "$LOGS/summary.log" 2>&1
-{
-  echo "pytest -m multigpu (exit $PYTEST_RC): $(grep -E '(passed|failed|skipped|error)' "$LOGS/pytest.log" | tail -n 1)"
-  echo "ZeRO-3 head on CPU, 2 gloo processes vs 1 (test_zero3_gloo_grads_equal_single_process): $CPU_TEST"
-  cat "$LOGS/env.log"
-  [ "$HAVE_DS" = 1 ] && tail -n 1 "$LOGS/deepspeed_import.log" || head -n 5 "$OUT/zero3.error"
-  awk -F'\t' '{printf "%s exit %s after %ss\n", $1, $2, $3}' "$OUT/runs.tsv"
-  echo "Whole script: ${SECONDS}s; NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE."
-} > "$LOGS/report.txt"
-cat "$OUT/multigpu.md" "$LOGS/report.txt" 2> /dev/null
+report multigpu \
+  "pytest -m multigpu (exit $PYTEST_RC): $(grep -E '(passed|failed|skipped|error)' "$LOGS/pytest.log" | tail -n 1)" \
+  "ZeRO-3 head on CPU, 2 gloo processes vs 1 (test_zero3_gloo_grads_equal_single_process): $CPU_TEST" \
+  "$([ "$HAVE_DS" = 1 ] && tail -n 1 "$LOGS/deepspeed_import.log" || head -n 5 "$OUT/zero3.error")"
 note "done in ${SECONDS}s; pytest exit $PYTEST_RC"
 exit "$PYTEST_RC"

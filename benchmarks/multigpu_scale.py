@@ -5,16 +5,12 @@ model of a real shape (``--model``: ``qwen3-4b``, ``llama3-8b``, or ``tiny`` for
 ``chunked`` (``Chunked{SFT,DPO,GRPO}Trainer`` with ``chunk_kernels`` as ``--kernels`` says, on by default),
 ``trl`` (TRL's trainers) or ``liger`` (TRL's with ``use_liger_kernel=True``), for each per-GPU batch of
 ``--batch-sizes`` in turn until the first OOM, a fresh model (same seed) and trainer per batch. The run folder
-``OUT`` gets ``setting.json``, ``batch_<B>.started`` and ``batch_<B>.json``: every rank's peak allocated CUDA
-memory (reset when training begins, after sharding), the step times (CUDA events) and their median after
-``--warmup``, tokens/s over all ranks, and the stamp naming the GPUs. Sequences are ``--seq-len`` tokens
-(a DPO batch of B pairs trains 2·B sequences); GRPO's completions are fixed tokens filling the sequence
-(``harness.fixed_completions``), so its step is scoring, loss, backward and optimizer. Gradient checkpointing
-is on unless ``--no-gradient-checkpointing``. An OOM writes ``batch_<B>.oom.rank<R>.json`` and ends the rank
-(status 3, so the launcher ends the others); a batch predicted not to fit ``--time-budget-s`` writes
-``batch_<B>.skipped.json``. ``--remaining RUN_DIR`` prints the batches a failed launch still lacks;
-``--summary DIR`` gathers every run under DIR into the set ``DIR/multigpu_scale``; ``--head-memory`` prints
-the LM head's memory per rank. ``benchmarks/multigpu_scale.sh`` runs it all::
+``OUT`` gets ``setting.json``, ``batch_<B>.started`` and ``batch_<B>.json`` (:func:`run_batch`'s result).
+Sequences are ``--seq-len`` tokens (a DPO batch of B pairs trains 2·B sequences); GRPO's completions are fixed
+tokens filling the sequence (``harness.fixed_completions``). An OOM writes
+``batch_<B>.oom.rank<R>.json`` and ends the rank (status 3, so the launcher ends the others); a batch
+predicted not to fit ``--time-budget-s`` writes ``batch_<B>.skipped.json``. ``--remaining``, ``--summary``
+and ``--head-memory``: see their help. ``benchmarks/multigpu_scale.sh`` runs it all::
 
     accelerate launch --config_file configs/accelerate/fsdp2.yaml --num_processes 2 \\
         -m benchmarks.multigpu_scale --trainer sft --impl chunked --model qwen3-4b --seq-len 2048 \\
@@ -44,6 +40,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.harness import (  # noqa: E402
+    NUM_GENERATIONS,
     StepTimer,
     counting_dataset,
     free_memory,
@@ -51,10 +48,11 @@ from benchmarks.harness import (  # noqa: E402
     kernels_available,
     make_trainer,
     random_model,
+    record_pid,
     stamp,
-    training_input,
 )
 from benchmarks.multigpu_parity import TRAINERS, _peak_memory_gib, _reason  # noqa: E402
+from benchmarks.report import write_json, write_set  # noqa: E402
 
 # Shapes of the models (random weights). tied: the LM head shares the input embedding's weight.
 MODELS = {
@@ -68,7 +66,6 @@ MODELS = {
 IMPLS = ("chunked", "trl", "liger")
 HARNESS_IMPL = {"chunked": "chunkloss", "trl": "trl", "liger": "liger"}  # harness.make_trainer's names
 DEFAULT_BATCHES = [1, 2, 4, 8, 16, 32, 64]
-NUM_GENERATIONS = 2
 SEED = 0
 RESULT = "multigpu_scale"
 COMMAND = "bash benchmarks/multigpu_scale.sh OUT"
@@ -115,7 +112,8 @@ def build_model(model: str, tokenizer, device, dtype, seq_len: int):
 
 class TokenCount:
     """Non-padding tokens of the policy's forwards with gradients on (the training forwards; generation,
-    reference and no-grad scoring forwards are not counted), summed per training step."""
+    reference and no-grad scoring forwards are not counted), summed per training step: the ``input_ids``, or
+    the sum of an ``attention_mask`` of (B, T) padding."""
 
     def __init__(self, model):
         self.current = 0
@@ -123,10 +121,9 @@ class TokenCount:
         self._handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
 
     def _hook(self, module, args, kwargs):
-        seen = training_input(args, kwargs)
-        if seen is not None:
-            ids, mask = seen
-            self.current += int(mask.sum()) if mask is not None else ids.numel()
+        ids, mask = kwargs.get("input_ids", args[0] if args else None), kwargs.get("attention_mask")
+        if torch.is_grad_enabled() and ids is not None:
+            self.current += int(mask.sum()) if mask is not None and mask.dim() == 2 else ids.numel()
 
     def end_step(self) -> None:
         self.per_step.append(self.current)
@@ -137,18 +134,12 @@ class TokenCount:
 
 
 def _setting(a, world: int) -> dict:
-    return dict(
-        trainer=a.trainer,
-        backend=backend_name(),
-        impl=a.impl,
-        model=a.model,
-        seq_len=a.seq_len,
-        world=world,
-        gradient_checkpointing=a.gradient_checkpointing,
-        chunk_compile=a.impl == "chunked" and a.chunk_compile and torch.cuda.is_available(),
-        kernels=a.impl == "chunked" and a.kernels == "on" and kernels_available(),
-        dtype="bfloat16" if torch.cuda.is_available() else "float32",
-    )
+    cuda = torch.cuda.is_available()
+    return dict(trainer=a.trainer, backend=backend_name(), impl=a.impl, model=a.model, seq_len=a.seq_len,
+                world=world, gradient_checkpointing=a.gradient_checkpointing,
+                chunk_compile=a.impl == "chunked" and a.chunk_compile and cuda,
+                kernels=a.impl == "chunked" and a.kernels == "on" and kernels_available(),
+                dtype="bfloat16" if cuda else "float32")  # fmt: skip
 
 
 def _train(batch: int, a, tokenizer, t0: float) -> dict:
@@ -169,8 +160,7 @@ def _train(batch: int, a, tokenizer, t0: float) -> dict:
                            gc=a.gradient_checkpointing, kernels=a.kernels == "on",
                            chunk_compile=a.chunk_compile)  # fmt: skip
     timer, tokens = StepTimer(), TokenCount(model)
-    callback = timer.callback(after_step=tokens.end_step)
-    trainer.add_callback(callback)
+    trainer.add_callback(timer.callback(after_step=tokens.end_step))
     t2 = time.perf_counter()
     trainer.train()
     t3 = time.perf_counter()
@@ -183,23 +173,13 @@ def _train(batch: int, a, tokenizer, t0: float) -> dict:
     mine = torch.tensor([float(sum(tokens.per_step[skip:])), float(len(timed))], device=acc.device)
     total = acc.gather(mine[None]).reshape(-1, 2).sum(0).tolist()
     per_step = total[0] / max(total[1] / acc.num_processes, 1)
-    return dict(
-        backend=backend_name(),
-        distributed_type=str(acc.distributed_type),
-        world=acc.num_processes,
-        build_s=t1 - t0,
-        setup_s=t2 - t1,
-        train_s=t3 - t2,
-        steps_s=sum(timer.times),
-        step_times_s=timer.times,
-        median_step_time_s=median,
-        tokens_per_step=per_step,
-        tokens_per_s=per_step / median,
-        tokens_per_s_per_gpu=per_step / median / acc.num_processes,
-        peak_memory_gib=_peak_memory_gib(trainer),
-        train_begin_allocated_gib_rank0=timer.allocated_before / 2**30,
-        losses=[h["loss"] for h in trainer.state.log_history if "loss" in h],
-    )
+    return dict(backend=backend_name(), distributed_type=str(acc.distributed_type), world=acc.num_processes,
+                build_s=t1 - t0, setup_s=t2 - t1, train_s=t3 - t2, steps_s=sum(timer.times),
+                step_times_s=timer.times, median_step_time_s=median, tokens_per_step=per_step,
+                tokens_per_s=per_step / median, tokens_per_s_per_gpu=per_step / median / acc.num_processes,
+                peak_memory_gib=_peak_memory_gib(trainer),
+                train_begin_allocated_gib_rank0=timer.allocated_before / 2**30,
+                losses=[h["loss"] for h in trainer.state.log_history if "loss" in h])  # fmt: skip
 
 
 def run_batch(batch: int, a, tokenizer) -> dict:
@@ -236,10 +216,6 @@ def _predict_s(prev: dict, batch: int, steps: int) -> float:
     return overhead + prev["median_step_time_s"] * batch / prev["batch"] * steps
 
 
-def _write(path: Path, data: dict) -> None:
-    path.write_text(json.dumps(data, indent=1) + "\n")
-
-
 def _rank0_says(flag: bool) -> bool:
     """Rank 0's ``flag`` on every rank (a broadcast once the process group exists), so that all ranks take
     the same branch."""
@@ -258,19 +234,13 @@ def sweep(a) -> list[dict]:
     ``a.out`` as soon as it is known, beside ``setting.json`` (what the run is)."""
     from chunkloss.data import tiny_tokenizer
 
-    a.out.mkdir(parents=True, exist_ok=True)
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    # The driver kills these by id if the launch outlives its time limit.
-    pids = a.out / "pids"
-    pids.mkdir(exist_ok=True)
-    (pids / f"rank{rank}.pid").write_text(str(os.getpid()))
+    record_pid(a.out)
     if rank == 0:
-        _write(a.out / "setting.json", {**_setting(a, world), "batch_sizes": a.batch_sizes})
+        write_json(a.out / "setting.json", {**_setting(a, world), "batch_sizes": a.batch_sizes})
     tokenizer = tiny_tokenizer()
-    st = stamp()
-    if torch.cuda.is_available():
-        st["gpu"] = f"{world} x {torch.cuda.get_device_name()}"
+    st = stamp(gpus=world)
     results, prev = [], None
     for batch in a.batch_sizes:
         if a.time_budget_s and prev is not None:
@@ -279,8 +249,8 @@ def sweep(a) -> list[dict]:
             if _rank0_says(need > left):
                 if rank == 0:
                     reason = f"time budget: {need:.0f} s predicted, {left:.0f} s left"
-                    _write(a.out / f"batch_{batch}.skipped.json", {**_setting(a, world), "batch": batch,
-                                                                   "skipped": reason})  # fmt: skip
+                    skipped = {**_setting(a, world), "batch": batch, "skipped": reason}
+                    write_json(a.out / f"batch_{batch}.skipped.json", skipped)
                     print(f"[multigpu_scale] batch {batch}: skipped ({reason})", flush=True)
                 break
         if rank == 0:
@@ -291,7 +261,7 @@ def sweep(a) -> list[dict]:
         r["head_memory"] = head_memory(a.model)
         results.append(r)
         if r["oom"]:
-            _write(a.out / f"batch_{batch}.oom.rank{rank}.json", {**r, "rank": rank})
+            write_json(a.out / f"batch_{batch}.oom.rank{rank}.json", {**r, "rank": rank})
             print(f"[multigpu_scale] batch {batch}: out of memory on rank {rank}: {r['error']}", flush=True)
             if world > 1:
                 # The other ranks may wait in a collective this rank will never join: end the process now,
@@ -301,7 +271,7 @@ def sweep(a) -> list[dict]:
                 os._exit(3)
             break
         if rank == 0:
-            _write(a.out / f"batch_{batch}.json", r)
+            write_json(a.out / f"batch_{batch}.json", r)
             peaks = [round(m["allocated"], 2) for m in r["peak_memory_gib"] or []] or "n/a"
             print(f"[multigpu_scale] batch {batch}: {r['median_step_time_s']:.3f} s/step, "
                   f"{r['tokens_per_s']:.0f} tokens/s, peak GiB per rank {peaks}", flush=True)  # fmt: skip
@@ -358,7 +328,7 @@ def collect(folder: Path) -> tuple[list[dict], list[str]]:
                 notes.append(f"{run_dir.name}, batch {b}: started with {left:.2f} GiB left allocated by "
                              "earlier batches of its process (its peak memory counts them)")  # fmt: skip
     # Launches that left no run folder (a backend that does not import, a crash while starting).
-    seen = {r["run"] for r in runs} | {p.name for p in folder.iterdir() if (p / "setting.json").exists()}
+    seen = {p.name for p in folder.iterdir() if (p / "setting.json").exists()}
     for err in sorted(folder.glob("*.error")):
         name = err.name.split(".")[0]
         if name not in seen:
@@ -369,8 +339,6 @@ def collect(folder: Path) -> tuple[list[dict], list[str]]:
 def summary(folder: Path) -> dict:
     """Gather every run under ``folder`` into the result set ``folder/multigpu_scale`` (json, md, png),
     stamped with the first run's date, GPUs and versions."""
-    from benchmarks.report import write_set
-
     runs, notes = collect(folder)
     ok = [r for r in runs if r.get("stamp")]
     st = dict(ok[0]["stamp"]) if ok else stamp()
@@ -386,13 +354,8 @@ def summary(folder: Path) -> dict:
     )  # fmt: skip
     rows = [{k: r[k] for k in keep if k in r} for r in runs]
     models = sorted({r["model"] for r in rows if r.get("model") in MODELS})
-    data = {
-        "stamp": st,
-        "num_generations": NUM_GENERATIONS,
-        "head_memory": {m: head_memory(m) for m in models},
-        "runs": rows,
-        "notes": notes,
-    }
+    data = {"stamp": st, "num_generations": NUM_GENERATIONS,
+            "head_memory": {m: head_memory(m) for m in models}, "runs": rows, "notes": notes}  # fmt: skip
     write_set(folder, RESULT, data)
     return data
 

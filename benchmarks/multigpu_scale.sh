@@ -12,23 +12,12 @@
 # Results: OUT_DIR/<model>_<trainer>_<backend>_<impl>_gc<0|1>[_nokernels]/batch_<B>.json, then the set
 # OUT_DIR/multigpu_scale.{json,md,png} of every run found under OUT_DIR (so a sweep split over several calls
 # into one OUT_DIR is summarised whole). A launch failing after some batches is launched again for the rest.
-# The budget, $CHUNKLOSS_BUDGET_S seconds
-# (default 540), is shared evenly by the launches still to run; a share under $CHUNKLOSS_MIN_RUN_S (def. 90)
-# skips the launch. Wheels and the environment: multigpu_common.sh.
+# The budget, $CHUNKLOSS_BUDGET_S seconds (default 540), is shared evenly by the launches still to run; a share
+# under $CHUNKLOSS_MIN_RUN_S (default 90) skips the launch. Wheels and the environment: multigpu_common.sh.
 set -u
 
-if [ $# -ne 1 ]; then
-  echo "usage: bash benchmarks/multigpu_scale.sh OUT_DIR" >&2
-  exit 2
-fi
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-cd "$ROOT" || exit 2
-mkdir -p "$1/logs" || exit 2
-OUT=$(cd "$1" && pwd)
-LOGS=$OUT/logs
 BUDGET=${CHUNKLOSS_BUDGET_S:-540}
 MIN_RUN=${CHUNKLOSS_MIN_RUN_S:-90}
-TRAINERS=${CHUNKLOSS_TRAINERS:-sft dpo grpo}
 WANTED_BACKENDS=${CHUNKLOSS_BACKENDS:-fsdp2 zero3}
 IMPLS=${CHUNKLOSS_IMPLS:-chunked trl liger}
 GPUS=${CHUNKLOSS_GPUS:-2}
@@ -42,30 +31,14 @@ FLAGS=()
 [ "${CHUNKLOSS_CHUNK_COMPILE:-1}" = 0 ] && FLAGS+=(--no-chunk-compile)
 SUFFIX=_gc${CHUNKLOSS_GRADIENT_CHECKPOINTING:-1}
 [ "${CHUNKLOSS_KERNELS:-1}" = 0 ] && FLAGS+=(--kernels off) && SUFFIX=${SUFFIX}_nokernels
-CONFIGS=${CHUNKLOSS_ACCELERATE_CONFIGS:-configs/accelerate}
 RESERVE=40  # seconds kept after the launches for the summary
-# The time left for one step after the launches: the budget plus a 25 s grace, at least 10 s.
-left() { local t=$((BUDGET + 25 - SECONDS)); [ "$t" -lt 10 ] && t=10; echo "$t"; }
-PY=${PYTHON:-python3}
-
 SKIPPED_RC=125 WORKER=multigpu_scale
 # shellcheck source=benchmarks/multigpu_common.sh
-source "$ROOT/benchmarks/multigpu_common.sh"
+source "$(dirname "$0")/multigpu_common.sh"
 
 BACKENDS=""
 for b in $WANTED_BACKENDS; do
-  if [ "$b" = zero3 ]; then
-    if timeout 180 "$PY" -c "
-import deepspeed, deepspeed.runtime.zero.stage3
-from accelerate.utils import DeepSpeedPlugin
-print('deepspeed', deepspeed.__version__, deepspeed.__file__)" > "$LOGS/deepspeed_import.log" 2>&1; then
-      note "$(tail -n 1 "$LOGS/deepspeed_import.log")"
-    else
-      { echo "DeepSpeed does not import on this host:"; tail -n 30 "$LOGS/deepspeed_import.log"; } > "$OUT/zero3.error"
-      note "DeepSpeed unavailable, ZeRO-3 launches skipped: $(tail -n 1 "$LOGS/deepspeed_import.log")"
-      continue
-    fi
-  fi
+  [ "$b" = zero3 ] && ! deepspeed_imports && continue
   BACKENDS="$BACKENDS $b"
 done
 
@@ -110,12 +83,6 @@ done
 # --- summary ----------------------------------------------------------------------------------------
 timeout "$(left)" "$PY" -m benchmarks.multigpu_scale --summary "$OUT" > "$LOGS/summary.log" 2>&1
 SUMMARY_RC=$?
-{
-  echo "summary: exit $SUMMARY_RC (logs/summary.log)"
-  cat "$LOGS/env.log"
-  awk -F'\t' '{printf "%s exit %s after %ss\n", $1, $2, $3}' "$OUT/runs.tsv"
-  echo "Whole script: ${SECONDS}s; NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE."
-} > "$LOGS/report.txt"
-cat "$OUT/multigpu_scale.md" "$LOGS/report.txt" 2> /dev/null
+report multigpu_scale "summary: exit $SUMMARY_RC (logs/summary.log)"
 note "done in ${SECONDS}s; summary exit $SUMMARY_RC"
 exit "$SUMMARY_RC"

@@ -273,18 +273,22 @@ def set_png(name: str, data: dict, path: pathlib.Path) -> None:
     plt.close(fig)
 
 
-def write_set(out_dir: pathlib.Path | str, name: str, data: dict, plot: bool = True) -> None:
-    """Write ``<name>.json``, ``<name>.md`` and (if ``plot``) ``<name>.png`` under ``out_dir``."""
-    out_dir = pathlib.Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
-    render(out_dir, name, data, plot)
+def write_json(path: pathlib.Path | str, data) -> None:
+    """``data`` as indented json at ``path``, its folder made if missing."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
 
 
-def render(out_dir: pathlib.Path, name: str, data: dict, plot: bool = True) -> None:
+def write_set(out_dir: pathlib.Path | str, name: str, data: dict) -> None:
+    """Write ``<name>.json``, ``<name>.md`` and ``<name>.png`` under ``out_dir``."""
+    write_json(pathlib.Path(out_dir) / f"{name}.json", data)
+    render(pathlib.Path(out_dir), name, data)
+
+
+def render(out_dir: pathlib.Path, name: str, data: dict) -> None:
     (out_dir / f"{name}.md").write_text(set_md(name, data))
-    if plot:
-        set_png(name, data, out_dir / f"{name}.png")
+    set_png(name, data, out_dir / f"{name}.png")
 
 
 def merge(out: pathlib.Path, dirs: list[pathlib.Path]) -> list[str]:
@@ -378,7 +382,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results", type=pathlib.Path, default=RESULTS, help="folder of the result json files")
     p.add_argument("--docs", type=pathlib.Path, default=ROOT / "docs" / "benchmarks.md")
     p.add_argument("--readme", type=pathlib.Path, default=ROOT / "README.md")
-    p.add_argument("--no-plots", action="store_true", help="tables only")
     p.add_argument("--merge", type=pathlib.Path, nargs="+", metavar="DIR",
                    help="first merge the bench_e2e files under these folders into --results")  # fmt: skip
     a = p.parse_args(argv)
@@ -388,12 +391,12 @@ def main(argv: list[str] | None = None) -> int:
     if "losses" not in sets:
         p.error(f"no losses.json in {a.results}")
     for name, data in sets.items():
-        render(a.results, name, data, plot=not a.no_plots)
+        render(a.results, name, data)
     a.docs.parent.mkdir(parents=True, exist_ok=True)
     a.docs.write_text(docs_page(sets))
     if a.readme.exists():
         update_readme(a.readme, sets["losses"])
-    print(f"wrote {len(sets)} result sets' tables{'' if a.no_plots else ' and plots'}, {a.docs}")
+    print(f"wrote {len(sets)} result sets' tables and plots, {a.docs}")
     return 0
 
 
