@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("trl")
 
 from benchmarks import bench_e2e  # noqa: E402
+from tests.child_process import in_child_process
 
 SMOKE = ["--shape", "tiny", "--seq", "32", "--steps", "3", "--warmup", "1", "--batches", "2"]
 
@@ -55,6 +56,7 @@ def test_kernel_kinds_and_idle_time_from_the_union_of_intervals():
 
 
 @pytest.mark.slow  # a process per implementation importing torch, transformers and TRL
+@in_child_process
 def test_each_implementation_runs_in_its_own_process_and_the_floor_runs(tmp_path):
     out = tmp_path / "sft.json"
     assert bench_e2e.main([*SMOKE, "--impl", "trl,chunkloss", "--no-kernels", "--out", str(out)]) == 0

@@ -19,6 +19,7 @@ import torch
 pytest.importorskip("matplotlib")
 
 from benchmarks import multigpu_scale, report  # noqa: E402
+from tests.child_process import in_child_process
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--model", "tiny", "--seq-len", "16", "--steps", "2", "--warmup", "1"]
@@ -49,6 +50,7 @@ def _oom_from(batch: int, monkeypatch) -> None:
     monkeypatch.setattr(multigpu_scale, "make_trainer", make_trainer)
 
 
+@in_child_process
 def test_sweeps_and_summary(tmp_path, monkeypatch):
     ours, trl = tmp_path / "sft_none_chunked", tmp_path / "sft_none_trl"
     _oom_from(4, monkeypatch)
@@ -89,6 +91,7 @@ def test_sweeps_and_summary(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("impl", ["chunked", "trl"])  # liger: Triton kernels, GPU only
+@in_child_process
 def test_a_batch_frees_its_model_before_it_returns(tmp_path, impl, monkeypatch):
     """The model a batch built is gone once ``run_batch`` returns, with the interpreter's automatic collection
     off (``run_batch`` frees it itself): the next batch of the process does not start with it allocated."""
@@ -141,6 +144,7 @@ def test_remaining_relaunches_after_progress_and_notes_a_failed_batch(tmp_path):
 
 
 @pytest.mark.slow  # two processes importing torch, transformers and TRL: about 14 s on two CPU cores
+@in_child_process
 def test_two_gloo_processes_gather_tokens_over_ranks(tmp_path):
     """GRPO with its fixed completions under torchrun: two CPU processes (gloo), per-GPU batch 1."""
     with socket.socket() as s:

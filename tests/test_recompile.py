@@ -30,6 +30,7 @@ from chunkloss import (
 )
 from chunkloss.engine import compiled, loop
 from chunkloss.engine.steps import steps_of
+from tests.child_process import in_child_process
 
 H, V = 16, 64  # a tiny head: the test is about graphs, not numerics
 H_REF = 8  # the teacher / reference head is narrower than the policy's
@@ -145,14 +146,6 @@ def _graphs_per_step(mod) -> dict[str, int]:
     return out
 
 
-@pytest.fixture(autouse=True)
-def _compile_in_process():
-    """Inductor compiles in this process: on a 2-core CPU its pool of compile workers costs more to start
-    than it saves (measured 43 s -> 32 s for two cases). Code generation only; guards are unchanged."""
-    with torch._inductor.config.patch(compile_threads=1):
-        yield
-
-
 @pytest.fixture
 def plans(monkeypatch):
     """Records (one_pass, rows of each chunk) of every chunk plan the engine makes (pass 2 of a two-pass
@@ -170,6 +163,7 @@ def plans(monkeypatch):
 
 
 @pytest.mark.parametrize("case", CASES)
+@in_child_process
 def test_no_recompile_as_batch_and_length_vary(case, plans):
     cls, opts, build, build_kw, kinds = CASES[case]
     torch._dynamo.reset()
@@ -201,6 +195,7 @@ ONE_ROW = {
 
 
 @pytest.mark.parametrize("case", ONE_ROW)
+@in_child_process
 def test_one_row_chunk_adds_no_graph(case, plans):
     """A batch of one labelled row (T=3 with 2 prompt rows for CE and JSD; one completion token for GRPO)
     runs a chunk of 1 row between batches of several chunks, and the loss still holds one graph per kind."""
@@ -225,6 +220,7 @@ SEQUENCE_CASES = [case for case, (*_, kinds) in CASES.items() if "stats" in kind
     torch.cuda.is_available(), reason="the cuda_steps fixture runs Triton on CPU tensors (TRITON_INTERPRET=1)"
 )
 @pytest.mark.parametrize("case", SEQUENCE_CASES)
+@in_child_process
 def test_sequence_coef_beside_triton_steps(case, plans, cuda_steps):
     """With Triton "stats" and "seq_pass2" steps a sequence loss's graphs are those of its compiled "seq_coef"
     step: 1, or 2 for a preference loss that also meets chunks of a single pair (its (S/2, 2, K) view of the
@@ -276,6 +272,7 @@ def test_guard_location_fix_is_scoped(monkeypatch):
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
+@in_child_process
 def test_no_recompile_as_the_entropy_coefficient_changes(level):
     """GRPO's entropy-bonus coefficient passed per call (what an adaptive controller changes every optimizer
     step) is a tensor input of the compiled steps, not a constant baked into them."""

@@ -2,8 +2,10 @@
 after k what the uninterrupted run logs (losses, rewards, every metric, the GRPO generations buffered across
 k); a save interrupted before it completes leaves the previous checkpoint to resume from.
 
-The runs are the tiny configs through ``chunkloss train`` (CPU, two threads at most), four steps logged one
-by one and saved every two. GRPO's config generates once per four steps, so step 2 falls inside a generation.
+The runs are the tiny configs through ``chunkloss train`` (CPU, two threads at most) on 64 rows of the tiny
+dataset (the resume falls inside the first epoch), four steps logged one by one and saved every two. Two
+steps follow the resume, so the second one's loss shows the restored optimizer state. GRPO's config
+generates once per four steps, so step 2 falls inside a generation.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from chunkloss import cli
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TRAINERS = ["sft", "dpo", "orpo", "grpo", "gkd", "distillation", "medusa"]
 STEPS, SAVE = 4, 2
+ROWS = 64  # not the configs' 512 (GRPO: 256): each run tokenizes all of them, for four steps
 # Logged once per run (not per step), or wall-clock times.
 NOT_COMPARED = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss",
                 "total_flos", "step_time"}  # fmt: skip
@@ -27,7 +30,8 @@ NOT_COMPARED = {"train_runtime", "train_samples_per_second", "train_steps_per_se
 
 def _run(name: str, out: Path, *overrides: str) -> list[dict]:
     args = ["--output_dir", str(out), "--max_steps", str(STEPS), "--logging_steps", "1",
-            "--save_strategy", "steps", "--save_steps", str(SAVE), *overrides]  # fmt: skip
+            "--save_strategy", "steps", "--save_steps", str(SAVE), "--dataset_size", str(ROWS),
+            *overrides]  # fmt: skip
     if name == "grpo":
         args += ["--use_adaptive_entropy", "true", "--entropy_target", "0.5"]  # the controller's state too
     cli.train(str(CONFIGS / f"{name}-tiny.yaml"), args)
