@@ -20,7 +20,7 @@ import functools
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -77,9 +77,10 @@ def left_pad(t: Tensor, length: int, value: int) -> Tensor:
     return t if extra <= 0 else torch.nn.functional.pad(t, (extra, 0), value=value)
 
 
-@dataclass
-class ChunkedHeadOutput:
-    """What ``model(..., chunked_head=fn)`` returns: ``fn``'s result and the MoE load-balancing loss."""
+class ChunkedHeadOutput(NamedTuple):
+    """What ``model(..., chunked_head=fn)`` returns: ``fn``'s result and the MoE load-balancing loss. A named
+    tuple, so that FSDP2's and DeepSpeed ZeRO-3's hooks on the model's output find the tensors in it (ZeRO-3
+    warns of an output type it cannot look into)."""
 
     result: Any
     aux_loss: Tensor | None = None
