@@ -22,6 +22,10 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     triton_interpreter.install()
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "in_child_process: runs in the child process (tests/child_process.py)")
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
     """GPU and multi-GPU tests are skipped without the devices. The quick check (``-m "not slow"``) runs a
@@ -50,6 +54,11 @@ def pytest_collection_finish(session):
     gc.freeze()
     if not session.config.option.collectonly:
         child_process.start(session.items)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    return child_process.runtest_protocol(item)
 
 
 def pytest_sessionfinish(session):

@@ -18,6 +18,10 @@ from safetensors.torch import load_file
 
 from chunkloss import cli
 from chunkloss.cli import bench as bench_cli
+from tests.child_process import in_child_process
+
+# CPU-heavy and independent of the rest: in the child process beside the suite (tests/child_process.py).
+pytestmark = in_child_process
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 

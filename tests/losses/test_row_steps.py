@@ -30,16 +30,20 @@ from chunkloss.losses.grpo import LOSS_TYPES, FusedLinearGRPOLoss
 from chunkloss.losses.orpo import FusedLinearORPOLoss
 from chunkloss.losses.simpo import FusedLinearSimPOLoss
 from chunkloss.reference import cpo_ref, dpo_ref, orpo_ref
+from tests.child_process import in_child_process
 from tests.losses import test_grpo as tg
 from tests.losses import test_jsd as tj
 from tests.losses import test_preference as tp
 from tests.tolerances import assert_close_to_ref
 
-pytestmark = pytest.mark.skipif(
-    torch.cuda.is_available(),
-    reason="with a GPU, Triton compiles for it and cannot take these CPU tensors (tests/conftest.py sets "
-    "TRITON_INTERPRET=1 only without one); there the same steps run in the *_gpu tests",
-)
+pytestmark = [
+    in_child_process,  # Triton's interpreter, CPU-heavy: in the child process beside the suite
+    pytest.mark.skipif(
+        torch.cuda.is_available(),
+        reason="with a GPU, Triton compiles for it and cannot take these CPU tensors (tests/conftest.py sets "
+        "TRITON_INTERPRET=1 only without one); there the same steps run in the *_gpu tests",
+    ),
+]
 
 
 # --------------------------------------------------------------------------------------------------

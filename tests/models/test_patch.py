@@ -9,7 +9,11 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 from chunkloss.models import SUPPORTED_MODEL_TYPES, patch
+from tests.child_process import in_child_process
 from tests.tolerances import assert_close_to_ref
+
+# CPU-heavy and independent of the rest: in the child process beside the suite (tests/child_process.py).
+pytestmark = in_child_process
 
 # fp32 models; the kernels round in a different order than PyTorch, nothing else differs.
 N_LAYERS, VOCAB = 2, 128

@@ -16,6 +16,10 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 from chunkloss.models import patch
+from tests.child_process import in_child_process
+
+# CPU-heavy and independent of the rest: in the child process beside the suite (tests/child_process.py).
+pytestmark = in_child_process
 
 N_LAYERS, VOCAB, BATCH, SEQ = 2, 64, 2, 32
 # Width proportions of Llama-3.2-1B (I = 4H, 32 x 64 heads, 8 KV heads), Qwen3-8B (I = 3H, 32 x 128, 8 KV
