@@ -9,8 +9,7 @@ import torch
 from chunkloss.kernels import apply_rotary_pos_emb
 from chunkloss.kernels.attention_input import attention_input, attention_input_ref
 
-from tests.child_process import in_child_process
-from tests.kernels.compiled import compiled_matches_eager
+from tests.kernels.compiled import compiled_matches_eager, in_fresh_process
 from tests.tolerances import assert_close_to_ref
 
 LEAVES = ("x", "norm_weight", "w_q", "w_k", "w_v")
@@ -171,7 +170,7 @@ def test_real_widths_gpu(dtype):
 
 
 @pytest.mark.parametrize("norm_recompute", [False, True])
-@in_child_process
+@in_fresh_process
 def test_compiles_without_graph_breaks(norm_recompute):
     """attention_input and the standalone RoPE compile as one graph (the Triton launches are custom ops there)
     and give eager's results; partial rotary dims included."""

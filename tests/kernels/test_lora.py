@@ -17,9 +17,8 @@ from chunkloss.kernels.attention_input import attention_input, attention_input_r
 from chunkloss.kernels.mlp import gated_mlp, gated_mlp_ref
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.child_process import in_child_process
 from tests.kernels import test_attention_input as attn
-from tests.kernels.compiled import compiled_matches_eager
+from tests.kernels.compiled import compiled_matches_eager, in_fresh_process
 from tests.tolerances import assert_close_to_ref
 
 # (base dtype, adapter dtype): fp32; bf16; PEFT's default for a bf16 model, fp32 adapters on a bf16 base.
@@ -443,7 +442,7 @@ def test_real_widths_gpu(dtypes, dropout_p):
 
 @pytest.mark.parametrize("dropout_p", [0.0, 0.1])
 @pytest.mark.parametrize("fn", ["lora_linear", "gated_mlp", "attention_input"])
-@in_child_process
+@in_fresh_process
 def test_compiles_without_graph_breaks(fn, dropout_p):
     """torch.compile of a call with adapters runs as one graph, forward and backward, with eager's results
     (compared without dropout: compiled code draws its dropout masks from other random numbers)."""

@@ -11,8 +11,7 @@ import transformers
 from chunkloss.kernels import swiglu
 from chunkloss.kernels.mlp import FusedGatedMLP, gated_mlp, gated_mlp_ref
 
-from tests.child_process import in_child_process
-from tests.kernels.compiled import compiled_matches_eager
+from tests.kernels.compiled import compiled_matches_eager, in_fresh_process
 from tests.tolerances import assert_close_to_ref, err
 
 # (tokens, H, I): odd sizes everywhere, and even ones.
@@ -175,7 +174,7 @@ def test_gated_mlp_odd_real_widths_gpu(dtype, activation, bias, recompute):
 
 
 @pytest.mark.parametrize("recompute", [True, False])
-@in_child_process
+@in_fresh_process
 def test_compiles_without_graph_breaks(recompute):
     """The MLP block and the standalone SwiGLU compile as one graph (the Triton launches are custom ops there)
     and give eager's results."""
