@@ -1,7 +1,8 @@
 """Tests that run in a child pytest process started when the collection ends, beside the rest of the
 suite (a second CPU core is otherwise idle while the suite runs): compilations that must not share the
 suite's process, tests whose time goes to processes they start or to compiling, and whole modules of
-CPU-heavy tests that share nothing with the rest (to balance the two cores).
+CPU-heavy tests that share nothing with the rest (to balance the two cores). The kernels' own compile checks
+run each in a process of its own instead (``tests/kernels/compiled.py``).
 
 ``in_child_process`` is a marker: it marks a test (``@in_child_process``), a class, or a whole module
 (``pytestmark = in_child_process``, or in a list beside other marks). GPU tests (``@pytest.mark.gpu``) stay
