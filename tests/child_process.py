@@ -1,17 +1,14 @@
 """Tests that run in a child pytest process started when the collection ends, beside the rest of the
 suite (a second CPU core is otherwise idle while the suite runs): compilations that must not share the
 suite's process, tests whose time goes to processes they start or to compiling, and whole modules of
-CPU-heavy tests that share nothing with the rest (to balance the two cores). ``in_fresh_process`` marks a
-test that must share no process at all: it runs in its place, in a child of its own. The kernels' compile
-checks are such: with earlier compilations in the same process, torch 2.13's CPU build has failed in a custom
-op's fake-tensor dispatch (a segfault, or ``schema_.has_value() INTERNAL ASSERT FAILED`` for
-``chunkloss::glu_fwd``); alone in a process they pass.
+CPU-heavy tests that share nothing with the rest (to balance the two cores). The kernels' own compile checks
+run each in a process of its own instead (``tests/kernels/compiled.py``).
 
 ``in_child_process`` is a marker: it marks a test (``@in_child_process``), a class, or a whole module
 (``pytestmark = in_child_process``, or in a list beside other marks). GPU tests (``@pytest.mark.gpu``) stay
 in the suite's process whatever their marks. ``tests/conftest.py`` calls ``start`` when the collection ends:
-the marked tests that were collected (after ``-m``, ``-k`` and the paths given) move to the end of the
-run's order, and one child process starts on them, running them in that order. The suite runs its own tests
+the marked tests of the session (after ``-m``, ``-k`` and the paths given) move to the end of the session's
+order, and one child process starts on them, running them in that order. The suite runs its own tests
 meanwhile and then, for each marked test, waits for the child's reports on it and reports them as its own
 (``runtest_protocol``): outcome, longrepr, captured output and duration, as the child wrote them. The
 suite's process neither sets up the fixtures of a marked test nor runs it; the child does both. A crash of
@@ -40,16 +37,10 @@ _REPORTS = "CHUNKLOSS_COMPILE_TEST_REPORTS"  # the child appends one JSON line p
 _ROOT = Path(__file__).resolve().parents[1]
 
 in_child_process = pytest.mark.in_child_process
-# A test that must not share a process with any other: it runs in its place, in a child of its own.
-in_fresh_process = pytest.mark.in_child_process(fresh=True)
 
 
 def _moved(item) -> bool:
     return item.get_closest_marker("in_child_process") is not None and item.get_closest_marker("gpu") is None
-
-
-def _fresh(item) -> bool:
-    return item.get_closest_marker("in_child_process").kwargs.get("fresh", False)
 
 
 class _Child:
@@ -135,28 +126,16 @@ def _report(item, node: str, outcome: str, text: str) -> pytest.TestReport:
     return pytest.TestReport(node, item.location, {}, outcome, text, "call")
 
 
-def _run_alone(item) -> list:
-    """The reports of ``item`` run in a child process of its own."""
-    child = _Child([item.nodeid])
-    child.process.wait()
-    reports = child.poll().get(item.nodeid)
-    if reports is None:
-        text = f"the child process ended (status {child.process.returncode}) in this test\n" + child.tail()
-        reports = [_report(item, item.nodeid, "failed", text)]
-    child.close()
-    return reports
-
-
 _runner = _Runner()
 
 
 def start(items: list) -> None:
-    """Moves the tests of ``items`` (the collected tests, in place) marked ``in_child_process`` to its end
-    and starts the child on them."""
+    """Moves the tests of ``items`` (the session's, in place) marked ``in_child_process`` to its end and
+    starts the child on them."""
     if os.environ.get(_CHILD):
         return
-    moved = [item for item in items if _moved(item) and not _fresh(item)]
-    items[:] = [item for item in items if item not in moved] + moved
+    moved = [item for item in items if _moved(item)]
+    items[:] = [item for item in items if not _moved(item)] + moved
     _runner.stop()
     _runner.start([item.nodeid for item in moved])
 
@@ -171,7 +150,7 @@ def runtest_protocol(item) -> bool | None:
         return None
     hook = item.ihook
     hook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
-    for data in _run_alone(item) if _fresh(item) else _runner.wait(item):
+    for data in _runner.wait(item):
         if isinstance(data, dict):
             if isinstance(data["longrepr"], list):  # a skip's (file, line, reason), a list once in JSON
                 data["longrepr"] = tuple(data["longrepr"])

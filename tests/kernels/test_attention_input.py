@@ -9,8 +9,7 @@ import torch
 from chunkloss.kernels import apply_rotary_pos_emb
 from chunkloss.kernels.attention_input import attention_input, attention_input_ref
 
-from tests.child_process import in_fresh_process
-from tests.kernels.compiled import compiled_matches_eager
+from tests.kernels.compiled import compiled_matches_eager, in_fresh_process
 from tests.tolerances import assert_close_to_ref
 
 LEAVES = ("x", "norm_weight", "w_q", "w_k", "w_v")

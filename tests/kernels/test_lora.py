@@ -17,9 +17,8 @@ from chunkloss.kernels.attention_input import attention_input, attention_input_r
 from chunkloss.kernels.mlp import gated_mlp, gated_mlp_ref
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.child_process import in_fresh_process
 from tests.kernels import test_attention_input as attn
-from tests.kernels.compiled import compiled_matches_eager
+from tests.kernels.compiled import compiled_matches_eager, in_fresh_process
 from tests.tolerances import assert_close_to_ref
 
 # (base dtype, adapter dtype): fp32; bf16; PEFT's default for a bf16 model, fp32 adapters on a bf16 base.

@@ -11,8 +11,7 @@ import transformers
 from chunkloss.kernels import swiglu
 from chunkloss.kernels.mlp import FusedGatedMLP, gated_mlp, gated_mlp_ref
 
-from tests.child_process import in_fresh_process
-from tests.kernels.compiled import compiled_matches_eager
+from tests.kernels.compiled import compiled_matches_eager, in_fresh_process
 from tests.tolerances import assert_close_to_ref, err
 
 # (tokens, H, I): odd sizes everywhere, and even ones.
