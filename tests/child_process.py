@@ -7,8 +7,8 @@ run each in a process of its own instead (``tests/kernels/compiled.py``).
 ``in_child_process`` is a marker: it marks a test (``@in_child_process``), a class, or a whole module
 (``pytestmark = in_child_process``, or in a list beside other marks). GPU tests (``@pytest.mark.gpu``) stay
 in the suite's process whatever their marks. ``tests/conftest.py`` calls ``start`` when the collection ends:
-the marked tests of the session (after ``-m``, ``-k`` and the paths given) move to the end of the session's
-order, and one child process starts on them, running them in that order. The suite runs its own tests
+the marked tests that were collected (after ``-m``, ``-k`` and the paths given) move to the end of the
+run's order, and one child process starts on them, running them in that order. The suite runs its own tests
 meanwhile and then, for each marked test, waits for the child's reports on it and reports them as its own
 (``runtest_protocol``): outcome, longrepr, captured output and duration, as the child wrote them. The
 suite's process neither sets up the fixtures of a marked test nor runs it; the child does both. A crash of
@@ -130,8 +130,8 @@ _runner = _Runner()
 
 
 def start(items: list) -> None:
-    """Moves the tests of ``items`` (the session's, in place) marked ``in_child_process`` to its end and
-    starts the child on them."""
+    """Moves the tests of ``items`` (the collected tests, in place) marked ``in_child_process`` to its end
+    and starts the child on them."""
     if os.environ.get(_CHILD):
         return
     moved = [item for item in items if _moved(item)]
