@@ -46,7 +46,7 @@ import tempfile
 
 import torch
 
-from benchmarks.harness import (
+from benchmarks.harness import (  # noqa: F401 - kernel_kind: the kinds of kernel_time
     LOSSES,
     TRAINER_IMPLS,
     StepTimer,
@@ -54,8 +54,11 @@ from benchmarks.harness import (
     error_text,
     free_memory,
     is_oom,
+    kernel_kind,
+    kernel_time,
     kernels_available,
     make_trainer,
+    profile_window,
     random_model,
     stamp,
     timed_ms,
@@ -69,6 +72,8 @@ SHAPES = {
     "llama-3.1-8b": dict(LLAMA3, hidden=4096, inter=14336, layers=32, heads=32, head_dim=128, tied=False),
     "qwen3-0.6b": dict(family="qwen3", vocab=151936, hidden=1024, inter=3072, layers=28, heads=16, kv=8,
                        head_dim=128, tied=True),
+    "qwen3-4b": dict(family="qwen3", vocab=151936, hidden=2560, inter=9728, layers=36, heads=32, kv=8,
+                     head_dim=128, tied=True),
     "tiny": dict(vocab=4096, hidden=64, inter=128, layers=2, heads=4, kv=2, head_dim=16, tied=True),
 }  # fmt: skip
 TASKS = ("full", "lora", "qlora")
@@ -78,22 +83,6 @@ LORA_RANK = 16
 ROWS_PER_EXAMPLE = {"dpo": 2, "orpo": 2}
 # Profile: kernel kinds by substrings of the kernel name, first match wins; torch's own kernels ("at::")
 # that match nothing are "other", any other unmatched kernel is a Triton kernel.
-KERNEL_KINDS = (
-    ("attention", ("flash", "fmha", "attention", "attn")),
-    ("gemm", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "matmul", "splitk")),
-    ("optimizer", ("adam", "multi_tensor", "foreach")),
-    ("copies", ("copy", "memcpy", "memset", "cast", "fill", "cat_")),
-)
-
-
-def kernel_kind(name: str) -> str:
-    low = name.lower()
-    for kind, keys in KERNEL_KINDS:
-        if any(k in low for k in keys):
-            return kind
-    return "other" if "at::" in name or "cub::" in name else "triton"
-
-
 def build_model(a, seed: int = 0):
     """``a.shape``'s model with random weights from ``seed`` (4-bit nf4 for ``qlora``), bf16 on CUDA."""
     s = SHAPES[a.shape]
@@ -185,7 +174,7 @@ def train(a, batch: int, profile: bool = False) -> dict:
         if profile:
             kind = torch.profiler.ProfilerActivity
             prof = torch.profiler.profile(activities=[kind.CUDA if torch.cuda.is_available() else kind.CPU])
-            trainer.add_callback(_profile_window(prof, a.warmup))
+            trainer.add_callback(profile_window(prof, a.warmup))
         trainer.train()
         times = timer.times[a.warmup :]
         res.update(step_time_s=statistics.median(times), step_times_s=times,
@@ -216,41 +205,6 @@ def patch_lines():
     finally:
         log.removeHandler(handler)
         log.setLevel(level)
-
-
-def _profile_window(prof, warmup: int):
-    """A callback that profiles the steps after ``warmup``."""
-    from transformers import TrainerCallback
-
-    class Window(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            if state.global_step == warmup:
-                prof.start()
-
-        def on_train_end(self, args, state, control, **kw):
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            prof.stop()
-
-    return Window()
-
-
-def kernel_time(prof, wall_s: float, steps: int) -> dict:
-    """Per step, ms of CUDA kernel time by :func:`kernel_kind`, and idle: the steps' time minus the union of
-    the kernel intervals."""
-    parts = dict.fromkeys([k for k, _ in KERNEL_KINDS] + ["triton", "other"], 0.0)
-    spans = []
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start:
-            parts[kernel_kind(e.name)] += (e.time_range.end - e.time_range.start) / 1e3
-            spans.append((e.time_range.start, e.time_range.end))
-    busy, end = 0.0, float("-inf")
-    for s, t in sorted(spans):
-        busy += max(t - max(s, end), 0)
-        end = max(end, t)
-    out = {k: v / steps for k, v in parts.items()}
-    out["idle"] = max(wall_s * 1e3 - busy / 1e3, 0.0) / steps
-    return out
 
 
 def _time_ms(fn, repeats: int = 10) -> float:

@@ -313,19 +313,20 @@ def trainer_classes(loss: str, impl: str) -> tuple[type, type]:
 
 def make_trainer(loss: str, impl: str, model, tokenizer, ds, *, out_dir: str, batch: int, steps: int,
                  seq: int, gc: bool, ref=None, peft_config=None, kernels: bool = True,
-                 chunk_compile: bool = True, medusa: dict | None = None):  # fmt: skip
+                 chunk_compile: bool = True, medusa: dict | None = None, accumulate: int = 1):  # fmt: skip
     """``loss``'s trainer of ``impl`` on ``model``: TRL's (``trl``), with ``use_liger_kernel=True``
     (``liger``), with ``torch_compile=True`` (``compile``), chunkloss's with ``chunk_kernels=kernels``
     passed explicitly (``chunkloss``; False where the kernels cannot run: :func:`kernels_available`), or as
     Unsloth patches TRL's (``unsloth``: ``UNSLOTH_DEFAULTS`` as the others have them). ``ref``:
     DPO's reference or GKD's teacher (None with a ``peft_config``: the adapter-free model is the reference).
     Sequences are ``seq`` tokens; GRPO's fixed completions fill what the prompt leaves. ``medusa``:
-    ``ChunkedMedusaConfig``'s ``medusa_*`` fields (any ``impl`` but chunkloss: Medusa's own loss). The same
-    options otherwise for every implementation."""
+    ``ChunkedMedusaConfig``'s ``medusa_*`` fields (any ``impl`` but chunkloss: Medusa's own loss).
+    ``accumulate``: gradient accumulation steps. The same options otherwise for every implementation."""
     cuda = torch.cuda.is_available()
     cfg = dict(output_dir=out_dir, report_to="none", per_device_train_batch_size=batch, max_steps=steps,
                learning_rate=1e-5, logging_steps=1, save_strategy="no", seed=0, bf16=cuda, use_cpu=not cuda,
-               dataloader_num_workers=0, **{_checkpointing_field(): gc})  # fmt: skip
+               dataloader_num_workers=0, gradient_accumulation_steps=accumulate,
+               **{_checkpointing_field(): gc})  # fmt: skip
     chunk = dict(chunk_kernels=kernels and kernels_available(), chunk_compile=chunk_compile and cuda)
     if loss == "medusa":  # both on the chunked trainer's config; the peer swaps in Medusa's own loss
         cfg.update({f"medusa_{k}": v for k, v in (medusa or {}).items()})
@@ -409,3 +410,66 @@ class StepTimer:
                     after_step()
 
         return Callback()
+
+
+# Kernel kinds by name (the first that matches): NCCL's collectives, then the compute kinds.
+KERNEL_KINDS = (
+    ("comm", ("nccl",)),
+    ("attention", ("flash", "fmha", "attention", "attn")),
+    ("gemm", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "matmul", "splitk")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("copies", ("copy", "memcpy", "memset", "cast", "fill", "cat_")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    for kind, keys in KERNEL_KINDS:
+        if any(k in low for k in keys):
+            return kind
+    return "other" if "at::" in name or "cub::" in name else "triton"
+
+
+def _union_us(spans: list[tuple[float, float]]) -> float:
+    busy, end = 0.0, float("-inf")
+    for s, t in sorted(spans):
+        busy += max(t - max(s, end), 0)
+        end = max(end, t)
+    return busy
+
+
+def kernel_time(prof, wall_s: float, steps: int) -> dict:
+    """Per step, ms of CUDA kernel time by :func:`kernel_kind`; idle: the steps' time minus the union of the
+    kernel intervals; comm_exposed: the time only collectives ran (the union of all kernel intervals minus
+    that of the others)."""
+    parts = dict.fromkeys([k for k, _ in KERNEL_KINDS] + ["triton", "other"], 0.0)
+    spans, compute = [], []
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start:
+            kind, span = kernel_kind(e.name), (e.time_range.start, e.time_range.end)
+            parts[kind] += (span[1] - span[0]) / 1e3
+            spans.append(span)
+            if kind != "comm":
+                compute.append(span)
+    busy = _union_us(spans)
+    out = {k: v / steps for k, v in parts.items()}
+    out["comm_exposed"] = (busy - _union_us(compute)) / 1e3 / steps
+    out["idle"] = max(wall_s * 1e3 - busy / 1e3, 0.0) / steps
+    return out
+
+
+def profile_window(prof, warmup: int):
+    """A callback that profiles the steps after ``warmup``."""
+    from transformers import TrainerCallback
+
+    class Window(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            if state.global_step == warmup:
+                prof.start()
+
+        def on_train_end(self, args, state, control, **kw):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            prof.stop()
+
+    return Window()

@@ -1,13 +1,18 @@
 """Multi-GPU parity of the chunked trainers: FSDP2 or DeepSpeed ZeRO-3 on 2 GPUs against 1 GPU.
 
-Under ``accelerate launch`` this trains a tiny random model for 20 steps, saving on rank 0 the full gradients
-of the first step (after the backward, before clipping and the optimizer step), the loss curve, the step times
-and every GPU's peak memory. ``--single``: the reference, one process on the global batch, launched with the
-same accelerate config so that both runs follow one precision recipe. ``--compare`` writes the errors of a
-2-process run against the reference; ``--summary DIR`` gathers them into the set ``DIR/multigpu``.
-``benchmarks/multigpu_run.sh`` runs it all. GRPO's completions are a fixed function of the prompt and the
-completion's index in its group, so both runs train on the same tokens; ``num_iterations=2`` makes every other
-loss carry an importance ratio that depends on the weights.
+Under ``accelerate launch`` this trains a model for ``--steps`` steps: a tiny random model (``--model tiny``,
+20 steps by default) or a real shape of ``benchmarks.multigpu_scale.MODELS`` with random weights, its kernels
+and ``--seq-len``-token sequences (30 steps). Rank 0 saves the full gradients of the first step (after the
+backward, before clipping and the optimizer step; at a real shape only the middle layer's), each step's
+gradient norm of the LM head and of the middle layer, the loss curve, the step times and every GPU's peak
+memory. ``--single``: the reference, one process on the global batch, launched with the same accelerate
+config so that both runs follow one precision recipe; with ``--accumulate 2`` the same global batch in two
+micro-batches, which differs from the reference only in the order of its bf16 sums: the noise the 2-GPU run
+is measured against. ``--compare`` writes the errors of a 2-process run (and of the noise run) against the
+reference; ``--summary DIR`` gathers them into the set ``DIR/multigpu`` (``DIR/multigpu_<model>`` at a
+real shape). ``benchmarks/multigpu_run.sh`` runs it all. GRPO's completions are a fixed function of the
+prompt and the completion's index in its group, so both runs train on the same tokens; ``num_iterations=2``
+(tiny model) makes every other loss carry an importance ratio that depends on the weights.
 """
 
 from __future__ import annotations
@@ -30,13 +35,13 @@ import torch  # noqa: E402
 from benchmarks.harness import StepTimer, fixed_completions, record_pid, stamp  # noqa: E402
 from benchmarks.report import write_json, write_set  # noqa: E402
 
-STEPS = 20
-PER_DEVICE_BATCH = 4
+STEPS, REAL_STEPS = 20, 30  # the tiny model's, a real shape's
+PER_DEVICE_BATCH, REAL_BATCH = 4, 2
 NUM_GENERATIONS = 2
 MAX_COMPLETION_LENGTH = 12
 TRAINERS = ("sft", "dpo", "grpo")
 BACKENDS = ("fsdp2", "zero3")
-RUN_KEYS = ("distributed_type", "num_processes", "median_step_time_s", "peak_memory_gib")
+RUN_KEYS = ("distributed_type", "num_processes", "accumulate", "median_step_time_s", "peak_memory_gib")
 WARMUP_STEPS = 3  # step times before this are compilation and allocator warm-up, left out of the median
 
 
@@ -44,8 +49,9 @@ def _is_deepspeed(trainer) -> bool:
     return str(trainer.accelerator.distributed_type).endswith("DEEPSPEED")
 
 
-def _full_grad(param, deepspeed: bool) -> torch.Tensor | None:
-    """The full gradient of a parameter under ZeRO-3 (partitioned), FSDP2 (a DTensor) or one process.
+def _full_grad(param, deepspeed: bool, cpu: bool = True) -> torch.Tensor | None:
+    """The full gradient of a parameter under ZeRO-3 (partitioned), FSDP2 (a DTensor) or one process, as an
+    fp32 copy on the CPU (``cpu``) or on the device.
 
     Collective under ZeRO-3 and FSDP2: every rank calls it for every parameter, in the same order."""
     if deepspeed:
@@ -57,38 +63,54 @@ def _full_grad(param, deepspeed: bool) -> torch.Tensor | None:
         if g is not None and type(g).__name__ == "DTensor":
             g = g.full_tensor()
     # A copy: on CPU in fp32 .float().cpu() would alias the gradient, which clipping then scales in place.
-    return None if g is None else g.detach().to("cpu", torch.float32, copy=True)
+    return None if g is None else g.detach().to("cpu" if cpu else g.device, torch.float32, copy=True)
 
 
 class GradTap:
-    """The full gradients of the first step, after its backward and before clipping and the optimizer step:
-    read when ``training_step`` returns (the Trainer clips later), and under DeepSpeed, whose engine clips and
-    steps inside ``accelerator.backward``, at the entry of the engine's ``step``."""
+    """After each optimizer step's backward and before clipping and the step: the gradient norms of the LM
+    head and of the middle decoder layer (``norms``, one dict per step), and in the first step the full
+    gradients of the parameters whose names ``keep`` accepts (``grads``). Read when ``training_step`` returns
+    at the end of an accumulation (the Trainer clips later), and under DeepSpeed, whose engine clips and steps
+    inside ``accelerator.backward``, at the entry of the engine's ``step``."""
 
-    def __init__(self, trainer):
-        self.trainer = trainer
+    def __init__(self, trainer, keep=lambda name: True):
+        self.trainer, self.keep = trainer, keep
         self.grads: dict[str, torch.Tensor] | None = None
+        self.norms: list[dict[str, float]] = []
         self._inner = trainer.training_step
+        self._engine = None
         trainer.training_step = self._training_step
+
+    def _groups(self, named) -> dict[str, list]:
+        module = self.trainer.model
+        head = getattr(module, "module", module).get_output_embeddings().weight
+        middle = f"layers.{module.config.num_hidden_layers // 2}."
+        return {"head": [p for _, p in named if p is head],
+                "middle_layer": [p for n, p in named if middle in n]}  # fmt: skip
 
     def _read(self) -> None:
         ds = _is_deepspeed(self.trainer)
         named = [(n, p) for n, p in self.trainer.model.named_parameters() if p.requires_grad]
-        self.grads = {n: g for n, p in named if (g := _full_grad(p, ds)) is not None}
+        if self.grads is None:
+            self.grads = {n: g for n, p in named if self.keep(n) and (g := _full_grad(p, ds)) is not None}
+        norms = {}
+        for group, params in self._groups(named).items():
+            squares = [g.square().sum() for p in params if (g := _full_grad(p, ds, cpu=False)) is not None]
+            norms[group] = float(torch.stack(squares).sum().sqrt()) if squares else None
+        self.norms.append(norms)
 
     def _training_step(self, *args, **kwargs):
-        if self.grads is None and _is_deepspeed(self.trainer):
-            engine = self.trainer.accelerator.deepspeed_engine_wrapped.engine
-            step = engine.step
+        if self._engine is None and _is_deepspeed(self.trainer):
+            self._engine = self.trainer.accelerator.deepspeed_engine_wrapped.engine
+            step = self._engine.step
 
             def tapped_step(*a, **kw):
-                if self.grads is None:
-                    self._read()
+                self._read()
                 return step(*a, **kw)
 
-            engine.step = tapped_step
+            self._engine.step = tapped_step
         loss = self._inner(*args, **kwargs)
-        if self.grads is None and not _is_deepspeed(self.trainer):
+        if not _is_deepspeed(self.trainer) and self.trainer.accelerator.sync_gradients:
             self._read()
         return loss
 
@@ -104,7 +126,8 @@ def _short_completion(trainer, seed: int) -> list[int]:
     return c
 
 
-def _trainer(kind: str, out: Path, steps: int, batch: int, bf16: bool):
+def _trainer(kind: str, out: Path, steps: int, batch: int, bf16: bool, accumulate: int = 1):
+    """The tiny model's trainer, ``accumulate`` micro-batches of ``batch`` per step."""
     from chunkloss.data import count_reward, tiny_dataset, tiny_model, tiny_tokenizer
 
     tok = tiny_tokenizer()
@@ -112,7 +135,8 @@ def _trainer(kind: str, out: Path, steps: int, batch: int, bf16: bool):
     model = tiny_model(tok, hidden_size=64, num_layers=2)
     common = dict(output_dir=str(out / "trainer"), report_to="none", per_device_train_batch_size=batch,
                   max_steps=steps, logging_steps=1, save_strategy="no", learning_rate=1e-3, seed=0, bf16=bf16,
-                  dataloader_num_workers=0, chunk_compile=False)  # fmt: skip
+                  dataloader_num_workers=0, chunk_compile=False,
+                  gradient_accumulation_steps=accumulate)  # fmt: skip
     ds = tiny_dataset(kind, n=256)
     if kind == "sft":
         from chunkloss.trainers.sft import ChunkedSFTConfig, ChunkedSFTTrainer
@@ -134,6 +158,24 @@ def _trainer(kind: str, out: Path, steps: int, batch: int, bf16: bool):
     raise ValueError(f"--trainer must be one of {TRAINERS}, got {kind!r}")
 
 
+def _real_trainer(a, batch: int):
+    """The chunked trainer of ``a.model``'s shape (random weights, bf16 on CUDA, the kernels on), as
+    ``benchmarks.multigpu_scale`` builds it; ``a.accumulate`` micro-batches of ``batch`` per step."""
+    from benchmarks.harness import counting_dataset, make_trainer
+    from benchmarks.multigpu_scale import build_model
+    from chunkloss.data import tiny_tokenizer
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    tok = tiny_tokenizer()
+    model = build_model(a.model, tok, device, torch.bfloat16 if cuda else torch.float32, a.seq_len)
+    ref = copy.deepcopy(model).requires_grad_(False) if a.trainer == "dpo" else None
+    ds = counting_dataset(a.trainer, 256, a.seq_len)
+    return make_trainer(a.trainer, "chunkloss", model, tok, ds, out_dir=str(a.out / "trainer"), batch=batch,
+                        steps=a.steps, seq=a.seq_len, gc=a.gradient_checkpointing, ref=ref,
+                        accumulate=a.accumulate)  # fmt: skip
+
+
 def _peak_memory_gib(trainer) -> list[dict] | None:
     """Every process's peak allocated and reserved CUDA memory in GiB (collective: all ranks call it)."""
     if not torch.cuda.is_available():
@@ -145,11 +187,19 @@ def _peak_memory_gib(trainer) -> list[dict] | None:
     return [dict(rank=r, allocated=a / 2**30, reserved=b / 2**30) for r, (a, b) in enumerate(rows)]
 
 
-def run(kind: str, out: Path, batch: int) -> None:
+def run(a, batch: int) -> None:
+    """Train ``a.trainer`` at per-process micro-batch ``batch``; rank 0 writes ``a.out``'s run.json (and
+    grads_step1.pt)."""
     bf16 = torch.cuda.is_available()
+    out = a.out
     record_pid(out)
-    tr = _trainer(kind, out, STEPS, batch, bf16)
-    tap = GradTap(tr)
+    if a.model == "tiny":
+        tr, keep = _trainer(a.trainer, out, a.steps, batch, bf16, a.accumulate), lambda name: True
+    else:
+        tr = _real_trainer(a, batch)
+        middle = f"layers.{tr.model.config.num_hidden_layers // 2}."
+        keep = lambda name: middle in name  # noqa: E731 - the whole model's gradients would not fit
+    tap = GradTap(tr, keep)
     clock = StepTimer()
     tr.add_callback(clock.callback())
     tr.train()
@@ -159,49 +209,71 @@ def run(kind: str, out: Path, batch: int) -> None:
         torch.save(tap.grads, out / "grads_step1.pt")
         timed = clock.times[WARMUP_STEPS:] or clock.times
         acc, logs = tr.accelerator, tr.state.log_history
-        meta = dict(trainer=kind, num_processes=acc.num_processes, distributed_type=str(acc.distributed_type),
-                    per_device_batch=batch, bf16=bf16, loss_curve=curve,
-                    grad_norms=[h["grad_norm"] for h in logs if "grad_norm" in h], step_times_s=clock.times,
-                    median_step_time_s=statistics.median(timed) if timed else None, peak_memory_gib=memory,
+        meta = dict(trainer=a.trainer, model=a.model, seq_len=a.seq_len if a.model != "tiny" else None,
+                    num_processes=acc.num_processes, distributed_type=str(acc.distributed_type),
+                    per_device_batch=batch, accumulate=a.accumulate, bf16=bf16, loss_curve=curve,
+                    grad_norms=[h["grad_norm"] for h in logs if "grad_norm" in h], norms=tap.norms,
+                    step_times_s=clock.times, median_step_time_s=statistics.median(timed) if timed else None,
+                    peak_memory_gib=memory,
                     device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                     nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"), torch=torch.__version__)  # fmt: skip
         write_json(out / "run.json", meta)
 
 
-def compare(multi: Path, single: Path, out: Path) -> dict:
-    g_m, g_s = torch.load(multi / "grads_step1.pt"), torch.load(single / "grads_step1.pt")
-    r_m, r_s = json.loads((multi / "run.json").read_text()), json.loads((single / "run.json").read_text())
+def _rel_diff(got: list, ref: list) -> float | None:
+    """The largest difference of two curves relative to the reference curve's largest magnitude (a GRPO
+    loss crosses zero, so pointwise relative differences mean nothing)."""
+    n = min(len(got), len(ref))
+    pairs = [(x, y) for x, y in zip(got[:n], ref[:n]) if x is not None and y is not None]
+    scale = max((abs(y) for _, y in pairs), default=0.0)
+    return max(abs(x - y) for x, y in pairs) / scale if pairs and scale > 0 else None
+
+
+def errors(run: Path, ref: Path) -> dict:
+    """``run``'s first-step gradients, loss curve and per-step gradient norms against ``ref``'s."""
+    g_m, g_s = torch.load(run / "grads_step1.pt"), torch.load(ref / "grads_step1.pt")
+    r_m, r_s = json.loads((run / "run.json").read_text()), json.loads((ref / "run.json").read_text())
     per_param = {}
-    for name, ref in g_s.items():
+    for name, want in g_s.items():
         got = g_m.get(name)
-        if got is None or got.shape != ref.shape:
+        if got is None or got.shape != want.shape:
             per_param[name] = None
             continue
-        err = (got - ref).abs().max()
+        err = (got - want).abs().max()
         # Relative to the tensor's largest entry: single entries near zero are sums of cancelling terms.
-        per_param[name] = dict(abs=float(err), rel=float(err / ref.abs().max().clamp(min=1e-12)))
-    errors = [e for e in per_param.values() if e is not None]
+        per_param[name] = dict(abs=float(err), rel=float(err / want.abs().max().clamp(min=1e-12)))
+    found = [e for e in per_param.values() if e is not None]
     c_m, c_s = r_m["loss_curve"], r_s["loss_curve"]
-    n = min(len(c_m), len(c_s))
-    abs_diffs = [abs(a - b) for a, b in zip(c_m[:n], c_s[:n])]
-    # Relative to the curve's scale: a GRPO loss crosses zero, so pointwise relative differences mean nothing.
-    scale = max((abs(b) for b in c_s[:n]), default=0.0)
-    result = dict(
-        trainer=r_m["trainer"],
-        multi={k: r_m.get(k) for k in RUN_KEYS},
-        single={k: r_s.get(k) for k in RUN_KEYS},
+    abs_diffs = [abs(x - y) for x, y in zip(c_m, c_s)]
+    n_m, n_s = r_m.get("norms") or [], r_s.get("norms") or []
+    groups = sorted({g for step in n_s for g in step})
+    norm_diffs = {g: _rel_diff([s.get(g) for s in n_m], [s.get(g) for s in n_s]) for g in groups}
+    return dict(
         missing_grads=sorted(k for k, e in per_param.items() if e is None),
         extra_grads=sorted(set(g_m) - set(g_s)),
         zero_ref_grads=sorted(k for k, g in g_s.items() if not bool(g.any())),
-        max_abs_grad_error=max((e["abs"] for e in errors), default=None),
-        max_rel_grad_error=max((e["rel"] for e in errors), default=None),
+        max_abs_grad_error=max((e["abs"] for e in found), default=None),
+        max_rel_grad_error=max((e["rel"] for e in found), default=None),
         per_param_grad_error=per_param,
-        curve_multi=c_m,
-        curve_single=c_s,
         max_abs_curve_diff=max(abs_diffs, default=None),
-        max_rel_curve_diff=max(abs_diffs, default=0.0) / scale if abs_diffs and scale > 0 else None,
-        steps_compared=n,
+        max_rel_curve_diff=_rel_diff(c_m, c_s),
+        max_rel_norm_diff=norm_diffs,
+        steps_compared=min(len(c_m), len(c_s)),
     )
+
+
+def compare(multi: Path, single: Path, out: Path, noise: Path | None = None) -> dict:
+    """The 2-process run ``multi`` against the reference ``single`` (:func:`errors`), with both curves and
+    norms; and, given the noise run (the reference's batch in two micro-batches), its errors as ``noise``."""
+    r_m, r_s = json.loads((multi / "run.json").read_text()), json.loads((single / "run.json").read_text())
+    result = dict(trainer=r_m["trainer"], model=r_m.get("model", "tiny"), seq_len=r_m.get("seq_len"),
+                  multi={k: r_m.get(k) for k in RUN_KEYS}, single={k: r_s.get(k) for k in RUN_KEYS},
+                  **errors(multi, single), curve_multi=r_m["loss_curve"], curve_single=r_s["loss_curve"],
+                  norms_multi=r_m.get("norms"), norms_single=r_s.get("norms"))  # fmt: skip
+    if noise is not None:
+        e = errors(noise, single)
+        result["noise"] = {k: e[k] for k in ("max_rel_grad_error", "max_rel_curve_diff", "max_rel_norm_diff")}
+        result["noise"]["run"] = {k: json.loads((noise / "run.json").read_text()).get(k) for k in RUN_KEYS}
     write_json(out, result)
     return result
 
@@ -217,17 +289,26 @@ def _reason(error_text: str) -> str:
     return lines[-1][:300] if lines else "?"
 
 
-def summary(folder: Path) -> dict:
-    """Gather every ``<trainer>_<backend>.json`` comparison in ``folder`` into the result set
-    ``folder/multigpu`` (json, md, png); a run that left none is named in ``notes`` with the reason from its
-    ``<trainer>_<backend>.error`` or the backend's ``<backend>.error``."""
+def set_name(model: str) -> str:
+    return "multigpu" if model == "tiny" else f"multigpu_{model}"
+
+
+def run_name(trainer: str, backend: str, model: str) -> str:
+    return f"{trainer}_{backend}" + ("" if model == "tiny" else f"_{model}")
+
+
+def summary(folder: Path, model: str = "tiny") -> dict:
+    """Gather every ``<trainer>_<backend>[_<model>].json`` comparison in ``folder`` into the result set
+    ``folder/multigpu[_<model>]`` (json, md, png); a run that left none is named in ``notes`` with the reason
+    from its ``.error`` file or the backend's ``<backend>.error``."""
     comparisons, notes = [], []
     for trainer in TRAINERS:
         for backend in BACKENDS:
-            f = folder / f"{trainer}_{backend}.json"
+            name = run_name(trainer, backend, model)
+            f = folder / f"{name}.json"
             if not f.exists():
-                errors = (folder / f"{trainer}_{backend}.error", folder / f"{backend}.error")
-                err = next((e for e in errors if e.exists()), None)
+                errs = (folder / f"{name}.error", folder / f"{backend}.error")
+                err = next((e for e in errs if e.exists()), None)
                 notes.append(f"{trainer} / {backend}: {_reason(err.read_text()) if err else 'no result'}")
                 continue
             r = json.loads(f.read_text())
@@ -236,35 +317,48 @@ def summary(folder: Path) -> dict:
             )
             if r["missing_grads"] or r["extra_grads"]:
                 notes.append(f"{trainer} / {backend}: missing {r['missing_grads']}, extra {r['extra_grads']}")
-    st = stamp(command="bash benchmarks/multigpu_run.sh OUT", gpus=torch.cuda.device_count())
+    env = "" if model == "tiny" else f"CHUNKLOSS_MODEL={model} "
+    st = stamp(command=f"{env}bash benchmarks/multigpu_run.sh OUT", gpus=torch.cuda.device_count())
     data = {"stamp": st, "warmup_steps": WARMUP_STEPS, "comparisons": comparisons, "notes": notes}
-    write_set(folder, "multigpu", data)
+    write_set(folder, set_name(model), data)
     return data
 
 
 def main(argv: list[str] | None = None) -> None:
+    from benchmarks.multigpu_scale import MODELS
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trainer", choices=TRAINERS)
+    p.add_argument("--model", choices=tuple(MODELS), default="tiny")
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (a real shape)")
+    p.add_argument("--steps", type=int, help=f"default {STEPS}, a real shape {REAL_STEPS}")
+    p.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false",
+                   help="a real shape: checkpointing off")  # fmt: skip
     p.add_argument("--out", type=Path, help="run folder, or the json file with --compare")
     p.add_argument("--single", action="store_true", help="the reference: one process on the global batch")
     p.add_argument("--world", type=int, default=2, help="with --single: the multi-process world size")
+    p.add_argument("--accumulate", type=int, default=1, help="with --single: micro-batches per step")
     p.add_argument("--compare", nargs=2, type=Path, metavar=("MULTI", "SINGLE"))
-    p.add_argument("--summary", type=Path, metavar="DIR", help="write DIR/multigpu.{json,md,png} from DIR")
+    p.add_argument("--noise", type=Path, metavar="RUN", help="with --compare: the noise run")
+    p.add_argument("--summary", type=Path, metavar="DIR", help="write DIR/multigpu[_<model>].{json,md,png}")
     a = p.parse_args(argv)
     if a.summary:
-        summary(a.summary)
-        print((a.summary / "multigpu.md").read_text())
+        summary(a.summary, a.model)
+        print((a.summary / f"{set_name(a.model)}.md").read_text())
         return
     if a.trainer is None or a.out is None:
         p.error("--trainer and --out are required (except with --summary)")
     if a.compare:
-        r = compare(*a.compare, a.out)
+        r = compare(*a.compare, a.out, a.noise)
         keys = ("trainer", "max_abs_grad_error", "max_rel_grad_error", "max_abs_curve_diff",
-                "max_rel_curve_diff")  # fmt: skip
-        print(json.dumps({k: r[k] for k in keys}))
+                "max_rel_curve_diff", "max_rel_norm_diff", "noise")  # fmt: skip
+        print(json.dumps({k: r.get(k) for k in keys}))
         return
-    batch = PER_DEVICE_BATCH * a.world if a.single else PER_DEVICE_BATCH
-    run(a.trainer, a.out, batch)
+    if a.accumulate < 1 or (a.accumulate > 1 and not a.single) or a.world % a.accumulate:
+        p.error("--accumulate: a divisor of --world, with --single")
+    a.steps = a.steps or (STEPS if a.model == "tiny" else REAL_STEPS)
+    per_process = PER_DEVICE_BATCH if a.model == "tiny" else REAL_BATCH
+    run(a, per_process * a.world // a.accumulate if a.single else per_process)
 
 
 if __name__ == "__main__":

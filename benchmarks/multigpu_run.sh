@@ -13,9 +13,22 @@
 # DS_ACCELERATOR=cuda (ops JIT-build on the host's nvcc) and the runtime dependencies the host lacks, for
 # CPython 3.12 (hjson, py-cpuinfo, msgpack, ninja, einops, nvidia-ml-py, pydantic with pydantic-core,
 # annotated-types, typing-inspection and typing-extensions).
+#
+# $CHUNKLOSS_MODEL (default tiny) names a real shape of benchmarks/multigpu_scale.py instead (qwen3-4b,
+# llama3-8b): 30 steps of $CHUNKLOSS_SEQ_LEN-token sequences (default 2048), checkpointing on unless
+# CHUNKLOSS_GRADIENT_CHECKPOINTING=0, each run limited to $CHUNKLOSS_RUN_S seconds (default 240); its files
+# and result set carry the model's name, and under FSDP2 a third run, the reference's global batch in two
+# micro-batches, measures the bf16 noise the real-size test allows.
 set -u
 
 BUDGET=${CHUNKLOSS_BUDGET_S:-480}
+MODEL=${CHUNKLOSS_MODEL:-tiny}
+SFX="" RUN_S=150 MODEL_ARGS=(--model "$MODEL")
+if [ "$MODEL" != tiny ]; then
+  SFX=_$MODEL RUN_S=${CHUNKLOSS_RUN_S:-240}
+  MODEL_ARGS+=(--seq-len "${CHUNKLOSS_SEQ_LEN:-2048}")
+  [ "${CHUNKLOSS_GRADIENT_CHECKPOINTING:-1}" = 0 ] && MODEL_ARGS+=(--no-gradient-checkpointing)
+fi
 RESERVE=45  # seconds kept after the runs for the comparisons, the pytest and the summary
 MIN_RUN=20 SKIPPED_RC=124 WORKER=multigpu_parity
 # shellcheck source=benchmarks/multigpu_common.sh
@@ -36,9 +49,10 @@ DEADLINE=$((BUDGET - RESERVE))
 launch() {
   local t=$1 b=$2 n=$3 port=$4 name=$5
   shift 5
-  guarded "$name" 150 "$OUT/$name" \
+  guarded "$name" "$RUN_S" "$OUT/$name" \
     "$PY" -m accelerate.commands.launch --config_file "$CONFIGS/$b.yaml" --num_processes "$n" \
-    --main_process_port "$port" -m benchmarks.multigpu_parity --trainer "$t" --out "$OUT/$name" "$@"
+    --main_process_port "$port" -m benchmarks.multigpu_parity --trainer "$t" --out "$OUT/$name" \
+    "${MODEL_ARGS[@]}" "$@"
 }
 
 BACKENDS=fsdp2
@@ -52,7 +66,12 @@ for b in $BACKENDS; do
     port=$((29610 + 10 * gpu))
     for t in $TRAINERS; do
       port=$((port + 1))
-      CUDA_VISIBLE_DEVICES=$gpu launch "$t" "$b" 1 "$port" "${t}_${b}_ref" --single --world 2
+      CUDA_VISIBLE_DEVICES=$gpu launch "$t" "$b" 1 "$port" "${t}_$b${SFX}_ref" --single --world 2
+      if [ "$MODEL" != tiny ] && [ "$b" = fsdp2 ]; then
+        port=$((port + 1))
+        CUDA_VISIBLE_DEVICES=$gpu launch "$t" "$b" 1 "$port" "${t}_$b${SFX}_noise" --single --world 2 \
+          --accumulate 2
+      fi
     done
   ) &
   streams+=($!)
@@ -63,41 +82,46 @@ port=29640
 for b in $BACKENDS; do
   for t in $TRAINERS; do
     port=$((port + 1))
-    launch "$t" "$b" 2 "$port" "${t}_$b"
+    launch "$t" "$b" 2 "$port" "${t}_$b$SFX"
   done
 done
 
 # --- comparisons, test, summary ----------------------------------------------------------------------
 for t in $TRAINERS; do
   for b in fsdp2 zero3; do
-    if [ -f "$OUT/${t}_$b/run.json" ] && [ -f "$OUT/${t}_${b}_ref/run.json" ]; then
-      if ! timeout "$(left)" "$PY" -m benchmarks.multigpu_parity --trainer "$t" --compare "$OUT/${t}_$b" \
-        "$OUT/${t}_${b}_ref" --out "$OUT/${t}_$b.json" > "$LOGS/compare_${t}_$b.log" 2>&1; then
-        { echo "comparison failed:"; tail -n 20 "$LOGS/compare_${t}_$b.log"; } > "$OUT/${t}_$b.error"
+    r=${t}_$b$SFX
+    noise=()
+    [ -f "$OUT/${t}_fsdp2${SFX}_noise/run.json" ] && noise=(--noise "$OUT/${t}_fsdp2${SFX}_noise")
+    if [ -f "$OUT/$r/run.json" ] && [ -f "$OUT/${r}_ref/run.json" ]; then
+      if ! timeout "$(left)" "$PY" -m benchmarks.multigpu_parity --trainer "$t" --compare "$OUT/$r" \
+        "$OUT/${r}_ref" "${noise[@]}" --out "$OUT/$r.json" > "$LOGS/compare_$r.log" 2>&1; then
+        { echo "comparison failed:"; tail -n 20 "$LOGS/compare_$r.log"; } > "$OUT/$r.error"
       fi
-      cat "$LOGS/compare_${t}_$b.log"
-    elif [ -f "$OUT/${t}_${b}_ref.error" ]; then
-      { echo "1-GPU reference failed:"; cat "$OUT/${t}_${b}_ref.error"; } > "$OUT/${t}_$b.error"
+      cat "$LOGS/compare_$r.log"
+    elif [ -f "$OUT/${r}_ref.error" ]; then
+      { echo "1-GPU reference failed:"; cat "$OUT/${r}_ref.error"; } > "$OUT/$r.error"
     fi
   done
 done
 
 note "pytest -m multigpu on the comparisons in $OUT"
-CHUNKLOSS_MULTIGPU_RESULTS=$OUT timeout "$(left)" "$PY" -m pytest -q -rA -p no:cacheprovider -m multigpu \
-  tests/trainers/test_multigpu.py 2>&1 | tee "$LOGS/pytest.log"
+SELECT=(-k "not real_size")
+[ "$MODEL" != tiny ] && SELECT=(-k real_size)
+CHUNKLOSS_MULTIGPU_RESULTS=$OUT CHUNKLOSS_MODEL=$MODEL timeout "$(left)" "$PY" -m pytest -q -rA -p no:cacheprovider \
+  -m multigpu "${SELECT[@]}" tests/trainers/test_multigpu.py 2>&1 | tee "$LOGS/pytest.log"
 PYTEST_RC=${PIPESTATUS[0]}
 # The ZeRO-3 head on CPU (2 gloo processes against one, fp32), if DeepSpeed imports and time is left: its
 # first run JIT-builds DeepSpeed's CPU shared-memory op.
 CPU_TEST="not run"
-if [ "$HAVE_DS" = 1 ] && [ "$(left)" -gt 100 ]; then
+if [ "$HAVE_DS" = 1 ] && [ "$MODEL" = tiny ] && [ "$(left)" -gt 100 ]; then
   DEADLINE=$((BUDGET + 10))  # this run may use the time kept for the summary, less 15 s
   guarded zero3_cpu_test 150 "$OUT/zero3_cpu_test" \
     "$PY" -m pytest -q -rA -p no:cacheprovider -k zero3_gloo tests/trainers/test_multigpu.py
   CPU_TEST="exit $?: $(grep -E '(passed|failed|skipped|error)' "$LOGS/zero3_cpu_test.log" | tail -n 1)"
 fi
 
-timeout "$(left)" "$PY" -m benchmarks.multigpu_parity --summary "$OUT" > "$LOGS/summary.log" 2>&1
-report multigpu \
+timeout "$(left)" "$PY" -m benchmarks.multigpu_parity --summary "$OUT" --model "$MODEL" > "$LOGS/summary.log" 2>&1
+report "multigpu$SFX" \
   "pytest -m multigpu (exit $PYTEST_RC): $(grep -E '(passed|failed|skipped|error)' "$LOGS/pytest.log" | tail -n 1)" \
   "ZeRO-3 head on CPU, 2 gloo processes vs 1 (test_zero3_gloo_grads_equal_single_process): $CPU_TEST" \
   "$([ "$HAVE_DS" = 1 ] && tail -n 1 "$LOGS/deepspeed_import.log" || head -n 5 "$OUT/zero3.error")"

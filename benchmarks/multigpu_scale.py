@@ -39,14 +39,17 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
+from benchmarks.bench_e2e import SHAPES  # noqa: E402
 from benchmarks.harness import (  # noqa: E402
     NUM_GENERATIONS,
     StepTimer,
     counting_dataset,
     free_memory,
     is_oom,
+    kernel_time,
     kernels_available,
     make_trainer,
+    profile_window,
     random_model,
     record_pid,
     stamp,
@@ -54,20 +57,18 @@ from benchmarks.harness import (  # noqa: E402
 from benchmarks.multigpu_parity import TRAINERS, _peak_memory_gib, _reason  # noqa: E402
 from benchmarks.report import write_json, write_set  # noqa: E402
 
-# Shapes of the models (random weights). tied: the LM head shares the input embedding's weight.
+# Shapes of the models (random weights), bench_e2e's; tied: the LM head shares the input embedding's weight.
 MODELS = {
     "tiny": dict(family="qwen3", vocab=4096, hidden=64, inter=128, layers=2, heads=4, kv=2, head_dim=16,
                  tied=True),
-    "qwen3-4b": dict(family="qwen3", vocab=151936, hidden=2560, inter=9728, layers=36, heads=32, kv=8,
-                     head_dim=128, tied=True),
-    "llama3-8b": dict(family="llama", vocab=128256, hidden=4096, inter=14336, layers=32, heads=32, kv=8,
-                      head_dim=128, tied=False),
+    "qwen3-4b": SHAPES["qwen3-4b"],
+    "llama3-8b": SHAPES["llama-3.1-8b"],
 }  # fmt: skip
 IMPLS = ("chunked", "trl", "liger")
 HARNESS_IMPL = {"chunked": "chunkloss", "trl": "trl", "liger": "liger"}  # harness.make_trainer's names
 DEFAULT_BATCHES = [1, 2, 4, 8, 16, 32, 64]
 SEED = 0
-RESULT = "multigpu_scale"
+RESULT, PROFILE = "multigpu_scale", "profile_multigpu"
 COMMAND = "bash benchmarks/multigpu_scale.sh OUT"
 # Memory a batch may find still allocated from the earlier batches of its process before the summary names it.
 LEFTOVER_GIB = 0.5
@@ -139,7 +140,7 @@ def _setting(a, world: int) -> dict:
                 world=world, gradient_checkpointing=a.gradient_checkpointing,
                 chunk_compile=a.impl == "chunked" and a.chunk_compile and cuda,
                 kernels=a.impl == "chunked" and a.kernels == "on" and kernels_available(),
-                dtype="bfloat16" if cuda else "float32")  # fmt: skip
+                dtype="bfloat16" if cuda else "float32", profile=a.profile)  # fmt: skip
 
 
 def _train(batch: int, a, tokenizer, t0: float) -> dict:
@@ -161,12 +162,18 @@ def _train(batch: int, a, tokenizer, t0: float) -> dict:
                            chunk_compile=a.chunk_compile)  # fmt: skip
     timer, tokens = StepTimer(), TokenCount(model)
     trainer.add_callback(timer.callback(after_step=tokens.end_step))
+    prof = None
+    if a.profile:
+        kind = torch.profiler.ProfilerActivity
+        prof = torch.profiler.profile(activities=[kind.CUDA if cuda else kind.CPU])
+        trainer.add_callback(profile_window(prof, a.warmup))
     t2 = time.perf_counter()
     trainer.train()
     t3 = time.perf_counter()
     tokens.remove()
     timed = timer.times[a.warmup :] if len(timer.times) > a.warmup else timer.times
     median = statistics.median(timed)
+    parts = {} if prof is None else {"parts": kernel_time(prof, sum(timed), len(timed))}
     acc = trainer.accelerator
     # Collective (every rank calls both): the timed steps' tokens on all ranks, and peak memory per rank.
     skip = len(timer.times) - len(timed)
@@ -179,7 +186,7 @@ def _train(batch: int, a, tokenizer, t0: float) -> dict:
                 tokens_per_s=per_step / median, tokens_per_s_per_gpu=per_step / median / acc.num_processes,
                 peak_memory_gib=_peak_memory_gib(trainer),
                 train_begin_allocated_gib_rank0=timer.allocated_before / 2**30,
-                losses=[h["loss"] for h in trainer.state.log_history if "loss" in h])  # fmt: skip
+                losses=[h["loss"] for h in trainer.state.log_history if "loss" in h], **parts)  # fmt: skip
 
 
 def run_batch(batch: int, a, tokenizer) -> dict:
@@ -336,9 +343,20 @@ def collect(folder: Path) -> tuple[list[dict], list[str]]:
     return runs, notes
 
 
+def profile_row(r: dict) -> dict:
+    """A profiled run as a row of the ``profile`` sets: rank 0's kernel time per step by kind."""
+    gc = "on" if r["gradient_checkpointing"] else "off"
+    case = f"{r['model']} {r['trainer']} {r['backend']} x{r['world']} {r['seq_len']} tok gc {gc}"
+    case += f" b={r['batch']}"
+    error = None if r["status"] == "ok" else r["status"]
+    time_ms = r["median_step_time_s"] * 1e3 if r.get("median_step_time_s") else None
+    return dict(case=case, impl=r["impl"], ms=time_ms, error=error, parts=r.get("parts", {}),
+                peak_mem_gib=max((m["allocated"] for m in r.get("peak_memory_gib") or []), default=None))
+
+
 def summary(folder: Path) -> dict:
     """Gather every run under ``folder`` into the result set ``folder/multigpu_scale`` (json, md, png),
-    stamped with the first run's date, GPUs and versions."""
+    stamped with the first run's date, GPUs and versions; the profiled runs into ``folder/PROFILE``."""
     runs, notes = collect(folder)
     ok = [r for r in runs if r.get("stamp")]
     st = dict(ok[0]["stamp"]) if ok else stamp()
@@ -352,7 +370,12 @@ def summary(folder: Path) -> dict:
         "train_begin_allocated_gib_rank0", "distributed_type", "build_s", "setup_s", "train_s", "wall_s",
         "losses",
     )  # fmt: skip
-    rows = [{k: r[k] for k in keep if k in r} for r in runs]
+    profiled = [r for r in runs if r.get("profile")]
+    if profiled:
+        prof_stamp = {**st, "command": f"CHUNKLOSS_PROFILE=1 {COMMAND}"}
+        write_set(folder, PROFILE, {"stamp": prof_stamp, "mode": "profile",
+                                    "rows": [profile_row(r) for r in profiled]})  # fmt: skip
+    rows = [{k: r[k] for k in keep if k in r} for r in runs if not r.get("profile")]
     models = sorted({r["model"] for r in rows if r.get("model") in MODELS})
     data = {"stamp": st, "num_generations": NUM_GENERATIONS,
             "head_memory": {m: head_memory(m) for m in models}, "runs": rows, "notes": notes}  # fmt: skip
@@ -379,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the median step time")
     p.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false")
     p.add_argument("--no-chunk-compile", dest="chunk_compile", action="store_false", help="eager chunk step")
+    p.add_argument("--profile", action="store_true", help="torch.profiler over the timed steps (rank 0's)")
     p.add_argument("--time-budget-s", type=float, default=0.0, help="from the process start; 0: none")
     p.add_argument("--out", type=Path, help="run folder")
     p.add_argument("--remaining", type=Path, metavar="RUN_DIR", help="print the batches RUN_DIR still lacks")

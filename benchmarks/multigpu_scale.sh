@@ -8,12 +8,14 @@
 # implementation ($CHUNKLOSS_IMPLS, default "chunked trl liger"; chunked runs its kernels unless
 # CHUNKLOSS_KERNELS=0), on $CHUNKLOSS_MODEL (default qwen3-4b; llama3-8b) with $CHUNKLOSS_SEQ_LEN-token
 # sequences (default 2048), per-GPU batches $CHUNKLOSS_BATCHES (default 1,2,...,64), $CHUNKLOSS_STEPS steps
-# each (default 7, $CHUNKLOSS_WARMUP = 2 untimed), checkpointing on unless CHUNKLOSS_GRADIENT_CHECKPOINTING=0.
-# Results: OUT_DIR/<model>_<trainer>_<backend>_<impl>_gc<0|1>[_nokernels]/batch_<B>.json, then the set
-# OUT_DIR/multigpu_scale.{json,md,png} of every run found under OUT_DIR (so a sweep split over several calls
-# into one OUT_DIR is summarised whole). A launch failing after some batches is launched again for the rest.
-# The budget, $CHUNKLOSS_BUDGET_S seconds (default 540), is shared evenly by the launches still to run; a share
-# under $CHUNKLOSS_MIN_RUN_S (default 90) skips the launch. Wheels and the environment: multigpu_common.sh.
+# each (default 7, $CHUNKLOSS_WARMUP = 2 untimed), checkpointing on unless CHUNKLOSS_GRADIENT_CHECKPOINTING=0;
+# CHUNKLOSS_PROFILE=1: torch.profiler over the timed steps instead (rank 0's kernel time by kind).
+# Results: OUT_DIR/<model>_<trainer>_<backend>_<impl>_gc<0|1>[_nokernels][_profile]/batch_<B>.json, then the
+# sets OUT_DIR/multigpu_scale.{json,md,png} of every run found under OUT_DIR (so a sweep split over several
+# calls into one OUT_DIR is summarised whole) and OUT_DIR/profile_multigpu.{json,md,png} of the profiled
+# ones. A launch failing after some batches is launched again for the rest. The budget, $CHUNKLOSS_BUDGET_S
+# seconds (default 540), is shared evenly by the launches still to run; a share under $CHUNKLOSS_MIN_RUN_S
+# (default 90) skips the launch. Wheels and the environment: multigpu_common.sh.
 set -u
 
 BUDGET=${CHUNKLOSS_BUDGET_S:-540}
@@ -31,6 +33,7 @@ FLAGS=()
 [ "${CHUNKLOSS_CHUNK_COMPILE:-1}" = 0 ] && FLAGS+=(--no-chunk-compile)
 SUFFIX=_gc${CHUNKLOSS_GRADIENT_CHECKPOINTING:-1}
 [ "${CHUNKLOSS_KERNELS:-1}" = 0 ] && FLAGS+=(--kernels off) && SUFFIX=${SUFFIX}_nokernels
+[ "${CHUNKLOSS_PROFILE:-0}" = 1 ] && FLAGS+=(--profile) && SUFFIX=${SUFFIX}_profile
 RESERVE=40  # seconds kept after the launches for the summary
 SKIPPED_RC=125 WORKER=multigpu_scale
 # shellcheck source=benchmarks/multigpu_common.sh

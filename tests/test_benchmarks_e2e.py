@@ -40,7 +40,8 @@ def test_kernel_kinds_and_idle_time_from_the_union_of_intervals():
     names = {"sm90_xmma_gemm_bf16": "gemm", "nvjet_tst_128x256": "gemm", "flash_fwd_kernel": "attention",
              "void at::native::multi_tensor_apply_kernel<Adam>": "optimizer",
              "_rms_norm_fwd_kernel": "triton", "void at::native::elementwise_kernel<copy>": "copies",
-             "void at::native::reduce_kernel": "other"}  # fmt: skip
+             "void at::native::reduce_kernel": "other",
+             "ncclDevKernel_AllGather_RING_LL": "comm"}  # fmt: skip
     assert {n: bench_e2e.kernel_kind(n) for n in names} == names
     cuda = bench_e2e.torch.autograd.DeviceType.CUDA
 
@@ -48,11 +49,14 @@ def test_kernel_kinds_and_idle_time_from_the_union_of_intervals():
         span = types.SimpleNamespace(start=start, end=end)
         return types.SimpleNamespace(name=name, device_type=cuda, time_range=span)
 
-    prof = types.SimpleNamespace(events=lambda: [event("x_gemm", 0, 4000), event("_k_kernel", 2000, 5000),
-                                                 event("flash_bwd", 7000, 8000)])  # fmt: skip
-    parts = bench_e2e.kernel_time(prof, wall_s=0.010, steps=2)  # 10 ms over two steps, 6 ms busy
+    spans = [event("x_gemm", 0, 4000), event("_k_kernel", 2000, 5000), event("flash_bwd", 7000, 8000),
+             event("ncclDevKernel_ReduceScatter", 4500, 7500)]  # fmt: skip
+    prof = types.SimpleNamespace(events=lambda: spans)
+    # 10 ms over two steps, 8 ms busy; from 5 to 7 ms only the collective runs
+    parts = bench_e2e.kernel_time(prof, wall_s=0.010, steps=2)
     assert parts["gemm"] == 2.0 and parts["triton"] == 1.5 and parts["attention"] == 0.5
-    assert parts["idle"] == pytest.approx(2.0)
+    assert parts["comm"] == 1.5 and parts["comm_exposed"] == pytest.approx(1.0)
+    assert parts["idle"] == pytest.approx(1.0)
 
 
 @pytest.mark.slow  # a process per implementation importing torch, transformers and TRL
