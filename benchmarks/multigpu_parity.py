@@ -262,18 +262,19 @@ def errors(run: Path, ref: Path) -> dict:
     )
 
 
-def compare(multi: Path, single: Path, out: Path, noise: Path | None = None) -> dict:
+def compare(multi: Path, single: Path, out: Path, noise: tuple[Path, Path] | None = None) -> dict:
     """The 2-process run ``multi`` against the reference ``single`` (:func:`errors`), with both curves and
-    norms; and, given the noise run (the reference's batch in two micro-batches), its errors as ``noise``."""
+    norms; and, given ``noise`` (the noise run, the reference's batch in two micro-batches, and the reference
+    it is measured against), its errors as ``noise``."""
     r_m, r_s = json.loads((multi / "run.json").read_text()), json.loads((single / "run.json").read_text())
     result = dict(trainer=r_m["trainer"], model=r_m.get("model", "tiny"), seq_len=r_m.get("seq_len"),
                   multi={k: r_m.get(k) for k in RUN_KEYS}, single={k: r_s.get(k) for k in RUN_KEYS},
                   **errors(multi, single), curve_multi=r_m["loss_curve"], curve_single=r_s["loss_curve"],
                   norms_multi=r_m.get("norms"), norms_single=r_s.get("norms"))  # fmt: skip
     if noise is not None:
-        e = errors(noise, single)
+        e = errors(*noise)
         result["noise"] = {k: e[k] for k in ("max_rel_grad_error", "max_rel_curve_diff", "max_rel_norm_diff")}
-        result["noise"]["run"] = {k: json.loads((noise / "run.json").read_text()).get(k) for k in RUN_KEYS}
+        result["noise"]["run"] = {k: json.loads((noise[0] / "run.json").read_text()).get(k) for k in RUN_KEYS}
     write_json(out, result)
     return result
 
@@ -339,7 +340,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--world", type=int, default=2, help="with --single: the multi-process world size")
     p.add_argument("--accumulate", type=int, default=1, help="with --single: micro-batches per step")
     p.add_argument("--compare", nargs=2, type=Path, metavar=("MULTI", "SINGLE"))
-    p.add_argument("--noise", type=Path, metavar="RUN", help="with --compare: the noise run")
+    p.add_argument("--noise", nargs=2, type=Path, metavar=("RUN", "REF"), help="with --compare: noise")
     p.add_argument("--summary", type=Path, metavar="DIR", help="write DIR/multigpu[_<model>].{json,md,png}")
     a = p.parse_args(argv)
     if a.summary:

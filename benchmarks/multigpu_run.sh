@@ -17,8 +17,8 @@
 # $CHUNKLOSS_MODEL (default tiny) names a real shape of benchmarks/multigpu_scale.py instead (qwen3-4b,
 # llama3-8b): 30 steps of $CHUNKLOSS_SEQ_LEN-token sequences (default 2048), checkpointing on unless
 # CHUNKLOSS_GRADIENT_CHECKPOINTING=0, each run limited to $CHUNKLOSS_RUN_S seconds (default 240); its files
-# and result set carry the model's name, and under FSDP2 a third run, the reference's global batch in two
-# micro-batches, measures the bf16 noise the real-size test allows.
+# and result set carry the model's name, and a third run per backend, the reference's global batch in two
+# micro-batches, measures the bf16 noise the real-size test allows. $CHUNKLOSS_BACKENDS: default "fsdp2 zero3".
 set -u
 
 BUDGET=${CHUNKLOSS_BUDGET_S:-480}
@@ -45,18 +45,25 @@ fi
 DEADLINE=$((BUDGET - RESERVE))
 
 
-# launch TRAINER BACKEND NPROC PORT NAME [--single --world 2]: benchmarks/multigpu_parity.py under accelerate
+# launch TRAINER BACKEND NPROC ACCUMULATE PORT NAME: benchmarks/multigpu_parity.py under accelerate, on 2
+# processes, or on 1 as the reference (the global batch, in ACCUMULATE micro-batches).
 launch() {
-  local t=$1 b=$2 n=$3 port=$4 name=$5
-  shift 5
+  local t=$1 b=$2 n=$3 acc=$4 port=$5 name=$6
+  local launcher=() script=()
+  [ "$n" = 1 ] && script=(--single --world 2 --accumulate "$acc")
+  # DeepSpeed's config fixes the accumulation steps (1): the launcher's flag sets them.
+  [ "$b" = zero3 ] && launcher=(--gradient_accumulation_steps "$acc")
   guarded "$name" "$RUN_S" "$OUT/$name" \
-    "$PY" -m accelerate.commands.launch --config_file "$CONFIGS/$b.yaml" --num_processes "$n" \
+    "$PY" -m accelerate.commands.launch --config_file "$CONFIGS/$b.yaml" --num_processes "$n" "${launcher[@]}" \
     --main_process_port "$port" -m benchmarks.multigpu_parity --trainer "$t" --out "$OUT/$name" \
-    "${MODEL_ARGS[@]}" "$@"
+    "${MODEL_ARGS[@]}" "${script[@]}"
 }
 
-BACKENDS=fsdp2
-[ "$HAVE_DS" = 1 ] && BACKENDS="fsdp2 zero3"
+BACKENDS=""
+for b in ${CHUNKLOSS_BACKENDS:-fsdp2 zero3}; do
+  [ "$b" = zero3 ] && [ "$HAVE_DS" = 0 ] && continue
+  BACKENDS="$BACKENDS $b"
+done
 # The 1-GPU references (the same accelerate config, one process, the global batch): one stream per backend,
 # FSDP2's on GPU 0 and ZeRO-3's on GPU 1, side by side. Then the 2-GPU runs, one at a time.
 gpu=0
@@ -66,11 +73,10 @@ for b in $BACKENDS; do
     port=$((29610 + 10 * gpu))
     for t in $TRAINERS; do
       port=$((port + 1))
-      CUDA_VISIBLE_DEVICES=$gpu launch "$t" "$b" 1 "$port" "${t}_$b${SFX}_ref" --single --world 2
-      if [ "$MODEL" != tiny ] && [ "$b" = fsdp2 ]; then
+      CUDA_VISIBLE_DEVICES=$gpu launch "$t" "$b" 1 1 "$port" "${t}_$b${SFX}_ref"
+      if [ "$MODEL" != tiny ]; then
         port=$((port + 1))
-        CUDA_VISIBLE_DEVICES=$gpu launch "$t" "$b" 1 "$port" "${t}_$b${SFX}_noise" --single --world 2 \
-          --accumulate 2
+        CUDA_VISIBLE_DEVICES=$gpu launch "$t" "$b" 1 2 "$port" "${t}_$b${SFX}_noise"
       fi
     done
   ) &
@@ -82,7 +88,7 @@ port=29640
 for b in $BACKENDS; do
   for t in $TRAINERS; do
     port=$((port + 1))
-    launch "$t" "$b" 2 "$port" "${t}_$b$SFX"
+    launch "$t" "$b" 2 1 "$port" "${t}_$b$SFX"
   done
 done
 
@@ -91,7 +97,7 @@ for t in $TRAINERS; do
   for b in fsdp2 zero3; do
     r=${t}_$b$SFX
     noise=()
-    [ -f "$OUT/${t}_fsdp2${SFX}_noise/run.json" ] && noise=(--noise "$OUT/${t}_fsdp2${SFX}_noise")
+    [ -f "$OUT/${r}_noise/run.json" ] && noise=(--noise "$OUT/${r}_noise" "$OUT/${r}_ref")
     if [ -f "$OUT/$r/run.json" ] && [ -f "$OUT/${r}_ref/run.json" ]; then
       if ! timeout "$(left)" "$PY" -m benchmarks.multigpu_parity --trainer "$t" --compare "$OUT/$r" \
         "$OUT/${r}_ref" "${noise[@]}" --out "$OUT/$r.json" > "$LOGS/compare_$r.log" 2>&1; then

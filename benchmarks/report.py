@@ -74,8 +74,10 @@ KINDS = {
               "frozen weights) and attention (SDPA forward + backward), each timed alone on the same card; "
               "QLoRA: the 4-bit weights' dequantisation too."),
     "multigpu": ("Multi-GPU parity: chunked trainers on 2 GPUs vs 1 GPU, same global batch", "s",
-                 "peak GiB per GPU", "Gradients of the first step and a 20-step loss curve against 1 GPU: "
-                 "largest difference relative to each tensor's largest entry."),
+                 "peak GiB per GPU", "The first step's gradients, the loss curve and (a real shape) each "
+                 "step's gradient norms of the head and the middle layer against 1 GPU: the largest "
+                 "difference relative to the tensor's or the curve's largest magnitude. noise_*: the same "
+                 "for the 1-GPU global batch in two micro-batches against 1 GPU (a real shape)."),
     "multigpu_scale": ("Multi-GPU scale: per-GPU batch until out of memory", "s", "peak GiB (fullest GPU)",
                        "Random weights of real shape, bf16, one accelerate config per backend; step time: "
                        "median after warm-up; tokens/s over all GPUs; GRPO's completions are fixed."),
@@ -163,8 +165,7 @@ def records(name: str, data: dict) -> list[dict]:
     if k == "multigpu":
         return [_row(f"{c['trainer']} {c['backend']}", "chunked", c["multi"]["median_step_time_s"],
                      _fullest(c["multi"]["peak_memory_gib"]), one_gpu_s=c["single"]["median_step_time_s"],
-                     rel_grad_err=c["max_rel_grad_error"], rel_curve_diff=c["max_rel_curve_diff"])
-                for c in data["comparisons"]]  # fmt: skip
+                     **_parity_cells(c)) for c in data["comparisons"]]  # fmt: skip
     if k == "multigpu_scale":
         out = []
         for r in data["runs"]:
@@ -177,6 +178,18 @@ def records(name: str, data: dict) -> list[dict]:
                             tokens_per_s=r.get("tokens_per_s")))  # fmt: skip
         return out
     raise ValueError(f"no renderer for result set {name!r}")
+
+
+def _parity_cells(c: dict) -> dict:
+    """A parity comparison's errors, then its noise run's (when it has one)."""
+    cells = {}
+    for prefix, e in (("", c), ("noise_", c.get("noise") or {})):
+        if e:
+            norms = e.get("max_rel_norm_diff") or {}
+            cells.update({f"{prefix}rel_grad_err": e["max_rel_grad_error"],
+                          f"{prefix}rel_curve_diff": e["max_rel_curve_diff"],
+                          **{f"{prefix}rel_norm_diff_{g}": v for g, v in norms.items()}})  # fmt: skip
+    return cells
 
 
 def against_best_peer(rows: list[dict]) -> list[dict]:
