@@ -209,7 +209,9 @@ def run(a, batch: int) -> None:
         torch.save(tap.grads, out / "grads_step1.pt")
         timed = clock.times[WARMUP_STEPS:] or clock.times
         acc, logs = tr.accelerator, tr.state.log_history
-        meta = dict(trainer=a.trainer, model=a.model, seq_len=a.seq_len if a.model != "tiny" else None,
+        real = a.model != "tiny"
+        meta = dict(trainer=a.trainer, model=a.model, seq_len=a.seq_len if real else None,
+                    gradient_checkpointing=a.gradient_checkpointing if real else None,
                     num_processes=acc.num_processes, distributed_type=str(acc.distributed_type),
                     per_device_batch=batch, accumulate=a.accumulate, bf16=bf16, loss_curve=curve,
                     grad_norms=[h["grad_norm"] for h in logs if "grad_norm" in h], norms=tap.norms,
@@ -268,6 +270,7 @@ def compare(multi: Path, single: Path, out: Path, noise: tuple[Path, Path] | Non
     it is measured against), its errors as ``noise``."""
     r_m, r_s = json.loads((multi / "run.json").read_text()), json.loads((single / "run.json").read_text())
     result = dict(trainer=r_m["trainer"], model=r_m.get("model", "tiny"), seq_len=r_m.get("seq_len"),
+                  gradient_checkpointing=r_m.get("gradient_checkpointing"),
                   multi={k: r_m.get(k) for k in RUN_KEYS}, single={k: r_s.get(k) for k in RUN_KEYS},
                   **errors(multi, single), curve_multi=r_m["loss_curve"], curve_single=r_s["loss_curve"],
                   norms_multi=r_m.get("norms"), norms_single=r_s.get("norms"))  # fmt: skip
@@ -298,6 +301,14 @@ def run_name(trainer: str, backend: str, model: str) -> str:
     return f"{trainer}_{backend}" + ("" if model == "tiny" else f"_{model}")
 
 
+def real_setting(c: dict) -> str:
+    """A real-shape comparison's setting, in words."""
+    gc = "on" if c.get("gradient_checkpointing") else "off"
+    return (f"{c['model']} shape with random weights, bf16, the kernels on; {c['seq_len']}-token sequences, "
+            f"{REAL_BATCH} per GPU ({2 * REAL_BATCH} on one GPU), {c['steps_compared']} steps "
+            f"(benchmarks.harness.make_trainer's learning rate), checkpointing {gc}.")  # fmt: skip
+
+
 def summary(folder: Path, model: str = "tiny") -> dict:
     """Gather every ``<trainer>_<backend>[_<model>].json`` comparison in ``folder`` into the result set
     ``folder/multigpu[_<model>]`` (json, md, png); a run that left none is named in ``notes`` with the reason
@@ -321,6 +332,8 @@ def summary(folder: Path, model: str = "tiny") -> dict:
     env = "" if model == "tiny" else f"CHUNKLOSS_MODEL={model} "
     st = stamp(command=f"{env}bash benchmarks/multigpu_run.sh OUT", gpus=torch.cuda.device_count())
     data = {"stamp": st, "warmup_steps": WARMUP_STEPS, "comparisons": comparisons, "notes": notes}
+    if model != "tiny" and comparisons:
+        data["model"] = real_setting(comparisons[0])
     write_set(folder, set_name(model), data)
     return data
 
