@@ -14,8 +14,10 @@
 # sets OUT_DIR/multigpu_scale.{json,md,png} of every run found under OUT_DIR (so a sweep split over several
 # calls into one OUT_DIR is summarised whole) and OUT_DIR/profile_multigpu.{json,md,png} of the profiled
 # ones. A launch failing after some batches is launched again for the rest. The budget, $CHUNKLOSS_BUDGET_S
-# seconds (default 540), is shared evenly by the launches still to run; a share under $CHUNKLOSS_MIN_RUN_S
-# (default 90) skips the launch. Wheels and the environment: multigpu_common.sh.
+# seconds (default 540), is shared evenly by the launches still to run, each given at least
+# $CHUNKLOSS_MIN_RUN_S (default 90) in their order: a launch that would have less before the deadline is
+# skipped, so the first launches run and the last are dropped when the budget is short. Wheels and the
+# environment: multigpu_common.sh.
 set -u
 
 BUDGET=${CHUNKLOSS_BUDGET_S:-540}
@@ -55,6 +57,7 @@ for combo in "${combos[@]}"; do
   read -r t b i <<< "$combo"
   name=${MODEL}_${t}_${b}_$i$SUFFIX
   share=$(((DEADLINE - SECONDS) / (${#combos[@]} - done_combos)))
+  [ "$share" -lt "$MIN_RUN" ] && share=$MIN_RUN
   done_combos=$((done_combos + 1))
   end=$((SECONDS + share))
   batches=$BATCHES

@@ -59,6 +59,10 @@ def test_sweeps_and_summary(tmp_path, monkeypatch):
     # A budget already spent (it counts from the process start): the batch after the first is skipped.
     assert multigpu_scale.main(["--trainer", "sft", "--impl", "trl", "--batch-sizes", "1,2", *TINY,
                                 "--time-budget-s", "0.001", "--out", str(trl)]) == 0  # fmt: skip
+    # A profiled run: its own set, not a row of the scale.
+    profiled = tmp_path / "sft_none_chunked_profile"
+    assert multigpu_scale.main(["--trainer", "sft", "--impl", "chunked", "--batch-sizes", "1", *TINY,
+                                "--profile", "--out", str(profiled)]) == 0  # fmt: skip
 
     r = json.loads((ours / "batch_2.json").read_text())
     assert RUN_KEYS <= set(r) and r["oom"] is False
@@ -88,6 +92,10 @@ def test_sweeps_and_summary(tmp_path, monkeypatch):
     assert rows[0]["time"] == data["runs"][0]["median_step_time_s"]
     assert (tmp_path / "multigpu_scale.png").stat().st_size > 5_000
     assert json.loads((tmp_path / "multigpu_scale.json").read_text())["runs"] == data["runs"]
+    profile = json.loads((tmp_path / f"{multigpu_scale.PROFILE}.json").read_text())
+    [row] = report.records(multigpu_scale.PROFILE, profile)
+    assert row["case"] == "tiny sft none x1 16 tok gc on b=1" and row["impl"] == "chunked"
+    assert {"gemm", "comm", "comm_exposed", "idle"} <= set(row) and row["time"] > 0
 
 
 @pytest.mark.parametrize("impl", ["chunked", "trl"])  # liger: Triton kernels, GPU only
