@@ -18,7 +18,8 @@
 # llama3-8b): 30 steps of $CHUNKLOSS_SEQ_LEN-token sequences (default 2048), checkpointing on unless
 # CHUNKLOSS_GRADIENT_CHECKPOINTING=0, each run limited to $CHUNKLOSS_RUN_S seconds (default 240); its files
 # and result set carry the model's name, and a third run per backend, the reference's global batch in two
-# micro-batches, measures the bf16 noise the real-size test allows. $CHUNKLOSS_BACKENDS: default "fsdp2 zero3".
+# micro-batches, measures the bf16 noise the real-size test allows. $CHUNKLOSS_BACKENDS: default
+# "fsdp2 zero3".
 set -u
 
 BUDGET=${CHUNKLOSS_BUDGET_S:-480}
@@ -54,9 +55,9 @@ launch() {
   # DeepSpeed's config fixes the accumulation steps (1): the launcher's flag sets them.
   [ "$b" = zero3 ] && launcher=(--gradient_accumulation_steps "$acc")
   guarded "$name" "$RUN_S" "$OUT/$name" \
-    "$PY" -m accelerate.commands.launch --config_file "$CONFIGS/$b.yaml" --num_processes "$n" "${launcher[@]}" \
-    --main_process_port "$port" -m benchmarks.multigpu_parity --trainer "$t" --out "$OUT/$name" \
-    "${MODEL_ARGS[@]}" "${script[@]}"
+    "$PY" -m accelerate.commands.launch --config_file "$CONFIGS/$b.yaml" --num_processes "$n" \
+    "${launcher[@]}" --main_process_port "$port" -m benchmarks.multigpu_parity --trainer "$t" \
+    --out "$OUT/$name" "${MODEL_ARGS[@]}" "${script[@]}"
 }
 
 BACKENDS=""
@@ -113,8 +114,8 @@ done
 note "pytest -m multigpu on the comparisons in $OUT"
 SELECT=(-k "not real_size")
 [ "$MODEL" != tiny ] && SELECT=(-k real_size)
-CHUNKLOSS_MULTIGPU_RESULTS=$OUT CHUNKLOSS_MODEL=$MODEL timeout "$(left)" "$PY" -m pytest -q -rA -p no:cacheprovider \
-  -m multigpu "${SELECT[@]}" tests/trainers/test_multigpu.py 2>&1 | tee "$LOGS/pytest.log"
+CHUNKLOSS_MULTIGPU_RESULTS=$OUT CHUNKLOSS_MODEL=$MODEL timeout "$(left)" "$PY" -m pytest -q -rA \
+  -p no:cacheprovider -m multigpu "${SELECT[@]}" tests/trainers/test_multigpu.py 2>&1 | tee "$LOGS/pytest.log"
 PYTEST_RC=${PIPESTATUS[0]}
 # The ZeRO-3 head on CPU (2 gloo processes against one, fp32), if DeepSpeed imports and time is left: its
 # first run JIT-builds DeepSpeed's CPU shared-memory op.
