@@ -50,14 +50,12 @@ DEADLINE=$((BUDGET - RESERVE))
 # processes, or on 1 as the reference (the global batch, in ACCUMULATE micro-batches).
 launch() {
   local t=$1 b=$2 n=$3 acc=$4 port=$5 name=$6
-  local launcher=() script=()
+  local script=()
   [ "$n" = 1 ] && script=(--single --world 2 --accumulate "$acc")
-  # DeepSpeed's config fixes the accumulation steps (1): the launcher's flag sets them.
-  [ "$b" = zero3 ] && launcher=(--gradient_accumulation_steps "$acc")
   guarded "$name" "$RUN_S" "$OUT/$name" \
     "$PY" -m accelerate.commands.launch --config_file "$CONFIGS/$b.yaml" --num_processes "$n" \
-    "${launcher[@]}" --main_process_port "$port" -m benchmarks.multigpu_parity --trainer "$t" \
-    --out "$OUT/$name" "${MODEL_ARGS[@]}" "${script[@]}"
+    --main_process_port "$port" -m benchmarks.multigpu_parity --trainer "$t" --out "$OUT/$name" \
+    "${MODEL_ARGS[@]}" "${script[@]}"
 }
 
 BACKENDS=""

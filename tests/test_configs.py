@@ -426,3 +426,13 @@ def test_load_in_4bit_without_bitsandbytes_is_one_line(tmp_path, monkeypatch, ca
     err = capsys.readouterr().err.splitlines()
     message = "load_in_4bit needs bitsandbytes: pip install 'chunkloss[qlora]'"
     assert err == [f"chunkloss: error: {path}: {message}"]
+
+
+def test_zero3_config_leaves_accumulation_and_clipping_to_the_trainer():
+    """DeepSpeed refuses a config value that differs from the trainer's (transformers: "Please correct the
+    following DeepSpeed config values that mismatch TrainingArguments values"), so the accelerate config
+    leaves out what the trainer's config sets: with gradient_accumulation_steps: 1 in it, a trainer with
+    gradient_accumulation_steps=2 did not start (DeepSpeed 0.19.8, accelerate 1.15, on CPU)."""
+    ds = _read(CONFIG_DIR / "accelerate" / "zero3.yaml")["deepspeed_config"]
+    assert ds["zero_stage"] == 3
+    assert not {"gradient_accumulation_steps", "gradient_clipping"} & set(ds)
