@@ -159,21 +159,16 @@ def _trainer(kind: str, out: Path, steps: int, batch: int, bf16: bool, accumulat
 
 
 def _real_trainer(a, batch: int):
-    """The chunked trainer of ``a.model``'s shape (random weights, bf16 on CUDA, the kernels on), as
-    ``benchmarks.multigpu_scale`` builds it; ``a.accumulate`` micro-batches of ``batch`` per step."""
-    from benchmarks.harness import counting_dataset, make_trainer
-    from benchmarks.multigpu_scale import build_model
+    """The chunked trainer of ``a.model``'s shape, as ``benchmarks.multigpu_scale`` builds it (random weights,
+    bf16 on CUDA, the kernels on); ``a.accumulate`` micro-batches of ``batch`` per step."""
+    from benchmarks.multigpu_scale import build_model, build_trainer
     from chunkloss.data import tiny_tokenizer
 
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     tok = tiny_tokenizer()
-    model = build_model(a.model, tok, device, torch.bfloat16 if cuda else torch.float32, a.seq_len)
-    ref = copy.deepcopy(model).requires_grad_(False) if a.trainer == "dpo" else None
-    ds = counting_dataset(a.trainer, 256, a.seq_len)
-    return make_trainer(a.trainer, "chunkloss", model, tok, ds, out_dir=str(a.out / "trainer"), batch=batch,
-                        steps=a.steps, seq=a.seq_len, gc=a.gradient_checkpointing, ref=ref,
-                        accumulate=a.accumulate)  # fmt: skip
+    model = build_model(a.model, tok, a.seq_len)
+    return build_trainer(a.trainer, "chunked", model, tok, seq_len=a.seq_len, batch=batch, rows=256,
+                         steps=a.steps, out_dir=str(a.out / "trainer"), gc=a.gradient_checkpointing,
+                         accumulate=a.accumulate)  # fmt: skip
 
 
 def _peak_memory_gib(trainer) -> list[dict] | None:

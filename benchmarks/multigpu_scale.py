@@ -103,12 +103,27 @@ def head_memory(model: str, weight_bytes: int = 2) -> dict:
     return out
 
 
-def build_model(model: str, tokenizer, device, dtype, seq_len: int):
-    """``model``'s shape with random weights from ``SEED``, built directly on ``device`` in ``dtype`` (no
-    host copy: a 4B model initialises on the GPU in seconds)."""
-    s = MODELS[model]
+def build_model(model: str, tokenizer, seq_len: int):
+    """``model``'s shape with random weights from ``SEED``, built directly on this rank's GPU in bf16 (no
+    host copy: a 4B model initialises on the GPU in seconds; without CUDA on the CPU in fp32)."""
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    s, dtype = MODELS[model], torch.bfloat16 if cuda else torch.float32
     return random_model(s, device, dtype, SEED, tokenizer, tie_word_embeddings=s["tied"],
                         max_position_embeddings=max(4096, 2 * seq_len))  # fmt: skip
+
+
+def build_trainer(kind: str, impl: str, model, tokenizer, *, seq_len: int, batch: int, rows: int, steps: int,
+                  out_dir: str, gc: bool, kernels: bool = True, chunk_compile: bool = True,
+                  accumulate: int = 1):  # fmt: skip
+    """``kind``'s trainer of ``impl`` (``IMPLS``) on ``model``: ``rows`` counting examples of ``seq_len``
+    tokens, ``accumulate`` micro-batches of ``batch`` per step. DPO's reference is the initial policy, given:
+    TRL would load it from the policy's path, which a random model lacks."""
+    ds = counting_dataset(kind, rows, seq_len)
+    ref = copy.deepcopy(model).requires_grad_(False) if kind == "dpo" else None
+    return make_trainer(kind, HARNESS_IMPL[impl], model, tokenizer, ds, out_dir=out_dir, batch=batch,
+                        steps=steps, seq=seq_len, gc=gc, ref=ref, kernels=kernels,
+                        chunk_compile=chunk_compile, accumulate=accumulate)  # fmt: skip
 
 
 class TokenCount:
@@ -149,17 +164,12 @@ def _train(batch: int, a, tokenizer, t0: float) -> dict:
     it returns."""
     cuda = torch.cuda.is_available()
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
-    model = build_model(a.model, tokenizer, device, torch.bfloat16 if cuda else torch.float32, a.seq_len)
-    ds = counting_dataset(a.trainer, max(2 * batch * world, 8), a.seq_len)
+    model = build_model(a.model, tokenizer, a.seq_len)
     t1 = time.perf_counter()
-    # DPO's reference is the initial policy, given: TRL would load it from the policy's path, which a random
-    # model lacks.
-    ref = copy.deepcopy(model).requires_grad_(False) if a.trainer == "dpo" else None
-    trainer = make_trainer(a.trainer, HARNESS_IMPL[a.impl], model, tokenizer, ds, batch=batch,
-                           out_dir=str(a.out / "trainer"), steps=a.steps, seq=a.seq_len, ref=ref,
-                           gc=a.gradient_checkpointing, kernels=a.kernels == "on",
-                           chunk_compile=a.chunk_compile)  # fmt: skip
+    trainer = build_trainer(a.trainer, a.impl, model, tokenizer, seq_len=a.seq_len, batch=batch,
+                            rows=max(2 * batch * world, 8), steps=a.steps, out_dir=str(a.out / "trainer"),
+                            gc=a.gradient_checkpointing, kernels=a.kernels == "on",
+                            chunk_compile=a.chunk_compile)  # fmt: skip
     timer, tokens = StepTimer(), TokenCount(model)
     trainer.add_callback(timer.callback(after_step=tokens.end_step))
     prof = None
