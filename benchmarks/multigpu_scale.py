@@ -55,7 +55,7 @@ from benchmarks.harness import (  # noqa: E402
     stamp,
 )
 from benchmarks.multigpu_parity import TRAINERS, _peak_memory_gib, _reason  # noqa: E402
-from benchmarks.report import write_json, write_set  # noqa: E402
+from benchmarks.report import fullest, write_json, write_set  # noqa: E402
 
 # Shapes of the models (random weights), bench_e2e's; tied: the LM head shares the input embedding's weight.
 MODELS = {
@@ -361,7 +361,7 @@ def profile_row(r: dict) -> dict:
     error = None if r["status"] == "ok" else r["status"]
     time_ms = r["median_step_time_s"] * 1e3 if r.get("median_step_time_s") else None
     return dict(case=case, impl=r["impl"], ms=time_ms, error=error, parts=r.get("parts", {}),
-                peak_mem_gib=max((m["allocated"] for m in r.get("peak_memory_gib") or []), default=None))
+                peak_mem_gib=fullest(r.get("peak_memory_gib")))
 
 
 def summary(folder: Path) -> dict:

@@ -121,7 +121,7 @@ def _gib(nbytes) -> float | None:
     return None if nbytes is None else nbytes / GiB
 
 
-def _fullest(peaks: list[dict] | None) -> float | None:
+def fullest(peaks: list[dict] | None) -> float | None:
     """The largest per-rank allocated peak (GiB) of ``[{"rank", "allocated", ...}]``."""
     return max((p["allocated"] for p in peaks or []), default=None)
 
@@ -164,7 +164,7 @@ def records(name: str, data: dict) -> list[dict]:
                      **r.get("parts", {})) for r in data["rows"]]  # fmt: skip
     if k == "multigpu":
         return [_row(f"{c['trainer']} {c['backend']}", "chunked", c["multi"]["median_step_time_s"],
-                     _fullest(c["multi"]["peak_memory_gib"]), one_gpu_s=c["single"]["median_step_time_s"],
+                     fullest(c["multi"]["peak_memory_gib"]), one_gpu_s=c["single"]["median_step_time_s"],
                      **_parity_cells(c)) for c in data["comparisons"]]  # fmt: skip
     if k == "multigpu_scale":
         out = []
@@ -174,7 +174,7 @@ def records(name: str, data: dict) -> list[dict]:
             off = r["impl"] == "chunked" and not r.get("kernels")  # runs before the switch had no kernels
             impl = r["impl"] + (" (no kernels)" if off else "")
             err = None if r["status"] == "ok" else r["status"]
-            out.append(_row(case, impl, r.get("median_step_time_s"), _fullest(r.get("peak_memory_gib")), err,
+            out.append(_row(case, impl, r.get("median_step_time_s"), fullest(r.get("peak_memory_gib")), err,
                             tokens_per_s=r.get("tokens_per_s")))  # fmt: skip
         return out
     raise ValueError(f"no renderer for result set {name!r}")
