@@ -110,10 +110,10 @@ for t in $TRAINERS; do
 done
 
 note "pytest -m multigpu on the comparisons in $OUT"
-SELECT=(-k "not real_size")
+SELECT=(-m multigpu -k "not real_size")
 [ "$MODEL" != tiny ] && SELECT=(-k real_size)
 CHUNKLOSS_MULTIGPU_RESULTS=$OUT CHUNKLOSS_MODEL=$MODEL timeout "$(left)" "$PY" -m pytest -q -rA \
-  -p no:cacheprovider -m multigpu "${SELECT[@]}" tests/trainers/test_multigpu.py 2>&1 | tee "$LOGS/pytest.log"
+  -p no:cacheprovider "${SELECT[@]}" tests/trainers/test_multigpu.py 2>&1 | tee "$LOGS/pytest.log"
 PYTEST_RC=${PIPESTATUS[0]}
 # The ZeRO-3 head on CPU (2 gloo processes against one, fp32), if DeepSpeed imports and time is left: its
 # first run JIT-builds DeepSpeed's CPU shared-memory op.
