@@ -23,7 +23,7 @@ minus what was allocated when it began. A chunkloss row with its kernels keeps t
     TRITON_INTERPRET=1 python -m benchmarks.bench_e2e --shape tiny --impl trl,chunkloss --batches 2 \\
         --steps 6 --warmup 1 --out /tmp/e2e/smoke.json                                   # CPU smoke run
 
-``--profile`` (one implementation, one batch): CUDA kernel time per step by kind (:func:`kernel_time`).
+``--profile`` (one implementation, one batch): CUDA kernel time per step by kind (``harness.kernel_time``).
 ``--floor``: the step's GEMMs and attention timed alone (:func:`floor`), with ``--task qlora`` also the
 dequantisation of each 4-bit weight (:func:`dequant_ms`).
 """
@@ -46,7 +46,7 @@ import tempfile
 
 import torch
 
-from benchmarks.harness import (  # noqa: F401 - kernel_kind: the kinds of kernel_time
+from benchmarks.harness import (
     LOSSES,
     TRAINER_IMPLS,
     StepTimer,
@@ -54,7 +54,6 @@ from benchmarks.harness import (  # noqa: F401 - kernel_kind: the kinds of kerne
     error_text,
     free_memory,
     is_oom,
-    kernel_kind,
     kernel_time,
     kernels_available,
     make_trainer,

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("trl")
 
-from benchmarks import bench_e2e  # noqa: E402
+from benchmarks import bench_e2e, harness  # noqa: E402
 from tests.child_process import in_child_process
 
 SMOKE = ["--shape", "tiny", "--seq", "32", "--steps", "3", "--warmup", "1", "--batches", "2"]
@@ -42,8 +42,8 @@ def test_kernel_kinds_and_idle_time_from_the_union_of_intervals():
              "_rms_norm_fwd_kernel": "triton", "void at::native::elementwise_kernel<copy>": "copies",
              "void at::native::reduce_kernel": "other",
              "ncclDevKernel_AllGather_RING_LL": "comm"}  # fmt: skip
-    assert {n: bench_e2e.kernel_kind(n) for n in names} == names
-    cuda = bench_e2e.torch.autograd.DeviceType.CUDA
+    assert {n: harness.kernel_kind(n) for n in names} == names
+    cuda = harness.torch.autograd.DeviceType.CUDA
 
     def event(name, start, end):
         span = types.SimpleNamespace(start=start, end=end)
@@ -53,7 +53,7 @@ def test_kernel_kinds_and_idle_time_from_the_union_of_intervals():
              event("ncclDevKernel_ReduceScatter", 4500, 7500)]  # fmt: skip
     prof = types.SimpleNamespace(events=lambda: spans)
     # 10 ms over two steps, 8 ms busy; from 5 to 7 ms only the collective runs
-    parts = bench_e2e.kernel_time(prof, wall_s=0.010, steps=2)
+    parts = harness.kernel_time(prof, wall_s=0.010, steps=2)
     assert parts["gemm"] == 2.0 and parts["triton"] == 1.5 and parts["attention"] == 0.5
     assert parts["comm"] == 1.5 and parts["comm_exposed"] == pytest.approx(1.0)
     assert parts["idle"] == pytest.approx(1.0)
