@@ -28,6 +28,10 @@ if "--smoke" in sys.argv and not os.path.exists("/dev/nvidiactl"):
 
 import torch
 import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_apply_rotary_pos_emb
+
+from benchmarks.harness import PEAK_TFLOPS, error_text, peak_extra, stamp, timed_ms
+from benchmarks.report import write_set
 from chunkloss.kernels import (
     apply_rotary_pos_emb,
     attention_input,
@@ -37,10 +41,6 @@ from chunkloss.kernels import (
     rms_norm_ref,
     swiglu,
 )
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_apply_rotary_pos_emb
-
-from benchmarks.harness import PEAK_TFLOPS, error_text, peak_extra, stamp, timed_ms
-from benchmarks.report import write_set
 from chunkloss.models import saved_norms
 
 BLOCKS = ("mlp", "attn_in")

@@ -1,5 +1,4 @@
-"""The import map points one way: every import of ``chunkloss/``, ``kernels/`` and ``trainers/`` (at
-module level, inside functions, or under ``TYPE_CHECKING``) goes to a module of the same layer or one below,
+"""The import map points one way: every import of a module of ``chunkloss/`` (at module level, inside functions, or under ``TYPE_CHECKING``) goes to a module of the same layer or one below,
 and no modules import each other in a cycle.
 
 Layers, bottom to top::
@@ -21,8 +20,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-#: Source folders and the package each is installed as.
-PACKAGES = {"chunkloss": "chunkloss", "kernels": "chunkloss.kernels", "trainers": "chunkloss.trainers"}
 LAYERS = (
     ("kernels", ("chunkloss.kernels",)),
     ("engine", ("chunkloss.engine",)),
@@ -31,20 +28,16 @@ LAYERS = (
     ("trainers", ("chunkloss.trainers",)),
     ("cli", ("chunkloss.cli",)),
 )
-#: The transformers integration still inside kernels/ until it moves to chunkloss.models: its own imports are
-#: not checked while these files exist there.
-PENDING_MOVE = ("kernels/patch.py", "kernels/saved_norms.py")
 
 
 def module_files(root: Path = ROOT) -> dict[str, Path]:
-    """Every module of the three source folders by its installed dotted name."""
+    """Every module of ``chunkloss/`` by its dotted name."""
     out = {}
-    for folder, package in PACKAGES.items():
-        for path in sorted((root / folder).rglob("*.py")):
-            parts = path.relative_to(root / folder).with_suffix("").parts
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            out[".".join((package, *parts))] = path
+    for path in sorted((root / "chunkloss").rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
     return out
 
 
@@ -86,8 +79,7 @@ def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
     known = set(files)
     graph = {}
     for module, path in files.items():
-        rel = path.relative_to(root).as_posix()
-        graph[module] = set() if rel in PENDING_MOVE else imports_of(module, path, known) - {module}
+        graph[module] = imports_of(module, path, known) - {module}
     return graph
 
 
@@ -179,8 +171,8 @@ def test_engine_and_losses_use_no_private_names_of_other_modules():
 @pytest.mark.parametrize(
     "files, problem",
     [
-        ({"kernels/scale.py": "from chunkloss.engine import Batch\n"}, "wrong way"),
-        ({"kernels/scale.py": "def f():\n    import chunkloss.losses.cross_entropy\n"}, "wrong way"),
+        ({"chunkloss/kernels/scale.py": "from chunkloss.engine import Batch\n"}, "wrong way"),
+        ({"chunkloss/kernels/scale.py": "def f():\n    import chunkloss.losses.cross_entropy\n"}, "wrong way"),
         ({"chunkloss/engine/steps.py": "from chunkloss.losses import common\n"}, "wrong way"),
         (
             {
@@ -189,7 +181,7 @@ def test_engine_and_losses_use_no_private_names_of_other_modules():
             },
             "wrong way",
         ),  # fmt: skip
-        ({"trainers/sft.py": "from chunkloss.cli import main\n"}, "wrong way"),
+        ({"chunkloss/trainers/sft.py": "from chunkloss.cli import main\n"}, "wrong way"),
         ({"chunkloss/engine/plan.py": "from chunkloss.engine import loop\n"}, "cycle"),
         (
             {"chunkloss/losses/a.py": "from . import b\n", "chunkloss/losses/b.py": "from .a import x\n"},
@@ -208,11 +200,10 @@ def test_engine_and_losses_use_no_private_names_of_other_modules():
 )
 def test_the_check_fails_on_a_bad_import(tmp_path, files, problem):
     """The checks catch each kind of bad edge, in a copy of the sources with one import added."""
-    for folder in PACKAGES:
-        for path in (ROOT / folder).rglob("*.py"):
-            target = tmp_path / path.relative_to(ROOT)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(path.read_text())
+    for path in (ROOT / "chunkloss").rglob("*.py"):
+        target = tmp_path / path.relative_to(ROOT)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(path.read_text())
     assert wrong_way(import_graph(tmp_path)) == [] and cycles(import_graph(tmp_path)) == []
     assert private_uses(tmp_path) == []
     for rel, text in files.items():

@@ -10,10 +10,10 @@ sums round differently: one bf16 ulp, plus the fp32 sums' own error. Each case a
 exercised (kernel calls and their row counts), so a change that stops fusing fails here.
 """
 
-import chunkloss.kernels.weight_grad as wg
 import pytest
 import torch
 
+import chunkloss.kernels.weight_grad as wg
 from chunkloss import FusedLinearCrossEntropyLoss, FusedLinearDPOLoss, FusedLinearGRPOLoss
 from chunkloss.engine import plan, weight_grad
 from tests.tolerances import assert_close_to_ref

@@ -6,9 +6,9 @@ fp64 reference (transformers' Llama math op for op). CPU runs go through TRITON_
 
 import pytest
 import torch
+
 from chunkloss.kernels import apply_rotary_pos_emb
 from chunkloss.kernels.attention_input import attention_input, attention_input_ref
-
 from tests.kernels.compiled import compiled_matches_eager, in_fresh_process
 from tests.tolerances import assert_close_to_ref
 

@@ -14,10 +14,10 @@ lie within the same few-ulp bound of the fp32 reference (a norm ratio err(ours)/
 the interpreter, whose fp32 -> bf16 cast truncates where torch rounds to nearest).
 """
 
-import chunkloss.kernels.cross_entropy as ce
 import pytest
 import torch
 
+import chunkloss.kernels.cross_entropy as ce
 from chunkloss.losses.common import LabelRows, Normalisers
 from chunkloss.losses.cross_entropy import CrossEntropyOptions, cross_entropy_chunk
 from tests.tolerances import assert_close_to_ref

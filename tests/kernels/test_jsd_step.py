@@ -14,10 +14,10 @@ place (the interpreter truncates fp32 -> bf16 where torch rounds to nearest).
 
 import itertools
 
-import chunkloss.kernels.jsd as kj
 import pytest
 import torch
 
+import chunkloss.kernels.jsd as kj
 from tests.tolerances import assert_close_to_ref
 
 CAPS = dict(student_logit_scale=1.3, student_softcap=4.0, teacher_logit_scale=0.8, teacher_softcap=5.0)

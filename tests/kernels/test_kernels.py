@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+
 from chunkloss.kernels import (
     ApplyRotaryPosEmb,
     apply_rotary_pos_emb,
@@ -23,7 +24,6 @@ from chunkloss.kernels import (
 )
 from chunkloss.kernels.glu import GLU, glu_ref
 from chunkloss.kernels.rms_norm import rms_norm_bwd_torch, rms_norm_fwd_torch
-
 from tests.kernels.compiled import compiled_matches_eager
 from tests.tolerances import assert_close_to_ref
 

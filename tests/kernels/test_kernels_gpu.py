@@ -5,6 +5,7 @@ Run: ``pytest -m gpu tests/kernels -q``.
 
 import pytest
 import torch
+
 from chunkloss.kernels import (
     apply_rotary_pos_emb,
     apply_rotary_pos_emb_ref,
@@ -18,7 +19,6 @@ from chunkloss.kernels import (
     swiglu_ref,
 )
 from chunkloss.kernels._utils import norm_knobs
-
 from tests.kernels.test_kernels import assert_close3, rope_tables
 from tests.tolerances import assert_close_to_ref
 

@@ -8,10 +8,10 @@ order of the sum-exp and in ``exp``/``log`` implementations. Measured on CPU: at
 log-probs of magnitude ~10, inside tests/tolerances.py's fp32 row.
 """
 
-import chunkloss.kernels.logprob as lp
 import pytest
 import torch
 
+import chunkloss.kernels.logprob as lp
 from chunkloss.losses import common
 from tests.tolerances import assert_close_to_ref
 

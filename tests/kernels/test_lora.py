@@ -12,11 +12,11 @@ import contextlib
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from chunkloss.kernels import FrozenWeight, LoraAdapter, lora_linear, lora_linear_ref
 from chunkloss.kernels.attention_input import attention_input, attention_input_ref
 from chunkloss.kernels.mlp import gated_mlp, gated_mlp_ref
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from tests.kernels import test_attention_input as attn
 from tests.kernels.compiled import compiled_matches_eager, in_fresh_process
 from tests.tolerances import assert_close_to_ref
@@ -471,7 +471,7 @@ def test_compiles_without_graph_breaks(fn, dropout_p):
     compiled_matches_eager(model, [*leaves, *flat], values=dropout_p == 0)
 
 
-# QLoRA: a frozen base given as a FrozenWeight (kernels/frozen.py), loaded for each GEMM and never saved.
+# QLoRA: a frozen base given as a FrozenWeight (chunkloss/kernels/frozen.py), loaded for each GEMM and never saved.
 # fn -> (the base weights given as FrozenWeight, loads in the forward, loads in the backward)
 FROZEN = {
     "lora_linear": (("weight",), 1, 1),

@@ -8,9 +8,9 @@ adapters inside the block are tested in tests/kernels/test_lora.py.
 import pytest
 import torch
 import transformers
+
 from chunkloss.kernels import swiglu
 from chunkloss.kernels.mlp import FusedGatedMLP, gated_mlp, gated_mlp_ref
-
 from tests.kernels.compiled import compiled_matches_eager, in_fresh_process
 from tests.tolerances import assert_close_to_ref, err
 

@@ -10,6 +10,7 @@ per program: tests/kernels/test_kernels_gpu.py covers that case at real shapes).
 import pytest
 import torch
 import torch.nn.functional as F
+
 from chunkloss.kernels import layer_norm, layer_norm_ref, rms_norm, rms_norm_ref
 from chunkloss.kernels._utils import (
     NORM_SETTINGS,
@@ -21,7 +22,6 @@ from chunkloss.kernels._utils import (
     norm_fwd_plan,
     norm_knobs,
 )
-
 from tests.kernels.test_kernels import DTYPES, check3, run3
 from tests.tolerances import assert_close_to_ref
 

@@ -12,9 +12,9 @@ compiler may fuse a product into an FMA, one rounding of a product fewer, at mos
 
 import pytest
 import torch
+
 from chunkloss.kernels import apply_rotary_pos_emb, apply_rotary_pos_emb_ref
 from chunkloss.kernels.rope import ROPE_SETTINGS, rope_knobs
-
 from tests.kernels.test_kernels import assert_close3, rope_tables
 from tests.tolerances import assert_close_to_ref
 

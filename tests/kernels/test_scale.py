@@ -10,10 +10,10 @@ flushes bf16 subnormals to zero when it widens them to fp32; the GPU tests inclu
 
 import statistics
 
-import chunkloss.kernels.scale as sc
 import pytest
 import torch
 
+import chunkloss.kernels.scale as sc
 from chunkloss import FusedLinearCrossEntropyLoss
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -7,9 +7,10 @@ dtype, give or take the fp32 rounding of the sum: within one unit in the last pl
 the fp64 result plus the standard error bound of an fp32 sum of K + 1 terms.
 """
 
-import chunkloss.kernels.weight_grad as wg
 import pytest
 import torch
+
+import chunkloss.kernels.weight_grad as wg
 
 LOW = [torch.bfloat16, torch.float16]
 

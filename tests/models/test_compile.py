@@ -13,11 +13,11 @@ import copy
 
 import pytest
 import torch
+
 from chunkloss.kernels import glu, lora, rope
 from chunkloss.kernels.attention_input import attention_input_ref
 from chunkloss.kernels.mlp import gated_mlp_ref
 from chunkloss.kernels.rms_norm import rms_norm_ref
-
 from chunkloss.models import layers, patch
 from tests.child_process import in_child_process
 from tests.models.test_lora import lora_model, loss_and_grads

@@ -11,9 +11,9 @@ import tempfile
 
 import pytest
 import torch
-from chunkloss.kernels import lora_linear_ref
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
+from chunkloss.kernels import lora_linear_ref
 from chunkloss.models import patch
 from chunkloss.models.lora import projection, why_not_fused
 from tests.models.test_lora import ALL, patch_logged

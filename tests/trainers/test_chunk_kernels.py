@@ -10,14 +10,14 @@ import logging
 
 import pytest
 import torch
-from chunkloss.trainers._common import ChunkedArguments
-from chunkloss.trainers.dpo import ChunkedDPOConfig, ChunkedDPOTrainer
-from chunkloss.trainers.orpo import ChunkedORPOConfig, ChunkedORPOTrainer
-from chunkloss.trainers.sft import ChunkedSFTConfig, ChunkedSFTTrainer
 
 from chunkloss.data import tiny_dataset, tiny_model
 from chunkloss.models import SUPPORTED_MODEL_TYPES
 from chunkloss.models.layers import PatchedGatedMLP, PatchedRMSNorm
+from chunkloss.trainers._common import ChunkedArguments
+from chunkloss.trainers.dpo import ChunkedDPOConfig, ChunkedDPOTrainer
+from chunkloss.trainers.orpo import ChunkedORPOConfig, ChunkedORPOTrainer
+from chunkloss.trainers.sft import ChunkedSFTConfig, ChunkedSFTTrainer
 from tests.models.test_patch import grad_fn_counts
 from tests.tolerances import assert_close_to_ref
 from tests.trainers.helpers import assert_same_grads, common_args, model_pair, teacher_model, tokenizer
@@ -291,9 +291,8 @@ def test_teacher_patched_when_supported(tmp_path, kind, caplog):
 
 
 def test_grpo_chunk_kernels_patches_policy(tmp_path):
-    from chunkloss.trainers.grpo import ChunkedGRPOConfig, ChunkedGRPOTrainer
-
     from chunkloss.data import count_reward
+    from chunkloss.trainers.grpo import ChunkedGRPOConfig, ChunkedGRPOTrainer
 
     model, _ = model_pair()
     ChunkedGRPOTrainer(

@@ -7,6 +7,7 @@ those batches may not reach (a zero count, float64 means, NaN, values already fe
 import math
 
 import torch
+
 from chunkloss.trainers._common import fetch_metrics, mean_or_zero
 
 

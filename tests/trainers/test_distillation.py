@@ -11,11 +11,11 @@ import random
 
 import pytest
 import torch
-from chunkloss.trainers.distillation import ChunkedDistillationConfig, ChunkedDistillationTrainer
 from trl import DistillationConfig, DistillationTrainer
 from trl.trainer.utils import split_tensor_dict
 
 from chunkloss.data import tiny_dataset
+from chunkloss.trainers.distillation import ChunkedDistillationConfig, ChunkedDistillationTrainer
 from tests.tolerances import assert_close_to_ref
 from tests.trainers.helpers import (
     assert_close_loss,

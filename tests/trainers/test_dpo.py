@@ -7,10 +7,10 @@ import copy
 
 import pytest
 import torch
-from chunkloss.trainers.dpo import ChunkedDPOConfig, ChunkedDPOTrainer
 from trl import DPOConfig, DPOTrainer
 
 from chunkloss.data import tiny_dataset
+from chunkloss.trainers.dpo import ChunkedDPOConfig, ChunkedDPOTrainer
 from tests.tolerances import assert_close_to_ref
 from tests.trainers.helpers import (
     assert_close_loss,

@@ -28,9 +28,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from chunkloss.trainers._head import add_chunked_head
 
 from chunkloss.losses.cross_entropy import FusedLinearCrossEntropyLoss
+from chunkloss.trainers._head import add_chunked_head
 from tests.tolerances import assert_close_to_ref
 
 WORLD = 2

@@ -8,10 +8,10 @@ import random
 
 import pytest
 import torch
-from chunkloss.trainers.gkd import ChunkedGKDConfig, ChunkedGKDTrainer
 from trl.experimental.gkd import GKDConfig, GKDTrainer
 
 from chunkloss.data import tiny_dataset
+from chunkloss.trainers.gkd import ChunkedGKDConfig, ChunkedGKDTrainer
 from tests.trainers.helpers import (
     MOE,
     assert_close_loss,

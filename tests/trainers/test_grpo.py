@@ -7,10 +7,10 @@ import math
 
 import pytest
 import torch
-from chunkloss.trainers.grpo import ChunkedGRPOConfig, ChunkedGRPOTrainer
 from trl import GRPOConfig, GRPOTrainer
 
 from chunkloss.data import count_reward, tiny_dataset
+from chunkloss.trainers.grpo import ChunkedGRPOConfig, ChunkedGRPOTrainer
 from tests.tolerances import assert_close_to_ref
 from tests.trainers.helpers import (
     assert_close_loss,

@@ -2,7 +2,7 @@
 
 trl.experimental.orpo.ORPOTrainer accepts the adapter and scores the PEFT model's own ``outputs.logits``, so
 the adapter is in its loss and TRL on the same PEFT model is the reference; ours feeds the adapter's columns
-to the chunked loss (``trainers/_head.py``).
+to the chunked loss (``chunkloss/trainers/_head.py``).
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import copy
 
 import pytest
 import torch
-from chunkloss.trainers.orpo import ChunkedORPOConfig, ChunkedORPOTrainer
 from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
 from chunkloss.data import tiny_dataset
+from chunkloss.trainers.orpo import ChunkedORPOConfig, ChunkedORPOTrainer
 from tests.trainers.helpers import check_orpo_step, common_args, model_pair, tokenizer
 
 

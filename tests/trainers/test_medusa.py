@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from chunkloss.trainers.medusa import ChunkedMedusaConfig, ChunkedMedusaTrainer
 
 from chunkloss.data import tiny_dataset, tiny_model
 from chunkloss.heads import load_medusa_heads
+from chunkloss.trainers.medusa import ChunkedMedusaConfig, ChunkedMedusaTrainer
 from tests.trainers.helpers import common_args, tokenizer
 
 K = 3

@@ -16,11 +16,11 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from chunkloss.trainers import ChunkedDPOConfig, ChunkedDPOTrainer, ChunkedSFTConfig, ChunkedSFTTrainer
 from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
 from chunkloss.data import tiny_dataset
 from chunkloss.losses.cross_entropy import FusedLinearCrossEntropyLoss
+from chunkloss.trainers import ChunkedDPOConfig, ChunkedDPOTrainer, ChunkedSFTConfig, ChunkedSFTTrainer
 from tests.tolerances import assert_close_to_ref
 from tests.trainers.helpers import common_args, grads, model_pair, tokenizer
 

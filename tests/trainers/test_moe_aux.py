@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from chunkloss.trainers.dpo import ChunkedDPOConfig, ChunkedDPOTrainer
-from chunkloss.trainers.grpo import ChunkedGRPOConfig, ChunkedGRPOTrainer
-from chunkloss.trainers.orpo import ChunkedORPOConfig, ChunkedORPOTrainer
 from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer
 from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
 from chunkloss.data import count_reward, tiny_dataset
+from chunkloss.trainers.dpo import ChunkedDPOConfig, ChunkedDPOTrainer
+from chunkloss.trainers.grpo import ChunkedGRPOConfig, ChunkedGRPOTrainer
+from chunkloss.trainers.orpo import ChunkedORPOConfig, ChunkedORPOTrainer
 from tests.tolerances import assert_close_to_ref
 from tests.trainers.helpers import (
     MOE,

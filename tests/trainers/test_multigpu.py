@@ -158,9 +158,10 @@ def _zero3_worker(rank: int, port: int, out: str) -> None:
     )
     import deepspeed
     import torch
-    from chunkloss.trainers._head import add_chunked_head
     from deepspeed.utils import safe_get_full_grad
     from transformers.integrations import HfDeepSpeedConfig
+
+    from chunkloss.trainers._head import add_chunked_head
 
     from .test_fsdp_cpu import _batch, _loss, _model
 

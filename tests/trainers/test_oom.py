@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from chunkloss.trainers._setup import STATE_FILE
-from chunkloss.trainers.sft import ChunkedSFTConfig, ChunkedSFTTrainer
 from datasets import Dataset
 from transformers import TrainerCallback
 
 from chunkloss.data import tiny_dataset, tiny_model
+from chunkloss.trainers._setup import STATE_FILE
+from chunkloss.trainers.sft import ChunkedSFTConfig, ChunkedSFTTrainer
 from tests.trainers.helpers import common_args, tokenizer
 
 OOM = "CUDA out of memory. Tried to allocate 2.00 GiB"  # the first line of torch's message

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from chunkloss.trainers.orpo import ChunkedORPOConfig, ChunkedORPOTrainer
 from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
 from chunkloss.data import tiny_dataset
+from chunkloss.trainers.orpo import ChunkedORPOConfig, ChunkedORPOTrainer
 from tests.trainers.helpers import (
     assert_close_loss,
     assert_same_grads,

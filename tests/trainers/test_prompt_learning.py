@@ -13,6 +13,11 @@ import copy
 
 import pytest
 import torch
+from transformers import TrainingArguments
+from trl import SFTConfig, SFTTrainer
+from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+from chunkloss.data import tiny_dataset
 from chunkloss.trainers import (
     ChunkedDistillationConfig,
     ChunkedDistillationTrainer,
@@ -23,11 +28,6 @@ from chunkloss.trainers import (
     ChunkedSFTConfig,
     ChunkedSFTTrainer,
 )
-from transformers import TrainingArguments
-from trl import SFTConfig, SFTTrainer
-from trl.experimental.orpo import ORPOConfig, ORPOTrainer
-
-from chunkloss.data import tiny_dataset
 from tests.trainers import test_dpo as dpo_parity
 from tests.trainers import test_gkd as gkd_parity
 from tests.trainers import test_grpo as grpo_parity

@@ -9,15 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 from accelerate import Accelerator, ParallelismConfig
+from transformers import AutoConfig, AutoModelForSeq2SeqLM
+from trl import SFTTrainer
+
+from chunkloss.data import count_reward, tiny_dataset
 from chunkloss.trainers.dpo import ChunkedDPOConfig, ChunkedDPOTrainer
 from chunkloss.trainers.gkd import ChunkedGKDConfig, ChunkedGKDTrainer
 from chunkloss.trainers.grpo import ChunkedGRPOConfig, ChunkedGRPOTrainer
 from chunkloss.trainers.orpo import ChunkedORPOConfig, ChunkedORPOTrainer
 from chunkloss.trainers.sft import ChunkedSFTConfig, ChunkedSFTTrainer
-from transformers import AutoConfig, AutoModelForSeq2SeqLM
-from trl import SFTTrainer
-
-from chunkloss.data import count_reward, tiny_dataset
 from tests.trainers.helpers import common_args, model_pair, tokenizer
 
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from chunkloss.trainers._setup import STATE_FILE
 
 from chunkloss import cli
+from chunkloss.trainers._setup import STATE_FILE
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TRAINERS = ["sft", "dpo", "orpo", "grpo", "gkd", "distillation", "medusa"]

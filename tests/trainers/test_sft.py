@@ -6,10 +6,10 @@ import copy
 
 import pytest
 import torch
-from chunkloss.trainers.sft import ChunkedSFTConfig, ChunkedSFTTrainer
 from trl import SFTConfig, SFTTrainer
 
 from chunkloss.data import tiny_dataset
+from chunkloss.trainers.sft import ChunkedSFTConfig, ChunkedSFTTrainer
 from tests.trainers.helpers import (
     MOE,
     assert_close_loss,

@@ -8,6 +8,11 @@ import inspect
 
 import pytest
 import torch
+from trl import DistillationTrainer, DPOTrainer, GRPOConfig, GRPOTrainer, SFTTrainer
+from trl.experimental.gkd import GKDTrainer
+from trl.experimental.orpo import ORPOTrainer
+
+from chunkloss.data import count_reward, tiny_dataset
 from chunkloss.trainers import (
     ChunkedDistillationTrainer,
     ChunkedDPOTrainer,
@@ -18,11 +23,6 @@ from chunkloss.trainers import (
     ChunkedORPOTrainer,
     ChunkedSFTTrainer,
 )
-from trl import DistillationTrainer, DPOTrainer, GRPOConfig, GRPOTrainer, SFTTrainer
-from trl.experimental.gkd import GKDTrainer
-from trl.experimental.orpo import ORPOTrainer
-
-from chunkloss.data import count_reward, tiny_dataset
 from tests.trainers.helpers import common_args, model_pair, tokenizer
 
 PAIRS = [

@@ -45,10 +45,9 @@ def _batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _model(tied: bool):
     """The tiny Llama, patched for the kernels (attention input and MLP fused) and the chunked head."""
-    from chunkloss.trainers._head import add_chunked_head
-
     from chunkloss.data import tiny_model, tiny_tokenizer
     from chunkloss.models import patch
+    from chunkloss.trainers._head import add_chunked_head
 
     torch.manual_seed(0)
     model = tiny_model(tiny_tokenizer(), family="llama", hidden_size=32, num_layers=NUM_LAYERS,

@@ -21,7 +21,7 @@ Weight gradients are computed only for weights that require grad.
 
 LoRA (``adapters=(gate, up, down)``, each a :class:`~chunkloss.kernels.lora.LoraAdapter` or None): the
 low-rank updates ``s·(dropout(x)·Aᵀ)·Bᵀ`` are added to ``g`` and ``u`` before the gating and to ``y``, with
-their backward written out in ``kernels/lora.py``: ``dh`` gets the down adapter's ``dt·A`` and ``dx`` the gate
+their backward written out in ``chunkloss/kernels/lora.py``: ``dh`` gets the down adapter's ``dt·A`` and ``dx`` the gate
 and up adapters', in one ``addmm`` each (and, without dropout, one GEMM ``x·[A_g; A_u]ᵀ`` and one for both
 ``dA``). The replay of ``g`` and ``u`` adds the saved ``t = x·Aᵀ`` (N, r) back. Saved besides ``x``: each
 adapter's ``t`` and dropout mask.
@@ -205,7 +205,7 @@ def gated_mlp(
         recompute: save only ``x`` for the backward, which replays the gate/up GEMMs (H elements saved per
             token); False saves ``x`` and the pre-activations ``g``, ``u`` (H + 2I) and replays nothing.
         adapters: ``(gate, up, down)``, a :class:`~chunkloss.kernels.lora.LoraAdapter` or None for each
-            projection (see ``kernels/lora.py``), or None. They may be in another dtype than the base.
+            projection (see ``chunkloss/kernels/lora.py``), or None. They may be in another dtype than the base.
 
     Returns:
         (..., H) in ``x.dtype`` (the autocast dtype under autocast).

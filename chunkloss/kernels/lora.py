@@ -25,7 +25,7 @@ another order, which an adapter built with ``cast_before_add=True`` follows::
         result = result + lora_B(lora_A(dropout(x))) * scaling
 
 The base weight is then a :class:`~chunkloss.kernels.frozen.FrozenWeight` (its dequantisation), materialised
-for each GEMM and never saved (``kernels/frozen.py``).
+for each GEMM and never saved (``chunkloss/kernels/frozen.py``).
 
 Public API (the fused blocks take one adapter per projection, ``None`` for a projection without one; each
 base weight a tensor or a ``FrozenWeight``)::
