@@ -164,8 +164,8 @@ def train(a, batch: int, profile: bool = False) -> dict:
         with patch_lines() as lines:
             trainer = make_trainer(a.loss, a.impl, model, tokenizer, ds, out_dir=tempfile.mkdtemp(),
                                    batch=batch, steps=a.steps, seq=a.seq, gc=a.gc == "on", ref=ref,
-                                   kernels=a.kernels, peft_config=peft,
-                                   medusa=medusa)  # fmt: skip
+                                   kernels=a.kernels, peft_config=peft, medusa=medusa,
+                                   config=getattr(a, "extra", None))  # fmt: skip
         if lines:
             res["patch"] = lines[0]
         timer = StepTimer()

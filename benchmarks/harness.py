@@ -313,7 +313,8 @@ def trainer_classes(loss: str, impl: str) -> tuple[type, type]:
 
 def make_trainer(loss: str, impl: str, model, tokenizer, ds, *, out_dir: str, batch: int, steps: int,
                  seq: int, gc: bool, ref=None, peft_config=None, kernels: bool = True,
-                 chunk_compile: bool = True, medusa: dict | None = None, accumulate: int = 1):  # fmt: skip
+                 chunk_compile: bool = True, medusa: dict | None = None, accumulate: int = 1,
+                 config: dict | None = None):  # fmt: skip
     """``loss``'s trainer of ``impl`` on ``model``: TRL's (``trl``), with ``use_liger_kernel=True``
     (``liger``), with ``torch_compile=True`` (``compile``), chunkloss's with ``chunk_kernels=kernels``
     passed explicitly (``chunkloss``; False where the kernels cannot run: :func:`kernels_available`), or as
@@ -321,7 +322,8 @@ def make_trainer(loss: str, impl: str, model, tokenizer, ds, *, out_dir: str, ba
     DPO's reference or GKD's teacher (None with a ``peft_config``: the adapter-free model is the reference).
     Sequences are ``seq`` tokens; GRPO's fixed completions fill what the prompt leaves. ``medusa``:
     ``ChunkedMedusaConfig``'s ``medusa_*`` fields (any ``impl`` but chunkloss: Medusa's own loss).
-    ``accumulate``: gradient accumulation steps. The same options otherwise for every implementation."""
+    ``accumulate``: gradient accumulation steps; ``config``: config fields set last. The same options
+    otherwise for every implementation."""
     cuda = torch.cuda.is_available()
     cfg = dict(output_dir=out_dir, report_to="none", per_device_train_batch_size=batch, max_steps=steps,
                learning_rate=1e-5, logging_steps=1, save_strategy="no", seed=0, bf16=cuda, use_cpu=not cuda,
@@ -347,6 +349,7 @@ def make_trainer(loss: str, impl: str, model, tokenizer, ds, *, out_dir: str, ba
         cfg["precompute_ref_log_probs"] = False
     if loss == "gkd":  # off-policy: no step generates; the Trainer counts non-padding tokens
         cfg.update(lmbda=0.0, include_num_input_tokens_seen="non_padding")
+    cfg.update(config or {})
     Config, Trainer = trainer_classes(loss, impl)
     kw = dict(train_dataset=ds, processing_class=tokenizer, peft_config=peft_config)
     if loss == "grpo":

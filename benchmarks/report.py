@@ -66,6 +66,12 @@ KINDS = {
             "Random weights of the named shape, the same data and batch for every implementation, each "
             "in its own process. Step time: median after warm-up; peak memory: the highest CUDA memory "
             "allocated during training minus what was allocated when it began."),
+    "longctx": ("Long context: one sequence per step at growing lengths", "s", "GPU peak (GiB)",
+                "Random weights of the named shape, checkpointing on, batch 1 (GRPO: one group of 8 "
+                "completions), each implementation in its own process. Step time: median after warm-up; GPU "
+                "peak: the highest CUDA memory allocated during training minus what was allocated when it "
+                "began; host: the process's peak resident memory (GiB). Growth: the least-squares slope of "
+                "the GPU peaks, GiB per 1k tokens."),
     "profile": ("Where the training step's GPU time goes", "ms", PEAK,
                 "torch.profiler over the timed steps: CUDA kernel time per step by kind; idle: step time "
                 "minus the union of kernel intervals (launch and CPU gaps)."),
@@ -97,6 +103,7 @@ RUNNING = [  # how to produce each set
     "    --impl trl,liger,compile,chunkloss --batches 8,16 --out OUT/sft_full.json  # e2e_<task>_<loss>",
     "python -m benchmarks.bench_e2e --profile --impl chunkloss --batches 16 --out OUT/profile.json",
     "python -m benchmarks.bench_e2e --floor --batches 16 --out OUT/floor.json",
+    "python -m benchmarks.bench_longctx --shape llama-3.2-1b --task lora --out OUT/longctx.json",
     "bash benchmarks/multigpu_run.sh OUT                               # multigpu (2 GPUs)",
     "bash benchmarks/multigpu_scale.sh OUT                             # multigpu_scale (2 GPUs)",
     "python -m benchmarks.report --merge OUT                          # into benchmarks/results",
@@ -159,6 +166,10 @@ def records(name: str, data: dict) -> list[dict]:
         return [_row(e2e_case(r), r["impl"], r.get("step_time_s"), r.get("peak_mem_gib"),
                      "OOM" if r.get("oom") else r.get("error"), tokens_per_s=r.get("tokens_per_s"))
                 for r in data["sweep"]]  # fmt: skip
+    if k == "longctx":
+        return [_row(f"{r['shape']} {r['task']} {r['loss']} {r['tokens']} tok", r["impl"],
+                     r.get("step_time_s"), r.get("peak_mem_gib"), "OOM" if r.get("oom") else r.get("error"),
+                     host=r.get("host_peak_gib")) for r in data["rows"]]  # fmt: skip
     if k in ("profile", "floor"):
         return [_row(r["case"], r["impl"], r.get("ms"), r.get("peak_mem_gib"), r.get("error"),
                      **r.get("parts", {})) for r in data["rows"]]  # fmt: skip
@@ -254,6 +265,11 @@ def set_md(name: str, data: dict) -> str:
     if summary:
         lines += ["Chunkloss against the best peer in each case (below 1: faster / less):", "", *summary, ""]
     lines += rows_table(name, rows)
+    growth = [f"| {impl} | {_num(v['gib_per_1k_tokens'])} | {v['longest_tokens']} |"
+              for impl, v in (data.get("summary") or {}).items()]
+    if growth:
+        lines += ["", "| implementation | GPU GiB per 1k tokens | longest run (tokens) |", "|---|---|---|",
+                  *growth]
     notes = data.get("notes") or []
     return "\n".join(lines + ([""] + [f"- {n}" for n in notes] if notes else [])) + "\n"
 

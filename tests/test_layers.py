@@ -1,5 +1,6 @@
-"""The import map points one way: every import of a module of ``chunkloss/`` (at module level, inside functions, or under ``TYPE_CHECKING``) goes to a module of the same layer or one below,
-and no modules import each other in a cycle.
+"""The import map points one way: every import of a module of ``chunkloss/`` (at module level, inside
+functions, or under ``TYPE_CHECKING``) goes to a module of the same layer or one below, and no modules import
+each other in a cycle.
 
 Layers, bottom to top::
 
@@ -172,7 +173,10 @@ def test_engine_and_losses_use_no_private_names_of_other_modules():
     "files, problem",
     [
         ({"chunkloss/kernels/scale.py": "from chunkloss.engine import Batch\n"}, "wrong way"),
-        ({"chunkloss/kernels/scale.py": "def f():\n    import chunkloss.losses.cross_entropy\n"}, "wrong way"),
+        (
+            {"chunkloss/kernels/scale.py": "def f():\n    import chunkloss.losses.cross_entropy\n"},
+            "wrong way",
+        ),
         ({"chunkloss/engine/steps.py": "from chunkloss.losses import common\n"}, "wrong way"),
         (
             {

@@ -32,7 +32,8 @@ def test_no_root_folder_shadows_an_installed_distribution():
 
 
 def test_the_shadow_check_fails_on_a_root_folder_named_after_a_distribution(tmp_path):
-    """A root ``yaml/`` package (pyyaml is a dependency) is caught; a folder without ``__init__.py`` is not."""
+    """A root ``yaml/`` package (pyyaml is a dependency) is caught; a folder without ``__init__.py`` is
+    not."""
     (tmp_path / "yaml").mkdir()
     (tmp_path / "yaml" / "__init__.py").write_text("")
     (tmp_path / "torch").mkdir()

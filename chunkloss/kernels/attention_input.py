@@ -18,8 +18,8 @@ again for ``h`` (the same kernel on the same input: the same bits).
 
 LoRA (``adapters=(q, k, v)``, each a :class:`~chunkloss.kernels.lora.LoraAdapter` or None): the low-rank
 updates ``s·(dropout(h)·Aᵀ)·Bᵀ`` are added to their columns of the projection output before RoPE, and their
-backward is written out in ``chunkloss/kernels/lora.py``: without dropout one GEMM ``h·[A_q; A_k; A_v]ᵀ`` feeds every
-adapter, and ``dh`` is the base's ``[dq dk dv]·[Wq; Wk; Wv]`` plus one ``addmm`` of the adapters'
+backward is written out in ``chunkloss/kernels/lora.py``: without dropout one GEMM ``h·[A_q; A_k; A_v]ᵀ``
+feeds every adapter, and ``dh`` is the base's ``[dq dk dv]·[Wq; Wk; Wv]`` plus one ``addmm`` of the adapters'
 ``[dt_q dt_k dt_v]·[A_q; A_k; A_v]``. Frozen projection weights get no gradient GEMM. Saved besides: the
 adapters' ``t = h·Aᵀ`` (N, Σr) and their dropout masks.
 
@@ -212,8 +212,8 @@ def attention_input(
         norm_recompute: do not keep the normalised ``h`` for the backward (H elements per token); the
             backward runs the norm kernel again.
         adapters: ``(q, k, v)``, a :class:`~chunkloss.kernels.lora.LoraAdapter` or None for each projection
-            (PEFT's LoRA layers; see ``chunkloss/kernels/lora.py``), or None. The adapters read the normalised input;
-            they may be in another dtype than the base (fp32 adapters on a bf16 model).
+            (PEFT's LoRA layers; see ``chunkloss/kernels/lora.py``), or None. The adapters read the normalised
+            input; they may be in another dtype than the base (fp32 adapters on a bf16 model).
 
     Under ``torch.autocast``, x, the projection weights and biases must already be in the autocast dtype (a
     bf16 model under bf16 autocast): the separate modules would normalise x in its own dtype and cast only the

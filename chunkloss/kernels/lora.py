@@ -71,7 +71,7 @@ class LoraAdapter:
     """One LoRA adapter of one projection, adding ``scaling·(dropout(x)·aᵀ)·bᵀ`` to it.
 
     Args:
-        a: (r, in) PEFT's ``lora_A[name].weight``.
+        a: (r, in) PEFT's ``lora_A[name].weight``, any rank r >= 1 (above ``min(in, out)`` too, as in PEFT).
         b: (out, r) ``lora_B[name].weight``, in ``a``'s dtype and on its device.
         scaling: ``scaling[name]`` (``lora_alpha / r``; ``lora_alpha / sqrt(r)`` with ``use_rslora``).
         dropout_p: the dropout probability applied to the adapter's input: ``lora_dropout[name].p`` in
@@ -143,10 +143,8 @@ def _check_adapter(where: str, adapter, in_features: int, out_features: int, x: 
     if a.ndim != 2 or b.ndim != 2 or a.shape[1] != in_features or b.shape != (out_features, a.shape[0]):
         raise ValueError(f"{where}: a must be (r, {in_features}) and b ({out_features}, r); got a "
                          f"{tuple(a.shape)}, b {tuple(b.shape)}")  # fmt: skip
-    rank = a.shape[0]
-    if not 1 <= rank <= min(in_features, out_features):
-        raise ValueError(f"{where}: rank {rank} must be between 1 and the layer's smaller side "
-                         f"{min(in_features, out_features)} ({out_features} x {in_features})")  # fmt: skip
+    if a.shape[0] < 1:  # no upper bound: the products hold for r > min(in, out) too, which PEFT accepts
+        raise ValueError(f"{where}: rank must be at least 1, got {a.shape[0]}")
     if not a.is_floating_point() or b.dtype != a.dtype:
         raise TypeError(f"{where}: a and b must share a floating-point dtype; got {a.dtype} and {b.dtype}")
     if a.device != x.device or b.device != x.device:
@@ -332,7 +330,7 @@ def lora_linear(
         (..., out) in the base's dtype (the autocast dtype under autocast).
 
     Raises:
-        ValueError: mismatched shapes or devices, a rank outside [1, min(in, out)], dropout outside [0, 1).
+        ValueError: mismatched shapes or devices, a rank of 0, dropout outside [0, 1).
         TypeError: mixed base dtypes, or an adapter whose a and b differ in dtype.
     """
     check_weights("lora_linear", ("weight",), (weight,))

@@ -21,10 +21,10 @@ Weight gradients are computed only for weights that require grad.
 
 LoRA (``adapters=(gate, up, down)``, each a :class:`~chunkloss.kernels.lora.LoraAdapter` or None): the
 low-rank updates ``s·(dropout(x)·Aᵀ)·Bᵀ`` are added to ``g`` and ``u`` before the gating and to ``y``, with
-their backward written out in ``chunkloss/kernels/lora.py``: ``dh`` gets the down adapter's ``dt·A`` and ``dx`` the gate
-and up adapters', in one ``addmm`` each (and, without dropout, one GEMM ``x·[A_g; A_u]ᵀ`` and one for both
-``dA``). The replay of ``g`` and ``u`` adds the saved ``t = x·Aᵀ`` (N, r) back. Saved besides ``x``: each
-adapter's ``t`` and dropout mask.
+their backward written out in ``chunkloss/kernels/lora.py``: ``dh`` gets the down adapter's ``dt·A`` and
+``dx`` the gate and up adapters', in one ``addmm`` each (and, without dropout, one GEMM ``x·[A_g; A_u]ᵀ`` and
+one for both ``dA``). The replay of ``g`` and ``u`` adds the saved ``t = x·Aᵀ`` (N, r) back. Saved besides
+``x``: each adapter's ``t`` and dropout mask.
 
 QLoRA: a weight given as a :class:`~chunkloss.kernels.frozen.FrozenWeight` (a 4-bit base's dequantisation)
 is loaded right before each GEMM that reads it (forward; ``dh`` or ``dx`` in the backward; the replay) and
@@ -189,6 +189,7 @@ def gated_mlp(
     x: torch.Tensor, w_gate: Weight, w_up: Weight, w_down: Weight, *,
     b_gate: torch.Tensor | None = None, b_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None,
     activation: str = "silu", recompute: bool = True, adapters: tuple[LoraAdapter | None, ...] | None = None,
+    tile: int | None = None,
 ) -> torch.Tensor:
     """Fused ``F.linear(act(F.linear(x, w_gate, b_gate)) * F.linear(x, w_up, b_up), w_down, b_down)``.
 
@@ -205,7 +206,13 @@ def gated_mlp(
         recompute: save only ``x`` for the backward, which replays the gate/up GEMMs (H elements saved per
             token); False saves ``x`` and the pre-activations ``g``, ``u`` (H + 2I) and replays nothing.
         adapters: ``(gate, up, down)``, a :class:`~chunkloss.kernels.lora.LoraAdapter` or None for each
-            projection (see ``chunkloss/kernels/lora.py``), or None. They may be in another dtype than the base.
+            projection (see ``chunkloss/kernels/lora.py``), or None. They may be in another dtype than the
+            base.
+        tile: rows (tokens) per call of the fused Function, or None for one call over all rows. Each tile is
+            its own autograd node, so the (rows, I) intermediates of the forward and of the backward exist for
+            one tile at a time; with ``recompute`` the memory the MLP adds beyond its input and output is
+            O(tile), not O(tokens). The weights' gradients are the sums of the tiles' (autograd's
+            accumulation).
 
     Returns:
         (..., H) in ``x.dtype`` (the autocast dtype under autocast).
@@ -239,8 +246,13 @@ def gated_mlp(
     w_gate, w_up, w_down = (w if isinstance(w, FrozenWeight) else w.contiguous()
                             for w in (w_gate, w_up, w_down))  # fmt: skip
     opts = MLPOptions(activation, recompute, plan_in, plan_out)
+    if tile is not None and (not isinstance(tile, int) or tile <= 0):
+        raise ValueError(f"gated_mlp: tile must be a positive int or None, got {tile!r}")
     with torch.autocast(x.device.type, enabled=False):
-        y = GatedMLPFunction.apply(x2, w_gate, w_up, w_down, b_gate, b_up, b_down, opts, *lora_in, *lora_out)
+        tiles = [x2] if tile is None or x2.shape[0] <= tile else x2.split(tile)
+        ys = [GatedMLPFunction.apply(t, w_gate, w_up, w_down, b_gate, b_up, b_down, opts, *lora_in, *lora_out)
+              for t in tiles]  # fmt: skip
+        y = ys[0] if len(ys) == 1 else torch.cat(ys)
     return y.view(*shape[:-1], y.shape[-1])
 
 

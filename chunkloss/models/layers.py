@@ -56,6 +56,7 @@ class NormSpec:
 class MLPSpec:
     activation: str  # "silu", "gelu_tanh" or "gelu"
     recompute: bool  # the fused MLP replays the gate/up GEMM in the backward
+    tile: int | None = None  # tokens per call of the fused MLP (None: all)
 
 
 @dataclass(frozen=True)
@@ -141,7 +142,7 @@ class PatchedGatedMLP:
         parts = gate, up, down = _fusable((self.gate_proj, self.up_proj, self.down_proj), x)
         return gated_mlp(x, gate.weight, up.weight, down.weight, b_gate=gate.bias, b_up=up.bias,
                          b_down=down.bias, activation=spec.activation, recompute=spec.recompute,
-                         adapters=_adapters(parts))  # fmt: skip
+                         adapters=_adapters(parts), tile=spec.tile)  # fmt: skip
 
 
 class PatchedAttention:

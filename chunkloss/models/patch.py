@@ -222,7 +222,7 @@ def _summary(model: nn.Module, fused: Counter) -> tuple[str, bool]:
 
 def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, loss: bool = True,
           loss_options: dict | None = None, mlp_recompute: bool = False, norm_recompute: bool = False,
-          attention: bool = True) -> nn.Module:
+          attention: bool = True, mlp_tile: int | None = None) -> nn.Module:
     """Make a transformers Llama / Mistral / Qwen2 / Qwen3 / Gemma / Gemma-2 model use chunkloss's kernels.
 
     Patching again replaces the earlier options (``attention=False`` after ``attention=True`` puts the
@@ -250,6 +250,10 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, mlp: bo
             it is. Not for a model compiled with ``torch.compile`` (saved-tensor hooks).
         attention: with ``rms_norm`` and ``rope``, run each layer's input norm, q/k/v projections and RoPE as
             one :func:`~chunkloss.kernels.attention_input` call (one GEMM over the concatenated weights).
+        mlp_tile: tokens per tile of the fused MLP (``gated_mlp(..., tile=)``): its (tokens, I) intermediates
+            exist for one tile at a time, in the forward, a checkpoint's recompute and the backward. None (the
+            default): one call over all tokens. With ``mlp_recompute``, what an MLP adds to a layer's memory
+            no longer grows with the sequence; for long sequences.
 
     Returns:
         ``model`` (the object passed in), patched in place.
@@ -268,6 +272,8 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, mlp: bo
         )
     if norm_recompute and not rms_norm:
         raise ValueError("chunkloss.models.patch: norm_recompute=True needs rms_norm=True")
+    if mlp_tile is not None and (type(mlp_tile) is not int or mlp_tile <= 0):
+        raise ValueError(f"chunkloss.models.patch: mlp_tile must be a positive int or None, got {mlp_tile!r}")
     _check_device(model)
     family = _NAMES[model_type]
     gemma = model_type in _GEMMA_TYPES
@@ -289,7 +295,7 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, mlp: bo
                 warnings.warn(f"chunkloss: {name} uses {type(module.act_fn).__name__}, left unpatched",
                               stacklevel=2)  # fmt: skip
             _install(module, PatchedGatedMLP if activation else None, "chunkloss_mlp",
-                     MLPSpec(activation, mlp_recompute))  # fmt: skip
+                     MLPSpec(activation, mlp_recompute, mlp_tile))  # fmt: skip
             fused["MLPs"] += activation is not None
         elif cls == f"{family}Attention":
             _install(module, attention_forward if rope else None)

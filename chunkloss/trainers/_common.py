@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ._long_context import mlp_options
+
 __all__ = [
     "ChunkedArguments",
     "DeferredMetrics",
@@ -51,6 +53,12 @@ class ChunkedArguments:
         chunk_kernels_norm_recompute: with ``chunk_kernels``, the decoder layers keep no output of the norms
             before attention and MLP for the backward, which runs those norms again
             (``patch(..., norm_recompute=True)``): 2·H fewer elements per token and layer. Off by default.
+        chunk_kernels_mlp_tile: with ``chunk_kernels``, tokens per tile of the fused MLP
+            (``patch(..., mlp_tile=...)``): its (tokens, intermediate) tensors exist for one tile at a time.
+            None: one call over all tokens, or 8192-token tiles under ``chunk_long_context``.
+        chunk_long_context: train long sequences: checkpointing on, what it keeps (each layer's input)
+            offloaded to pinned host memory on a side stream by TRL's activation offloading, and with the
+            kernels the MLP recomputed and tiled (:mod:`chunkloss.trainers._long_context`). Off by default.
     """
 
     chunk_size: int | None = field(
@@ -90,6 +98,22 @@ class ChunkedArguments:
             "help": "With chunk_kernels: the decoder layers keep no output of the norms before attention and "
             "MLP for the backward, which runs those norms again (chunkloss.models.patch(model, "
             "norm_recompute=True)): 2*H fewer activation elements per token and layer."
+        },
+    )
+    chunk_kernels_mlp_tile: int | None = field(
+        default=None,
+        metadata={
+            "help": "With chunk_kernels: tokens per tile of the fused MLP (chunkloss.models.patch(model, "
+            "mlp_tile=N)); its (tokens, intermediate) tensors exist for one tile at a time. None: no tiles, "
+            "or 8192 under chunk_long_context."
+        },
+    )
+    chunk_long_context: bool = field(
+        default=False,
+        metadata={
+            "help": "Train long sequences: gradient checkpointing on, each checkpointed layer input "
+            "offloaded to pinned CPU memory on a side stream (TRL's activation offloading), and with "
+            "chunk_kernels the MLP recomputed and tiled."
         },
     )
 
@@ -253,15 +277,14 @@ def apply_chunk_kernels(trainer) -> None:
     setting = getattr(args, "chunk_kernels", None)
     if setting not in (None, True, False):
         raise ValueError(f"chunk_kernels must be None, True or False, got {setting!r}")
-    options = {
-        "mlp_recompute": bool(getattr(args, "chunk_kernels_mlp_recompute", False)),
-        "norm_recompute": bool(getattr(args, "chunk_kernels_norm_recompute", False)),
-    }
+    norm_recompute = bool(getattr(args, "chunk_kernels_norm_recompute", False))
+    options = {**mlp_options(args), "norm_recompute": norm_recompute}
     if setting is False:
-        for key, on in options.items():
-            if on:
-                refuse(name, f"chunk_kernels_{key}=True with chunk_kernels=False",
-                       "it selects what the kernels keep for the backward")  # fmt: skip
+        for key in ("mlp_recompute", "norm_recompute", "mlp_tile"):
+            value = getattr(args, f"chunk_kernels_{key}", None)
+            if value:
+                refuse(name, f"chunk_kernels_{key}={value!r} with chunk_kernels=False",
+                       "it selects how the kernels compute and what they keep for the backward")  # fmt: skip
         return
     if options["norm_recompute"] and getattr(args, "torch_compile", False):
         refuse(name, "chunk_kernels_norm_recompute=True with torch_compile=True",

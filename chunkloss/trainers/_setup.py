@@ -12,6 +12,7 @@ import warnings
 
 import torch
 
+from . import _long_context as long_context
 from ._common import apply_chunk_kernels, chunk_options, peft_base, refuse
 from ._head import add_chunked_head, allow_lm_head_adapter, check_head_supported, head_transforms
 
@@ -68,7 +69,7 @@ def prompt_learning_types(model) -> set[str]:
     return {str(getattr(c.peft_type, "value", c.peft_type)) for c in configs.values() if c.is_prompt_learning}
 
 
-class ChunkedTrainerSetup:
+class ChunkedTrainerSetup(long_context.LongContextStep):
     """Mixin placed before the TRL trainer in a chunked trainer's bases: its constructor.
 
     The constructor takes exactly the TRL trainer's arguments (``inspect.signature`` of the chunked trainer is
@@ -113,6 +114,7 @@ class ChunkedTrainerSetup:
         self._refuse_early(call)
         if call.get("args") is not None:
             chunk_options(call["args"])
+            long_context.enable(call["args"])
         model = call.get("model")
         adapter = allow_lm_head_adapter(model) if self._trains_lm_head_lora else contextlib.nullcontext()
         with adapter, warnings.catch_warnings():
@@ -125,6 +127,7 @@ class ChunkedTrainerSetup:
         self._refuse_built()
         self._refuse_prompt_learning()
         apply_chunk_kernels(self)
+        self._chunk_offload = long_context.offload_context(self)
         base = peft_base(self.accelerator.unwrap_model(self.model))
         check_head_supported(base)
         if self._patch_forward:

@@ -145,8 +145,8 @@ def test_lora_linear_trainable_base(dtypes):
 
 
 # attention_input: (shape as tests/kernels/test_attention_input.py, rank, which of q/k/v get an adapter).
-# All three at the largest rank the k/v width allows; PEFT's default targets (q and v) at rank 1 on the odd
-# shape with a single kv head.
+# All three at rank 16, the k/v width; PEFT's default targets (q and v) at rank 1 on the odd shape with a
+# single kv head.
 ATTN_CASES = [(attn.SHAPES[0], 16, (True, True, True)), (attn.SHAPES[1], 1, (True, False, True))]
 
 
@@ -238,6 +238,41 @@ def test_gated_mlp_trainable_base():
     base, adapters = mlp_case(*MLP_CASES[0][:5], 0.1)
     check_three_way(_mlp(gated_mlp), _mlp(gated_mlp_ref), base, adapters, (torch.float32, torch.float32),
                     trainable={"x", "w_gate", "w_down"})  # fmt: skip
+
+
+# A rank above a projection's smaller side (PEFT accepts one; the update is then of rank min(in, out) at
+# most, the adapter's products keep their shapes): fn -> (rank, the base tensors that require grad).
+# lora_linear: 40 > 31 x 23; attention_input on SHAPES[0]: 24 > k and v's 16 (q's 32 x 48 keeps a rank
+# below its sides, in the same shared GEMM); gated_mlp on MLP_CASES[0]: 48 > gate and up's 45 x 40 and
+# down's 40 x 45.
+RANK_ABOVE = {
+    "lora_linear": (40, {"x", "weight", "bias"}),
+    "attention_input": (24, {"x", "norm_weight", "w_q", "w_k", "w_v"}),
+    "gated_mlp": (48, {"x", "w_gate", "w_up", "w_down"}),
+}
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1])
+@pytest.mark.parametrize("fn", list(RANK_ABOVE))
+@pytest.mark.parametrize("dtypes", DTYPES, ids=DTYPE_IDS)
+def test_rank_above_the_smaller_side(dtypes, fn, dropout_p):
+    """Outputs and every gradient (input, base weights, norm weight and adapters) at a rank above the
+    projections' smaller side, with and without dropout (the shared GEMM and one per adapter)."""
+    rank, trainable = RANK_ABOVE[fn]
+    if fn == "lora_linear":
+        base, adapters = linear_case(rank, True, dropout_p)
+        ours, ref, kw = _lora_linear, _lora_linear_ref, {}
+    elif fn == "attention_input":
+        base, adapters, tables = attention_case(attn.SHAPES[0], rank, (True, True, True), dropout_p)
+        ours, ref, kw = _attention(attention_input), _attention(attention_input_ref), {"tables": tables}
+    else:
+        n, hidden, inter, _, present, activation, _, recompute = MLP_CASES[0]
+        base, adapters = mlp_case(n, hidden, inter, rank, present, dropout_p)
+        ours, ref = _mlp(gated_mlp, recompute=recompute), _mlp(gated_mlp_ref)
+        kw = {"activation": activation, "bias_seed": 4}
+    sides = [(spec[0].shape[1], spec[1].shape[0]) for spec in adapters if spec is not None]
+    assert any(rank > min(side) for side in sides), sides
+    check_three_way(ours, ref, base, adapters, dtypes, trainable=trainable, **kw)
 
 
 @pytest.mark.parametrize("fn", ["lora_linear", "gated_mlp", "attention_input"])
@@ -395,8 +430,8 @@ def _adapter(in_f, out_f, rank, dtype=torch.float32, **kw):
 
 def test_bad_adapters_raise_one_line_errors():
     x, w = torch.randn(2, 8), torch.randn(6, 8)
-    with pytest.raises(ValueError, match="rank 7 must be between 1 and the layer's smaller side 6"):
-        lora_linear(x, w, adapter=_adapter(8, 6, 7))
+    with pytest.raises(ValueError, match="lora_linear: the weight adapter: rank must be at least 1, got 0"):
+        lora_linear(x, w, adapter=_adapter(8, 6, 0))
     with pytest.raises(ValueError, match=r"a must be \(r, 8\) and b \(6, r\)"):
         lora_linear(x, w, adapter=_adapter(6, 8, 2))
     with pytest.raises(TypeError, match="a and b must share a floating-point dtype"):
@@ -417,8 +452,8 @@ def test_bad_adapters_raise_one_line_errors():
     with pytest.raises(ValueError, match="adapters must be a tuple of 3"):
         call(**base, adapters=(_adapter(48, 32, 2),), tables=tables)
     mlp_base, _ = mlp_case(5, 8, 12, 1, (False,) * 3, 0.0)
-    with pytest.raises(ValueError, match="gated_mlp: the down adapter: rank 9"):
-        gated_mlp(*mlp_base.values(), adapters=(None, None, _adapter(12, 8, 9)))
+    with pytest.raises(ValueError, match="gated_mlp: the down adapter: rank must be at least 1"):
+        gated_mlp(*mlp_base.values(), adapters=(None, None, _adapter(12, 8, 0)))
     with pytest.raises(ValueError, match="gated_mlp: adapters must be a tuple of 3"):
         gated_mlp(*mlp_base.values(), adapters=(None, None))
 
@@ -471,7 +506,8 @@ def test_compiles_without_graph_breaks(fn, dropout_p):
     compiled_matches_eager(model, [*leaves, *flat], values=dropout_p == 0)
 
 
-# QLoRA: a frozen base given as a FrozenWeight (chunkloss/kernels/frozen.py), loaded for each GEMM and never saved.
+# QLoRA: a frozen base given as a FrozenWeight (chunkloss/kernels/frozen.py), loaded for each GEMM and never
+# saved.
 # fn -> (the base weights given as FrozenWeight, loads in the forward, loads in the backward)
 FROZEN = {
     "lora_linear": (("weight",), 1, 1),

@@ -209,6 +209,43 @@ def test_sft_chunk_kernels_peft(tmp_path):
     _compare(plain, lambda: _sft(tmp_path, m_kern, True), batch)
 
 
+# family -> the fused Functions a LoRA step on all seven projections runs once per layer: Llama's q/k/v in
+# attention_input, o_proj in lora_linear; Qwen3's q/k/v (their q/k norms between projection and RoPE) and
+# o_proj in lora_linear.
+LORA_NODES = {
+    "llama": {"AttentionInputFunctionBackward": 1, "LoraLinearFunctionBackward": 1,
+              "GatedMLPFunctionBackward": 1},
+    "qwen3": {"LoraLinearFunctionBackward": 4, "GatedMLPFunctionBackward": 1},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", list(LORA_NODES))
+def test_sft_chunk_kernels_peft_rank_above_the_smaller_side(tmp_path, family):
+    """PEFT accepts a LoRA rank above a projection's smaller side: r = 16 on k/v (8 x 32), gate/up (12 x 32)
+    and down (32 x 12), beside q and o (32 x 32) below it. The kernels take every projection; the step is the
+    one without them."""
+    peft = pytest.importorskip("peft")
+    model = model_pair(family, num_key_value_heads=1, intermediate_size=12)[0]
+    m_plain = peft.get_peft_model(model, peft.LoraConfig(r=16, target_modules="all-linear"))
+    with torch.no_grad():
+        for name, p in m_plain.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.1)  # zero-initialised B would make the adapters invisible
+    sides = [min(m.base_layer.weight.shape) for m in m_plain.modules() if type(m).__name__ == "Linear"
+             and hasattr(m, "lora_A")]  # fmt: skip
+    assert len(sides) == 7 and sorted(sides) == [8, 8, 12, 12, 12, 32, 32], sides
+    m_kern = copy.deepcopy(m_plain)
+    plain = _sft(tmp_path, m_plain, False)
+    batch = _sft_batch(plain)
+    l_plain = _step(plain, batch)
+    _assert_no_kernels(l_plain)
+    l_kern = _step(_sft(tmp_path, m_kern, True), batch)
+    nodes = grad_fn_counts(l_kern)
+    assert {k: nodes.get(k, 0) for k in LORA_NODES[family]} == LORA_NODES[family], nodes
+    assert_close_to_ref(l_kern.detach(), l_plain.detach())
+    assert_same_grads(m_plain, m_kern)
+
+
 def _dpo(tmp_path, model, ref, kernels: bool):
     return ChunkedDPOTrainer(
         model,

@@ -1,0 +1,132 @@
+"""Long context: one sequence (GRPO: one group of completions) per step at growing lengths, per impl.
+
+Implementations (``--impl``), each in its own process, on the same random weights and data:
+``chunkloss`` (``chunk_long_context=True``: checkpointing, activation offloading, the tiled MLP),
+``chunkloss-gc`` (checkpointing only, the kernels as by default), ``trl``, ``liger``, ``liger-offload``
+(TRL + Liger with TRL's ``activation_offloading=True``; SFT only: GRPO's config has no such field) and
+``unsloth`` (its loader and ``use_gradient_checkpointing="unsloth"``; ``CHUNKLOSS_UNSLOTH_SITE`` as for
+``bench_e2e``). Checkpointing is on for every one.
+
+Per implementation the lengths of ``--seqs`` run in turn until the first OOM, ``--steps`` steps each; a row
+holds the median step time after ``--warmup``, the GPU peak (the highest memory allocated during training
+minus what was allocated when it began) and the host peak (the process's peak resident memory, pinned
+buffers included). ``summary`` holds each implementation's GPU-memory growth per 1k tokens: the least-squares
+slope of its peaks over the lengths that ran.
+
+    python -m benchmarks.bench_longctx --shape llama-3.2-1b --task lora --seqs 32768,65536,131072 \\
+        --impl chunkloss,chunkloss-gc,liger,liger-offload --out OUT/longctx.json
+    TRITON_INTERPRET=1 python -m benchmarks.bench_longctx --shape tiny --task lora --seqs 64,128,256 \\
+        --impl chunkloss,trl --steps 2 --warmup 1 --out /tmp/longctx.json          # CPU smoke run
+
+GRPO (``--loss grpo``): ``--seqs`` are completion lengths, 8 completions of one prompt per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import resource
+import subprocess
+import sys
+import tempfile
+
+from benchmarks.bench_e2e import SHAPES, TASKS, child_env, train
+from benchmarks.harness import stamp
+from benchmarks.report import write_json
+
+# impl -> (bench_e2e's implementation, config fields on top of its own)
+IMPLS = {
+    "chunkloss": ("chunkloss", {"chunk_long_context": True}),
+    "chunkloss-gc": ("chunkloss", {}),
+    "trl": ("trl", {}),
+    "liger": ("liger", {}),
+    "liger-offload": ("liger", {"activation_offloading": True}),
+    "unsloth": ("unsloth", {}),
+}
+GRPO_GROUP = 8  # completions per prompt, all in one step
+
+
+def slope_gib_per_1k(rows: list[dict]) -> float | None:
+    """Least-squares slope of GPU peak (GiB) against tokens, per 1k tokens; None under two points."""
+    pts = [(r["tokens"] / 1e3, r["peak_mem_gib"]) for r in rows if r.get("peak_mem_gib") is not None]
+    if len(pts) < 2:
+        return None
+    mx, my = (sum(p[i] for p in pts) / len(pts) for i in (0, 1))
+    return sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+
+
+def run_length(a, seq: int) -> dict:
+    impl, extra = IMPLS[a.impl]
+    grpo = a.loss == "grpo"
+    if grpo:
+        extra = {**extra, "num_generations": GRPO_GROUP}
+    e2e = argparse.Namespace(shape=a.shape, task=a.task, loss=a.loss, seq=seq, gc="on", impl=impl,
+                             steps=a.steps, warmup=a.warmup, layers=a.layers, kernels=True,
+                             medusa_heads=0, medusa_stage=1, extra=extra)  # fmt: skip
+    r = train(e2e, GRPO_GROUP if grpo else 1)
+    r.update(impl=a.impl, tokens=seq * (GRPO_GROUP if grpo else 1),
+             host_peak_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)  # fmt: skip
+    return r
+
+
+def worker(a) -> None:
+    rows = []
+    for seq in a.seqs:
+        r = run_length(a, seq)
+        rows.append(r)
+        shown = {k: r.get(k) for k in ("step_time_s", "peak_mem_gib", "host_peak_gib", "error")}
+        print(f"[bench_longctx] {a.impl} {seq}: {json.dumps(shown)}", flush=True)
+        write_json(a.out, rows)
+        if r.get("oom") or r.get("error"):
+            break
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", choices=tuple(SHAPES), default="llama-3.2-1b")
+    p.add_argument("--task", choices=TASKS, default="lora")
+    p.add_argument("--loss", choices=("sft", "grpo"), default="sft")
+    p.add_argument("--seqs", default="32768,65536,131072", help="tokens per sequence, in turn until an OOM")
+    p.add_argument("--impl", default="chunkloss,chunkloss-gc,liger,liger-offload", help=f"of {tuple(IMPLS)}")
+    p.add_argument("--steps", type=int, default=3, help="training steps per length")
+    p.add_argument("--warmup", type=int, default=1, help="steps left out of the timing")
+    p.add_argument("--layers", type=int, default=0, help="decoder layers; 0: the shape's own")
+    p.add_argument("--timeout-s", type=float, default=540, help="per implementation's process")
+    p.add_argument("--out", required=True, help="result json file")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    a.seqs = [int(s) for s in a.seqs.split(",") if s]
+    impls = [i for i in a.impl.split(",") if i]
+    if not impls or set(impls) - set(IMPLS):
+        p.error(f"--impl: choose from {', '.join(IMPLS)}, got {a.impl!r}")
+    if a.steps <= a.warmup:
+        p.error("--steps must leave a timed step after --warmup")
+    if a.worker:
+        worker(a)
+        return 0
+    data = {"stamp": stamp(command="python -m benchmarks.bench_longctx " + " ".join(argv)), "mode": "longctx",
+            "rows": [], "summary": {}}  # fmt: skip
+    for impl in impls:
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+            part = pathlib.Path(f.name)
+        cmd = [sys.executable, "-m", "benchmarks.bench_longctx", *argv, "--worker", "--out", str(part),
+               "--impl", impl]  # fmt: skip
+        try:
+            subprocess.run(cmd, timeout=a.timeout_s, env=child_env(IMPLS[impl][0]))
+        except subprocess.TimeoutExpired:
+            print(f"[bench_longctx] {impl} timed out after {a.timeout_s:.0f} s", flush=True)
+        rows = json.loads(part.read_text()) if part.stat().st_size else []
+        part.unlink()
+        data["rows"] += rows
+        data["summary"][impl] = {"gib_per_1k_tokens": slope_gib_per_1k([r for r in rows if not r.get("oom")]),
+                                 "longest_tokens": max((r["tokens"] for r in rows if "step_time_s" in r),
+                                                       default=None)}  # fmt: skip
+        write_json(a.out, data)
+    print(f"[bench_longctx] wrote {a.out}: {json.dumps(data['summary'])}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,84 @@
+"""``chunk_long_context``: what a chunked trainer turns on to train long sequences on one GPU.
+
+1. **Checkpointing** (``activation_checkpointing``, the trainer's own): each decoder layer keeps only its
+   input for the backward, which runs the layer's forward again.
+2. **Offloading what checkpointing keeps** (TRL's ``OffloadActivations``,
+   ``trl/models/activation_offloading.py``, after torchtune's): saved-tensor hooks copy each saved tensor of 1
+   KiB or more (under checkpointing: each layer's input) to pinned host memory on a side stream during the
+   forward and bring it back, ahead of the backward that reads it, on another; the LM head's saved tensors
+   stay on the GPU. TRL's SFT and DPO trainers build it from their own ``activation_offloading`` field, which
+   this sets; for the other trainers it is built here and entered around each training step, as TRL's trainers
+   do.
+3. **The tiled MLP** (with the kernels): the fused MLP saves only its input and runs over tiles of
+   :data:`MLP_TILE` tokens (``chunkloss.models.patch(..., mlp_recompute=True, mlp_tile=...)``), so its
+   ``(tokens, intermediate)`` tensors exist for one tile at a time.
+
+What the GPU then holds grows with the sequence by one layer's working set plus the chunked head's input,
+not by the layer count; docs/design.md has the measurement.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+#: Tokens per tile of the fused MLP under ``chunk_long_context`` (when ``chunk_kernels_mlp_tile`` is unset):
+#: each (tile, I) bf16 tensor is 128 MiB at Llama-3.2-1B's I = 8192, 224 MiB at Llama-3.1-8B's 14336, and
+#: its GEMMs stay large enough to run at the card's rate.
+MLP_TILE = 8192
+
+
+def mlp_options(args) -> dict:
+    """``patch``'s MLP options from a config: ``chunk_kernels_mlp_recompute`` and ``chunk_kernels_mlp_tile``,
+    both on under ``chunk_long_context``."""
+    long_context = bool(getattr(args, "chunk_long_context", False))
+    tile = getattr(args, "chunk_kernels_mlp_tile", None)
+    if tile is not None and (not isinstance(tile, int) or isinstance(tile, bool) or tile <= 0):
+        raise ValueError(f"chunk_kernels_mlp_tile must be a positive int or None, got {tile!r}")
+    return {
+        "mlp_recompute": bool(getattr(args, "chunk_kernels_mlp_recompute", False)) or long_context,
+        "mlp_tile": tile if tile is not None else MLP_TILE if long_context else None,
+    }
+
+
+def _offloads(args) -> bool:
+    """Whether offloading has somewhere to offload from: an accelerator that the run uses (on the CPU the
+    activations are in host memory already, and TRL's context needs an accelerator)."""
+    return torch.accelerator.current_accelerator() is not None and not getattr(args, "use_cpu", False)
+
+
+def enable(args) -> None:
+    """Turn on checkpointing, and TRL's activation offloading where the config has the field, before TRL's
+    constructor reads them."""
+    if not getattr(args, "chunk_long_context", False):
+        return
+    # transformers 5.23 renamed gradient_checkpointing to activation_checkpointing and mirrors the old name.
+    for name in ("activation_checkpointing", "gradient_checkpointing"):
+        if hasattr(args, name):
+            setattr(args, name, True)
+    if hasattr(args, "activation_offloading") and _offloads(args):
+        args.activation_offloading = True
+
+
+def offload_context(trainer):
+    """TRL's offloading context for a trainer whose TRL class builds none (GRPO, ORPO, GKD, distillation);
+    None when the trainer builds its own, ``chunk_long_context`` is off or the run is on the CPU."""
+    args = trainer.args
+    if not getattr(args, "chunk_long_context", False) or hasattr(args, "activation_offloading"):
+        return None
+    if not _offloads(args):
+        return None
+    from trl.models.activation_offloading import get_act_offloading_ctx_manager
+
+    return get_act_offloading_ctx_manager(model=trainer.model)
+
+
+class LongContextStep:
+    """Mixin: each training step inside :func:`offload_context`'s context, when there is one."""
+
+    _chunk_offload = None
+
+    def training_step(self, *args, **kwargs):
+        with self._chunk_offload or contextlib.nullcontext():
+            return super().training_step(*args, **kwargs)

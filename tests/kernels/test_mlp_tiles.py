@@ -1,0 +1,90 @@
+"""The gated MLP over row tiles (``gated_mlp(..., tile=)``): equal to the untiled block under the tolerance
+rule, LoRA adapters included, and no (rows, I) intermediate larger than one tile in the forward or the
+backward."""
+
+import pytest
+import torch
+
+from chunkloss.kernels import LoraAdapter
+from chunkloss.kernels import mlp as mlp_module
+from chunkloss.kernels.mlp import gated_mlp, gated_mlp_ref
+from tests.kernels.test_mlp import make_inputs, run
+from tests.tolerances import assert_close_to_ref
+
+# tile sizes against 37 rows: one row, an odd tile that leaves a short last tile, one that divides, all rows.
+TILES = [1, 10, 37 // 2, 64]
+
+
+@pytest.mark.parametrize("tile", TILES)
+@pytest.mark.parametrize("recompute", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiled_matches_reference(dtype, recompute, tile):
+    masters = make_inputs(37, 40, 45, bias=True)
+    dy = torch.randn(37, 40)
+    y_ref, g_ref = run(gated_mlp_ref, masters, torch.float64, dy)
+    y_tch, g_tch = run(gated_mlp_ref, masters, dtype, dy)
+    y, g = run(gated_mlp, masters, dtype, dy, recompute=recompute, tile=tile)
+    assert_close_to_ref(y, y_ref, y_tch, "y")
+    for name in g_ref:
+        assert_close_to_ref(g[name], g_ref[name], g_tch[name], f"d{name}")
+
+
+def lora_leaves(hidden, inter, rank, dtype):
+    torch.manual_seed(1)
+    shapes = ((rank, hidden), (inter, rank)), ((rank, hidden), (inter, rank)), ((rank, inter), (hidden, rank))
+    return [(torch.randn(a) * 0.3, torch.randn(b) * 0.3) for a, b in shapes]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiled_lora_matches_untiled_and_reference(dtype):
+    """Frozen base, trainable fp32 adapters on all three projections (PEFT's layout), 3 x 13 tokens."""
+    m = make_inputs(39, 24, 40, bias=False)
+    x = m["x"].view(3, 13, 24)
+    weights = [m[k].to(dtype) for k in ("w_gate", "w_up", "w_down")]
+    dy = torch.randn(3, 13, 24)
+
+    def grads(fn, dt, **kw):
+        ab = [(a.clone().requires_grad_(), b.clone().requires_grad_()) for a, b in lora_leaves(24, 40, 4, dt)]
+        xs = x.to(dt).requires_grad_()
+        ws = [w.to(dt) for w in weights]
+        adapters = tuple(LoraAdapter(a, b, 2.0) for a, b in ab)
+        if fn is gated_mlp_ref:
+            adapters = tuple(LoraAdapter(a.to(dt), b.to(dt), 2.0) for a, b in ab)
+        y = fn(xs, *ws, adapters=adapters, **kw)
+        leaves = [xs, *(t for pair in ab for t in pair)]
+        return [y, *torch.autograd.grad(y, leaves, dy.to(y.dtype))]
+
+    ref = grads(gated_mlp_ref, torch.float64)
+    tch = grads(gated_mlp_ref, dtype)
+    for tile in (None, 7):
+        ours = grads(gated_mlp, dtype, recompute=True, tile=tile)
+        for name, a, r, t in zip(["y", "dx", "dA_g", "dB_g", "dA_u", "dB_u", "dA_d", "dB_d"], ours, ref, tch):
+            assert_close_to_ref(a, r, t, f"{name} (tile={tile})")
+
+
+def test_intermediates_are_one_tile(monkeypatch):
+    """Every (rows, I) tensor the GLU kernel reads or writes, forward and backward, has at most ``tile``
+    rows."""
+    rows_seen = []
+    for name in ("_glu_fwd", "_glu_bwd"):
+        original = getattr(mlp_module, name)
+
+        def spy(*args, _original=original, **kw):
+            rows_seen.append(args[0].shape[0])
+            return _original(*args, **kw)
+
+        monkeypatch.setattr(mlp_module, name, spy)
+    m = {k: v.requires_grad_() for k, v in make_inputs(50, 16, 24, bias=False).items()}
+    gated_mlp(m["x"], m["w_gate"], m["w_up"], m["w_down"], recompute=True, tile=16).sum().backward()
+    # The forward in order; the backward from the last tile.
+    assert rows_seen == [16, 16, 16, 2] + [2, 16, 16, 16]
+    rows_seen.clear()
+    gated_mlp(m["x"], m["w_gate"], m["w_up"], m["w_down"], recompute=True).sum().backward()
+    assert rows_seen == [50, 50]
+
+
+@pytest.mark.parametrize("tile", [0, -3, 2.5])
+def test_bad_tile_is_refused(tile):
+    m = make_inputs(4, 8, 12, bias=False)
+    with pytest.raises(ValueError, match="tile must be a positive int or None"):
+        gated_mlp(m["x"], m["w_gate"], m["w_up"], m["w_down"], tile=tile)

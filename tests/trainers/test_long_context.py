@@ -1,0 +1,180 @@
+"""``chunk_long_context``: checkpointing, TRL's activation offloading and the tiled MLP behind one switch.
+
+On the CPU: what the switch sets (checkpointing on, the MLP recomputed and tiled, no offloading where there is
+no accelerator) and its refusals, and one step equal to the same step without it. On CUDA (``gpu``): the
+offloaded step gives the same loss and gradients bit for bit as the step without offloading, for SFT (TRL's
+own field) and GRPO (the context this builds); and the GPU peak no longer grows with the layer count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+
+from chunkloss.data import length_reward, tiny_dataset, tiny_model
+from chunkloss.models.layers import PatchedGatedMLP
+from chunkloss.trainers._long_context import MLP_TILE
+from chunkloss.trainers.grpo import ChunkedGRPOConfig, ChunkedGRPOTrainer
+from chunkloss.trainers.sft import ChunkedSFTConfig, ChunkedSFTTrainer
+from tests.tolerances import assert_close_to_ref
+from tests.trainers.helpers import assert_same_grads, common_args, grads, model_pair, tokenizer
+
+CUDA = torch.cuda.is_available()
+
+
+def _args(tmp_path, **cfg) -> dict:
+    return {**common_args(tmp_path, **cfg), "use_cpu": not CUDA}
+
+
+def _sft(tmp_path, model, **cfg):
+    config = ChunkedSFTConfig(**_args(tmp_path, max_length=64, **cfg), chunk_size=7, chunk_compile=False)
+    return ChunkedSFTTrainer(
+        model, config, train_dataset=tiny_dataset("sft", n=4), processing_class=tokenizer()
+    )
+
+
+def _checkpoint(model) -> None:
+    """Checkpointing on, as ``Trainer.train()`` turns it on from the config (these tests run single steps)."""
+    model.activation_checkpointing_enable()
+
+
+def _step(trainer, batch=None):
+    """One ``training_step`` (forward, backward, inside the trainer's offloading context) on ``batch``, or on
+    the trainer's whole dataset collated; the loss."""
+    if batch is None:
+        rows = [trainer.train_dataset[i] for i in range(len(trainer.train_dataset))]
+        batch = trainer._prepare_inputs(trainer.data_collator(rows))
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train() for each optimizer step
+    return torch.as_tensor(trainer.training_step(trainer.model, dict(batch)))
+
+
+def test_switch_turns_on_checkpointing_and_the_tiled_mlp(tmp_path):
+    model = model_pair()[0]
+    trainer = _sft(tmp_path, model, chunk_long_context=True, chunk_kernels=True)
+    args = trainer.args
+    assert args.gradient_checkpointing and getattr(args, "activation_checkpointing", True)
+    assert args.activation_offloading is CUDA  # nothing to offload from on the CPU
+    mlps = [m for m in model.modules() if isinstance(m, PatchedGatedMLP)]
+    assert mlps and all(m.chunkloss_mlp.recompute and m.chunkloss_mlp.tile == MLP_TILE for m in mlps)
+
+
+def test_explicit_tile_and_refusals(tmp_path):
+    model = model_pair()[0]
+    _sft(tmp_path, model, chunk_kernels=True, chunk_kernels_mlp_tile=5)
+    assert {m.chunkloss_mlp.tile for m in model.modules() if isinstance(m, PatchedGatedMLP)} == {5}
+    with pytest.raises(ValueError, match="chunk_kernels_mlp_tile=5 with chunk_kernels=False"):
+        _sft(tmp_path, model_pair()[0], chunk_kernels=False, chunk_kernels_mlp_tile=5)
+    with pytest.raises(ValueError, match="chunk_kernels_mlp_tile must be a positive int or None, got 0"):
+        _sft(tmp_path, model_pair()[0], chunk_kernels=True, chunk_kernels_mlp_tile=0)
+    # The switch itself with the kernels off: checkpointing (and offloading) only, nothing refused.
+    assert _sft(
+        tmp_path, model_pair()[0], chunk_kernels=False, chunk_long_context=True
+    ).args.gradient_checkpointing
+
+
+def test_long_context_step_equals_the_plain_step(tmp_path):
+    """Tiles of 5 tokens over sequences of up to 64 (several tiles per sequence): the same loss and
+    gradients as the untiled, uncheckpointed step (fp32; tests/tolerances.py's fp32 row)."""
+    m_plain, m_long = model_pair()
+    plain = _sft(tmp_path, m_plain, chunk_kernels=True)
+    long = _sft(tmp_path, m_long, chunk_kernels=True, chunk_long_context=True, chunk_kernels_mlp_tile=5)
+    _checkpoint(m_long)
+    assert_close_to_ref(_step(long), _step(plain))
+    assert_same_grads(plain.model, long.model)
+
+
+def _grpo(tmp_path, model, **cfg):
+    args = _args(tmp_path, num_generations=4, max_completion_length=16, **cfg)
+    return ChunkedGRPOTrainer(model, length_reward, ChunkedGRPOConfig(**args, chunk_compile=False),
+                              train_dataset=tiny_dataset("grpo", 8), processing_class=tokenizer())  # fmt: skip
+
+
+def test_grpo_builds_its_own_offloading_context_only_on_an_accelerator(tmp_path):
+    trainer = _grpo(tmp_path, model_pair()[0], chunk_long_context=True)
+    assert trainer.args.gradient_checkpointing
+    assert (trainer._chunk_offload is not None) is CUDA
+    assert _grpo(tmp_path, model_pair()[0])._chunk_offload is None
+
+
+# ---- CUDA ------------------------------------------------------------------------------------------------
+
+
+def _same_step(make, tmp_path):
+    """``make(path, model, offload)``'s step with checkpointing, with and without offloading: equal bit for
+    bit."""
+    torch.manual_seed(0)
+    base = tiny_model(tokenizer(), "llama", hidden_size=64, num_layers=3).cuda()
+    runs = []
+    for offload in (False, True):
+        trainer = make(tmp_path / str(offload), copy.deepcopy(base), offload)
+        _checkpoint(trainer.model)
+        runs.append((_step(trainer), grads(trainer.model)))
+    (loss_a, g_a), (loss_b, g_b) = runs
+    assert torch.equal(loss_a, loss_b)
+    assert g_a.keys() == g_b.keys() and all(torch.equal(g_a[k], g_b[k]) for k in g_a)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="offloading copies CUDA tensors to host memory")
+def test_offloaded_sft_step_is_bitwise_the_same(tmp_path):
+    def make(path, model, offload):
+        # The switch with offloading, against the same tiles and checkpointing without it.
+        trainer = _sft(path, model, chunk_long_context=True, chunk_kernels_mlp_tile=16)
+        assert trainer.args.activation_offloading
+        if not offload:
+            trainer.maybe_activation_offload_context = contextlib.nullcontext()
+        return trainer
+
+    _same_step(make, tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="offloading copies CUDA tensors to host memory")
+def test_offloaded_grpo_step_is_bitwise_the_same(tmp_path):
+    def make(path, model, offload):
+        trainer = _grpo(path, model, chunk_long_context=True)
+        if not offload:
+            trainer._chunk_offload = None
+        return trainer
+
+    _same_step(make, tmp_path)
+
+
+def _peak_growth(tmp_path, layers: int, long_context: bool, tokens=(2048, 4096)) -> int:
+    """GPU peak of one SFT step at ``tokens[1]`` minus that at ``tokens[0]`` (bytes), bf16."""
+    peaks = []
+    for t in tokens:
+        torch.manual_seed(0)
+        model = tiny_model(tokenizer(), "llama", hidden_size=256, num_layers=layers).cuda().bfloat16()
+        trainer = _sft(tmp_path / f"{layers}-{t}", model, max_length=t, chunk_long_context=long_context)
+        _checkpoint(model)
+        ids = torch.randint(0, model.config.vocab_size, (1, t), device="cuda")
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+        _step(trainer, batch)  # warm-up: compiles the kernels, fills the allocator's pools
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        _step(trainer, batch)
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - before)
+        del trainer, model
+        torch.cuda.empty_cache()
+    return peaks[1] - peaks[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="measures CUDA memory")
+def test_peak_growth_does_not_scale_with_the_layer_count(tmp_path):
+    """Without offloading, 2T against T adds each layer's checkpointed input (T·H·2 bytes per layer): the
+    growth rises with the layer count. With the switch it does not: 8 layers grow as 2 do, within one
+    layer's input."""
+    one_input = 2048 * 256 * 2
+    plain = {n: _peak_growth(tmp_path, n, False) for n in (2, 8)}
+    long = {n: _peak_growth(tmp_path, n, True) for n in (2, 8)}
+    assert plain[8] - plain[2] >= 5 * one_input, plain  # 6 more layer inputs kept
+    assert abs(long[8] - long[2]) <= one_input, long
