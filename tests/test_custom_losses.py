@@ -1,11 +1,18 @@
 """Three losses written only against the public contract of ``chunkloss.engine`` (the README quotes them): a
 token loss, a pairwise sequence loss and a non-pairwise sequence loss. Each is checked against the same math
 on materialised fp64 logits in plain PyTorch: the loss and every gradient, with one-pass and two-pass
-chunkings, and the token loss with ``reduction='none'`` under a non-uniform ``grad_output``."""
+chunkings, and the token loss with ``reduction='none'`` under a non-uniform ``grad_output``. Then a loss
+author's mistakes (a mean per chunk, the loss without its metrics, a plain method, a per-row record that is
+not a ``Rows``, a label out of range in the guide's loss), each caught with one error line; and the metrics
+of a call where no row takes part, which read 0."""
 
 from __future__ import annotations
 
+import re
+import sys
+import types
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -238,3 +245,192 @@ def test_sequence_losses_compiled(make, n_seqs):
     ref = lambda z: ref_fn(z, labels)  # noqa: E731
     for chunk_size in (4, 1000):
         check(lambda x, w: make(chunk_size=chunk_size)(x, w, labels), ref, hidden, weight)
+
+
+# --------------------------------------------------------------------------------------------------
+# A loss author's mistakes: each one is one clear error line, raised before the engine trips over it.
+@dataclass(frozen=True)
+class MistakeOptions(FocalOptions):
+    mean: bool = False  # the mistake: a mean over the chunk's rows in place of a sum over a batch count
+
+
+def focal_rows(logits, token: Labels):
+    logp = logits.float().log_softmax(-1).gather(-1, token.labels[:, None]).squeeze(1)
+    return -((1 - logp.exp()) ** 2) * logp
+
+
+def new_token_loss(chunk_loss, name="FusedLinearUserLoss"):
+    """A new token loss class (each checked on its own first call) with the focal loss's ``forward``."""
+    return type(name, (FusedLinearFocalLoss,), {"options_cls": MistakeOptions, "chunk_loss": chunk_loss})
+
+
+@staticmethod
+def mean_chunk_loss(logits, extra_logits, token, scalars, opts):
+    loss = focal_rows(logits, token)
+    if opts.mean:
+        return loss.mean(), {}
+    return loss.sum() / scalars.n_tokens, {}
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_a_mean_over_the_chunk_is_refused(compile):
+    """``.mean()`` per chunk is 10x too large at 10 chunks; the first call says so."""
+    hidden, weight, labels = inputs(4, t=40)
+    loss = new_token_loss(mean_chunk_loss)(mean=True, chunk_size=16, compile=compile)
+    with pytest.raises(
+        ValueError, match=r"^FusedLinearUserLoss.chunk_loss must return a sum over the chunk's "
+    ):
+        loss(hidden, weight, labels)
+    with pytest.raises(ValueError, match="not a mean"):  # still, on the next call
+        loss(hidden, weight, labels)
+
+
+def test_a_mean_metric_is_refused():
+    @staticmethod
+    def chunk_loss(logits, extra_logits, token, scalars, opts):
+        loss = focal_rows(logits, token)
+        hit = (logits.argmax(-1) == token.labels).float()
+        return loss.sum() / scalars.n_tokens, {"accuracy": hit.mean()}
+
+    hidden, weight, labels = inputs(3)
+    with pytest.raises(ValueError, match=r"chunk_loss's metric 'accuracy' must return a sum .* not a mean"):
+        new_token_loss(chunk_loss)(chunk_size=4, compile=False)(hidden, weight, labels)
+
+
+def test_the_sum_check_runs_once_per_class_or_every_call(monkeypatch):
+    """A class passes on its first call and is not checked again; ``CHUNKLOSS_CHECK_EVERY_CALL=1`` checks
+    every call (here, an instance whose options turn the mean on)."""
+    hidden, weight, labels = inputs(3)
+    cls = new_token_loss(mean_chunk_loss)
+    right = cls(chunk_size=4, compile=False)(hidden, weight, labels)
+    assert_close_to_ref(right, focal_ref(hidden.double() @ weight.double().T, labels), name="loss")
+    wrong = cls(mean=True, chunk_size=4, compile=False)
+    assert wrong(hidden, weight, labels) > 2 * right  # unchecked: several chunks' means added up
+    monkeypatch.setenv("CHUNKLOSS_CHECK_EVERY_CALL", "1")
+    with pytest.raises(ValueError, match="not a mean"):
+        wrong(hidden, weight, labels)
+
+
+def test_a_mean_over_sequences_is_refused():
+    class MeanOverSequences(FusedLinearMeanLogProbLoss):
+        @staticmethod
+        def sequence_loss(stats, seq_id, num_seqs, token, sequence, scalars, opts):
+            mean_logp = segment_sum(stats[:, 0], seq_id, num_seqs) / sequence.n_tokens.clamp(min=1)
+            return -mean_logp.mean(), {}
+
+    hidden, weight, labels = inputs(3)
+    match = r"^MeanOverSequences.sequence_loss must return a sum over its sequences .* not a mean"
+    with pytest.raises(ValueError, match=match):
+        MeanOverSequences(chunk_size=1000, compile=False)(hidden, weight, labels)
+
+
+def guide_block() -> str:
+    """The first Python block of docs/writing-a-loss.md (the token loss)."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "writing-a-loss.md").read_text()
+    return re.search(r"^```python\n(.*?)^```$", text, flags=re.M | re.S).group(1)
+
+
+def test_the_guides_loss_names_a_label_out_of_range(monkeypatch):
+    module = types.ModuleType("guide_block")  # as a script runs: a registered module for its dataclasses
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    exec(compile(guide_block(), "writing-a-loss.md", "exec"), module.__dict__)
+    hidden, weight = torch.randn(2, 8, 64), torch.randn(100, 64)
+    labels = torch.randint(0, 100, (2, 8))
+    labels[1, 3] = 100  # V: one past the vocabulary
+    with pytest.raises(ValueError, match=r"^labels holds 100, outside \[0, 100\) and not ignore_index=-100$"):
+        module.FusedLinearFocalLoss(compile=False)(hidden, weight, labels)
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_returning_the_loss_alone_is_named(compile):
+    @staticmethod
+    def chunk_loss(logits, extra_logits, token, scalars, opts):
+        return focal_rows(logits, token).sum() / scalars.n_tokens
+
+    hidden, weight, labels = inputs(3)
+    match = r"^FusedLinearUserLoss.chunk_loss must return \(loss, metrics\): .*, got a Tensor$"
+    with pytest.raises(TypeError, match=match):
+        new_token_loss(chunk_loss)(chunk_size=4, compile=compile)(hidden, weight, labels)
+
+
+def test_a_sequence_loss_returning_the_loss_alone_is_named():
+    class LossAlone(FusedLinearPairLoss):
+        @staticmethod
+        def sequence_loss(stats, seq_id, num_seqs, token, sequence, scalars, opts):
+            return FusedLinearPairLoss.sequence_loss(stats, seq_id, num_seqs, token, sequence, scalars, opts)[
+                0
+            ]
+
+    hidden, weight, labels = inputs(4)
+    for chunk_size in (4, 1000):  # two passes, then one
+        with pytest.raises(TypeError, match=r"^LossAlone.sequence_loss must return \(loss, metrics\)"):
+            LossAlone(chunk_size=chunk_size, compile=False)(hidden, weight, labels)
+
+
+@pytest.mark.parametrize("name", ["chunk_loss", "token_stats", "sequence_loss", "extra_token_stats"])
+def test_a_per_chunk_method_without_staticmethod_is_refused_at_class_definition(name):
+    def method(self, *args):
+        return None
+
+    with pytest.raises(
+        TypeError, match=rf"^Forgetful.{name} must be a @staticmethod: the engine calls it as"
+    ):
+        type("Forgetful", (FusedLinearBase,), {name: method})
+
+
+@dataclass
+class PlainLabels:  # the mistake: not a Rows
+    labels: Tensor
+
+
+class UndeclaredLabels(Rows):  # the mistake: no @dataclass, so `labels` is no field the engine indexes
+    def __init__(self, labels):
+        super().__init__()
+        self.labels = labels
+
+
+@pytest.mark.parametrize(
+    "token, match",
+    [
+        (lambda y, rows: PlainLabels(y[rows]), r"^Batch.token must be a dataclass subclassing .*Rows"),
+        (lambda y, rows: UndeclaredLabels(y[rows]), r"^UndeclaredLabels.labels is not a dataclass field"),
+        (lambda y, rows: Labels(y.tolist()), r"^Labels.labels must be a tensor or None, got list$"),
+        (lambda y, rows: Labels(y), r"^Labels.labels has shape \(21,\), but Batch.rows has 13 rows"),
+    ],
+    ids=["not-rows", "no-dataclass", "not-a-tensor", "not-restricted-to-rows"],
+)
+def test_a_per_row_record_is_checked_when_the_batch_is_built(token, match):
+    hidden, weight, labels = inputs(3)
+    y = labels.reshape(-1)
+    rows = (y != -100).nonzero().squeeze(1)
+    with pytest.raises((TypeError, ValueError), match=match):
+        Batch(rows=rows, token=token(y, rows))
+
+
+def test_sequence_batch_checks_its_records():
+    keep = torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises(TypeError, match=r"^sequence_batch's token must be a dataclass subclassing .*Rows"):
+        sequence_batch(keep, torch.arange(2), token=PlainLabels(torch.zeros(2, 3, dtype=torch.long)))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_metrics_read_zero_when_no_row_takes_part(reduction):
+    @staticmethod
+    def chunk_loss(logits, extra_logits, token, scalars, opts):
+        loss = focal_rows(logits, token)
+        metrics = {
+            "n_tokens": torch.ones_like(loss).sum(),
+            "per_class": torch.zeros(3).index_add(0, token.labels % 3, loss),
+        }
+        return loss.sum() / scalars.n_tokens, metrics | ({"loss": loss} if opts.reduction == "none" else {})
+
+    cls = type("MetricsLoss", (FusedLinearFocalLoss,), {"chunk_loss": chunk_loss})
+    hidden, weight, labels = inputs(3)
+    loss = cls(reduction=reduction, chunk_size=4, compile=False)
+    loss(hidden, weight, labels)
+    assert sorted(loss.metrics) == ["n_tokens", "per_class"] and loss.metrics["n_tokens"] == 15
+    out = loss(hidden, weight, torch.full_like(labels, -100))
+    assert out.eq(0).all()
+    assert sorted(loss.metrics) == ["n_tokens", "per_class"]
+    assert loss.metrics["n_tokens"].eq(0) and loss.metrics["per_class"].eq(0).all()
+    assert loss.metrics["per_class"].shape == (3,)

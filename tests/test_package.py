@@ -56,9 +56,7 @@ def test_transformers_imports_from_the_root():
         "s = importlib.util.find_spec('kernels')\n"
         "print(None if s is None else s.origin)\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
-    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     origin = out.stdout.strip()
     assert origin == "None" or not origin.startswith(str(ROOT / "kernels")), origin
 

@@ -34,6 +34,34 @@ class TensorFields:
         return self.map(lambda t: t[index])
 
 
+def check_fields(value, base: type[TensorFields], what: str, n: int | None = None) -> None:
+    """``value`` is a dataclass subclassing ``base`` whose fields are tensors (with ``n`` rows, where given)
+    or ``None``: a TypeError or ValueError naming the mistake otherwise. The engine indexes those fields
+    alone, so a plain dataclass, or an attribute that is not a field, would fail or be dropped in the loop."""
+    cls = type(value)
+    if not isinstance(value, base):
+        raise TypeError(
+            f"{what} must be a dataclass subclassing chunkloss.engine.{base.__name__} (@dataclass class "
+            f"{cls.__name__}({base.__name__}): ...), got {cls.__name__}"
+        )
+    fields = [f.name for f in dataclasses.fields(value)]
+    undeclared = sorted(set(getattr(value, "__dict__", ())) - set(fields))
+    if undeclared:
+        raise TypeError(
+            f"{cls.__name__}.{undeclared[0]} is not a dataclass field: decorate {cls.__name__} with "
+            "@dataclass and declare it as a field (the engine indexes only the fields)"
+        )
+    for name in fields:
+        t = getattr(value, name)
+        if t is not None and not isinstance(t, Tensor):
+            raise TypeError(f"{cls.__name__}.{name} must be a tensor or None, got {type(t).__name__}")
+        if n is not None and t is not None and (t.dim() == 0 or t.shape[0] != n):
+            raise ValueError(
+                f"{cls.__name__}.{name} has shape {tuple(t.shape)}, but Batch.rows has {n} rows: a per-row "
+                "tensor holds one entry per row that takes part, in the order of Batch.rows (labels[rows])"
+            )
+
+
 @dataclass
 class Rows(TensorFields):
     """Base of what a loss declares per row (a dataclass of tensors (N, ...), one entry per row that takes
@@ -100,6 +128,10 @@ class Batch:
     num_seqs: int = 0
     last_seq_rows: int = 0
 
+    def __post_init__(self):
+        check_fields(self.token, Rows, "Batch.token", self.rows.shape[0])
+        check_fields(self.sequence, Sequences, "Batch.sequence")
+
 
 def segment_sum(values: Tensor, seq_id: Tensor, num_seqs: int) -> Tensor:
     """Sum of ``values`` (N, ...) per sequence id -> (num_seqs, ...), in ``values``' dtype.
@@ -131,6 +163,10 @@ def sequence_batch(
     defer=...)``): their values come to the host in this function's one sync, and each ``check(value)``
     runs (and may raise) before anything reads the batch.
     """
+    if token is not None:
+        check_fields(token, Rows, "sequence_batch's token")
+    if sequence is not None:
+        check_fields(sequence, Sequences, "sequence_batch's sequence")
     n_seq, t = keep.shape
     order = torch.argsort(group_of_seq, stable=True)
     rank = torch.empty_like(order)

@@ -16,18 +16,41 @@ options, in one of two forms:
 Its ``forward`` checks the inputs, picks the rows that take part, builds a :class:`~chunkloss.engine.Batch`
 (``sequence_batch`` for a sequence loss) and calls ``FusedLinearBase.run``. Autograd, chunking, one or two
 passes, compilation and the weight-gradient accumulator are the engine's.
+
+The engine checks the contract where a mistake would otherwise surface deep inside it or not at all: the
+per-chunk functions are static methods (at class definition), they return ``(loss, metrics)`` (every call,
+:func:`loss_and_metrics`), and their loss and metrics add up over rows (each loss class's first call,
+:func:`check_chunk_loss` and :func:`check_sequence_loss`).
 """
 
 from __future__ import annotations
 
+import inspect
+import os
+import weakref
 from collections.abc import Callable
 
+import torch
 from torch import Tensor
 
-from chunkloss.engine.batch import Batch
+from chunkloss.engine.batch import Batch, Rows, Sequences
 from chunkloss.engine.options import FusedOptions
 
-__all__ = ["LossContract"]
+__all__ = [
+    "CHECK_EVERY_CALL_ENV",
+    "LossContract",
+    "check_chunk_loss",
+    "check_sequence_loss",
+    "loss_and_metrics",
+]
+
+#: The per-chunk functions a loss defines as static methods, and the arguments the engine calls them with.
+_STATIC = {
+    "chunk_loss": "logits, extra_logits, token, scalars, opts",
+    "token_stats": "logits, extra_logits, token, opts",
+    "sequence_loss": "stats, seq_id, num_seqs, token, sequence, scalars, opts",
+    "extra_token_stats": "extra_logits, token, opts",
+}
 
 
 class LossContract:
@@ -67,6 +90,18 @@ class LossContract:
     #: After each call: the per-chunk ``metrics`` summed over the chunks, by name. ``forward`` turns them into
     #: the user's ``metrics`` (by default the same), e.g. per-sequence vectors into their minimum.
     chunk_sums: dict[str, Tensor]
+
+    def __init_subclass__(cls, **kwargs):
+        """A per-chunk function defined as a plain method (``@staticmethod`` forgotten) is refused here: the
+        engine calls it without ``self``."""
+        super().__init_subclass__(**kwargs)
+        for name, args in _STATIC.items():
+            value = cls.__dict__.get(name)
+            if inspect.isfunction(value) or isinstance(value, classmethod):
+                raise TypeError(
+                    f"{cls.__name__}.{name} must be a @staticmethod: the engine calls it as {name}({args}), "
+                    "without self"
+                )
 
     @staticmethod
     def chunk_loss(logits, extra_logits, token, scalars, opts):  # pragma: no cover - interface
@@ -148,3 +183,124 @@ class LossContract:
         """Run ``token_stats`` + ``sequence_loss`` rather than ``chunk_loss``. By default: the class
         defines ``sequence_loss``; a loss with both forms (GRPO) decides from its options."""
         return type(self).sequence_loss is not LossContract.sequence_loss
+
+
+# --------------------------------------------------------------------------------------------------
+# Checks of the contract.
+def loss_and_metrics(out, fn: Callable) -> tuple[Tensor, dict[str, Tensor]]:
+    """``(loss, metrics)`` as ``chunk_loss`` or ``sequence_loss`` (``fn``) returned them, checked: a 0-d
+    loss and a dict of tensors. Python checks only (no host sync); under ``torch.compile`` they run while
+    tracing."""
+    if not (isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[1], dict)):
+        got = f"a {type(out).__name__}" + (f" of {len(out)}" if isinstance(out, (tuple, list)) else "")
+        raise TypeError(
+            f"{_name(fn)} must return (loss, metrics): a 0-d loss and a dict of tensors by name ({{}} for "
+            f"none), got {got}"
+        )
+    loss, metrics = out
+    if not isinstance(loss, Tensor) or loss.dim() != 0:
+        got = f"shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else type(loss).__name__
+        raise TypeError(
+            f"{_name(fn)} must return a 0-d loss (a sum over the rows divided by batch-wide normalisers), "
+            f"got {got}"
+        )
+    for key, value in metrics.items():
+        if not isinstance(value, Tensor):
+            raise TypeError(f"{_name(fn)}'s metric {key!r} must be a tensor, got {type(value).__name__}")
+    return loss, metrics
+
+
+def _name(fn: Callable) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(getattr(fn, "func", None), "__name__", "the loss")
+
+
+#: Set (to anything but 0) to check every call of every loss; by default each loss class is checked once.
+CHECK_EVERY_CALL_ENV = "CHUNKLOSS_CHECK_EVERY_CALL"
+#: The loss classes whose loss was found to add up over rows.
+_CHECKED: weakref.WeakSet = weakref.WeakSet()
+#: Rows of the first chunk that :func:`check_chunk_loss` evaluates ``chunk_loss`` on.
+CHECK_ROWS = 8
+#: ``|L(rows twice) - 2·L(rows)|`` above this fraction of ``|2·L(rows)|`` fails a check. A mean over the rows
+#: gives 1/2; a sum rounded in bf16 stays under 1/100.
+CHECK_RTOL = 0.25
+
+
+def check_due(loss: LossContract) -> bool:
+    """Whether this call checks that the loss adds up over rows: the first call of each loss class (until
+    one check has run), or every call where ``CHUNKLOSS_CHECK_EVERY_CALL`` is set; never while
+    ``torch.compile`` traces the caller (a check syncs once)."""
+    if torch.compiler.is_compiling():
+        return False
+    return type(loss) not in _CHECKED or os.environ.get(CHECK_EVERY_CALL_ENV, "0") not in ("", "0")
+
+
+def check_chunk_loss(loss: LossContract, logits: Tensor, extra_logits: list, token: Rows, scalars) -> None:
+    """Raise unless ``chunk_loss`` adds up over rows: evaluated eagerly on the chunk's first rows (at most
+    :data:`CHECK_ROWS`) taken once and taken twice, the loss and every metric but the ``token_outputs``
+    must double. A sum over the rows divided by batch-wide normalisers does; a mean over the chunk's rows
+    stays the same, and would make the loss depend on the chunk size. One host sync."""
+    m = min(logits.shape[0], CHECK_ROWS)
+    if m == 0:
+        return
+    fn, opts = type(loss).chunk_loss, loss.options
+
+    def twice(t: Tensor) -> Tensor:
+        return torch.cat([t[:m], t[:m]])
+
+    once = fn(logits[:m], [e[:m] for e in extra_logits], token[:m], scalars, opts)
+    both = fn(twice(logits), [twice(e) for e in extra_logits], token.map(twice), scalars, opts)
+    where = f"{type(loss).__name__}.chunk_loss", "the chunk's rows", f"{m} rows"
+    _check_doubles(loss, loss_and_metrics(once, fn), loss_and_metrics(both, fn), where)
+
+
+def check_sequence_loss(
+    loss: LossContract, stats, seq_id, num_seqs: int, token: Rows, sequence: Sequences, scalars
+) -> None:
+    """:func:`check_chunk_loss` for ``sequence_loss``: on the sequences given and on them taken twice (the
+    second copy numbered after the first), the loss and metrics must double. Skipped for a loss that
+    ``needs_global_stats`` (it sees the whole batch at once). One host sync."""
+    if loss.needs_global_stats or num_seqs == 0:
+        return
+    fn, opts = type(loss).sequence_loss, loss.options
+
+    def twice(t: Tensor) -> Tensor:
+        return torch.cat([t, t])
+
+    once = fn(stats, seq_id, num_seqs, token, sequence, scalars, opts)
+    seq_ids = torch.cat([seq_id, seq_id + num_seqs])
+    both = fn(twice(stats), seq_ids, 2 * num_seqs, token.map(twice), sequence.map(twice), scalars, opts)
+    where = f"{type(loss).__name__}.sequence_loss", "its sequences", f"{num_seqs} sequences"
+    _check_doubles(loss, loss_and_metrics(once, fn), loss_and_metrics(both, fn), where)
+
+
+def _check_doubles(loss: LossContract, once, both, where: tuple[str, str, str]) -> None:
+    """Raise unless ``both``'s loss and metrics (the rows taken twice) are twice ``once``'s."""
+    fn_name, over, counted = where
+    names, pairs = ["loss"], [(once[0], both[0])]
+    for key, value in once[1].items():
+        if key in loss.token_outputs:
+            continue
+        other = both[1].get(key)
+        if other is None or other.shape != value.shape:
+            got = "none" if other is None else f"shape {tuple(other.shape)}"
+            raise ValueError(
+                f"{fn_name}'s metric {key!r} has shape {tuple(value.shape)} on {counted} but {got} on twice "
+                "as many: metrics have a fixed shape (a per-row output is named in token_outputs)"
+            )
+        names.append(key)
+        pairs.append((value, other))
+    rows = []
+    for a, b in pairs:
+        a, b = a.detach().float(), b.detach().float()
+        bad = ((b - 2 * a).abs() > CHECK_RTOL * (2 * a).abs()).any()
+        rows.append(torch.stack([bad.float(), a.sum(), b.sum()]))
+    flags = torch.stack(rows).tolist()  # the check's one host sync
+    for name, (bad, a, b) in zip(names, flags):
+        if bad:
+            what = fn_name if name == "loss" else f"{fn_name}'s metric {name!r}"
+            raise ValueError(
+                f"{what} must return a sum over {over} divided by batch-wide normalisers, not a mean: on "
+                f"{counted} it gave {a:.6g}, on the same taken twice {b:.6g} rather than {2 * a:.6g} (divide "
+                "by a count computed once for the batch and passed in scalars)"
+            )
+    _CHECKED.add(type(loss))

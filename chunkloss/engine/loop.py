@@ -24,7 +24,13 @@ import torch
 from torch import Tensor
 
 from chunkloss.engine.batch import Batch
-from chunkloss.engine.contract import LossContract
+from chunkloss.engine.contract import (
+    LossContract,
+    check_chunk_loss,
+    check_due,
+    check_sequence_loss,
+    loss_and_metrics,
+)
 from chunkloss.engine.plan import chunk_rows, even_bounds, one_pass_possible, plan_chunks
 from chunkloss.engine.steps import StepKind, step_for
 from chunkloss.engine.weight_grad import WeightGrad
@@ -87,6 +93,9 @@ class ChunkLoop:
         self.rows_all = None if batch.all_rows else batch.rows
         self.reduce_extra = loss.extra_token_stats is not None and bool(batch.extra)
         self.extra_stats_parts: list[Tensor] = []
+        # The contract's check (``contract.check_due``): on the first chunk (token loss) or the first call of
+        # ``sequence_loss``; not in the backward of a per-row output, whose forward ran it.
+        self.check = row_weight is None and check_due(loss)
 
     def step(self, kind: StepKind):
         return step_for(self.mod, kind, self.dev)
@@ -168,6 +177,9 @@ class ChunkLoop:
         ``dL/dstats``, the per-row coefficient the pointwise step pulls back to the logits (None without
         grads)."""
         scalars = self.batch.scalars if scalars is None else scalars
+        if self.check:
+            self.check = False
+            check_sequence_loss(self.mod, stats, seq_id, num_seqs, token, sequence, scalars)
         coef, loss, m = self.step(StepKind.SEQ_COEF)(
             stats, seq_id, num_seqs, token, sequence, scalars, need_grad=self.any_grad
         )
@@ -200,6 +212,9 @@ class ChunkLoop:
         step = self.step(kind)
         for a, b in self.plan.bounds:
             x, logits, extra, token = self.project(self.rows_all, a, b, batch.token[a:b])
+            if self.check:
+                self.check = False
+                check_chunk_loss(self.mod, logits, extra, token, batch.scalars)
             if weighted:
                 g = step(logits, extra, token, batch.scalars, self.row_weight[a:b])
             else:
@@ -211,6 +226,20 @@ class ChunkLoop:
             if self.any_grad:
                 self.backprop(g, x, self.rows_all, a, b, last=b == self.n_rows)
             del x, logits, extra, g  # free this chunk's [C, V] buffer before the next is projected
+        if not self.n_rows and not weighted:
+            self.metrics = self.zero_metrics()
+
+    def zero_metrics(self) -> dict[str, Tensor]:
+        """A token loss's metrics when no row takes part: each metric ``chunk_loss`` returns (on zero rows,
+        eagerly), as zeros. Per-row outputs are left out, as with rows."""
+        _, logits, extra, token = self.project(self.rows_all, 0, 0, self.batch.token[0:0])
+        fn = type(self.mod).chunk_loss
+        metrics = loss_and_metrics(fn(logits, extra, token, self.batch.scalars, self.opts), fn)[1]
+        return {
+            k: torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+            for k, v in metrics.items()
+            if k not in self.mod.token_outputs
+        }
 
     def one_pass(self):
         """A sequence loss whose chunks hold whole groups: ``sequence_loss`` on each chunk's sequences."""

@@ -31,7 +31,7 @@ from enum import Enum
 import torch
 
 from chunkloss.engine.compiled import RowDynamic, SequenceDynamic, bind
-from chunkloss.engine.contract import LossContract
+from chunkloss.engine.contract import LossContract, loss_and_metrics
 from chunkloss.engine.options import FusedOptions
 
 __all__ = [
@@ -69,20 +69,22 @@ class StepKind(str, Enum):
 # The steps' math. Each is what torch.compile sees (bound to a loss's functions and options by ``bind``).
 def _token_step(chunk_loss, opts, logits, extra_logits, token, scalars):
     (g, (loss, metrics)) = torch.func.grad_and_value(
-        lambda z: _with_aux(chunk_loss(z, extra_logits, token, scalars, opts)), has_aux=True
+        lambda z: _with_aux(chunk_loss(z, extra_logits, token, scalars, opts), chunk_loss), has_aux=True
     )(logits)
     return _grad_out(g, logits, opts), loss, metrics
 
 
 def _token_value(chunk_loss, opts, logits, extra_logits, token, scalars):
-    loss, metrics = chunk_loss(logits, extra_logits, token, scalars, opts)
+    loss, metrics = loss_and_metrics(chunk_loss(logits, extra_logits, token, scalars, opts), chunk_loss)
     return None, loss, metrics
 
 
 def _token_rows_step(chunk_loss, output, opts, logits, extra_logits, token, scalars, row_weight):
-    g = torch.func.grad(
-        lambda z: (chunk_loss(z, extra_logits, token, scalars, opts)[1][output] * row_weight).sum()
-    )(logits)
+    def weighted(z):
+        metrics = loss_and_metrics(chunk_loss(z, extra_logits, token, scalars, opts), chunk_loss)[1]
+        return (metrics[output] * row_weight).sum()
+
+    g = torch.func.grad(weighted)(logits)
     return _grad_out(g, logits, opts)
 
 
@@ -99,7 +101,8 @@ def sequence_coef_eager(sequence_loss, opts, stats, seq_id, num_seqs, token, seq
     """``sequence_loss`` and ``dL/dstats`` (None without ``need_grad``) by eager autograd."""
     with torch.enable_grad():
         stats = stats.detach().requires_grad_(need_grad)
-        loss, metrics = sequence_loss(stats, seq_id, num_seqs, token, sequence, scalars, opts)
+        out = sequence_loss(stats, seq_id, num_seqs, token, sequence, scalars, opts)
+        loss, metrics = loss_and_metrics(out, sequence_loss)
         coef = torch.autograd.grad(loss, stats, allow_unused=True)[0] if need_grad else None
     return coef, loss.detach(), {k: v.detach() for k, v in metrics.items()}
 
@@ -109,9 +112,11 @@ def _sequence_coef(sequence_loss, opts, stats, seq_id, groups, token, sequence, 
     of sequences per group g, and the per-sequence tensors come as (G, g, ...) (see ``SequenceDynamic``)."""
     num_seqs = groups.shape[0] * groups.shape[1]
     sequence = sequence.map(lambda v: v.flatten(0, 1))
-    coef, (loss, metrics) = torch.func.grad_and_value(
-        lambda s: _with_aux(sequence_loss(s, seq_id, num_seqs, token, sequence, scalars, opts)), has_aux=True
-    )(stats)
+
+    def loss_of(s):
+        return _with_aux(sequence_loss(s, seq_id, num_seqs, token, sequence, scalars, opts), sequence_loss)
+
+    coef, (loss, metrics) = torch.func.grad_and_value(loss_of, has_aux=True)(stats)
     return coef, loss, metrics
 
 
@@ -124,8 +129,8 @@ def _grad_out(g, logits, opts):
     return g.to(logits.dtype)
 
 
-def _with_aux(out):
-    loss, metrics = out
+def _with_aux(out, fn):
+    loss, metrics = loss_and_metrics(out, fn)
     return loss, {k: v.detach() for k, v in metrics.items()}
 
 

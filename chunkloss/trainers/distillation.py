@@ -27,6 +27,7 @@ from trl import DistillationConfig, DistillationTrainer
 
 from chunkloss.losses.jsd import FusedLinearJSDLoss
 
+from ._checkpointing import CheckpointingDefault
 from ._common import ChunkedArguments, jsd_loss_for, refuse
 from ._head import in_head_forward
 from ._setup import ChunkedTrainerSetup, teacher_head
@@ -35,8 +36,9 @@ __all__ = ["ChunkedDistillationConfig", "ChunkedDistillationTrainer"]
 
 
 @dataclass
-class ChunkedDistillationConfig(DistillationConfig, ChunkedArguments):
-    """``trl.DistillationConfig`` with the chunkloss fields of :class:`ChunkedArguments`."""
+class ChunkedDistillationConfig(CheckpointingDefault, DistillationConfig, ChunkedArguments):
+    """``trl.DistillationConfig`` with the chunkloss fields of :class:`ChunkedArguments`;
+    TRL's activation checkpointing default (on) under transformers' name (:class:`CheckpointingDefault`)."""
 
 
 class ChunkedDistillationTrainer(ChunkedTrainerSetup, DistillationTrainer):

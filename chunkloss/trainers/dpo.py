@@ -19,6 +19,7 @@ from trl import DPOConfig, DPOTrainer
 from chunkloss.losses.cross_entropy import FusedLinearCrossEntropyLoss
 from chunkloss.losses.dpo import FusedLinearDPOLoss
 
+from ._checkpointing import CheckpointingDefault
 from ._common import ChunkedArguments, DeferredMetrics, refuse
 from ._head import has_lm_head_lora, label_logps_head
 from ._setup import ChunkedTrainerSetup
@@ -27,8 +28,9 @@ __all__ = ["ChunkedDPOConfig", "ChunkedDPOTrainer"]
 
 
 @dataclass
-class ChunkedDPOConfig(DPOConfig, ChunkedArguments):
-    """``trl.DPOConfig`` with the chunkloss fields of :class:`ChunkedArguments`."""
+class ChunkedDPOConfig(CheckpointingDefault, DPOConfig, ChunkedArguments):
+    """``trl.DPOConfig`` with the chunkloss fields of :class:`ChunkedArguments`;
+    TRL's activation checkpointing default (on) under transformers' name (:class:`CheckpointingDefault`)."""
 
 
 class ChunkedDPOTrainer(ChunkedTrainerSetup, DeferredMetrics, DPOTrainer):

@@ -26,6 +26,7 @@ from trl.experimental.gkd import GKDConfig, GKDTrainer
 
 from chunkloss.losses.jsd import FusedLinearJSDLoss
 
+from ._checkpointing import CheckpointingDefault
 from ._common import ChunkedArguments, jsd_loss_for, refuse
 from ._setup import P_TUNING, PROMPT_TUNING, ChunkedTrainerSetup, teacher_head
 
@@ -33,8 +34,9 @@ __all__ = ["ChunkedGKDConfig", "ChunkedGKDTrainer"]
 
 
 @dataclass
-class ChunkedGKDConfig(GKDConfig, ChunkedArguments):
-    """``trl.experimental.gkd.GKDConfig`` with the chunkloss fields of :class:`ChunkedArguments`."""
+class ChunkedGKDConfig(CheckpointingDefault, GKDConfig, ChunkedArguments):
+    """``trl.experimental.gkd.GKDConfig`` with the chunkloss fields of :class:`ChunkedArguments`;
+    TRL's activation checkpointing default (on) under transformers' name (:class:`CheckpointingDefault`)."""
 
 
 class ChunkedGKDTrainer(ChunkedTrainerSetup, GKDTrainer):

@@ -26,6 +26,7 @@ from chunkloss.losses.grpo import (
     nanmin,
 )
 
+from ._checkpointing import CheckpointingDefault
 from ._common import ChunkedArguments, DeferredMetrics, peft_base, refuse
 from ._head import has_active_head_adapter, label_logps_head
 from ._setup import ChunkedTrainerSetup
@@ -44,8 +45,9 @@ _MULTIMODAL = (
 
 
 @dataclass
-class ChunkedGRPOConfig(GRPOConfig, ChunkedArguments):
-    """``trl.GRPOConfig`` with the chunkloss fields of :class:`ChunkedArguments`."""
+class ChunkedGRPOConfig(CheckpointingDefault, GRPOConfig, ChunkedArguments):
+    """``trl.GRPOConfig`` with the chunkloss fields of :class:`ChunkedArguments`;
+    TRL's activation checkpointing default (on) under transformers' name (:class:`CheckpointingDefault`)."""
 
 
 class ChunkedGRPOTrainer(ChunkedTrainerSetup, DeferredMetrics, GRPOTrainer):

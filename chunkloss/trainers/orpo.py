@@ -16,6 +16,7 @@ from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
 from chunkloss.losses.orpo import FusedLinearORPOLoss
 
+from ._checkpointing import CheckpointingDefault
 from ._common import ChunkedArguments, DeferredMetrics, refuse
 from ._setup import P_TUNING, PROMPT_TUNING, ChunkedTrainerSetup
 
@@ -42,8 +43,9 @@ def _is_encoder_decoder(model, args) -> bool:
 
 
 @dataclass
-class ChunkedORPOConfig(ORPOConfig, ChunkedArguments):
-    """``trl.experimental.orpo.ORPOConfig`` with the chunkloss fields of :class:`ChunkedArguments`."""
+class ChunkedORPOConfig(CheckpointingDefault, ORPOConfig, ChunkedArguments):
+    """``trl.experimental.orpo.ORPOConfig`` with the chunkloss fields of :class:`ChunkedArguments`;
+    TRL's activation checkpointing default (on) under transformers' name (:class:`CheckpointingDefault`)."""
 
 
 class ChunkedORPOTrainer(ChunkedTrainerSetup, DeferredMetrics, ORPOTrainer):

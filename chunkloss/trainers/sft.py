@@ -19,6 +19,7 @@ from trl import SFTConfig, SFTTrainer
 from chunkloss.losses.cross_entropy import FusedLinearCrossEntropyLoss
 from chunkloss.losses.dft import FusedLinearDFTLoss
 
+from ._checkpointing import CheckpointingDefault
 from ._common import ChunkedArguments, DeferredMetrics, refuse
 from ._head import left_pad
 from ._setup import ChunkedTrainerSetup
@@ -36,8 +37,9 @@ def _deepspeed_sp(pc) -> bool:
 
 
 @dataclass
-class ChunkedSFTConfig(SFTConfig, ChunkedArguments):
-    """``trl.SFTConfig`` with the chunkloss fields of :class:`ChunkedArguments`."""
+class ChunkedSFTConfig(CheckpointingDefault, SFTConfig, ChunkedArguments):
+    """``trl.SFTConfig`` with the chunkloss fields of :class:`ChunkedArguments`;
+    TRL's activation checkpointing default (on) under transformers' name (:class:`CheckpointingDefault`)."""
 
 
 class ChunkedSFTTrainer(ChunkedTrainerSetup, DeferredMetrics, SFTTrainer):

@@ -89,8 +89,9 @@ def test_long_context_step_equals_the_plain_step(tmp_path):
 
 def _grpo(tmp_path, model, **cfg):
     args = _args(tmp_path, num_generations=4, max_completion_length=16, **cfg)
-    return ChunkedGRPOTrainer(model, length_reward, ChunkedGRPOConfig(**args, chunk_compile=False),
-                              train_dataset=tiny_dataset("grpo", 8), processing_class=tokenizer())  # fmt: skip
+    config = ChunkedGRPOConfig(**args, chunk_compile=False)
+    data = tiny_dataset("grpo", 8)
+    return ChunkedGRPOTrainer(model, length_reward, config, train_dataset=data, processing_class=tokenizer())
 
 
 def test_grpo_builds_its_own_offloading_context_only_on_an_accelerator(tmp_path):
