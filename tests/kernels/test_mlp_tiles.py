@@ -88,3 +88,18 @@ def test_bad_tile_is_refused(tile):
     m = make_inputs(4, 8, 12, bias=False)
     with pytest.raises(ValueError, match="tile must be a positive int or None"):
         gated_mlp(m["x"], m["w_gate"], m["w_up"], m["w_down"], tile=tile)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [256, 1000])
+def test_tiled_odd_real_widths_gpu(tile):
+    """bf16 on CUDA, H = 2000 and I = 5461, 1031 tokens: tiles that divide nothing, each weight's gradient a
+    sum over 2 to 5 tiles."""
+    masters = make_inputs(1031, 2000, 5461, bias=True, device="cuda")
+    dy = torch.randn(1031, 2000, device="cuda")
+    y_ref, g_ref = run(gated_mlp_ref, masters, torch.float64, dy)
+    y_tch, g_tch = run(gated_mlp_ref, masters, torch.bfloat16, dy)
+    y, g = run(gated_mlp, masters, torch.bfloat16, dy, recompute=True, tile=tile)
+    assert_close_to_ref(y, y_ref, y_tch, "y")
+    for name in g_ref:
+        assert_close_to_ref(g[name], g_ref[name], g_tch[name], f"d{name}")
