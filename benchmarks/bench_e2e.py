@@ -73,6 +73,8 @@ SHAPES = {
                        head_dim=128, tied=True),
     "qwen3-4b": dict(family="qwen3", vocab=151936, hidden=2560, inter=9728, layers=36, heads=32, kv=8,
                      head_dim=128, tied=True),
+    "qwen3-8b": dict(family="qwen3", vocab=151936, hidden=4096, inter=12288, layers=36, heads=32, kv=8,
+                     head_dim=128, tied=False),
     "tiny": dict(vocab=4096, hidden=64, inter=128, layers=2, heads=4, kv=2, head_dim=16, tied=True),
 }  # fmt: skip
 TASKS = ("full", "lora", "qlora")

@@ -71,6 +71,11 @@ def run_length(a, seq: int) -> dict:
 
 
 def worker(a) -> None:
+    if a.gpu_gib:  # a smaller card's memory on a larger one: allocations past it fail as they would there
+        import torch
+
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, a.gpu_gib * 2**30 / total))
     rows = []
     for seq in a.seqs:
         r = run_length(a, seq)
@@ -93,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3, help="training steps per length")
     p.add_argument("--warmup", type=int, default=1, help="steps left out of the timing")
     p.add_argument("--layers", type=int, default=0, help="decoder layers; 0: the shape's own")
+    p.add_argument("--gpu-gib", type=float, default=0, help="cap the GPU memory the process may allocate")
     p.add_argument("--timeout-s", type=float, default=540, help="per implementation's process")
     p.add_argument("--out", required=True, help="result json file")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -107,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         worker(a)
         return 0
     data = {"stamp": stamp(command="python -m benchmarks.bench_longctx " + " ".join(argv)), "mode": "longctx",
-            "rows": [], "summary": {}}  # fmt: skip
+            "gpu_gib_cap": a.gpu_gib or None, "rows": [], "summary": {}}  # fmt: skip
     for impl in impls:
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
             part = pathlib.Path(f.name)
