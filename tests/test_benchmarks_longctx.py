@@ -1,5 +1,5 @@
-"""bench_longctx on CPU with the tiny shape: each implementation's lengths in its own process, the slope of the
-GPU peaks, and the report's rendering of the set."""
+"""bench_longctx on CPU with the tiny shape: each implementation's lengths in its own process, the slope of
+the GPU peaks, and the report's rendering of the set."""
 
 from __future__ import annotations
 
