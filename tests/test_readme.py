@@ -142,3 +142,21 @@ def test_ci_runs_the_readme_full_test_command():
     ci_tests = [c[1:] for c in ci if c[:3] == ["python3", "-m", "pytest"]]
     assert ci_tests == [full[0][1:]], "CI runs the README's first (full) test command"
     assert "-m" not in full[0][3:], "the first test command is the full suite"
+
+
+@pytest.mark.slow  # two collections of the whole suite, about 30 s
+def test_the_readme_quick_check_collects_a_subset_without_errors():
+    """The README's second test command (the quick check), as written, collects without an error and selects
+    part of the full suite: a marker renamed or a path moved fails here, not on a newcomer's machine."""
+    commands = [c for _, code in _blocks("bash") for c in _commands(code) if c[:3] == ["python", "-m", "pytest"]]
+    assert len(commands) >= 2, "the README gives the full test command and the quick check"
+    full, quick = commands[0], commands[1]
+    assert "-m" in quick[3:] and quick[-1] == full[-1], quick
+
+    def collected(command: list[str]) -> int:
+        run = subprocess.run([sys.executable, *command[1:], "--collect-only"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=300)  # fmt: skip
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+        return int(re.search(r"^(\d+)(?:/\d+)? tests? collected", run.stdout, re.M).group(1))
+
+    assert 0 < collected(quick) < collected(full)
