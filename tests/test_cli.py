@@ -1,6 +1,7 @@
-"""The ``chunkloss`` command on CPU: help, the tiny configs end to end (each for its full run, with no
-deprecation warning of chunkloss's making), the run summary and checkpoint, every trainer from a local model
-folder and from its GPU config, and ``chunkloss bench``'s dispatch, usage lines and refusals."""
+"""The ``chunkloss`` command on CPU: help and usage errors, the tiny configs end to end (each for its full
+run, with no deprecation warning of chunkloss's making), what a run leaves in its output folder (summary,
+checkpoint, trainer state, loss curve), every trainer from a local model folder and from its GPU config, and
+``chunkloss bench``'s dispatch, usage lines and refusals."""
 
 from __future__ import annotations
 
@@ -47,6 +48,11 @@ def _check_run(summary: dict, out: Path, steps: int) -> None:
     assert json.loads((out / "chunkloss_summary.json").read_text()) == summary
     assert _moved(out / "model.safetensors", out / "tiny-init" / "model.safetensors")
     assert (out / "tokenizer.json").exists() and (out / "config.json").exists()
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert state["global_step"] == steps
+    assert [h["loss"] for h in state["log_history"] if "loss" in h] == summary["losses"]
+    assert summary["loss_curve"] == str(out.resolve() / "loss_curve.png")
+    assert (out / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def _moved(trained_file: Path, initial_file: Path) -> bool:
@@ -122,8 +128,8 @@ QUIET += [("sft-tiny", ("--label_smoothing_factor", "0.1"))]
 @pytest.mark.parametrize("name, extra", QUIET, ids=[" ".join((n, *e)) for n, e in QUIET])
 def test_tiny_config_warns_nothing_of_ours(tmp_path, name, extra):
     """Two steps of every tiny config (generation included) with every warning raised from chunkloss's
-    modules an error, and no deprecation warning reaching the user from anywhere (the ones TRL's calls raise
-    are filtered by the command, each with the upstream line named)."""
+    modules an error, and no deprecation warning reaching the user from anywhere (the trainers drop those of
+    TRL's calls of transformers' deprecated checkpointing names: chunkloss/trainers/_checkpointing.py)."""
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         warnings.filterwarnings("error", module=r"chunkloss(\.|$)")
@@ -132,6 +138,29 @@ def test_tiny_config_warns_nothing_of_ours(tmp_path, name, extra):
     deprecations = [f"{w.filename}:{w.lineno}: {w.message}" for w in seen
                     if issubclass(w.category, FutureWarning | DeprecationWarning)]  # fmt: skip
     assert deprecations == []
+
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_output_folder_holds_the_trainer_state_and_the_loss_curve(tmp_path, capsys):
+    summary, out = _train("sft-tiny", tmp_path, "--max_steps", "2", "--logging_steps", "1")
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert state["global_step"] == 2
+    assert [h["loss"] for h in state["log_history"] if "loss" in h] == summary["losses"]
+    png = out / "loss_curve.png"
+    assert png.read_bytes()[:8] == PNG
+    assert summary["loss_curve"] == str(png.resolve())
+    assert f"  loss curve    {png.resolve()}" in capsys.readouterr().out.splitlines()
+
+
+def test_without_matplotlib_the_loss_curve_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import matplotlib.figure fails
+    summary, out = _train("sft-tiny", tmp_path, "--max_steps", "1")
+    assert summary["loss_curve"] is None and not (out / "loss_curve.png").exists()
+    assert (out / "trainer_state.json").exists() and (out / "chunkloss_summary.json").exists()
+    lines = [line for line in capsys.readouterr().out.splitlines() if "loss curve" in line]
+    assert lines == ["  loss curve    not drawn: matplotlib is not installed (pip install matplotlib)"]
 
 
 def test_main_help_lists_commands(capsys):
@@ -152,8 +181,46 @@ def test_version_is_the_package_version_and_pyproject_agrees(capsys):
 
 def test_no_arguments_is_a_usage_error(capsys):
     assert cli.main([]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "", "a usage error goes to stderr, as argparse prints it"
+    assert captured.err.startswith("usage: chunkloss") and "chunkloss train CONFIG.yaml" in captured.err
     assert cli.main(["fly"]) == 2
-    assert "unknown command 'fly'" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert captured.out == "" and "unknown command 'fly'" in captured.err
+
+
+def test_train_takes_the_config_as_trls_config_option(capsys):
+    """``--config CONFIG`` (TRL's scripts' form) and ``--config=CONFIG`` read the file as the positional
+    form does: a mistake in the file is reported the same way."""
+    path = str(CONFIG_DIR / "sft-tiny.yaml")
+    assert cli.main(["train", "--config", path, "--help"]) == 0
+    assert "--completion_only_loss" in capsys.readouterr().out, "the sft trainer's options, from the file"
+    outcomes = []
+    for argv in (
+        [path, "--max_steps", "0"],
+        ["--config", path, "--max_steps", "0"],
+        [f"--config={path}", "--max_steps", "0"],
+        ["--max_steps", "0", "--config", path],
+    ):
+        outcomes.append((cli.main(["train", *argv]), capsys.readouterr().err))
+    assert len(set(outcomes)) == 1, outcomes
+    status, err = outcomes[0]
+    assert status == 2 and err.startswith(f"chunkloss: error: {path}: max_steps=0 would train one step"), err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--config"], "--config needs a value"),
+        (["--config", "--max_steps", "2"], "--config needs a value"),
+        (["a.yaml", "--config", "b.yaml"], "train takes one config file, got 2: a.yaml, b.yaml"),
+        ([], "train needs a config file: chunkloss train CONFIG.yaml, or --config CONFIG.yaml"),
+    ],
+)
+def test_train_config_mistakes_are_usage_errors(capsys, argv, message):
+    assert cli.main(["train", *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith(f"chunkloss: error: {message}"), captured.err
 
 
 def test_train_help_lists_trainers_and_options(capsys):
@@ -161,8 +228,15 @@ def test_train_help_lists_trainers_and_options(capsys):
     out = capsys.readouterr().out
     for name, spec in cli.TRAINERS.items():
         assert name in out and spec.trainer in out
-    for key in ("tiny_model", "dataset", "reward_funcs", "chunk_size", "chunk_accum_dtype", "chunk_compile",
-                "model_name_or_path"):
+    for key in (
+        "tiny_model",
+        "dataset",
+        "reward_funcs",
+        "chunk_size",
+        "chunk_accum_dtype",
+        "chunk_compile",
+        "model_name_or_path",
+    ):
         assert key in out
 
 
@@ -170,12 +244,23 @@ def test_train_help_lists_trainers_and_options(capsys):
 def test_train_help_of_one_trainer_lists_every_option(capsys, name):
     assert cli.main(["train", "--trainer", name, "--help"]) == 0
     out = capsys.readouterr().out
-    for flag in ("--learning_rate", "--chunk_size", "--chunk_compile", "--tiny_model",
-                 "--model_name_or_path"):
+    for flag in (
+        "--learning_rate",
+        "--chunk_size",
+        "--chunk_compile",
+        "--tiny_model",
+        "--model_name_or_path",
+    ):
         assert flag in out
-    own = {"grpo": "--num_generations", "dpo": "--beta", "orpo": "--beta", "gkd": "--lmbda",
-           "distillation": "--teacher_model_name_or_path", "sft": "--completion_only_loss",
-           "medusa": "--medusa_num_heads"}[name]
+    own = {
+        "grpo": "--num_generations",
+        "dpo": "--beta",
+        "orpo": "--beta",
+        "gkd": "--lmbda",
+        "distillation": "--teacher_model_name_or_path",
+        "sft": "--completion_only_loss",
+        "medusa": "--medusa_num_heads",
+    }[name]
     assert own in out
 
 
@@ -185,8 +270,9 @@ def test_train_help_from_a_config_file(capsys):
 
 
 def test_module_entry_point_runs_in_a_fresh_interpreter():
-    ok = subprocess.run([sys.executable, "-m", "chunkloss.cli", "--help"], capture_output=True, text=True,
-                        timeout=120)
+    ok = subprocess.run(
+        [sys.executable, "-m", "chunkloss.cli", "--help"], capture_output=True, text=True, timeout=120
+    )
     assert ok.returncode == 0, ok.stderr
     assert "chunkloss train" in ok.stdout
 
@@ -331,8 +417,9 @@ def test_train_on_a_local_dataset(tmp_path, suffix):
         rows.to_json(str(path))
     else:
         rows.save_to_disk(str(path))
-    summary, out = _train("sft-tiny", tmp_path, "--dataset", str(path), "--max_steps", "2",
-                          "--logging_steps", "1")
+    summary, out = _train(
+        "sft-tiny", tmp_path, "--dataset", str(path), "--max_steps", "2", "--logging_steps", "1"
+    )
     _check_run(summary, out, steps=2)
 
 
@@ -350,11 +437,18 @@ def test_model_from_a_local_path(tmp_path, kind):
     raw = yaml.safe_load((CONFIG_DIR / f"{kind}-tiny.yaml").read_text())
     del raw["tiny_model"]
     raw.pop("teacher_tiny_model", None)
-    raw.update(model_name_or_path=str(tmp_path / "student"), dtype="float32",
-               output_dir=str(tmp_path / "out"), max_steps=2, logging_steps=1)
+    raw.update(
+        model_name_or_path=str(tmp_path / "student"),
+        dtype="float32",
+        output_dir=str(tmp_path / "out"),
+        max_steps=2,
+        logging_steps=1,
+    )
     if kind in ("gkd", "distillation"):
-        raw.update(teacher_model_name_or_path=str(tmp_path / "teacher"),
-                   teacher_model_init_kwargs={"dtype": "float32"})
+        raw.update(
+            teacher_model_name_or_path=str(tmp_path / "teacher"),
+            teacher_model_init_kwargs={"dtype": "float32"},
+        )
     config = tmp_path / "local.yaml"
     config.write_text(yaml.safe_dump(raw))
     summary = cli.train(str(config))
@@ -376,9 +470,18 @@ def test_gpu_config_runs_one_step_on_cpu_with_a_tiny_model(tmp_path, kind):
         tokenizer.save_pretrained(tmp_path / name)
     (gpu_config,) = [p for p in CONFIG_DIR.glob(f"{kind}-*.yaml") if not p.stem.endswith("-tiny")]
     raw = yaml.safe_load(gpu_config.read_text())
-    raw.update(model_name_or_path=str(tmp_path / "student"), bf16=False, use_cpu=True, max_steps=1,
-               dataset_size=32, per_device_train_batch_size=8, gradient_accumulation_steps=1,
-               chunk_compile=False, output_dir=str(tmp_path / "out"), logging_steps=1)
+    raw.update(
+        model_name_or_path=str(tmp_path / "student"),
+        bf16=False,
+        use_cpu=True,
+        max_steps=1,
+        dataset_size=32,
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=1,
+        chunk_compile=False,
+        output_dir=str(tmp_path / "out"),
+        logging_steps=1,
+    )
     for key, cap in (("max_length", 64), ("max_completion_length", 8), ("max_new_tokens", 8)):
         if key in raw:
             raw[key] = min(raw[key], cap)

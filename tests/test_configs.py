@@ -133,7 +133,7 @@ def test_checkpointing_name_for_transformers_before_the_rename():
     assert _checkpointing_keys({}, old) == {}, "TRL's default is left to the config class"
     new = {**old, "activation_checkpointing": _Action(), "activation_checkpointing_kwargs": _Action()}
     assert _checkpointing_keys({"gradient_checkpointing": False}, new) == {"activation_checkpointing": False}
-    assert _checkpointing_keys({}, new) == {"activation_checkpointing": True}
+    assert _checkpointing_keys({}, new) == {}, "TRL's default is the chunked config class's own"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -161,8 +161,11 @@ MISTAKES = {
     "chunk_size_negative": (_tiny("sft", "chunk_size: -8"), "chunk_size must be a positive int"),
     "chunk_accum_dtype": (_tiny("sft", "chunk_accum_dtype: float8"), "chunk_accum_dtype must be one of"),
     "negative_learning_rate": (_tiny("sft", "learning_rate: -1.0e-3"), "'learning_rate' must be at least 0"),
-    "batch_size_zero": (_tiny("sft", "per_device_train_batch_size: 0"),
-                        "'per_device_train_batch_size' must be at least 1"),
+    "batch_size_zero": (
+        _tiny("sft", "per_device_train_batch_size: 0"),
+        "'per_device_train_batch_size' must be at least 1",
+    ),
+    "max_steps_zero": (_tiny("sft", "max_steps: 0"), "max_steps=0 would train one step"),
     "dpo_loss_type": (_tiny("dpo", "loss_type: [sigmoidd]"), "unknown loss_type ['sigmoidd']"),
     "dpo_loss_type_string": (_tiny("dpo", "loss_type: sigmoidd"), "unknown loss_type ['sigmoidd']"),
     "dpo_beta": (_tiny("dpo", "beta: -1"), "beta must be positive, got -1.0"),
@@ -170,16 +173,22 @@ MISTAKES = {
     "grpo_loss_type": (_tiny("grpo", "loss_type: foo"), "loss_type must be one of"),
     "gkd_beta": (_tiny("gkd", "beta: 2"), "beta must be in"),
     "distillation_temperature": (_tiny("distillation", "temperature: 0"), "temperature must be"),
-    "unknown_model_family": (_tiny("sft", "tiny_model: {family: nosuch}"),
-                             "unknown causal LM family 'nosuch'"),
+    "unknown_model_family": (
+        _tiny("sft", "tiny_model: {family: nosuch}"),
+        "unknown causal LM family 'nosuch'",
+    ),
     "misspelt_model_family": (_tiny("sft", "tiny_model: {family: qwen}"), "did you mean qwen3"),
     "odd_hidden_size": (_tiny("sft", "tiny_model: {hidden_size: 30}"), "hidden_size must be a multiple of 4"),
-    "missing_dataset_file": (_tiny("sft", "dataset: data/missing.jsonl"),
-                             "dataset: no such file or folder: data/missing.jsonl"),
+    "missing_dataset_file": (
+        _tiny("sft", "dataset: data/missing.jsonl"),
+        "dataset: no such file or folder: data/missing.jsonl",
+    ),
     "missing_dataset_folder": (_tiny("sft", "dataset: ./nowhere"), "no such file or folder: ./nowhere"),
     "unknown_reward": (_tiny("grpo", "reward_funcs: [nosuch]"), "unknown reward 'nosuch'; use a registered"),
-    "unimportable_reward": (_tiny("grpo", "reward_funcs: ['chunkloss.data:nope']"),
-                            "cannot import 'chunkloss.data:nope'"),
+    "unimportable_reward": (
+        _tiny("grpo", "reward_funcs: ['chunkloss.data:nope']"),
+        "cannot import 'chunkloss.data:nope'",
+    ),
     "two_quantization_configs": (
         _tiny("sft", "load_in_4bit: true\nmodel_init_kwargs: {quantization_config: {load_in_8bit: true}}"),
         "set load_in_4bit or model_init_kwargs.quantization_config, not both",
@@ -196,17 +205,25 @@ MISTAKES = {
     "choice_value": (TINY_SFT + "dtype: float8\n", "key 'dtype' must be one of 'auto'"),
     "chunk_size_type": (TINY_SFT + "chunk_size: auto\n", "key 'chunk_size' must be an integer, got 'auto'"),
     "tiny_model_key": (TINY_SFT.replace("num_layers: 2", "layers: 2"), "tiny_model: unknown key 'layers'"),
-    "tiny_model_value": (TINY_SFT.replace("hidden_size: 64", "hidden_size: -8"),
-                         "tiny_model: hidden_size must be a positive integer"),
-    "tiny_model_not_mapping": (TINY_SFT.replace("{family: qwen3, hidden_size: 64, num_layers: 2}", "qwen3"),
-                               "key 'tiny_model' must be a mapping"),
-    "both_checkpointing_names": (TINY_SFT + "gradient_checkpointing: true\nactivation_checkpointing: true\n",
-                                 "set only one of gradient_checkpointing and activation_checkpointing"),
+    "tiny_model_value": (
+        TINY_SFT.replace("hidden_size: 64", "hidden_size: -8"),
+        "tiny_model: hidden_size must be a positive integer",
+    ),
+    "tiny_model_not_mapping": (
+        TINY_SFT.replace("{family: qwen3, hidden_size: 64, num_layers: 2}", "qwen3"),
+        "key 'tiny_model' must be a mapping",
+    ),
+    "both_checkpointing_names": (
+        TINY_SFT + "gradient_checkpointing: true\nactivation_checkpointing: true\n",
+        "set only one of gradient_checkpointing and activation_checkpointing",
+    ),
     # the run keys
     "missing_trainer": (TINY_SFT.replace("trainer: sft\n", ""), "missing key 'trainer'"),
     "unknown_trainer": (TINY_SFT.replace("trainer: sft", "trainer: ppo"), "key 'trainer' must be one of"),
-    "no_model": (TINY_SFT.replace("tiny_model: {family: qwen3, hidden_size: 64, num_layers: 2}\n", ""),
-                 "set either model_name_or_path"),
+    "no_model": (
+        TINY_SFT.replace("tiny_model: {family: qwen3, hidden_size: 64, num_layers: 2}\n", ""),
+        "set either model_name_or_path",
+    ),
     "two_models": (TINY_SFT + "model_name_or_path: Qwen/Qwen3-0.6B\n", "only one of model_name_or_path"),
     "teacher_missing": (TINY_SFT.replace("trainer: sft", "trainer: gkd"), "gkd needs a teacher"),
     "rejected_by_trl": (
@@ -297,8 +314,13 @@ def test_a_failure_that_is_not_a_config_mistake_is_one_line_with_exit_status_1(m
 def _command(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     # What the console script (pyproject: chunkloss = "chunkloss.cli:main") does, with its exit status.
     code = "import sys; from chunkloss.cli import main; sys.exit(main(sys.argv[1:]))"
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_the_command_prints_one_line_and_no_traceback(tmp_path):

@@ -274,7 +274,7 @@ def mean_chunk_loss(logits, extra_logits, token, scalars, opts):
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_a_mean_over_the_chunk_is_refused(compile):
-    """``.mean()`` per chunk is 10x too large at 10 chunks; the first call says so."""
+    """``.mean()`` per chunk adds up one mean per chunk (8 chunks of 16 rows here); the first call says so."""
     hidden, weight, labels = inputs(4, t=40)
     loss = new_token_loss(mean_chunk_loss)(mean=True, chunk_size=16, compile=compile)
     with pytest.raises(
@@ -289,11 +289,10 @@ def test_a_mean_metric_is_refused():
     @staticmethod
     def chunk_loss(logits, extra_logits, token, scalars, opts):
         loss = focal_rows(logits, token)
-        hit = (logits.argmax(-1) == token.labels).float()
-        return loss.sum() / scalars.n_tokens, {"accuracy": hit.mean()}
+        return loss.sum() / scalars.n_tokens, {"focal": loss.mean()}
 
     hidden, weight, labels = inputs(3)
-    with pytest.raises(ValueError, match=r"chunk_loss's metric 'accuracy' must return a sum .* not a mean"):
+    with pytest.raises(ValueError, match=r"chunk_loss's metric 'focal' must return a sum .* not a mean"):
         new_token_loss(chunk_loss)(chunk_size=4, compile=False)(hidden, weight, labels)
 
 
@@ -428,9 +427,22 @@ def test_metrics_read_zero_when_no_row_takes_part(reduction):
     hidden, weight, labels = inputs(3)
     loss = cls(reduction=reduction, chunk_size=4, compile=False)
     loss(hidden, weight, labels)
-    assert sorted(loss.metrics) == ["n_tokens", "per_class"] and loss.metrics["n_tokens"] == 15
+    assert sorted(loss.metrics) == ["n_tokens", "per_class"] and loss.metrics["n_tokens"] == 13
     out = loss(hidden, weight, torch.full_like(labels, -100))
     assert out.eq(0).all()
     assert sorted(loss.metrics) == ["n_tokens", "per_class"]
     assert loss.metrics["n_tokens"].eq(0) and loss.metrics["per_class"].eq(0).all()
     assert loss.metrics["per_class"].shape == (3,)
+
+
+def test_a_missing_per_row_output_is_named():
+    @staticmethod
+    def chunk_loss(logits, extra_logits, token, scalars, opts):
+        return focal_rows(logits, token).sum() / scalars.n_tokens, {}  # reduction='none' wants {"loss": ...}
+
+    hidden, weight, labels = inputs(3)
+    match = (
+        r"^FusedLinearUserLoss.chunk_loss must return the per-row output 'loss' \(named in token_outputs\)"
+    )
+    with pytest.raises(ValueError, match=match):
+        new_token_loss(chunk_loss)(reduction="none", compile=False)(hidden, weight, labels)

@@ -27,7 +27,10 @@ DATA_FILES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "par
 
 def check_run(name: str, run_args, model_args, training_args) -> None:
     """Raise :class:`ConfigError` (or ValueError) for the first value that cannot train."""
+    from chunkloss.trainers._common import check_max_steps
+
     _check_models(name, run_args, model_args, training_args)
+    check_max_steps(training_args)  # as the trainer refuses it, before any model loads
     for key, low in _AT_LEAST.items():
         value = getattr(training_args, key, None)
         if value is not None and value < low:

@@ -208,12 +208,7 @@ def _checkpointing_keys(config: dict, actions) -> dict:
             if used in config:
                 raise ConfigError(f"set only one of {given} and {used} (two names of one option)")
             config[used] = config.pop(given)
-    # TRL's config classes default gradient_checkpointing to True; that default, read through the old name,
-    # is what warns: give it to the new name.
-    if "activation_checkpointing" in actions and config.get("activation_checkpointing") is None:
-        default = actions["gradient_checkpointing"].default
-        if default is not None:
-            config["activation_checkpointing"] = default
+    # TRL's default (on) when neither name is set is the chunked config class's own (CheckpointingDefault).
     return config
 
 

@@ -13,6 +13,7 @@ USAGE = """usage: chunkloss {train,bench} ... [--debug]
        chunkloss --version
 
   chunkloss train CONFIG.yaml [--key value ...]   train with a TRL trainer using chunked losses
+                                                  (--config CONFIG.yaml works too, as in TRL's scripts)
   chunkloss train --help                          trainers and options
   chunkloss bench [losses|kernels|e2e|all]        GPU benchmarks against installed peers (needs CUDA and
                                                   a source checkout)
@@ -42,7 +43,7 @@ def train_overview() -> str:
     from chunkloss.trainers._common import ChunkedArguments
 
     lines = [
-        "usage: chunkloss train CONFIG.yaml [--key value ...]",
+        "usage: chunkloss train CONFIG.yaml [--key value ...]     (--config CONFIG.yaml works too)",
         "       chunkloss train --trainer NAME --help     (every option of that trainer)",
         "",
         "Train with a YAML config. Its keys are the trainer's TRL config fields (plus chunkloss's",

@@ -1,5 +1,7 @@
-"""Running ``chunkloss train``: the model, tokenizer and dataset of a parsed config, the trainer, and the
-summary printed (and written to ``chunkloss_summary.json``) at the end."""
+"""Running ``chunkloss train``: the model, tokenizer and dataset of a parsed config, the trainer, and what
+the run leaves in ``output_dir`` beside the model: the summary printed at the end
+(``chunkloss_summary.json``), transformers' ``trainer_state.json`` (the logged history) and the loss curve
+(:data:`LOSS_CURVE`)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,6 @@ import json
 import os
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,12 @@ from .config import TRAINERS, load_config, trainer_classes
 from .errors import ConfigError
 from .rewards import reward_funcs
 
-__all__ = ["train"]
+__all__ = ["LOSS_CURVE", "train"]
+
+#: The loss curve's file in ``output_dir``: the logged loss (and GRPO's reward) against the step. Drawn with
+#: matplotlib, which chunkloss does not require: without it the summary says it was not drawn.
+LOSS_CURVE = "loss_curve.png"
+_NO_CURVE = "not drawn: matplotlib is not installed (pip install matplotlib)"
 
 
 def _load_dataset(run_args, kind: str, seed: int):
@@ -151,14 +157,7 @@ def train(path: str, overrides: list[str] | None = None) -> dict:
     if run_args.cpu_threads is not None:
         torch.set_num_threads(run_args.cpu_threads)
     try:
-        with warnings.catch_warnings():
-            # TRL 1.16 reads transformers' deprecated `model.is_gradient_checkpointing` around every
-            # generation (trl/models/utils.py, lines 136 and 407: GRPO, DPO's and GKD's on-policy generation,
-            # distillation); transformers 5.23 warns on it (modeling_utils.py, `is_gradient_checkpointing`).
-            # Nothing a config or chunkloss passes avoids it.
-            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
-                                    category=FutureWarning)  # fmt: skip
-            return _train(path, run_args, model_args, training_args, t0)
+        return _train(path, run_args, model_args, training_args, t0)
     finally:
         torch.set_num_threads(threads)
 
@@ -193,6 +192,7 @@ def _train(path, run_args, model_args, training_args, t0) -> dict:
     result = trainer.train(resume_from_checkpoint=resume)
     out_dir = os.path.abspath(training_args.output_dir)
     trainer.save_model(out_dir)
+    trainer.save_state()  # trainer_state.json in output_dir: the logged history, as in a checkpoint
 
     history = trainer.state.log_history
     losses = [h["loss"] for h in history if "loss" in h]
@@ -213,12 +213,14 @@ def _train(path, run_args, model_args, training_args, t0) -> dict:
         "peak_memory_mib": peak_mib,
         "peak_memory_kind": peak_what,
         "checkpoint": out_dir,
+        "loss_curve": None,
         "wall_s": time.perf_counter() - t0,
     }
     rewards = [h["reward"] for h in history if "reward" in h]
     if rewards:
         summary["rewards"] = rewards
     if trainer.is_world_process_zero():
+        summary["loss_curve"] = _draw_curves(history, os.path.join(out_dir, LOSS_CURVE), summary["trainer"])
         with open(os.path.join(out_dir, "chunkloss_summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         _print_summary(summary)
@@ -242,7 +244,28 @@ def _print_summary(s: dict) -> None:
         f"  tokens/s      {tps}   ({s['tokens']} tokens in {s['train_runtime_s']:.1f} s of training)",
         f"  peak memory   {s['peak_memory_mib']:.0f} MiB   ({s['peak_memory_kind']})",
         f"  checkpoint    {s['checkpoint']}",
+        f"  loss curve    {s['loss_curve'] or _NO_CURVE}",
     ]
     print("\n".join(lines), flush=True)
 
 
+def _draw_curves(history: list[dict], path: str, title: str) -> str | None:
+    """The logged ``loss`` (and ``reward``, where logged) against the step, drawn into the PNG ``path`` by
+    matplotlib's Agg renderer (a ``Figure`` without pyplot: the process's backend is left as it is); returns
+    ``path``, or ``None`` without matplotlib."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        return None
+    curves = {key: [(h["step"], h[key]) for h in history if key in h] for key in ("loss", "reward")}
+    curves = {key: points for key, points in curves.items() if points} or {"loss": []}
+    fig = Figure(figsize=(6.4, 2.4 * len(curves) + 0.6), layout="constrained")
+    axes = fig.subplots(len(curves), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, (key, points) in zip(axes, curves.items()):
+        ax.plot([s for s, _ in points], [v for _, v in points], marker=".")
+        ax.set_ylabel(key)
+        ax.grid(alpha=0.3)
+    axes[0].set_title(title)
+    axes[-1].set_xlabel("step")
+    fig.savefig(path, dpi=100)
+    return path

@@ -40,6 +40,7 @@ __all__ = [
     "CHECK_EVERY_CALL_ENV",
     "LossContract",
     "check_chunk_loss",
+    "check_due",
     "check_sequence_loss",
     "loss_and_metrics",
 ]
@@ -187,10 +188,10 @@ class LossContract:
 
 # --------------------------------------------------------------------------------------------------
 # Checks of the contract.
-def loss_and_metrics(out, fn: Callable) -> tuple[Tensor, dict[str, Tensor]]:
-    """``(loss, metrics)`` as ``chunk_loss`` or ``sequence_loss`` (``fn``) returned them, checked: a 0-d
-    loss and a dict of tensors. Python checks only (no host sync); under ``torch.compile`` they run while
-    tracing."""
+def loss_and_metrics(out, fn: Callable | str) -> tuple[Tensor, dict[str, Tensor]]:
+    """``(loss, metrics)`` as ``chunk_loss`` or ``sequence_loss`` (``fn``, or its name for the message)
+    returned them, checked: a 0-d loss and a dict of tensors. Python checks only (no host sync); under
+    ``torch.compile`` they run while tracing."""
     if not (isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[1], dict)):
         got = f"a {type(out).__name__}" + (f" of {len(out)}" if isinstance(out, (tuple, list)) else "")
         raise TypeError(
@@ -210,8 +211,11 @@ def loss_and_metrics(out, fn: Callable) -> tuple[Tensor, dict[str, Tensor]]:
     return loss, metrics
 
 
-def _name(fn: Callable) -> str:
-    return getattr(fn, "__qualname__", None) or getattr(getattr(fn, "func", None), "__name__", "the loss")
+def _name(fn: Callable | str) -> str:
+    if isinstance(fn, str):
+        return fn
+    name = getattr(fn, "__qualname__", None) or getattr(getattr(fn, "func", None), "__name__", "the loss")
+    return name.rsplit("<locals>.", 1)[-1]
 
 
 #: Set (to anything but 0) to check every call of every loss; by default each loss class is checked once.
@@ -249,8 +253,17 @@ def check_chunk_loss(loss: LossContract, logits: Tensor, extra_logits: list, tok
 
     once = fn(logits[:m], [e[:m] for e in extra_logits], token[:m], scalars, opts)
     both = fn(twice(logits), [twice(e) for e in extra_logits], token.map(twice), scalars, opts)
-    where = f"{type(loss).__name__}.chunk_loss", "the chunk's rows", f"{m} rows"
-    _check_doubles(loss, loss_and_metrics(once, fn), loss_and_metrics(both, fn), where)
+    name = f"{type(loss).__name__}.chunk_loss"
+    once, both = loss_and_metrics(once, name), loss_and_metrics(both, name)
+    for key in loss.token_outputs:
+        out = once[1].get(key)
+        if out is None or out.shape != (m,):
+            got = "none" if out is None else f"shape {tuple(out.shape)}"
+            raise ValueError(
+                f"{name} must return the per-row output {key!r} (named in token_outputs) in its metrics, "
+                f"one value per row: ({m},) on {m} rows, got {got}"
+            )
+    _check_doubles(loss, once, both, (name, "the chunk's rows", f"{m} rows"))
 
 
 def check_sequence_loss(
@@ -269,8 +282,9 @@ def check_sequence_loss(
     once = fn(stats, seq_id, num_seqs, token, sequence, scalars, opts)
     seq_ids = torch.cat([seq_id, seq_id + num_seqs])
     both = fn(twice(stats), seq_ids, 2 * num_seqs, token.map(twice), sequence.map(twice), scalars, opts)
-    where = f"{type(loss).__name__}.sequence_loss", "its sequences", f"{num_seqs} sequences"
-    _check_doubles(loss, loss_and_metrics(once, fn), loss_and_metrics(both, fn), where)
+    name = f"{type(loss).__name__}.sequence_loss"
+    once, both = loss_and_metrics(once, name), loss_and_metrics(both, name)
+    _check_doubles(loss, once, both, (name, "its sequences", f"{num_seqs} sequences"))
 
 
 def _check_doubles(loss: LossContract, once, both, where: tuple[str, str, str]) -> None:

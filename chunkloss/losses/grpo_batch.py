@@ -68,16 +68,20 @@ def check_trainer_state(num_processes, gradient_accumulation_steps, steps_per_ge
 
 
 def check_completions(hidden, weight, completion_ids, completion_mask, tool_mask) -> tuple[Tensor, list]:
-    """The mask of the rows that take part (B, T) bool, and the deferred range check of their ids: each in
-    [0, V) where the mask is 1 (ids outside the mask are never read). The check syncs in
-    ``sequence_batch``'s one host sync, raising there before any id is used."""
+    """The mask of the rows that take part (B, T) bool, and the deferred checks of the inputs: each mask
+    value is 0 or 1, and each id is in [0, V) where the mask is 1 (ids outside the mask are never read). The
+    checks sync in ``sequence_batch``'s one host sync, raising there before any id is used."""
     b, t, _ = hidden.shape
     dev = hidden.device
-    check_bt(completion_ids, (b, t), "completion_ids", dev)
-    mask = check_bt(completion_mask, (b, t), "completion_mask", dev).bool()
-    if tool_mask is not None:
-        mask = mask & check_bt(tool_mask, (b, t), "tool_mask", dev).bool()
     label_checks = []
+    check_bt(completion_ids, (b, t), "completion_ids", dev)
+    check_bt(completion_mask, (b, t), "completion_mask", dev)
+    _check_zero_one(completion_mask, "completion_mask", label_checks)
+    mask = completion_mask.bool()
+    if tool_mask is not None:
+        check_bt(tool_mask, (b, t), "tool_mask", dev)
+        _check_zero_one(tool_mask, "tool_mask", label_checks)
+        mask = mask & tool_mask.bool()
     ids = completion_ids.masked_fill(~mask, 0)
     check_labels(ids, (b, t), weight.shape[0], None, name="completion_ids", defer=label_checks)
     return mask, label_checks
@@ -198,6 +202,23 @@ def batch_tensors(opts: GRPOOptions, completion_ids, mask, advantages, per_token
         seq_zeros=torch.zeros(b + 1, device=dev),
     )
     return token, sequence, scalars
+
+
+def _check_zero_one(mask: Tensor, name: str, defer: list) -> None:
+    """Append to ``defer`` (``sequence_batch``'s ``host_checks``) the check that every value of ``mask`` is 0
+    or 1: the loss reads it as a bool, so another value (a weight, NaN) would count as 1 where TRL's masked
+    sums weigh by it."""
+    if mask.dtype == torch.bool:
+        return
+    bad = (mask != 0) & (mask != 1)
+
+    def check(n_bad: int) -> None:
+        if n_bad:
+            raise ValueError(
+                f"{name} holds {mask[bad][0].item()}, outside {{0, 1}} (1 marks a token that takes part)"
+            )
+
+    defer.append((bad.sum(), check))
 
 
 def check_bt(x, shape, name: str, device: torch.device) -> Tensor:

@@ -13,6 +13,7 @@ __all__ = [
     "ChunkedArguments",
     "DeferredMetrics",
     "apply_chunk_kernels",
+    "check_max_steps",
     "chunk_options",
     "fetch_metrics",
     "mean_or_zero",
@@ -210,6 +211,16 @@ def refuse(trainer: str, option: str, why: str) -> None:
     raise ValueError(f"{trainer} does not support {option}: {why}")
 
 
+def check_max_steps(args) -> None:
+    """``max_steps`` is a step count (at least 1) or negative (transformers' "train ``num_train_epochs``");
+    0, which transformers runs as one step, is refused."""
+    if getattr(args, "max_steps", -1) == 0:
+        raise ValueError(
+            "max_steps=0 would train one step (transformers runs at least one): set max_steps to the number "
+            "of steps, or -1 (the default) to train num_train_epochs epochs"
+        )
+
+
 def _off_device(model) -> set[str]:
     """Device types of ``model``'s parameters that the Triton kernels cannot take (all but CUDA, unless
     ``TRITON_INTERPRET=1`` runs them on the CPU). ``meta`` parameters are materialised elsewhere (offload)."""
@@ -232,8 +243,10 @@ def _why_not(model, args, *, auto: bool) -> tuple[str, str] | None:
         why = "both replace the model's norms, rotary embedding and MLPs; choose one"
         return "with use_liger_kernel=True", why
     if getattr(args, "torch_compile", False):
-        why = ("compiling a patched model on CUDA fails in the kernels' custom ops (their fake-tensor calls "
-               "raise 'vector::reserve' under torch 2.11); TRL compiles transformers' modules")
+        why = (
+            "compiling a patched model on CUDA fails in the kernels' custom ops (their fake-tensor calls "
+            "raise 'vector::reserve' under torch 2.11); TRL compiles transformers' modules"
+        )
         return "with torch_compile=True", why
     model_type = _model_type(model)
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -242,8 +255,10 @@ def _why_not(model, args, *, auto: bool) -> tuple[str, str] | None:
     if not auto:
         off = _off_device(model)
     if off:
-        return f"with parameters on {sorted(off)}", "the Triton kernels run on CUDA tensors only (or under " \
-            "TRITON_INTERPRET=1)"
+        return (
+            f"with parameters on {sorted(off)}",
+            "the Triton kernels run on CUDA tensors only (or under TRITON_INTERPRET=1)",
+        )
     return None
 
 

@@ -25,6 +25,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from ._nonfinite import record_head_inputs
+
 __all__ = [
     "ChunkedHeadOutput",
     "Head",
@@ -213,6 +215,9 @@ def in_head_forward(model: nn.Module, fn: Callable[[Tensor, Head], Any], hidden:
     With gradients off the hooks see no output (``fn``'s result leaves by another way): the head takes no part
     in a backward then, and a result with a graph of its own, such as GKD's loss computed with gradients on
     inside the teacher's head, is not cut from it by a hook that detaches outputs under ``no_grad``.
+
+    In a training forward (gradients on, ``model.training``) it also keeps on ``model`` whether ``hidden`` and
+    the head's weight are finite, on the device (:func:`chunkloss.trainers._nonfinite.record_head_inputs`).
     """
     from chunkloss.models.hooks import hooked_owners, run_inside
 
@@ -220,7 +225,14 @@ def in_head_forward(model: nn.Module, fn: Callable[[Tensor, Head], Any], hidden:
     hidden = hidden.to(_base_linear(lm_head).weight.device)
     owners = hooked_owners([lm_head])
     if torch.is_grad_enabled():
-        return run_inside(owners, lambda x: fn(x, _head_of(model)), hidden)
+
+        def call(x: Tensor) -> Any:
+            head = _head_of(model)
+            if model.training:  # a training step's head: what the trainer reports of a non-finite loss
+                record_head_inputs(model, x, head.weight)
+            return fn(x, head)
+
+        return run_inside(owners, call, hidden)
     out = []
     run_inside(owners, lambda x: out.append(fn(x, _head_of(model))), hidden)
     return out[0]

@@ -13,8 +13,10 @@ import warnings
 import torch
 
 from . import _long_context as long_context
-from ._common import apply_chunk_kernels, chunk_options, peft_base, refuse
+from ._checkpointing import trl_checkpointing_calls
+from ._common import apply_chunk_kernels, check_max_steps, chunk_options, peft_base, refuse
 from ._head import add_chunked_head, allow_lm_head_adapter, check_head_supported, head_transforms
+from ._nonfinite import NonFiniteLossWatch
 
 __all__ = ["STATE_FILE", "ChunkedTrainerSetup", "is_complete_checkpoint", "last_complete_checkpoint",
            "prompt_learning_types", "teacher_head"]  # fmt: skip
@@ -69,14 +71,15 @@ def prompt_learning_types(model) -> set[str]:
     return {str(getattr(c.peft_type, "value", c.peft_type)) for c in configs.values() if c.is_prompt_learning}
 
 
-class ChunkedTrainerSetup(long_context.LongContextStep):
+class ChunkedTrainerSetup(NonFiniteLossWatch, long_context.LongContextStep):
     """Mixin placed before the TRL trainer in a chunked trainer's bases: its constructor.
 
     The constructor takes exactly the TRL trainer's arguments (``inspect.signature`` of the chunked trainer is
     the TRL trainer's) and runs, in this order:
 
     1. :meth:`_refuse_early` with the arguments given (a dict by parameter name): refusals that need nothing
-       built, before TRL loads models or tokenises data; the config's chunk options are validated too.
+       built, before TRL loads models or tokenises data; the config's chunk options are validated too, and
+       ``max_steps=0`` (which transformers runs as one step) is refused.
     2. TRL's constructor, which sees a LoRA adapter on ``lm_head`` as the plain ``nn.Linear`` under it when
        ``_trains_lm_head_lora`` (the chunked head trains it; TRL's fused head would not).
     3. :meth:`_refuse_built`: refusals that read the built trainer; then the prompt-learning adapters this
@@ -90,7 +93,9 @@ class ChunkedTrainerSetup(long_context.LongContextStep):
     In training it adds: checkpoints holding the state TRL's leave out (:data:`_RESUMED_ATTRS`), marked
     complete by :data:`STATE_FILE` (``_save_checkpoint``, ``train``); and, per attempt of the training loop, a
     fresh start and the out-of-memory error as accelerate's retry needs it or as one that says what to do
-    (``_inner_training_loop``).
+    (``_inner_training_loop``); the first non-finite loss reported in one line (:class:`NonFiniteLossWatch`);
+    and, while training or evaluating, none of the FutureWarnings of TRL's calls of transformers' deprecated
+    checkpointing names (:mod:`chunkloss.trainers._checkpointing`).
     """
 
     _trains_lm_head_lora = True
@@ -114,6 +119,7 @@ class ChunkedTrainerSetup(long_context.LongContextStep):
         self._refuse_early(call)
         if call.get("args") is not None:
             chunk_options(call["args"])
+            check_max_steps(call["args"])
             long_context.enable(call["args"])
         model = call.get("model")
         adapter = allow_lm_head_adapter(model) if self._trains_lm_head_lora else contextlib.nullcontext()
@@ -198,9 +204,16 @@ class ChunkedTrainerSetup(long_context.LongContextStep):
             )
         self.__dict__.pop("_attempt_start", None)
         try:
-            return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+            with trl_checkpointing_calls():
+                return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
         finally:
             self.__dict__.pop("_attempt_start", None)
+
+    def evaluate(self, *args, **kwargs):
+        """transformers' ``evaluate``, without the FutureWarnings of TRL's checkpointing calls
+        (:func:`chunkloss.trainers._checkpointing.trl_checkpointing_calls`)."""
+        with trl_checkpointing_calls():
+            return super().evaluate(*args, **kwargs)
 
     # --- running out of memory ----------------------------------------------------------------------------
 

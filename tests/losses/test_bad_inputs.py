@@ -4,8 +4,9 @@ defined finite result; never a crash deep inside torch, a NaN or a layout-depend
 Covered: a bias that is no tensor, an empty vocabulary or hidden size, the argument names in head errors
 (``bias``, ``ref_bias``, ``teacher_bias``), tensors on another device than the hidden, ``num_items_in_batch``
 of 0, of several elements, negative or not a number, GRPO's ``num_processes``/``gradient_accumulation_steps``/
-``steps_per_generation`` of 0, an ``importance_sampling_ratio`` that is no tensor, and target ids outside the
-vocabulary (GRPO's ``completion_ids`` under the mask). Small shapes: H=16, V=50.
+``steps_per_generation`` of 0, an ``importance_sampling_ratio`` that is no tensor, target ids outside the
+vocabulary (GRPO's ``completion_ids`` under the mask), and GRPO masks holding a value other than 0 and 1.
+Small shapes: H=16, V=50.
 """
 
 from __future__ import annotations
@@ -388,6 +389,27 @@ def test_grpo_ids_outside_the_mask_are_not_read(compile):
     expect = run("grpo", d, compile)[0]
     d["completion_ids"] = _with(d["completion_ids"], -1)
     assert torch.equal(run("grpo", d, compile)[0], expect)
+
+
+# Values a 0/1 mask must not hold: a weight (the loss reads the mask as a bool: it would count as 1), a count,
+# a negative, NaN.
+@pytest.mark.parametrize("value", [0.5, 2.0, -1.0, float("nan")])
+@pytest.mark.parametrize("arg", ["completion_mask", "tool_mask"])
+@pytest.mark.parametrize("kind", GRPO)
+def test_grpo_mask_outside_0_1_is_one_error(kind, arg, value):
+    d = make(kind)
+    d[arg] = torch.ones(B, T) if arg == "tool_mask" else d[arg].float()
+    d[arg][-1, 1] = value
+    with pytest.raises(ValueError, match=rf"^{arg} holds {value}, outside \{{0, 1\}} \(1 marks a token"):
+        module(kind)(**d)
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.long, torch.float32])
+def test_grpo_mask_of_0_and_1_in_any_dtype_gives_one_result(dtype):
+    d = make("grpo")
+    expect = run("grpo", d)[0]
+    d["completion_mask"] = d["completion_mask"].to(dtype)
+    assert torch.equal(run("grpo", d)[0], expect)
 
 
 @pytest.mark.parametrize("compile", [False, True])

@@ -38,7 +38,9 @@ def _sft(tmp_path, model, **cfg):
 
 def _checkpoint(model) -> None:
     """Checkpointing on, as ``Trainer.train()`` turns it on from the config (these tests run single steps)."""
-    model.activation_checkpointing_enable()
+    # transformers 5.23 renamed gradient_checkpointing_enable (the old name warns there).
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
 
 
 def _step(trainer, batch=None):

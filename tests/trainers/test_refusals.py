@@ -212,6 +212,26 @@ def grpo_batch(tmp_path_factory):
     return trainer, batch
 
 
+@pytest.mark.parametrize("build", [_sft, _grpo], ids=["sft", "grpo"])
+def test_max_steps_zero_is_refused_when_the_trainer_is_built(tmp_path, build):
+    """transformers reads max_steps=0 as a step count and still trains one step; -1 (the default) means
+    num_train_epochs. 0 is refused before TRL builds anything."""
+    with pytest.raises(ValueError, match=r"^max_steps=0 would train one step .* or -1 \(the default\)"):
+        build(tmp_path, max_steps=0)
+    assert build(tmp_path, max_steps=-1).args.max_steps == -1
+
+
+@pytest.mark.parametrize("value", [2, -1])
+def test_grpo_refuses_a_completion_mask_outside_0_1(grpo_batch, value):
+    """The chunked loss reads the mask as a bool, so a 2 would count as 1 where TRL's masked sums weigh by
+    it: refused in the loss's one host sync, with the value named."""
+    trainer, batch = grpo_batch
+    mask = batch["completion_mask"].clone()
+    mask[0, 0] = value
+    with pytest.raises(ValueError, match=rf"^completion_mask holds {value}, outside \{{0, 1\}}"):
+        trainer.compute_loss(trainer.model, {**batch, "completion_mask": mask})
+
+
 @pytest.mark.parametrize("key", ["pixel_values", "image_grid_thw"])
 def test_grpo_refuses_multimodal_inputs(grpo_batch, key):
     trainer, batch = grpo_batch
