@@ -1,6 +1,8 @@
 """The engine itself: recompilation across shapes, compiler fallbacks, retain_graph refusal (extension by
 subclassing: tests/test_custom_losses.py)."""
 
+import contextlib
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -251,3 +253,33 @@ def test_autocast_casts_the_declared_head_arguments_only():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         Probe()(torch.randn(2, 3), torch.randn(4, 3), ref_weight=torch.randn(4, 3))
     assert seen == {"h": torch.bfloat16, "w": torch.bfloat16, "ref_weight": torch.float32}
+
+
+def test_loss_runs_under_saved_tensor_hooks():
+    """Activation offloading packs saved tensors through saved-tensor hooks around the whole step, and
+    ``torch.func`` (the eager steps) refuses to run under them: the chunk loop runs without the hooks and
+    puts them back, so the loss, its gradients and what the surrounding graph saves are as without them."""
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(3, 11, 16), torch.randn(40, 16)
+    labels = torch.randint(0, 40, (3, 11))
+    loss_fn = FusedLinearCrossEntropyLoss(chunk_size=5, compile=False)
+
+    def run(hooked: bool):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        packed = []
+
+        def pack(t):
+            packed.append(t.shape)
+            return t
+
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        with hooks if hooked else contextlib.nullcontext():
+            loss = loss_fn((h * 2).tanh(), w, labels)  # tanh saves its output through the hooks
+            loss.backward()
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+        return loss, h.grad, w.grad, packed
+
+    plain, hooked = run(False), run(True)
+    for a, b in zip(plain[:3], hooked[:3]):
+        assert torch.equal(a, b)
+    assert (3, 11, 16) in hooked[3]  # the hooks still saw the graph around the loss

@@ -18,6 +18,7 @@ in the same chunk and handed to the loss as ``extra_logits``, or reduced at once
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -34,6 +35,24 @@ from chunkloss.engine.contract import (
 from chunkloss.engine.plan import chunk_rows, even_bounds, one_pass_possible, plan_chunks
 from chunkloss.engine.steps import StepKind, step_for
 from chunkloss.engine.weight_grad import WeightGrad
+
+_autograd = torch._C._autograd
+
+
+@contextlib.contextmanager
+def without_saved_tensor_hooks():
+    """The block runs with no saved-tensor hooks (activation offloading's, a checkpoint's), which are put back
+    after it. The chunk loop keeps nothing for autograd beyond its call (its gradients come out of the
+    forward), and ``torch.func``'s transforms, which the eager steps use, refuse to run under such hooks."""
+    stack = []
+    while (top := _autograd._top_saved_tensors_default_hooks(False)) is not None:
+        stack.append(top)
+        _autograd._pop_saved_tensors_default_hooks()
+    try:
+        yield
+    finally:
+        for pack, unpack in reversed(stack):
+            _autograd._push_saved_tensors_default_hooks(pack, unpack)
 
 __all__ = ["ChunkLoop", "project_head"]
 
@@ -103,7 +122,7 @@ class ChunkLoop:
     def run(self):
         """Returns ``(output, (grad_hidden, grad_weight, grad_bias), metrics)``: the loss (0-d) or the per-row
         output (N,), and the gradients in their inputs' dtypes (None where not needed)."""
-        with torch.no_grad():
+        with torch.no_grad(), without_saved_tensor_hooks():
             if not self.mod.is_sequence_loss:
                 self.token_pass()
             elif self.is_one_pass:

@@ -51,7 +51,8 @@ def _step(trainer, batch=None):
         batch = trainer._prepare_inputs(trainer.data_collator(rows))
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train() for each optimizer step
-    return torch.as_tensor(trainer.training_step(trainer.model, dict(batch)))
+    inputs = dict(batch) if isinstance(batch, dict) else batch  # GRPO's collated batch is a list of rows
+    return torch.as_tensor(trainer.training_step(trainer.model, inputs, None))
 
 
 def test_switch_turns_on_checkpointing_and_the_tiled_mlp(tmp_path):
