@@ -33,7 +33,7 @@ import tempfile
 
 from benchmarks.bench_e2e import SHAPES, TASKS, child_env, train
 from benchmarks.harness import stamp
-from benchmarks.report import write_json
+from benchmarks.report import longctx_summary, write_json
 
 # impl -> (bench_e2e's implementation, config fields on top of its own)
 IMPLS = {
@@ -45,15 +45,6 @@ IMPLS = {
     "unsloth": ("unsloth", {}),
 }
 GRPO_GROUP = 8  # completions per prompt, all in one step
-
-
-def slope_gib_per_1k(rows: list[dict]) -> float | None:
-    """Least-squares slope of GPU peak (GiB) against tokens, per 1k tokens; None under two points."""
-    pts = [(r["tokens"] / 1e3, r["peak_mem_gib"]) for r in rows if r.get("peak_mem_gib") is not None]
-    if len(pts) < 2:
-        return None
-    mx, my = (sum(p[i] for p in pts) / len(pts) for i in (0, 1))
-    return sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
 
 
 def run_length(a, seq: int) -> dict:
@@ -113,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         worker(a)
         return 0
     data = {"stamp": stamp(command="python -m benchmarks.bench_longctx " + " ".join(argv)), "mode": "longctx",
-            "gpu_gib_cap": a.gpu_gib or None, "rows": [], "summary": {}}  # fmt: skip
+            "gpu_gib_cap": a.gpu_gib or None, "rows": []}  # fmt: skip
     for impl in impls:
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
             part = pathlib.Path(f.name)
@@ -126,9 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = json.loads(part.read_text()) if part.stat().st_size else []
         part.unlink()
         data["rows"] += rows
-        data["summary"][impl] = {"gib_per_1k_tokens": slope_gib_per_1k([r for r in rows if not r.get("oom")]),
-                                 "longest_tokens": max((r["tokens"] for r in rows if "step_time_s" in r),
-                                                       default=None)}  # fmt: skip
+        data["summary"] = longctx_summary(data["rows"])
         write_json(a.out, data)
     print(f"[bench_longctx] wrote {a.out}: {json.dumps(data['summary'])}")
     return 0

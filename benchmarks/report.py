@@ -143,6 +143,22 @@ def e2e_case(r: dict) -> str:
     return " ".join(str(p) for p in parts if p) + f" b={r['batch']}"
 
 
+def longctx_summary(rows: list[dict]) -> dict:
+    """Per implementation of a ``longctx`` set: its GPU-memory growth (the least-squares slope of its peaks
+    against tokens, GiB per 1k tokens; None under two points) and the longest run that completed."""
+    out = {}
+    for impl in dict.fromkeys(r["impl"] for r in rows):
+        pts = [(r["tokens"] / 1e3, r["peak_mem_gib"]) for r in rows
+               if r["impl"] == impl and r.get("peak_mem_gib") is not None]  # fmt: skip
+        slope = None
+        if len(pts) >= 2:
+            mx, my = (sum(p[i] for p in pts) / len(pts) for i in (0, 1))
+            slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+        longest = max((r["tokens"] for r in rows if r["impl"] == impl and "step_time_s" in r), default=None)
+        out[impl] = {"gib_per_1k_tokens": slope, "longest_tokens": longest}
+    return out
+
+
 def records(name: str, data: dict) -> list[dict]:
     """One row per (case, implementation) of a result set: ``time`` (the kind's unit), ``memory`` (GiB),
     ``error`` (None, ``OOM`` or a message) and extra columns."""
@@ -330,7 +346,8 @@ def merge(out: pathlib.Path, dirs: list[pathlib.Path]) -> list[str]:
         mode = data.get("mode") if isinstance(data, dict) else None
         key = "sweep" if mode == "e2e" else "rows"
         for r in data.get(key, []) if mode else []:
-            name = f"e2e_{r['task']}_{r['loss']}" if mode == "e2e" else mode
+            name = {"e2e": f"e2e_{r['task']}_{r['loss']}",
+                    "longctx": f"longctx_{r.get('shape')}_{r.get('task')}_{r.get('loss')}"}.get(mode, mode)
             if name not in merged:
                 old = out / f"{name}.json"
                 merged[name] = json.loads(old.read_text()) if old.exists() else {"mode": mode, key: []}
@@ -341,6 +358,8 @@ def merge(out: pathlib.Path, dirs: list[pathlib.Path]) -> list[str]:
             into[key] = [o for o in into[key] if (o.get("case") or e2e_case(o), o["impl"]) != same]
             into[key].append(r)
     for name, data in merged.items():
+        if data.get("mode") == "longctx":
+            data["summary"] = longctx_summary(data["rows"])
         write_set(out, name, data)
     return sorted(merged)
 

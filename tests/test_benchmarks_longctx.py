@@ -12,11 +12,16 @@ pytest.importorskip("trl")
 from benchmarks import bench_longctx, report  # noqa: E402
 
 
-def test_slope_is_the_least_squares_growth_per_1k_tokens():
-    rows = [{"tokens": 32768, "peak_mem_gib": 5.0}, {"tokens": 65536, "peak_mem_gib": 8.0},
-            {"tokens": 131072, "peak_mem_gib": 14.0}, {"tokens": 262144, "oom": True}]  # fmt: skip
-    assert bench_longctx.slope_gib_per_1k(rows) == pytest.approx(9.0 / 98.304)
-    assert bench_longctx.slope_gib_per_1k(rows[:1]) is None
+def test_summary_is_the_least_squares_growth_per_1k_tokens():
+    rows = [{"impl": "a", "tokens": 32768, "peak_mem_gib": 5.0, "step_time_s": 1.0},
+            {"impl": "a", "tokens": 65536, "peak_mem_gib": 8.0, "step_time_s": 2.0},
+            {"impl": "a", "tokens": 131072, "peak_mem_gib": 14.0, "step_time_s": 5.0},
+            {"impl": "a", "tokens": 262144, "oom": True}, {"impl": "b", "tokens": 32768, "peak_mem_gib": 1.0,
+                                                            "step_time_s": 1.0}]  # fmt: skip
+    summary = report.longctx_summary(rows)
+    assert summary["a"]["gib_per_1k_tokens"] == pytest.approx(9.0 / 98.304)
+    assert summary["a"]["longest_tokens"] == 131072
+    assert summary["b"] == {"gib_per_1k_tokens": None, "longest_tokens": 32768}
 
 
 @pytest.mark.slow
