@@ -160,7 +160,8 @@ def train(a, batch: int, profile: bool = False) -> dict:
             ref = copy.deepcopy(model) if a.loss == "dpo" else build_model(a, seed=1)
             ref.requires_grad_(False)
         # GKD's collator keeps the prompt whole, so its completions leave room for it (up to --seq tokens).
-        ds = counting_dataset(a.loss, max(64, batch * a.steps), a.seq // 2 if a.loss == "gkd" else a.seq)
+        rows = getattr(a, "rows", 0) or max(64, batch * a.steps)  # bench_longctx: only what the steps read
+        ds = counting_dataset(a.loss, rows, a.seq // 2 if a.loss == "gkd" else a.seq)
         medusa = dict(num_heads=a.medusa_heads, stage=a.medusa_stage)
         peft = None if a.impl == "unsloth" else peft_config(a.task)  # Unsloth's model has its LoRA
         with patch_lines() as lines:

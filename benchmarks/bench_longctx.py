@@ -54,7 +54,8 @@ def run_length(a, seq: int) -> dict:
         extra = {**extra, "num_generations": GRPO_GROUP}
     e2e = argparse.Namespace(shape=a.shape, task=a.task, loss=a.loss, seq=seq, gc="on", impl=impl,
                              steps=a.steps, warmup=a.warmup, layers=a.layers, kernels=True,
-                             medusa_heads=0, medusa_stage=1, extra=extra)  # fmt: skip
+                             medusa_heads=0, medusa_stage=1, extra=extra,
+                             rows=a.steps * (GRPO_GROUP if grpo else 1))  # fmt: skip
     r = train(e2e, GRPO_GROUP if grpo else 1)
     r.update(impl=a.impl, tokens=seq * (GRPO_GROUP if grpo else 1),
              host_peak_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)  # fmt: skip
