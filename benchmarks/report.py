@@ -346,8 +346,12 @@ def merge(out: pathlib.Path, dirs: list[pathlib.Path]) -> list[str]:
         mode = data.get("mode") if isinstance(data, dict) else None
         key = "sweep" if mode == "e2e" else "rows"
         for r in data.get(key, []) if mode else []:
-            name = {"e2e": f"e2e_{r['task']}_{r['loss']}",
-                    "longctx": f"longctx_{r.get('shape')}_{r.get('task')}_{r.get('loss')}"}.get(mode, mode)
+            if mode == "e2e":
+                name = f"e2e_{r['task']}_{r['loss']}"
+            elif mode == "longctx":
+                name = f"longctx_{r['shape']}_{r['task']}_{r['loss']}"
+            else:
+                name = mode
             if name not in merged:
                 old = out / f"{name}.json"
                 merged[name] = json.loads(old.read_text()) if old.exists() else {"mode": mode, key: []}

@@ -30,7 +30,8 @@ def _args(tmp_path, **cfg) -> dict:
 
 
 def _sft(tmp_path, model, **cfg):
-    config = ChunkedSFTConfig(**_args(tmp_path, **{"max_length": 64, **cfg}), chunk_size=7, chunk_compile=False)
+    args = _args(tmp_path, **{"max_length": 64, **cfg})
+    config = ChunkedSFTConfig(**args, chunk_size=7, chunk_compile=False)
     return ChunkedSFTTrainer(
         model, config, train_dataset=tiny_dataset("sft", n=4), processing_class=tokenizer()
     )
