@@ -18,6 +18,7 @@ stderr with exit status 2, in one line; any other error in one line with exit st
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import traceback
@@ -29,6 +30,12 @@ from .help import USAGE, train_overview
 from .run import train
 
 __all__ = ["TRAINERS", "ConfigError", "RunArguments", "load_config", "main", "train"]
+
+# bitsandbytes (0.50, on CPUs with AVX512-BF16), imported with PEFT when TRL loads (later, in `train`), tries
+# at import to fetch a CPU 4-bit GEMM kernel from the Hugging Face Hub through the `kernels` package and logs a
+# warning on every command when that fails; nothing is fetched at run time here, and its CPU path runs
+# without that kernel.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
 def _config_path(args: list[str]) -> tuple[str | None, list[str]]:
