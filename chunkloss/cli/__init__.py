@@ -31,10 +31,10 @@ from .run import train
 
 __all__ = ["TRAINERS", "ConfigError", "RunArguments", "load_config", "main", "train"]
 
-# bitsandbytes (0.50, on CPUs with AVX512-BF16), imported with PEFT when TRL loads (later, in `train`), tries
-# at import to fetch a CPU 4-bit GEMM kernel from the Hugging Face Hub through the `kernels` package and logs a
-# warning on every command when that fails; nothing is fetched at run time here, and its CPU path runs
-# without that kernel.
+# bitsandbytes (0.50, on CPUs with AVX512-BF16), imported with PEFT when TRL loads (later, in `train`),
+# tries at import to fetch a CPU 4-bit GEMM kernel from the Hugging Face Hub through the `kernels` package
+# and logs a warning on every command when that fails; nothing is fetched at run time here, and its CPU
+# path runs without that kernel.
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
