@@ -32,7 +32,7 @@ def _references(monkeypatch):
     def attention_input(*args, norm_recompute=False, **kwargs):
         return attention_input_ref(*args, **kwargs)
 
-    def gated_mlp(*args, recompute=True, **kwargs):
+    def gated_mlp(*args, recompute=True, tile=None, **kwargs):  # how much is kept, and in what pieces
         return gated_mlp_ref(*args, **kwargs)
 
     def rotary(q, k, cos, sin, in_place=False):
