@@ -23,7 +23,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 # The README and the pages it moves its longer examples to.
-PAGES = (README, ROOT / "docs" / "writing-a-loss.md", ROOT / "docs" / "kernels.md")
+PAGES = (
+    README,
+    ROOT / "docs" / "writing-a-loss.md",
+    ROOT / "docs" / "writing-a-kernel.md",
+    ROOT / "docs" / "kernels.md",
+)
 NEEDS = "# needs:"
 # Blocks that run an end-to-end training (generation included): over 20 s on a busy 2-core machine.
 SLOW = ("ChunkedGRPOTrainer(",)
@@ -66,9 +71,12 @@ def test_python_block_runs_as_written(code, tmp_path, monkeypatch):
     threads = torch.get_num_threads()
     try:
         # As a script runs: its own registered module, so a dataclass in the block resolves its annotations.
+        # From a file of its own: triton.jit reads a kernel's source through inspect.
         module = types.ModuleType("readme_block")
         monkeypatch.setitem(sys.modules, module.__name__, module)
-        exec(compile(code, str(README), "exec"), module.__dict__)
+        path = tmp_path / "readme_block.py"
+        path.write_text(code)
+        exec(compile(code, str(path), "exec"), module.__dict__)
     finally:
         torch.set_num_threads(threads)
 
