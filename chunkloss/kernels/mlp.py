@@ -246,7 +246,7 @@ def gated_mlp(
     w_gate, w_up, w_down = (w if isinstance(w, FrozenWeight) else w.contiguous()
                             for w in (w_gate, w_up, w_down))  # fmt: skip
     opts = MLPOptions(activation, recompute, plan_in, plan_out)
-    if tile is not None and (not isinstance(tile, int) or tile <= 0):
+    if tile is not None and (type(tile) is not int or tile <= 0):
         raise ValueError(f"gated_mlp: tile must be a positive int or None, got {tile!r}")
     with torch.autocast(x.device.type, enabled=False):
         tiles = [x2] if tile is None or x2.shape[0] <= tile else x2.split(tile)

@@ -83,7 +83,7 @@ def test_intermediates_are_one_tile(monkeypatch):
     assert rows_seen == [50, 50]
 
 
-@pytest.mark.parametrize("tile", [0, -3, 2.5])
+@pytest.mark.parametrize("tile", [0, -3, 2.5, True])
 def test_bad_tile_is_refused(tile):
     m = make_inputs(4, 8, 12, bias=False)
     with pytest.raises(ValueError, match="tile must be a positive int or None"):
