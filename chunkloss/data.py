@@ -70,8 +70,10 @@ def tiny_tokenizer(extra_text: list[str] | None = None):
 def tiny_dataset(kind: str, n: int = 256, seed: int = 0) -> Dataset:
     """A small dataset of the counting task in the format TRL's trainer of ``kind`` expects.
 
-    kind: 'sft' (prompt/completion), 'dpo' and 'orpo' (prompt/chosen/rejected), 'grpo' (prompt and
-    the answer for the reward), 'gkd' (conversational ``messages``), 'distillation' (prompt/completion).
+    kind: 'sft' (prompt/completion), 'dpo' and 'orpo' (prompt/chosen/rejected), 'kto' (TRL's unpaired
+    prompt/completion/label: the correct completion labelled True and the wrong one False, alternately),
+    'grpo' (prompt and the answer for the reward), 'gkd' (conversational ``messages``), 'distillation'
+    (prompt/completion).
     """
     rng = random.Random(seed)
     rows = [_count_example(rng) for _ in range(n)]
@@ -85,6 +87,14 @@ def tiny_dataset(kind: str, n: int = 256, seed: int = 0) -> Dataset:
                 "rejected": [b for _, _, b in rows],
             }
         )
+    if kind == "kto":
+        return Dataset.from_dict(
+            {
+                "prompt": [p for p, _, _ in rows],
+                "completion": [(g, b)[i % 2] for i, (_, g, b) in enumerate(rows)],
+                "label": [i % 2 == 0 for i in range(n)],
+            }
+        )
     if kind == "grpo":
         return Dataset.from_dict({"prompt": [p for p, _, _ in rows], "answer": [g for _, g, _ in rows]})
     if kind == "gkd":
@@ -96,7 +106,9 @@ def tiny_dataset(kind: str, n: int = 256, seed: int = 0) -> Dataset:
                 ]
             }
         )
-    raise ValueError(f"unknown dataset kind {kind!r}; expected sft, dpo, orpo, grpo, gkd or distillation")
+    raise ValueError(
+        f"unknown dataset kind {kind!r}; expected sft, dpo, orpo, kto, grpo, gkd or distillation"
+    )
 
 
 def _words(completion) -> list[str]:

@@ -353,6 +353,43 @@ def grpo_ref(hidden, weight, completion_ids, completion_mask, advantages, bias=N
     return grpo_loss_from_logps_ref(logp, ent, completion_mask, advantages, ref_logps=ref_logps, **kw)
 
 
+# --- RLOO: a transcription of TRL 1.16 RLOOTrainer._compute_loss (trl/trainer/rloo_trainer.py), loss part --
+# tests/losses/test_rloo.py checks it against TRL's own method.
+def rloo_loss_from_logps_ref(
+    logps, entropies, completion_mask, advantages, *, old_logps=None, epsilon_low=0.2, epsilon_high=None, **_
+):
+    """TRL 1.16's RLOO loss and its metrics (one process) from per-token ``logps`` (B, T) with grad, in fp32;
+    ``old_logps`` (B,) the sampling policy's summed log-probs (``None``: the current ones, detached)."""
+    mask = completion_mask.float()
+    eps_hi = epsilon_low if epsilon_high is None else epsilon_high
+    logps_seq = (logps * mask).sum(1)
+    old = logps_seq.detach() if old_logps is None else old_logps
+    adv = advantages.float()
+    coef_1 = torch.exp(logps_seq - old)
+    coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + eps_hi)
+    loss = -torch.min(coef_1 * adv, coef_2 * adv).mean()
+    c = coef_1.detach()
+    low = ((c < 1 - epsilon_low) & (adv < 0)).float()
+    high = ((c > 1 + eps_hi) & (adv > 0)).float()
+    metrics = {
+        "entropy": (entropies.detach() * mask).sum() / mask.sum().clamp(min=1.0),
+        "clip_ratio/low_mean": low.mean(),
+        "clip_ratio/low_min": low.min(),
+        "clip_ratio/high_mean": high.mean(),
+        "clip_ratio/high_max": high.max(),
+        "clip_ratio/region_mean": torch.maximum(low, high).mean(),
+    }
+    return loss, metrics
+
+
+def rloo_ref(hidden, weight, completion_ids, completion_mask, advantages, bias=None, *, temperature=1.0,
+             logit_scale=1.0, softcap=None, **kw):  # fmt: skip
+    """fp32 RLOO loss of the materialised logits: (loss, metrics)."""
+    tf = dict(temperature=temperature, logit_scale=logit_scale, softcap=softcap)
+    logp, ent = grpo_logps_ref(hidden, weight, bias, completion_ids, **tf)
+    return rloo_loss_from_logps_ref(logp, ent, completion_mask, advantages, **kw)
+
+
 # --- preference losses (DPO, ORPO, CPO, SimPO) ----------------------------------------------------
 def _pref_token_logps(hidden, weight, bias, labels, ignore_index, logit_scale=1.0, softcap=None):
     """fp32 logits (times ``logit_scale``, then softcapped), per-token label log-probs (0 where
@@ -597,4 +634,55 @@ def cpo_ref(
         nll = _nll_chosen(z, chosen if nll_labels is None else nll_labels, ignore_index)
         loss = loss + cpo_alpha * nll
         metrics["nll_loss"] = nll.detach()
+    return loss, metrics
+
+
+# --- KTO ---------------------------------------------------------------------------------------------
+def kto_ref(
+    hidden, weight, labels, desirable, bias=None, *, ref_logps, kl_logps=None, ref_kl_logps=None,
+    kl_gather=None, beta=0.1, loss_type="kto", desirable_weight=1.0, undesirable_weight=1.0,
+    ignore_index=-100, logit_scale=1.0, softcap=None, return_token_metrics=False,
+):  # fmt: skip
+    """``trl.KTOTrainer._compute_loss`` (TRL 1.16) on fp32 logits, written as it is there: the completions
+    split by ``desirable``, the KL term detached, gathered (``kl_gather``), averaged and clamped at 0, the
+    losses of both sides concatenated and averaged. A side with no completion gives metrics of 0."""
+    z, logp, mask = _pref_token_logps(hidden, weight, bias, labels, ignore_index, logit_scale, softcap)
+    logps = logp.sum(-1)
+    if loss_type == "kto":
+        kl = (kl_logps - ref_kl_logps).mean().detach()
+        kl = (kl if kl_gather is None else kl_gather(kl)).mean().clamp(min=0)
+    else:
+        kl = torch.zeros(())
+    chosen_idx = torch.nonzero(desirable.bool()).view(-1)
+    rejected_idx = torch.nonzero(~desirable.bool()).view(-1)
+    chosen_logratios = logps.index_select(0, chosen_idx) - ref_logps.index_select(0, chosen_idx)
+    rejected_logratios = logps.index_select(0, rejected_idx) - ref_logps.index_select(0, rejected_idx)
+    if loss_type == "kto":
+        chosen_losses = 1 - F.sigmoid(beta * (chosen_logratios - kl))
+        rejected_losses = 1 - F.sigmoid(beta * (kl - rejected_logratios))
+    else:  # apo_zero_unpaired
+        chosen_losses = 1 - F.sigmoid(beta * chosen_logratios)
+        rejected_losses = F.sigmoid(beta * rejected_logratios)
+    losses = torch.cat((desirable_weight * chosen_losses, undesirable_weight * rejected_losses), 0)
+    loss = losses.nanmean() if losses.numel() else losses.sum()
+
+    def mean(x):
+        return x.sum() / max(x.numel(), 1)
+
+    zm = z.detach().mean(-1)
+    rewards_c, rewards_r = beta * chosen_logratios.detach(), beta * rejected_logratios.detach()
+    metrics = {
+        "rewards/chosen": mean(rewards_c),
+        "rewards/rejected": mean(rewards_r),
+        "rewards/margins": mean(rewards_c) - mean(rewards_r),
+        "logps/chosen": mean(logps.detach().index_select(0, chosen_idx)),
+        "logps/rejected": mean(logps.detach().index_select(0, rejected_idx)),
+        "logits/chosen": mean(zm.index_select(0, chosen_idx)[mask.index_select(0, chosen_idx)]),
+        "logits/rejected": mean(zm.index_select(0, rejected_idx)[mask.index_select(0, rejected_idx)]),
+        "kl": kl,
+    }
+    if return_token_metrics:
+        lp_all = torch.log_softmax(z.detach(), -1)
+        entropy = -(lp_all.exp() * lp_all).sum(-1)
+        metrics["entropy"] = mean(entropy[mask])
     return loss, metrics

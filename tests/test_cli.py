@@ -81,9 +81,9 @@ def _falls(losses: list[float]) -> bool:
     return sum(losses[half:]) / (len(losses) - half) < sum(losses[:half]) / half and losses[-1] < losses[0]
 
 
-# Full 30-step runs of every tiny config, the loss logged at every step. GRPO is apart: its loss is a
-# policy-gradient surrogate (zero-mean advantages), not a quantity that falls as the policy improves.
-FALLING = ["sft-tiny", "dpo-tiny", "orpo-tiny", "gkd-tiny", "distillation-tiny", "medusa-tiny"]
+# Full 30-step runs of every tiny config, the loss logged at every step. GRPO and RLOO are apart: their loss
+# is a policy-gradient surrogate (zero-mean advantages), not a quantity that falls as the policy improves.
+FALLING = ["sft-tiny", "dpo-tiny", "orpo-tiny", "kto-tiny", "gkd-tiny", "distillation-tiny", "medusa-tiny"]
 
 
 @pytest.mark.slow  # 30 steps of a tiny config, and TRL's generation for DPO/GKD/distillation
@@ -101,6 +101,9 @@ def test_tiny_config_full_run_loss_falls(tmp_path, capsys, recwarn, name):
     if name == "dpo-tiny":
         # At step 1 the policy is the reference (a reload of the same tiny-init weights): -logsigmoid(0).
         assert summary["losses"][0] == pytest.approx(math.log(2), abs=1e-4)
+    if name == "kto-tiny":
+        # At step 1 the policy is the reference and the KL term 0: 1 - sigmoid(0) for every completion.
+        assert summary["losses"][0] == pytest.approx(0.5, abs=1e-4)
     printed = capsys.readouterr().out
     for line in ("final loss", "tokens/s", "peak memory", "checkpoint"):
         assert line in printed
@@ -118,6 +121,17 @@ def test_grpo_tiny_full_run_reward_rises(tmp_path, capsys, recwarn):
     assert rewards[-1] > rewards[0], rewards
     printed = capsys.readouterr().out
     assert "final reward" in printed and "watch the reward" in printed
+
+
+@pytest.mark.slow
+def test_rloo_tiny_full_run_reward_rises(tmp_path, recwarn):
+    summary, out = _train("rloo-tiny", tmp_path)
+    assert _our_deprecations(recwarn.list) == []
+    _check_run(summary, out, steps=30)
+    assert summary["trainer"] == "ChunkedRLOOTrainer"
+    rewards = summary["rewards"]
+    assert len(rewards) == 6 and all(math.isfinite(r) for r in rewards)
+    assert rewards[-1] > rewards[0], rewards
 
 
 # Every tiny config, and SFT with label smoothing (TRL's SFTTrainer warns about it from our constructor).
@@ -254,8 +268,10 @@ def test_train_help_of_one_trainer_lists_every_option(capsys, name):
         assert flag in out
     own = {
         "grpo": "--num_generations",
+        "rloo": "--num_generations",
         "dpo": "--beta",
         "orpo": "--beta",
+        "kto": "--desirable_weight",
         "gkd": "--lmbda",
         "distillation": "--teacher_model_name_or_path",
         "sft": "--completion_only_loss",

@@ -37,7 +37,7 @@ def check_run(name: str, run_args, model_args, training_args) -> None:
             raise ConfigError(f"key {key!r} must be at least {low:g}, got {value}")
     _check_loss_options(name, training_args)
     _check_dataset(run_args)
-    if name == "grpo":
+    if name in ("grpo", "rloo"):
         reward_funcs(run_args.reward_funcs)
 
 
@@ -84,12 +84,27 @@ def _check_loss_options(name: str, args) -> None:
         )
     elif name == "orpo":
         chunkloss.FusedLinearORPOLoss(beta=float(args.beta), **opts)
+    elif name == "kto":
+        chunkloss.FusedLinearKTOLoss(
+            beta=float(args.beta),
+            loss_type=args.loss_type,
+            desirable_weight=float(args.desirable_weight),
+            undesirable_weight=float(args.undesirable_weight),
+            **opts,
+        )
     elif name == "grpo":
         chunkloss.FusedLinearGRPOLoss(
             loss_type=args.loss_type,
             beta=float(args.beta),
             importance_sampling_level=args.importance_sampling_level,
             max_completion_length=args.max_completion_length,
+            **opts,
+        )
+    elif name == "rloo":
+        chunkloss.FusedLinearRLOOLoss(
+            epsilon_low=float(args.epsilon),
+            epsilon_high=None if args.epsilon_high is None else float(args.epsilon_high),
+            temperature=float(args.temperature),
             **opts,
         )
     elif name in ("gkd", "distillation"):

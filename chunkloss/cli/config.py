@@ -54,8 +54,12 @@ class TrainerSpec:
 TRAINERS: dict[str, TrainerSpec] = {
     "sft": TrainerSpec.of("sft", "SFT", "supervised fine-tuning (chunked cross-entropy / DFT)"),
     "grpo": TrainerSpec.of("grpo", "GRPO", "online RL with group-relative advantages (needs reward_funcs)"),
+    "rloo": TrainerSpec.of(
+        "rloo", "RLOO", "online RL with leave-one-out advantages (needs reward_funcs)", data="grpo"
+    ),
     "dpo": TrainerSpec.of("dpo", "DPO", "direct preference optimisation (prompt/chosen/rejected)"),
     "orpo": TrainerSpec.of("orpo", "ORPO", "odds-ratio preference optimisation, no reference model"),
+    "kto": TrainerSpec.of("kto", "KTO", "Kahneman-Tversky optimisation (prompt/completion/label, unpaired)"),
     "gkd": TrainerSpec.of("gkd", "GKD", "generalised knowledge distillation (needs a teacher)"),
     "distillation": TrainerSpec.of(
         "distillation", "Distillation", "on-policy distillation (needs a teacher)"
@@ -70,7 +74,7 @@ TRAINERS: dict[str, TrainerSpec] = {
 class RunArguments:
     """chunkloss's own run keys (the rest of a config is the trainer's config and TRL's ModelConfig)."""
 
-    trainer: Literal["sft", "grpo", "dpo", "orpo", "gkd", "distillation", "medusa"] = field(
+    trainer: Literal["sft", "grpo", "rloo", "dpo", "orpo", "kto", "gkd", "distillation", "medusa"] = field(
         default=None, metadata={"help": "Which trainer runs: " + ", ".join(TRAINERS) + "."}
     )
     tiny_model: dict | None = field(
@@ -112,7 +116,7 @@ class RunArguments:
     reward_funcs: list[str] = field(
         default_factory=lambda: ["count"],
         metadata={
-            "help": "grpo: reward functions: a name registered in chunkloss.data.REWARD_FUNCS (count, "
+            "help": "grpo, rloo: reward functions: a name registered in chunkloss.data.REWARD_FUNCS (count, "
             "length), 'module:function', or a reward model (local folder or hub id org/name)."
         },
     )

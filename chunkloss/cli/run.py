@@ -107,7 +107,7 @@ def _build(name: str, run_args, model_args, training_args):
     peft_config = get_peft_config(model_args)
     if peft_config is not None:
         kwargs["peft_config"] = peft_config
-    if name == "grpo":
+    if name in ("grpo", "rloo"):
         kwargs["reward_funcs"] = reward_funcs(run_args.reward_funcs)
     if name in ("gkd", "distillation"):
         if run_args.teacher_tiny_model is not None:

@@ -5,9 +5,11 @@ from chunkloss.losses.cross_entropy import CrossEntropyOptions, FusedLinearCross
 from chunkloss.losses.dpo import DPOOptions, FusedLinearDPOLoss
 from chunkloss.losses.grpo import FusedLinearGRPOLoss, GRPOOptions
 from chunkloss.losses.jsd import FusedLinearJSDLoss, JSDOptions
+from chunkloss.losses.kto import FusedLinearKTOLoss, KTOOptions
 from chunkloss.losses.multi_token import FusedLinearMultiTokenLoss, MultiTokenOptions
 from chunkloss.losses.orpo import FusedLinearORPOLoss, ORPOOptions
 from chunkloss.losses.preference import FusedLinearPreferenceLoss, PreferenceOptions
+from chunkloss.losses.rloo import FusedLinearRLOOLoss, RLOOOptions
 from chunkloss.losses.simpo import FusedLinearSimPOLoss, SimPOOptions
 
 __all__ = [
@@ -19,14 +21,18 @@ __all__ = [
     "FusedLinearDPOLoss",
     "FusedLinearGRPOLoss",
     "FusedLinearJSDLoss",
+    "FusedLinearKTOLoss",
     "FusedLinearMultiTokenLoss",
     "FusedLinearORPOLoss",
     "FusedLinearPreferenceLoss",
+    "FusedLinearRLOOLoss",
     "FusedLinearSimPOLoss",
     "GRPOOptions",
     "JSDOptions",
+    "KTOOptions",
     "MultiTokenOptions",
     "ORPOOptions",
     "PreferenceOptions",
+    "RLOOOptions",
     "SimPOOptions",
 ]

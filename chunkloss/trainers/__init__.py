@@ -7,8 +7,10 @@ from .distillation import ChunkedDistillationConfig, ChunkedDistillationTrainer
 from .dpo import ChunkedDPOConfig, ChunkedDPOTrainer
 from .gkd import ChunkedGKDConfig, ChunkedGKDTrainer
 from .grpo import ChunkedGRPOConfig, ChunkedGRPOTrainer
+from .kto import ChunkedKTOConfig, ChunkedKTOTrainer
 from .medusa import ChunkedMedusaConfig, ChunkedMedusaTrainer
 from .orpo import ChunkedORPOConfig, ChunkedORPOTrainer
+from .rloo import ChunkedRLOOConfig, ChunkedRLOOTrainer
 from .sft import ChunkedSFTConfig, ChunkedSFTTrainer
 
 __all__ = [
@@ -20,10 +22,14 @@ __all__ = [
     "ChunkedGKDTrainer",
     "ChunkedGRPOConfig",
     "ChunkedGRPOTrainer",
+    "ChunkedKTOConfig",
+    "ChunkedKTOTrainer",
     "ChunkedMedusaConfig",
     "ChunkedMedusaTrainer",
     "ChunkedORPOConfig",
     "ChunkedORPOTrainer",
+    "ChunkedRLOOConfig",
+    "ChunkedRLOOTrainer",
     "ChunkedSFTConfig",
     "ChunkedSFTTrainer",
 ]

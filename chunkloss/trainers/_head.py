@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from ._common import refuse
 from ._nonfinite import record_head_inputs
 
 __all__ = [
@@ -32,8 +33,10 @@ __all__ = [
     "Head",
     "add_chunked_head",
     "allow_lm_head_adapter",
+    "fused_head_call",
     "head_transforms",
     "left_pad",
+    "refuse_precomputed_head_lora_reference",
 ]
 
 
@@ -70,6 +73,38 @@ def label_logps_head(logp_loss, targets: Tensor, cast_fp32: bool = False) -> Cal
             return -logp_loss(x, w, targets, bias=b)
 
     return head_fn
+
+
+def fused_head_call(model: Callable, logp_loss) -> Callable:
+    """``model`` as TRL 1.16's trainers call their fused LM head, ``model(..., labels=labels,
+    fused_lm_head=True).log_probs`` (the log-probs of the next tokens, (B, T - 1), 0 where the label is -100),
+    with the log-probs from the chunked head (:func:`label_logps_head`), through the head's active adapters:
+    TRL's fused head reads ``lm_head.weight`` alone and would leave a LoRA adapter on ``lm_head`` out.
+    ``model`` has the chunked head (:func:`add_chunked_head`); ``logp_loss`` as for
+    :func:`label_logps_head`."""
+
+    def call(*, labels: Tensor, fused_lm_head: bool = True, **kwargs):
+        head_fn = label_logps_head(logp_loss, labels[:, 1:])
+        return types.SimpleNamespace(log_probs=model(**kwargs, chunked_head=head_fn).result)
+
+    return call
+
+
+def refuse_precomputed_head_lora_reference(trainer: str, call: dict) -> None:
+    """Refuse ``precompute_ref_log_probs=True`` for a ``PeftModel`` with LoRA on ``lm_head`` given without
+    ``ref_model`` (``call``: the trainer's constructor arguments by name). TRL scores the reference through a
+    "ref" copy of the adapter in its constructor, before the chunked head exists and while ``lm_head`` shows
+    TRL its base layer (:func:`allow_lm_head_adapter`): that copy's ``lm_head`` would be left out."""
+    args = call.get("args")
+    if args is None or not args.precompute_ref_log_probs or call.get("ref_model") is not None:
+        return
+    if has_lm_head_lora(call.get("model")):
+        refuse(
+            trainer,
+            "precompute_ref_log_probs=True with LoRA on lm_head of a PeftModel and no ref_model",
+            "TRL scores the reference in its constructor with a head that leaves the adapter's "
+            "lm_head out; set precompute_ref_log_probs=False (the chunked head then scores it)",
+        )
 
 
 def left_pad(t: Tensor, length: int, value: int) -> Tensor:

@@ -11,7 +11,6 @@ smoothing of TRL 1.16 is covered, with the model's final logit softcapping (Gemm
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 from trl import DPOConfig, DPOTrainer
@@ -21,7 +20,7 @@ from chunkloss.losses.dpo import FusedLinearDPOLoss
 
 from ._checkpointing import CheckpointingDefault
 from ._common import ChunkedArguments, DeferredMetrics, refuse
-from ._head import has_lm_head_lora, label_logps_head
+from ._head import fused_head_call, has_lm_head_lora, refuse_precomputed_head_lora_reference
 from ._setup import ChunkedTrainerSetup
 
 __all__ = ["ChunkedDPOConfig", "ChunkedDPOTrainer"]
@@ -47,21 +46,7 @@ class ChunkedDPOTrainer(ChunkedTrainerSetup, DeferredMetrics, DPOTrainer):
     _tag_names = ["trl", "dpo", "chunkloss"]
 
     def _refuse_early(self, call: dict) -> None:
-        args = call.get("args")
-        # TRL precomputes in its constructor, before the chunked head exists and while lm_head shows it the
-        # base layer: the "ref" adapter's lm_head LoRA would be left out (see compute_ref_log_probs).
-        if (
-            args is not None
-            and args.precompute_ref_log_probs
-            and call.get("ref_model") is None
-            and has_lm_head_lora(call.get("model"))
-        ):
-            refuse(
-                type(self).__name__,
-                "precompute_ref_log_probs=True with LoRA on lm_head of a PeftModel and no ref_model",
-                "TRL scores the reference in its constructor with a head that leaves the adapter's "
-                "lm_head out; set precompute_ref_log_probs=False (the chunked head then scores it)",
-            )
+        refuse_precomputed_head_lora_reference(type(self).__name__, call)
 
     def _refuse_built(self) -> None:
         if self.use_weighting and "sft" in self.loss_types:
@@ -102,14 +87,7 @@ class ChunkedDPOTrainer(ChunkedTrainerSetup, DeferredMetrics, DPOTrainer):
         unwrapped = self.accelerator.unwrap_model(self.model)
         if self.ref_model is not None or not has_lm_head_lora(unwrapped):
             return super().compute_ref_log_probs(model, inputs)
-
-        def fused_head_call(*, labels, fused_lm_head, **kwargs):
-            # TRL's `model(..., labels=labels, fused_lm_head=True).log_probs`: log-probs of the next tokens,
-            # (B, T - 1), 0 where the label is -100.
-            head_fn = label_logps_head(self._ref_logp_loss, labels[:, 1:])
-            return SimpleNamespace(log_probs=model(**kwargs, chunked_head=head_fn).result)
-
-        return super().compute_ref_log_probs(fused_head_call, inputs)
+        return super().compute_ref_log_probs(fused_head_call(model, self._ref_logp_loss), inputs)
 
     def _compute_loss(self, model, inputs, return_outputs):
         mode = "train" if self.model.training else "eval"

@@ -11,13 +11,11 @@ window), vLLM's importance-sampling ratio (per token or per sequence) and
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
-from chunkloss.losses.cross_entropy import FusedLinearCrossEntropyLoss
 from chunkloss.losses.grpo import (
     CLIP_LOSS_TYPES,
     GLOBAL_COUNT_LOSS_TYPES,
@@ -27,21 +25,11 @@ from chunkloss.losses.grpo import (
 )
 
 from ._checkpointing import CheckpointingDefault
-from ._common import ChunkedArguments, DeferredMetrics, peft_base, refuse
-from ._head import has_active_head_adapter, label_logps_head
+from ._common import ChunkedArguments, DeferredMetrics, refuse
+from ._online import AdapterHeadLogps, gathered, global_mean, policy_forward
 from ._setup import ChunkedTrainerSetup
 
 __all__ = ["ChunkedGRPOConfig", "ChunkedGRPOTrainer"]
-
-_MULTIMODAL = (
-    "pixel_values",
-    "image_grid_thw",
-    "pixel_attention_mask",
-    "image_sizes",
-    "token_type_ids",
-    "mm_token_type_ids",
-    "image_position_ids",
-)
 
 
 @dataclass
@@ -50,7 +38,7 @@ class ChunkedGRPOConfig(CheckpointingDefault, GRPOConfig, ChunkedArguments):
     TRL's activation checkpointing default (on) under transformers' name (:class:`CheckpointingDefault`)."""
 
 
-class ChunkedGRPOTrainer(ChunkedTrainerSetup, DeferredMetrics, GRPOTrainer):
+class ChunkedGRPOTrainer(ChunkedTrainerSetup, DeferredMetrics, AdapterHeadLogps, GRPOTrainer):
     """``trl.GRPOTrainer`` whose policy loss never materialises the logits.
 
     The model's final logit softcapping (Gemma-2) and logit scale (Cohere) are applied by the loss, as TRL's
@@ -143,70 +131,8 @@ class ChunkedGRPOTrainer(ChunkedTrainerSetup, DeferredMetrics, GRPOTrainer):
         self._last_world_entropy = world_entropy
         self._entropy_window_stats = None
 
-    def _get_per_token_logps_and_entropies(
-        self,
-        model,
-        input_ids,
-        attention_mask,
-        logits_to_keep,
-        batch_size=None,
-        compute_entropy=False,
-        compute_aux_loss=False,
-        **multimodal,
-    ):
-        """TRL's, except while a LoRA adapter on ``lm_head`` is active: TRL's fused head reads
-        ``lm_head.weight`` alone, so the old log-probs (``steps_per_generation`` or ``num_iterations`` past
-        the accumulation steps, vLLM's importance-sampling correction) and a reference scored through a "ref"
-        adapter would leave the adapter out. They come from the chunked head instead: per-token log-probs of
-        the completion tokens, 0 on padding, as TRL returns them. The policy's own are ``_compute_loss``'s."""
-        base = peft_base(self.accelerator.unwrap_model(model))
-        if not getattr(base, "_chunkloss_head", False) or not has_active_head_adapter(base):
-            return super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
-                compute_aux_loss, **multimodal,
-            )  # fmt: skip
-        if compute_entropy or any(v is not None for v in multimodal.values()):
-            refuse(
-                type(self).__name__,
-                "entropies or multimodal inputs through a LoRA adapter on lm_head",
-                "the chunked head scores text log-probs only",
-            )
-        k = logits_to_keep
-        key = ("logps", float(self.temperature))
-        logp_loss = self._chunk_losses.get(key)
-        if logp_loss is None:
-            logp_loss = self._chunk_losses[key] = FusedLinearCrossEntropyLoss(
-                reduction="none", temperature=key[1], **self.head_transforms, **self.chunk_opts
-            )
-        cast = bool(getattr(self.args, "cast_lm_head_to_fp32", False))
-        batch_size = batch_size or input_ids.size(0)
-        logps, aux = [], []
-        for start in range(0, input_ids.size(0), batch_size):
-            ids = input_ids[start : start + batch_size]
-            att = attention_mask[start : start + batch_size]
-            targets = ids[:, -k:].masked_fill(att[:, -k:] == 0, -100)
-            inputs = {"input_ids": ids, "attention_mask": att}
-            if compute_aux_loss:
-                inputs["output_router_logits"] = True
-            with self.accelerator.autocast():
-                out = model(**inputs, chunked_head=label_logps_head(logp_loss, targets, cast))
-            logps.append(out.result)
-            if compute_aux_loss:
-                aux.append(out.aux_loss)
-        return torch.cat(logps), None, torch.stack(aux).mean() if compute_aux_loss else None
-
     def _compute_loss(self, model, inputs):
-        for k in _MULTIMODAL:
-            if inputs.get(k) is not None:
-                refuse(
-                    type(self).__name__, f"multimodal input {k!r}", "the chunked head covers text models only"
-                )
         mode = "train" if self.model.training else "eval"
-        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
-        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
-        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-        k = completion_ids.size(1)
         loss_mod = self._grpo_loss()
         if self.loss_type == "vespo":
             is_ratio = inputs.get("importance_sampling_ratio")
@@ -215,43 +141,31 @@ class ChunkedGRPOTrainer(ChunkedTrainerSetup, DeferredMetrics, GRPOTrainer):
         else:
             is_ratio = None
         ga = self.current_gradient_accumulation_steps if mode == "train" else 1
-        old = inputs.get("old_per_token_logps")
         needs_global = self.loss_type in GLOBAL_COUNT_LOSS_TYPES
-        cast = bool(getattr(self.args, "cast_lm_head_to_fp32", False))
+        completion_mask = inputs["completion_mask"]
 
-        def head_fn(hidden, head):
-            x = head.features(hidden[:, -k - 1 : -1])  # positions that predict the completion tokens
-            w, b = head.weight, head.bias
-            ctx = contextlib.nullcontext()
-            if cast:
-                x, w, b = x.float(), w.float(), None if b is None else b.float()
-                ctx = torch.autocast(x.device.type, enabled=False)
-            with ctx:
-                loss = loss_mod(
-                    x,
-                    w,
-                    completion_ids,
-                    completion_mask,
-                    inputs["advantages"],
-                    bias=b,
-                    old_logps=old,
-                    ref_logps=inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
-                    importance_sampling_ratio=is_ratio,
-                    num_items_in_batch=inputs["num_items_in_batch"] if needs_global else None,
-                    tool_mask=inputs.get("tool_mask"),
-                    sampling_logps=inputs.get("sampling_per_token_logps"),
-                    num_processes=self.accelerator.num_processes,
-                    gradient_accumulation_steps=ga,
-                    steps_per_generation=self.args.steps_per_generation if mode == "train" else 1,
-                    entropy_coef=self._applied_entropy_coef() if self._entropy_bonus_enabled else None,
-                )
+        def loss_fn(x, w, b):
+            loss = loss_mod(
+                x,
+                w,
+                inputs["completion_ids"],
+                completion_mask,
+                inputs["advantages"],
+                bias=b,
+                old_logps=inputs.get("old_per_token_logps"),
+                ref_logps=inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
+                importance_sampling_ratio=is_ratio,
+                num_items_in_batch=inputs["num_items_in_batch"] if needs_global else None,
+                tool_mask=inputs.get("tool_mask"),
+                sampling_logps=inputs.get("sampling_per_token_logps"),
+                num_processes=self.accelerator.num_processes,
+                gradient_accumulation_steps=ga,
+                steps_per_generation=self.args.steps_per_generation if mode == "train" else 1,
+                entropy_coef=self._applied_entropy_coef() if self._entropy_bonus_enabled else None,
+            )
             return loss, dict(loss_mod.metrics)
 
-        model_inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
-        if self.aux_loss_enabled:
-            model_inputs["output_router_logits"] = True
-        with self.accelerator.autocast():
-            out = model(**model_inputs, chunked_head=head_fn)
+        out = policy_forward(self, model, inputs, loss_fn)
         loss, metrics = out.result
 
         # TRL's masked means count completion_mask · tool_mask.
@@ -280,25 +194,18 @@ class ChunkedGRPOTrainer(ChunkedTrainerSetup, DeferredMetrics, GRPOTrainer):
         # TRL's global masked means: local means times local counts, summed over processes.
         per_seq = self.importance_sampling_level == "sequence" and inputs["advantages"].dim() == 1
         n_seq = torch.tensor(float(inputs["completion_ids"].size(0)), device=n_tok.device)
-
-        def global_mean(name, count):
-            totals = self.accelerator.reduce(
-                torch.stack([metrics[name].float() * count, count]), reduction="sum"
-            )
-            return totals[0] / totals[1].clamp(min=1.0)
+        acc, store = self.accelerator, self._metrics[mode]
 
         if self.beta != 0.0:
-            self._metrics[mode]["kl"].append(global_mean("kl", n_tok))
-        self._metrics[mode]["entropy"].append(global_mean("entropy", n_tok))
+            store["kl"].append(global_mean(acc, metrics["kl"], n_tok))
+        store["entropy"].append(global_mean(acc, metrics["entropy"], n_tok))
         clip_count = n_seq if per_seq else n_tok
         if self.loss_type in CLIP_LOSS_TYPES:
             for name in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
-                self._metrics[mode][name].append(global_mean(name, clip_count))
-            low = self.accelerator.gather(metrics["clip_ratio/low_min"].reshape(1).float())
-            high = self.accelerator.gather(metrics["clip_ratio/high_max"].reshape(1).float())
-            self._metrics[mode]["clip_ratio/low_min"].append(nanmin(low))
-            self._metrics[mode]["clip_ratio/high_max"].append(nanmax(high))
+                store[name].append(global_mean(acc, metrics[name], clip_count))
+            store["clip_ratio/low_min"].append(gathered(acc, metrics["clip_ratio/low_min"], nanmin))
+            store["clip_ratio/high_max"].append(gathered(acc, metrics["clip_ratio/high_max"], nanmax))
         elif self.loss_type == "cispo":
-            self._metrics[mode]["cispo_clip_ratio"].append(global_mean("cispo_clip_ratio", clip_count))
+            store["cispo_clip_ratio"].append(global_mean(acc, metrics["cispo_clip_ratio"], clip_count))
         elif self.loss_type == "vespo":
-            self._metrics[mode]["vespo/phi_seq_mean"].append(global_mean("vespo/phi_seq_mean", n_seq))
+            store["vespo/phi_seq_mean"].append(global_mean(acc, metrics["vespo/phi_seq_mean"], n_seq))

@@ -20,6 +20,7 @@ from chunkloss import (
     FusedLinearDPOLoss,
     FusedLinearGRPOLoss,
     FusedLinearJSDLoss,
+    FusedLinearKTOLoss,
     FusedLinearORPOLoss,
     FusedLinearPreferenceLoss,
     FusedLinearSimPOLoss,
@@ -151,6 +152,7 @@ DEFAULT_METRICS = {
     FusedLinearCPOLoss: PAIR | {"nll_loss"},
     FusedLinearSimPOLoss: PAIR,
     FusedLinearGRPOLoss: {"entropy"} | CLIP,
+    FusedLinearKTOLoss: (PAIR - {"rewards/accuracies"}) | {"kl"},
 }
 B, T, H, V = 2, 3, 8, 11
 
@@ -166,6 +168,9 @@ def _call(cls, mod):
         return mod(h, w, torch.randn(B, T, 5, generator=g), torch.randn(V, 5, generator=g), y)
     if cls is FusedLinearGRPOLoss:
         return mod(h, w, y, torch.ones(B, T), torch.randn(B, generator=g))
+    if cls is FusedLinearKTOLoss:
+        logps = dict(ref_logps=torch.randn(B, generator=g), kl_logps=torch.randn(B, generator=g))
+        return mod(h, w, y, torch.tensor([True, False]), ref_kl_logps=torch.randn(B, generator=g), **logps)
     return mod(h, w, y, torch.randint(0, V, (B, T), generator=g))
 
 

@@ -23,6 +23,7 @@ from chunkloss.trainers import (
     ChunkedGRPOConfig,
     ChunkedMedusaConfig,
     ChunkedORPOConfig,
+    ChunkedRLOOConfig,
     ChunkedSFTConfig,
 )
 from tests.test_readme import _blocks
@@ -35,6 +36,7 @@ renamed = pytest.mark.skipif(
 CONFIGS = [
     ChunkedSFTConfig,
     ChunkedGRPOConfig,
+    ChunkedRLOOConfig,
     ChunkedDPOConfig,
     ChunkedORPOConfig,
     ChunkedGKDConfig,

@@ -31,6 +31,7 @@ from chunkloss.trainers import (
 from tests.trainers import test_dpo as dpo_parity
 from tests.trainers import test_gkd as gkd_parity
 from tests.trainers import test_grpo as grpo_parity
+from tests.trainers import test_rloo as rloo_parity
 from tests.trainers import test_sft as sft_parity
 from tests.trainers.helpers import check_orpo_step, common_args, model_pair, teacher_model, tokenizer
 
@@ -90,6 +91,21 @@ def test_grpo(tmp_path, kind):
     p = _grpo_pair(tmp_path, kind)
     settings = {"loss_type": "grpo", "importance_sampling_level": "sequence"}
     grpo_parity._run(p, settings, use=("old_per_token_logps",))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_rloo(tmp_path, kind):
+    ref_m, our_m = model_pair()
+    models = tuple(peft.get_peft_model(m, _config(kind)) for m in (ref_m, our_m))
+    models[1].load_state_dict(models[0].state_dict())
+    p = rloo_parity._make_pair(tmp_path, models=models, **NO_CKPT)
+    # TRL's RLOO copies a PeftModel's adapter to a "ref" adapter, which the loss never reaches (TRL leaves it
+    # requiring grad, with no gradient): frozen here for both, so that every trainable parameter is compared.
+    for tr in p[:2]:
+        for name, param in tr.model.named_parameters():
+            if ".ref." in name:
+                param.requires_grad_(False)
+    rloo_parity._run(p, {"epsilon_high": 0.5})
 
 
 def _orpo(tmp_path, chunked: bool, kind: str, model=None):

@@ -1,6 +1,6 @@
 """Resuming: every chunked trainer, stopped after step k and resumed from its checkpoint, logs for the steps
-after k what the uninterrupted run logs (losses, rewards, every metric, the GRPO generations buffered across
-k); a save interrupted before it completes leaves the previous checkpoint to resume from.
+after k what the uninterrupted run logs (losses, rewards, every metric, the GRPO and RLOO generations buffered
+across k); a save interrupted before it completes leaves the previous checkpoint to resume from.
 
 The runs are the tiny configs through ``chunkloss train`` (CPU, two threads at most) on 64 rows of the tiny
 dataset (the resume falls inside the first epoch), four steps logged one by one and saved every two. Two
@@ -20,7 +20,7 @@ from chunkloss import cli
 from chunkloss.trainers._setup import STATE_FILE
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-TRAINERS = ["sft", "dpo", "orpo", "grpo", "gkd", "distillation", "medusa"]
+TRAINERS = ["sft", "dpo", "orpo", "kto", "grpo", "rloo", "gkd", "distillation", "medusa"]
 STEPS, SAVE = 4, 2
 ROWS = 64  # not the configs' 512 (GRPO: 256): each run tokenizes all of them, for four steps
 # Logged once per run (not per step), or wall-clock times.

@@ -8,7 +8,7 @@ import inspect
 
 import pytest
 import torch
-from trl import DistillationTrainer, DPOTrainer, GRPOConfig, GRPOTrainer, SFTTrainer
+from trl import DistillationTrainer, DPOTrainer, GRPOConfig, GRPOTrainer, RLOOTrainer, SFTTrainer
 from trl.experimental.gkd import GKDTrainer
 from trl.experimental.orpo import ORPOTrainer
 
@@ -21,6 +21,7 @@ from chunkloss.trainers import (
     ChunkedGRPOTrainer,
     ChunkedORPOConfig,
     ChunkedORPOTrainer,
+    ChunkedRLOOTrainer,
     ChunkedSFTTrainer,
 )
 from tests.trainers.helpers import common_args, model_pair, tokenizer
@@ -30,6 +31,7 @@ PAIRS = [
     (ChunkedDPOTrainer, DPOTrainer),
     (ChunkedORPOTrainer, ORPOTrainer),
     (ChunkedGRPOTrainer, GRPOTrainer),
+    (ChunkedRLOOTrainer, RLOOTrainer),
     (ChunkedGKDTrainer, GKDTrainer),
     (ChunkedDistillationTrainer, DistillationTrainer),
 ]

@@ -1,0 +1,105 @@
+"""``ChunkedRLOOTrainer``: TRL's ``RLOOTrainer`` with the policy loss computed by ``FusedLinearRLOOLoss``.
+
+Generation, rewards, the KL penalty (``beta``: TRL subtracts it from the rewards, from the old and reference
+log-probs), the leave-one-out advantages and their normalisation, vLLM, and the old and reference log-probs
+(TRL's own fused head, without grad) are TRL's. Only ``_compute_loss`` changes: the policy's hidden states at
+the completion positions go to the chunked RLOO loss with the LM head's weight, so the ``[B, T, V]`` logits
+never exist. The clip range (``epsilon``, ``epsilon_high``), the sampling temperature and the model's logit
+transforms are the loss's options; metrics are logged under TRL's names with TRL's values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from trl import RLOOConfig, RLOOTrainer
+
+from chunkloss.losses.grpo import nanmax, nanmin
+from chunkloss.losses.rloo import FusedLinearRLOOLoss
+
+from ._checkpointing import CheckpointingDefault
+from ._common import ChunkedArguments, DeferredMetrics
+from ._online import AdapterHeadLogps, gathered, global_mean, policy_forward, refuse_image_columns
+from ._setup import ChunkedTrainerSetup
+
+__all__ = ["ChunkedRLOOConfig", "ChunkedRLOOTrainer"]
+
+
+@dataclass
+class ChunkedRLOOConfig(CheckpointingDefault, RLOOConfig, ChunkedArguments):
+    """``trl.RLOOConfig`` with the chunkloss fields of :class:`ChunkedArguments`;
+    TRL's activation checkpointing default (on) under transformers' name (:class:`CheckpointingDefault`)."""
+
+
+class ChunkedRLOOTrainer(ChunkedTrainerSetup, DeferredMetrics, AdapterHeadLogps, RLOOTrainer):
+    """``trl.RLOOTrainer`` whose policy loss never materialises the logits.
+
+    The model's final logit softcapping (Gemma-2) and logit scale (Cohere) are applied by the loss, as TRL's
+    fused head applies them. A LoRA adapter on ``lm_head`` is trained (TRL refuses one); the old and reference
+    log-probs then come through the chunked head with the adapter. Refused at construction: adapters on
+    ``lm_head`` other than plain LoRA, and datasets with TRL's image columns (``image``, ``images``); other
+    multimodal inputs are refused when they arrive.
+    """
+
+    _tag_names = ["trl", "rloo", "chunkloss"]
+
+    def _refuse_early(self, call: dict) -> None:
+        refuse_image_columns(type(self).__name__, call.get("train_dataset"), call.get("eval_dataset"))
+
+    def _setup_loss(self) -> None:
+        self._chunk_losses: dict = {}
+
+    def _rloo_loss(self) -> FusedLinearRLOOLoss:
+        """The loss module for the trainer's current settings (read on each call, as TRL reads them)."""
+        opts = dict(
+            epsilon_low=float(self.epsilon_low),
+            epsilon_high=float(self.epsilon_high),
+            temperature=float(self.temperature),
+            **self.head_transforms,
+        )
+        key = ("rloo", *sorted(opts.items()))
+        mod = self._chunk_losses.get(key)
+        if mod is None:
+            mod = self._chunk_losses[key] = FusedLinearRLOOLoss(**opts, **self.chunk_opts)
+        return mod
+
+    def _compute_loss(self, model, inputs):
+        mode = "train" if self.model.training else "eval"
+        loss_mod = self._rloo_loss()
+        completion_mask = inputs["completion_mask"]
+
+        def loss_fn(x, w, b):
+            loss = loss_mod(
+                x,
+                w,
+                inputs["completion_ids"],
+                completion_mask,
+                inputs["advantages"],
+                bias=b,
+                old_logps=inputs["old_logps"],
+            )
+            return loss, dict(loss_mod.metrics)
+
+        out = policy_forward(self, model, inputs, loss_fn)
+        loss, metrics = out.result
+        # TRL returns the loss unscaled (transformers divides it by the accumulation steps), the aux term too.
+        if self.aux_loss_enabled:
+            loss = loss + self.router_aux_loss_coef * out.aux_loss
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(out.aux_loss).mean())
+        self._log_loss_metrics(mode, metrics, completion_mask)
+        return loss
+
+    def _log_loss_metrics(self, mode: str, metrics: dict, completion_mask: torch.Tensor) -> None:
+        """Log the loss's metrics under TRL's names, in TRL's order, as 0-d tensors (``DeferredMetrics``
+        fetches them when the trainer logs): the entropy's masked token mean and the clip flags' means over
+        every process's completions, their min and max."""
+        acc, store = self.accelerator, self._metrics[mode]
+        n_tok = completion_mask.sum().float()
+        n_seq = torch.tensor(float(completion_mask.size(0)), device=n_tok.device)
+        store["entropy"].append(global_mean(acc, metrics["entropy"], n_tok))
+        store["clip_ratio/low_mean"].append(global_mean(acc, metrics["clip_ratio/low_mean"], n_seq))
+        store["clip_ratio/low_min"].append(gathered(acc, metrics["clip_ratio/low_min"], nanmin))
+        store["clip_ratio/high_mean"].append(global_mean(acc, metrics["clip_ratio/high_mean"], n_seq))
+        store["clip_ratio/high_max"].append(gathered(acc, metrics["clip_ratio/high_max"], nanmax))
+        store["clip_ratio/region_mean"].append(global_mean(acc, metrics["clip_ratio/region_mean"], n_seq))
