@@ -244,6 +244,20 @@ def check_choice(name: str, value, choices: tuple) -> None:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
 
 
+def check_positive(name: str, value: float) -> None:
+    """An option's value is above 0 (NaN is not): a ``ValueError`` naming the option otherwise."""
+    if not value > 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+
+
+def check_head_transforms(opts) -> None:
+    """The options every loss reads its logits through: ``logit_scale`` above 0, ``softcap`` above 0 or
+    None."""
+    check_positive("logit_scale", opts.logit_scale)
+    if opts.softcap is not None and not opts.softcap > 0:
+        raise ValueError(f"softcap must be positive or None, got {opts.softcap}")
+
+
 def check_range(name: str, value: float, low: float, high: float) -> None:
     """An option's value lies in ``[low, high]`` (NaN does not): a ``ValueError`` naming the option
     otherwise."""

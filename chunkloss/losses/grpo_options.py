@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 
 from chunkloss.engine import FusedOptions
-from chunkloss.losses.common import check_choice, check_range
+from chunkloss.losses.common import check_choice, check_head_transforms, check_positive, check_range
 
 __all__ = [
     "CLIP_LOSS_TYPES",
@@ -97,12 +97,8 @@ class GRPOOptions(FusedOptions):
                 "changes entropy_coef between optimizer steps; pass its current value to each call as "
                 "entropy_coef (the constructor's entropy_coef != 0 switches the bonus on)"
             )
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be positive, got {self.temperature}")
-        if not self.logit_scale > 0:
-            raise ValueError(f"logit_scale must be positive, got {self.logit_scale}")
-        if self.softcap is not None and not self.softcap > 0:
-            raise ValueError(f"softcap must be positive or None, got {self.softcap}")
+        check_positive("temperature", self.temperature)
+        check_head_transforms(self)
         check_range("top_entropy_quantile", self.top_entropy_quantile, 0, 1)
         if self.sapo_temperature_pos <= 0 or self.sapo_temperature_neg <= 0:
             raise ValueError("sapo_temperature_pos and sapo_temperature_neg must be positive")

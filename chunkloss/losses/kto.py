@@ -47,7 +47,15 @@ from chunkloss.engine import (
     segment_sum,
     sequence_batch,
 )
-from chunkloss.losses.common import check_choice, check_head, check_labels, row_statistics, to_scalar
+from chunkloss.losses.common import (
+    check_choice,
+    check_head,
+    check_head_transforms,
+    check_labels,
+    check_positive,
+    row_statistics,
+    to_scalar,
+)
 
 __all__ = ["FusedLinearKTOLoss", "KTOOptions", "KTO_LOSS_TYPES"]
 
@@ -87,12 +95,8 @@ class KTOOptions(FusedOptions):
     def __post_init__(self):
         super().__post_init__()
         check_choice("loss_type", self.loss_type, KTO_LOSS_TYPES)
-        if not self.beta > 0:
-            raise ValueError(f"beta must be positive, got {self.beta}")
-        if not self.logit_scale > 0:
-            raise ValueError(f"logit_scale must be positive, got {self.logit_scale}")
-        if self.softcap is not None and not self.softcap > 0:
-            raise ValueError(f"softcap must be positive or None, got {self.softcap}")
+        check_positive("beta", self.beta)
+        check_head_transforms(self)
 
 
 @dataclass

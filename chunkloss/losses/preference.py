@@ -51,7 +51,9 @@ from chunkloss.engine import (
 )
 from chunkloss.losses.common import (
     check_head,
+    check_head_transforms,
     check_labels,
+    check_positive,
     nograd_label_logprob,
     row_statistics,
     to_scalar,
@@ -141,12 +143,8 @@ class PreferenceOptions(FusedOptions):
 
     def __post_init__(self):
         super().__post_init__()
-        if not self.beta > 0:
-            raise ValueError(f"beta must be positive, got {self.beta}")
-        if not self.logit_scale > 0:
-            raise ValueError(f"logit_scale must be positive, got {self.logit_scale}")
-        if self.softcap is not None and not self.softcap > 0:
-            raise ValueError(f"softcap must be positive or None, got {self.softcap}")
+        check_positive("beta", self.beta)
+        check_head_transforms(self)
 
     @property
     def avg_logps(self) -> bool:

@@ -48,7 +48,13 @@ from chunkloss.engine import (
     segment_sum,
     sequence_batch,
 )
-from chunkloss.losses.common import check_head, row_statistics, to_scalar
+from chunkloss.losses.common import (
+    check_head,
+    check_head_transforms,
+    check_positive,
+    row_statistics,
+    to_scalar,
+)
 from chunkloss.losses.grpo import nanmax, nanmin
 from chunkloss.losses.grpo_batch import check_completions
 
@@ -77,12 +83,8 @@ class RLOOOptions(FusedOptions):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be positive, got {self.temperature}")
-        if not self.logit_scale > 0:
-            raise ValueError(f"logit_scale must be positive, got {self.logit_scale}")
-        if self.softcap is not None and not self.softcap > 0:
-            raise ValueError(f"softcap must be positive or None, got {self.softcap}")
+        check_positive("temperature", self.temperature)
+        check_head_transforms(self)
 
     @property
     def eps_high(self) -> float:
