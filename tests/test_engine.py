@@ -2,6 +2,8 @@
 subclassing: tests/test_custom_losses.py)."""
 
 import contextlib
+import inspect
+import types
 
 import pytest
 import torch
@@ -253,6 +255,53 @@ def test_autocast_casts_the_declared_head_arguments_only():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         Probe()(torch.randn(2, 3), torch.randn(4, 3), ref_weight=torch.randn(4, 3))
     assert seen == {"h": torch.bfloat16, "w": torch.bfloat16, "ref_weight": torch.float32}
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_call_traces_into_one_graph(autocast, monkeypatch):
+    """``__call__`` (the positional-argument check, the device and autocast handling, the casts of the head
+    arguments) compiles with ``fullgraph=True``, where any graph break raises; the forward here is plain
+    PyTorch, so only the call path is traced. The forward's signature is read when the class is created and
+    never at a call: dynamo traces ``functools.cache``'d functions afresh, and ``inspect.signature`` has
+    broken the graph."""
+    from chunkloss.engine import FusedLinearBase
+    from chunkloss.engine import loss as loss_module
+
+    class Probe(FusedLinearBase):
+        def forward(self, hidden, weight, labels, *, bias=None):
+            logits = torch.nn.functional.linear(hidden, weight, bias)
+            return torch.nn.functional.cross_entropy(logits.float(), labels)
+
+    probe = Probe()
+
+    def signature(*args, **kwargs):
+        raise AssertionError("inspect.signature called by a loss's call")
+
+    no_signature = types.SimpleNamespace(Parameter=inspect.Parameter, signature=signature)
+    monkeypatch.setattr(loss_module, "inspect", no_signature)
+
+    def call(hidden, weight, labels, bias):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return probe(hidden, weight, labels, bias=bias)
+
+    inputs = torch.randn(6, 8), torch.randn(11, 8), torch.randint(0, 11, (6,)), torch.randn(11)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(call, fullgraph=True, backend="eager")(*inputs), call(*inputs))
+
+
+# Past the breaks: the chunk loop reads the saved-tensor hooks through a builtin dynamo warns it cannot trace.
+@pytest.mark.filterwarnings("ignore:Dynamo does not know how to trace the builtin:UserWarning")
+def test_call_breaks_the_graph_only_inside_the_loss():
+    """Compiled around a library loss, the graph breaks where the loss itself syncs with the host (its label
+    check) or builds its batch, not in ``FusedLinearBase.__call__`` nor in ``inspect``."""
+    loss_fn = FusedLinearCrossEntropyLoss(compile=False)
+    hidden, weight = torch.randn(2, 5, 8, requires_grad=True), torch.randn(11, 8, requires_grad=True)
+    labels = torch.randint(0, 11, (2, 5))
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(lambda h, w, y: loss_fn(h, w, y))(hidden, weight, labels)
+    where = [(r.user_stack[-1].filename, r.user_stack[-1].name) for r in explained.break_reasons]
+    assert where and where[0][1] == "check_labels", where
+    assert not [w for w in where if w[0].endswith(("engine/loss.py", "inspect.py"))], where
 
 
 def test_loss_runs_under_saved_tensor_hooks():

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 from collections.abc import Callable
 
@@ -38,16 +37,10 @@ def _cast(value, dtype: torch.dtype):
     return value
 
 
-@functools.cache
-def _forward_signature(cls) -> inspect.Signature:
-    return inspect.signature(cls.forward)
-
-
-@functools.cache
-def _positional(cls) -> tuple[str, ...]:
-    """The names of ``cls.forward``'s positional parameters, ``self`` left out."""
+def _positional(forward: Callable) -> tuple[str, ...]:
+    """The names of ``forward``'s positional parameters, ``self`` left out."""
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return tuple(p.name for p in _forward_signature(cls).parameters.values() if p.kind in kinds)[1:]
+    return tuple(p.name for p in inspect.signature(forward).parameters.values() if p.kind in kinds)[1:]
 
 
 class _LossType(type):
@@ -108,11 +101,16 @@ class FusedLinearBase(LossContract, nn.Module, metaclass=_LossType):
 
     #: Options that may also be given by position, in this order (the others are keyword-only).
     positional_options: tuple[str, ...] = ()
+    #: The names of ``forward``'s positional parameters, found once when the class is created: ``__call__``
+    #: reads a plain attribute, which torch.compile traces without a graph break (``inspect.signature`` broke
+    #: the graph there).
+    _forward_positional: tuple[str, ...] = ()
 
     def __init_subclass__(cls, **kwargs):
         """A subclass that defines no ``__init__`` gets one from its ``options_cls`` (see ``_options_init``);
         one with its own ``__init__`` passes the options on to ``super().__init__(**options)``."""
         super().__init_subclass__(**kwargs)
+        cls._forward_positional = _positional(cls.forward)
         inherited = cls.__init__
         if "__init__" not in cls.__dict__ and (
             inherited is FusedLinearBase.__init__ or getattr(inherited, "generated", False)
@@ -147,7 +145,7 @@ class FusedLinearBase(LossContract, nn.Module, metaclass=_LossType):
         advantages, log-probs) are left as they are.
         """
         cls = type(self)
-        positional = _positional(cls)
+        positional = cls._forward_positional
         if len(args) > len(positional):
             raise TypeError(
                 f"{cls.__name__} takes {len(positional)} positional arguments ({', '.join(positional)}) but "
@@ -158,9 +156,8 @@ class FusedLinearBase(LossContract, nn.Module, metaclass=_LossType):
             return super().__call__(*args, **kwargs)
         device = first.device.type
         if device == "meta":
-            for name, value in _forward_signature(cls).bind(self, *args, **kwargs).arguments.items():
-                if _first_tensor((value,), {}) is first:
-                    break
+            named = (*zip(positional, args), *kwargs.items())  # every argument: len(args) <= len(positional)
+            name = next(name for name, value in named if _first_tensor((value,), {}) is first)
             raise ValueError(
                 f"{name} is on the meta device (a shape without data, as in a model built on device 'meta'): "
                 "load or materialise the weights before calling the loss"
@@ -168,12 +165,11 @@ class FusedLinearBase(LossContract, nn.Module, metaclass=_LossType):
         if not torch.is_autocast_enabled(device):
             return super().__call__(*args, **kwargs)
         dtype = torch.get_autocast_dtype(device)
-        bound = _forward_signature(cls).bind(self, *args, **kwargs)
-        for name in self.head_args:
-            if name in bound.arguments:
-                bound.arguments[name] = _cast(bound.arguments[name], dtype)
+        heads = self.head_args
+        args = tuple(_cast(value, dtype) if name in heads else value for name, value in zip(positional, args))
+        kwargs = {name: _cast(value, dtype) if name in heads else value for name, value in kwargs.items()}
         with torch.autocast(device, enabled=False):
-            return super().__call__(*bound.args[1:], **bound.kwargs)  # args[0] is self
+            return super().__call__(*args, **kwargs)
 
     # ----------------------------------------------------------------------------------------------
     def run(self, hidden: Tensor, weight: Tensor, bias: Tensor | None, batch: Batch) -> Tensor:

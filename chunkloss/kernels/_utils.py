@@ -1,4 +1,4 @@
-"""Launch plans shared by the row kernels.
+"""Launch plans shared by the row kernels, and the one place the kernels' custom ops are defined.
 
 Everything here runs on the host once per call, so it is plain integer arithmetic (``triton.cdiv`` and
 ``triton.next_power_of_2`` are constexpr functions that cost ~4 us each on the host) and the norms' plans
@@ -10,9 +10,55 @@ import contextvars
 import dataclasses
 import functools
 import inspect
+import logging
+from collections.abc import Callable, Iterable
 from typing import Generic, NamedTuple, TypeVar
 
 import torch
+
+OP_NAMESPACE = "chunkloss"
+
+_log = logging.getLogger("chunkloss.kernels")
+# Every chunkloss op defined in this process: qualname -> "module (file)" of the function that defined it.
+_DEFINED: dict[str, str] = {}
+
+
+def custom_op(name: str, *, mutates_args: Iterable[str] | str = (), **kwargs) -> Callable:
+    """``torch.library.custom_op(f"chunkloss::{name}", mutates_args=mutates_args, **kwargs)`` as a decorator,
+    refused with a ``RuntimeError`` when the process has defined that op before.
+
+    ``torch.library.custom_op`` replaces an op defined again under the same name and frees the first
+    definition's schema under every ``OpOverload`` already handed out (a graph traced earlier, dynamo's
+    caches): later calls fail far from the cause (``vector::reserve``, ``schema_.has_value()``, a segfault).
+    A module's body runs once per process, however often it is imported, so a second definition always means
+    a second module object (a module imported under two names, reloaded, or found in a second copy of
+    chunkloss on ``sys.path``) or a factory of ops, which must give each op a name of its own. Each definition
+    is logged at DEBUG on the ``chunkloss.kernels`` logger.
+    """
+    qualname = f"{OP_NAMESPACE}::{name}"
+
+    def define(fn: Callable) -> Callable:
+        where = f"{fn.__module__} ({fn.__code__.co_filename})"
+        first = _DEFINED.get(qualname)
+        if first is None and hasattr(getattr(torch.ops, OP_NAMESPACE), name):
+            first = "a definition outside this copy of chunkloss.kernels (a second copy on sys.path?)"
+        if first is not None:
+            raise RuntimeError(
+                f"{qualname} is defined twice: by {first}, then by {where}; redefining it would free the "
+                "first definition under every graph that holds it. Import each chunkloss.kernels module "
+                "once, by one name (no reload, no second copy of chunkloss on sys.path)"
+            )
+        op = torch.library.custom_op(qualname, fn, mutates_args=mutates_args, **kwargs)
+        _DEFINED[qualname] = where
+        _log.debug("defined custom op %s in %s", qualname, where)
+        return op
+
+    return define
+
+
+def defined_ops() -> dict[str, str]:
+    """The chunkloss custom ops this process has defined: qualname -> the module (and file) defining it."""
+    return dict(_DEFINED)
 
 
 def cdiv(a: int, b: int) -> int:

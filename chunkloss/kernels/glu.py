@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from ._utils import cdiv
+from ._utils import cdiv, custom_op
 
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 _ACT_ID = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
@@ -168,7 +168,7 @@ def _glu_bwd_launch(dc, a, b, da, db, c, activation):
 # interpreter included): the Functions use them while compiling and the in-place launches otherwise. Their
 # inputs are passed detached: the Functions' backwards are written out, and autograd's fallback for custom ops
 # stays out of the trace.
-@torch.library.custom_op("chunkloss::glu_fwd", mutates_args=())
+@custom_op("glu_fwd")
 def glu_fwd_op(a: torch.Tensor, b: torch.Tensor, activation: str) -> torch.Tensor:
     return _glu_fwd_launch(a.contiguous(), b.contiguous(), activation)
 
@@ -178,7 +178,7 @@ def _(a, b, activation):
     return torch.empty_like(a, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("chunkloss::glu_bwd", mutates_args=())
+@custom_op("glu_bwd")
 def glu_bwd_op(
     dc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, activation: str, write_c: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

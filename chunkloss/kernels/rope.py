@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from ._utils import LaunchSettings, cdiv, next_power_of_2
+from ._utils import LaunchSettings, cdiv, custom_op, next_power_of_2
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -249,7 +249,7 @@ def _rope_launch(q, k, cos, sin, opts: RoPEOptions, backward: bool, out=None):
 # interpreter included): the Functions use it while compiling and the in-place launches otherwise. Its inputs
 # are passed detached: the Functions' backwards are written out, and autograd's fallback for custom ops stays
 # out of the trace.
-@torch.library.custom_op("chunkloss::rope", mutates_args=())
+@custom_op("rope")
 def rope_op(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_axis: int, backward: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
