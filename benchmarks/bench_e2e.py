@@ -9,10 +9,11 @@ unsloth process only.
 
 Losses (``--loss``): ``sft``, ``dpo`` (the reference is the initial policy, or the adapter-free model under
 LoRA), ``grpo`` (fixed completions, nothing sampled), ``orpo``, ``gkd`` (off-policy, a teacher of the same
-shape) and ``medusa`` (``--medusa-heads``, ``--medusa-stage``; its peer, ``--impl trl``, is Medusa's own loss
-on materialised fp32 logits). Tasks (``--task``): ``full``, ``lora`` (PEFT LoRA r=16 on q/k/v/o/gate/up/down,
-bf16 base) and ``qlora`` (the same on a bitsandbytes 4-bit nf4 base). Shapes (``--shape``): real models'
-configs with random weights.
+shape), ``medusa`` (``--medusa-heads``, ``--medusa-stage``; its peer, ``--impl trl``, is Medusa's own loss
+on materialised fp32 logits), ``kto`` (the reference as DPO's, the KL batch TRL builds; batches of 2 or more)
+and ``rloo`` (fixed completions as GRPO's, β=0). Tasks (``--task``): ``full``, ``lora`` (PEFT LoRA r=16 on
+q/k/v/o/gate/up/down, bf16 base) and ``qlora`` (the same on a bitsandbytes 4-bit nf4 base). Shapes
+(``--shape``): real models' configs with random weights.
 
 Per implementation, the batches of ``--batches`` run in turn until the first OOM, ``--steps`` steps each;
 step time is the median after ``--warmup``; peak memory is the highest CUDA memory allocated during training
@@ -82,6 +83,9 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 LORA_RANK = 16
 # Sequences per example: DPO and ORPO train a chosen and a rejected sequence.
 ROWS_PER_EXAMPLE = {"dpo": 2, "orpo": 2}
+# Forward passes without grad per step: DPO's reference, GKD's teacher; KTO's reference on the completions
+# and the policy and reference on the KL batch; RLOO's old log-probs.
+NO_GRAD_FORWARDS = {"dpo": 1, "gkd": 1, "kto": 3, "rloo": 1}
 # Profile: kernel kinds by substrings of the kernel name, first match wins; torch's own kernels ("at::")
 # that match nothing are "other", any other unmatched kernel is a Triton kernel.
 def build_model(a, seed: int = 0):
@@ -156,8 +160,8 @@ def train(a, batch: int, profile: bool = False) -> dict:
 
         tokenizer = tiny_tokenizer()
         model = unsloth_model(a, tokenizer) if a.impl == "unsloth" else build_model(a)
-        if a.loss == "gkd" or (a.loss == "dpo" and a.task == "full"):  # GKD's teacher is another seed
-            ref = copy.deepcopy(model) if a.loss == "dpo" else build_model(a, seed=1)
+        if a.loss == "gkd" or (a.loss in ("dpo", "kto") and a.task == "full"):  # GKD's teacher: another seed
+            ref = copy.deepcopy(model) if a.loss != "gkd" else build_model(a, seed=1)
             ref.requires_grad_(False)
         # GKD's collator keeps the prompt whole, so its completions leave room for it (up to --seq tokens).
         rows = getattr(a, "rows", 0) or max(64, batch * a.steps)  # bench_longctx: only what the steps read
@@ -226,15 +230,14 @@ def _linears(a) -> list[tuple[int, int]]:
 
 
 def _forward_passes(a) -> int:
-    """The layers' forward passes per step: once, again under checkpointing, DPO's reference or GKD's
-    teacher."""
-    return 1 + (a.gc == "on") + (a.loss in ("dpo", "gkd"))
+    """The layers' forward passes per step: once, again under checkpointing, and ``NO_GRAD_FORWARDS``."""
+    return 1 + (a.gc == "on") + NO_GRAD_FORWARDS.get(a.loss, 0)
 
 
 def step_gemms(a, batch: int) -> list[tuple[int, int, int, int]]:
     """``(M, K, N, count)`` of the step's matrix products: per linear, the forward ``x W^T``, the input
     gradient and (trainable weights) the weight gradient; LoRA's adapters their own; the layers' forward
-    once more under checkpointing; DPO's reference (or GKD's teacher) forward on the same rows."""
+    once more under checkpointing; the ``NO_GRAD_FORWARDS`` (DPO's reference, ...) on the same rows."""
     s = SHAPES[a.shape]
     layers = a.layers or s["layers"]
     rows = batch * ROWS_PER_EXAMPLE.get(a.loss, 1) * a.seq
@@ -250,7 +253,7 @@ def step_gemms(a, batch: int) -> list[tuple[int, int, int, int]]:
             out += [(rows, fin, r, layers * fwd_passes), (rows, r, fout, layers * fwd_passes),
                     (fout, rows, r, layers), (rows, fout, r, layers), (r, rows, fin, layers),
                     (rows, r, fin, layers)]  # fmt: skip
-    out += [(rows, h, s["vocab"], 1 + (a.loss in ("dpo", "gkd"))), (rows, s["vocab"], h, 1)]
+    out += [(rows, h, s["vocab"], 1 + NO_GRAD_FORWARDS.get(a.loss, 0)), (rows, s["vocab"], h, 1)]
     if full:
         out.append((s["vocab"], rows, h, 1))
     return out

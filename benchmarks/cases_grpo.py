@@ -28,7 +28,7 @@ MODES = (
 )
 
 
-def _inputs(b: int, t: int):
+def inputs(b: int, t: int):
     def make(device):
         g = torch.Generator(device="cpu").manual_seed(0)
         hidden = (torch.randn(b, t, H, generator=g) * 0.5).to(device, torch.bfloat16).requires_grad_()
@@ -45,7 +45,7 @@ def _inputs(b: int, t: int):
     return make
 
 
-def _trl_loss(logps, i, entropies=None, **mode):
+def _trl_loss(i, logps, entropies=None, **mode):
     """TRL 1.16's dapo loss on per-token log-probs (fp32 transcription, tests/losses/test_grpo.py checks it
     against GRPOTrainer._compute_loss); ``mode``: the case's extra options."""
     ent = torch.zeros_like(logps) if entropies is None else entropies
@@ -57,37 +57,42 @@ def _trl_loss(logps, i, entropies=None, **mode):
     return loss
 
 
-def _torch(i, **mode):
-    # Materialised: bf16 logits -> fp32 selective log-softmax (TRL's selective_log_softmax) -> TRL loss.
+def materialised_logps(i, entropy: bool = False):
+    """bf16 logits -> fp32 selective log-softmax (TRL's selective_log_softmax): the log-probs of ``ids``
+    (B, T) and, with ``entropy``, each row's entropy (no grad; else None)."""
     logits = i["hidden"] @ i["weight"].t()
     logp_all = torch.log_softmax(logits.float(), -1)
     logps = logp_all.gather(-1, i["ids"].unsqueeze(-1)).squeeze(-1)
-    ent = None
-    if mode.get("top_entropy_quantile", 1.0) < 1.0:
-        with torch.no_grad():
-            ent = -(logp_all.exp() * logp_all).sum(-1)
-    return _trl_loss(logps, i, ent, **mode)
+    if not entropy:
+        return logps, None
+    with torch.no_grad():
+        return logps, -(logp_all.exp() * logp_all).sum(-1)
+
+
+def trl_head_logps(i):
+    """TRL 1.16's fused head on every position: the log-probs of ``ids`` (B, T) and the entropy that TRL's
+    online trainers ask it for (their ``entropy`` metric)."""
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+    b, t, h = i["hidden"].shape
+    args = (i["hidden"].reshape(b * t, h), i["weight"], None, i["ids"].reshape(-1), 1.0, 4096)
+    logps, ent = ChunkedLogProbFunction.apply(*args, None, 1.0, ("entropy",))[:2]
+    return logps.view(b, t), ent.view(b, t).detach()
 
 
 def impls(**mode) -> dict:
     ours = FusedLinearGRPOLoss(**{"loss_type": "dapo", "beta": BETA, **mode})
     with_ref = ours.options.beta != 0.0
+    entropy = mode.get("top_entropy_quantile", 1.0) < 1.0  # the mask needs the materialised entropies
     out = {
         "chunkloss": lambda i: ours(i["hidden"], i["weight"], i["ids"], i["mask"], i["adv"],
                                     old_logps=i["old"], ref_logps=i["ref"] if with_ref else None),
-        "torch": lambda i: _torch(i, **mode),
+        "torch": lambda i: _trl_loss(i, *materialised_logps(i, entropy), **mode),
     }
     with contextlib.suppress(ImportError):
-        from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+        from trl.kernels.chunked_logprob import ChunkedLogProbFunction  # noqa: F401
 
-        def trl_head(i):
-            b, t, _ = i["hidden"].shape
-            # TRL's trainer asks its fused head for the entropy too (the `entropy` metric).
-            args = (i["hidden"].reshape(b * t, H), i["weight"], None, i["ids"].reshape(-1), 1.0, 4096)
-            logps, ent = ChunkedLogProbFunction.apply(*args, None, 1.0, ("entropy",))[:2]
-            return _trl_loss(logps.view(b, t), i, ent.view(b, t).detach(), **mode)
-
-        out["trl 1.16 head"] = trl_head
+        out["trl 1.16 head"] = lambda i: _trl_loss(i, *trl_head_logps(i), **mode)
     if mode:  # Liger's GRPO has no entropy masking; its sequence level is not TRL 1.16's GSPO transcription
         return out
     with contextlib.suppress(ImportError):
@@ -111,5 +116,5 @@ def cases() -> list[Case]:
         n_valid = b * (t - t // 8)
         meta = {"H": H, "V": V, "B": b, "T": t, "loss_type": "dapo", "beta": BETA, **mode}
         flops = 6 * n_valid * H * V
-        out.append(Case(f"grpo {label} B={b} T={t}", group, b * t, flops, _inputs(b, t), impls(**mode), meta))
+        out.append(Case(f"grpo {label} B={b} T={t}", group, b * t, flops, inputs(b, t), impls(**mode), meta))
     return out

@@ -20,7 +20,7 @@ from chunkloss.losses.orpo import FusedLinearORPOLoss
 H, V = 4096, 128256
 
 
-def _inputs(pairs: int, t: int, ref: bool):
+def inputs(pairs: int, t: int, ref: bool):
     def make(device):
         g = torch.Generator(device="cpu").manual_seed(0)
         hidden = (torch.randn(2 * pairs, t, H, generator=g) * 0.5).to(device, torch.bfloat16).requires_grad_()
@@ -38,7 +38,7 @@ def _inputs(pairs: int, t: int, ref: bool):
     return make
 
 
-def _seq_logps(hidden, weight, labels, average: bool):
+def seq_logps(hidden, weight, labels, average: bool = False):
     """Materialised: bf16 model logits, then fp32 log-softmax (as TRL's trainers do)."""
     logits = hidden @ weight.t()
     mask = labels != -100
@@ -47,9 +47,27 @@ def _seq_logps(hidden, weight, labels, average: bool):
     return (s / mask.sum(-1).clamp(min=1) if average else s), logits
 
 
+def nograd_logps(hidden, weight, labels):
+    """:func:`seq_logps` without grad, one row at a time (a case's given log-probs)."""
+    with torch.no_grad():
+        return torch.cat([seq_logps(h[None], weight, y[None])[0] for h, y in zip(hidden, labels)])
+
+
+def trl_seq_logps(hidden, weight, labels, outputs: tuple[str, ...] = ()):
+    """TRL 1.16's fused head (``ChunkedLogProbFunction``) on the completion tokens, asked for ``outputs`` as
+    well, summed per sequence as TRL's trainers take them: a masked torch.sum over each row (pairwise, where
+    index_add's one-at-a-time fp32 sum drifts by ~0.3 nats over 16k tokens)."""
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+    mask = labels != -100
+    args = (hidden[mask], weight, None, labels[mask], 1.0, 4096, None, 1.0, outputs)
+    lp = ChunkedLogProbFunction.apply(*args)[0]
+    return torch.zeros(labels.shape, device=lp.device, dtype=lp.dtype).masked_scatter(mask, lp).sum(-1)
+
+
 def _torch_orpo(i, beta=0.1):
     b = i["pairs"]
-    logps, logits = _seq_logps(i["hidden"], i["weight"], i["labels"], True)
+    logps, logits = seq_logps(i["hidden"], i["weight"], i["labels"], True)
     c, r = logps[:b], logps[b:]
     log_odds = (c - r) - (torch.log1p(-torch.exp(c)) - torch.log1p(-torch.exp(r)))
     nll = F.cross_entropy(logits[:b].float().flatten(0, 1), i["labels"][:b].flatten())
@@ -58,9 +76,9 @@ def _torch_orpo(i, beta=0.1):
 
 def _torch_dpo(i, beta=0.1):
     b = i["pairs"]
-    logps, _ = _seq_logps(i["hidden"], i["weight"], i["labels"], False)
+    logps, _ = seq_logps(i["hidden"], i["weight"], i["labels"], False)
     with torch.no_grad():
-        ref, _ = _seq_logps(i["ref_hidden"], i["ref_weight"], i["labels"], False)
+        ref, _ = seq_logps(i["ref_hidden"], i["ref_weight"], i["labels"], False)
     d = (logps[:b] - ref[:b]) - (logps[b:] - ref[b:])
     return -F.logsigmoid(beta * d).mean()
 
@@ -97,22 +115,14 @@ def _dpo_impls() -> dict:
         out["liger"] = lambda i: liger(i["weight"], i["hidden"], i["labels"], None, i["ref_hidden"],
                                        i["ref_weight"])[0]  # fmt: skip
     with contextlib.suppress(ImportError):
-        from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+        from trl.kernels.chunked_logprob import ChunkedLogProbFunction  # noqa: F401
 
         def trl_head(i, beta=0.1):
             """TRL 1.16's fused head on the completion tokens, then DPOTrainer's sigmoid loss."""
             b, y = i["pairs"], i["labels"]
-            mask = y != -100
-
-            def logps(x, w):
-                lp = ChunkedLogProbFunction.apply(x[mask], w, None, y[mask], 1.0, 4096, None, 1.0, ())[0]
-                # Per-sequence sums as DPOTrainer takes them: a masked torch.sum over each row (pairwise,
-                # where index_add's one-at-a-time fp32 sum drifts by ~0.3 nats over 16k tokens).
-                return torch.zeros(y.shape, device=lp.device, dtype=lp.dtype).masked_scatter(mask, lp).sum(-1)
-
-            pol = logps(i["hidden"], i["weight"])
+            pol = trl_seq_logps(i["hidden"], i["weight"], y)
             with torch.no_grad():
-                ref = logps(i["ref_hidden"], i["ref_weight"])
+                ref = trl_seq_logps(i["ref_hidden"], i["ref_weight"], y)
             d = (pol[:b] - ref[:b]) - (pol[b:] - ref[b:])
             return -F.logsigmoid(beta * d.float()).mean()
 
@@ -132,5 +142,5 @@ def cases() -> list[Case]:
         n_valid = 2 * pairs * (t - t // 4)
         flops = (6 + (2 if ref else 0)) * n_valid * H * V
         meta = {"H": H, "V": V, "pairs": pairs, "T": t, "prompt": t // 4}
-        out.append(Case(name, group, 2 * pairs * t, flops, _inputs(pairs, t, ref), fns, meta))
+        out.append(Case(name, group, 2 * pairs * t, flops, inputs(pairs, t, ref), fns, meta))
     return out

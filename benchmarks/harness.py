@@ -191,7 +191,7 @@ def _checkpointing_field() -> str:
 TRAINER_IMPLS = ("trl", "liger", "compile", "chunkloss", "unsloth")
 # The fields whose defaults Unsloth's configs change (to 8-bit AdamW, accumulation, ...): the others' given.
 UNSLOTH_DEFAULTS = ("optim", "gradient_accumulation_steps", "weight_decay", "warmup_steps")
-LOSSES = ("sft", "dpo", "grpo", "orpo", "gkd", "medusa")
+LOSSES = ("sft", "dpo", "grpo", "orpo", "gkd", "medusa", "kto", "rloo")
 NUM_GENERATIONS = 2
 
 
@@ -204,7 +204,8 @@ def kernels_available() -> bool:
 def counting_dataset(loss: str, n: int, length: int):
     """Counting prompts with completions of ``length`` words (each at least one token, so every sequence is
     truncated to the trainer's max length): prompt-completion rows (SFT, Medusa), chosen/rejected pairs
-    with two wrong numbers (DPO, ORPO), prompts (GRPO) or conversations (GKD)."""
+    with two wrong numbers (DPO, ORPO), the same unpaired, alternately right (labelled desirable) and wrong
+    (KTO), prompts (GRPO, RLOO) or conversations (GKD)."""
     from datasets import Dataset
 
     prompts, good, bad = [], [], []
@@ -215,8 +216,12 @@ def counting_dataset(loss: str, n: int, length: int):
         good.append(" " + " ".join(seq))
         slips = {(i * 7 + 3) % length, (i * 13 + length // 2) % length}
         bad.append(" " + " ".join(str((int(w) + 1) % 30) if j in slips else w for j, w in enumerate(seq)))
-    if loss == "grpo":
+    if loss in ("grpo", "rloo"):
         return Dataset.from_dict({"prompt": prompts})
+    if loss == "kto":
+        label = [i % 2 == 0 for i in range(n)]
+        completion = [g if d else b for g, b, d in zip(good, bad, label, strict=True)]
+        return Dataset.from_dict({"prompt": prompts, "completion": completion, "label": label})
     if loss in ("sft", "medusa"):
         return Dataset.from_dict({"prompt": prompts, "completion": good})
     if loss == "gkd":  # conversational: GKD's collator splits the prompt from the last message
@@ -240,23 +245,26 @@ def random_digits(trainer, seed: int) -> list[int]:
 
 
 def fixed_completions(base, complete=random_digits):
-    """``base`` (TRL's ``GRPOTrainer`` or a subclass) whose completions are ``complete(trainer, seed)`` (with
-    the tokenizer's digit tokens in ``trainer._digit_ids``), seeded by the prompt's ids and the completion's
-    index in its group: the step is scoring, loss, backward and optimizer, with nothing sampled. TRL lays a
-    generation batch out group after group, each process holding a contiguous slice; a completion's index in
-    its group is its global position modulo ``num_generations``."""
+    """``base`` (TRL's ``GRPOTrainer`` or ``RLOOTrainer``, or a subclass) whose completions are
+    ``complete(trainer, seed)`` (with the tokenizer's digit tokens in ``trainer._digit_ids``), seeded by the
+    prompt's ids and the completion's index in its group: the step is scoring, loss, backward and optimizer,
+    with nothing sampled. TRL lays a generation batch out group after group, each process holding a contiguous
+    slice; a completion's index in its group is its global position modulo ``num_generations``."""
 
     class FixedCompletions(base):
-        def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, **kwargs):
+        def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations=None, **kw):
             if not hasattr(self, "_digit_ids"):
                 vocab = self.processing_class.get_vocab()
                 self._digit_ids = sorted(i for t, i in vocab.items() if t.isdigit())
             first = self.accelerator.process_index * len(prompt_ids)
+            group = num_generations or self.num_generations
             completions = []
             for i, ids in enumerate(prompt_ids):
-                key = json.dumps([list(ids), (first + i) % num_generations]).encode()
+                key = json.dumps([list(ids), (first + i) % group]).encode()
                 completions.append(complete(self, zlib.crc32(key)))
-            return completions, None  # no sampling log-probs, as TRL's transformers generation
+            if num_generations is None:  # RLOO's: the ids alone
+                return completions
+            return completions, None  # GRPO's: no sampling log-probs, as TRL's transformers generation
 
     FixedCompletions.__name__ = f"FixedCompletions{base.__name__}"
     return FixedCompletions
@@ -319,9 +327,10 @@ def make_trainer(loss: str, impl: str, model, tokenizer, ds, *, out_dir: str, ba
     (``liger``), with ``torch_compile=True`` (``compile``), chunkloss's with ``chunk_kernels=kernels``
     passed explicitly (``chunkloss``; False where the kernels cannot run: :func:`kernels_available`), or as
     Unsloth patches TRL's (``unsloth``: ``UNSLOTH_DEFAULTS`` as the others have them). ``ref``:
-    DPO's reference or GKD's teacher (None with a ``peft_config``: the adapter-free model is the reference).
-    Sequences are ``seq`` tokens; GRPO's fixed completions fill what the prompt leaves. ``medusa``:
-    ``ChunkedMedusaConfig``'s ``medusa_*`` fields (any ``impl`` but chunkloss: Medusa's own loss).
+    DPO's or KTO's reference or GKD's teacher (None with a ``peft_config``: the adapter-free model is the
+    reference). Sequences are ``seq`` tokens; GRPO's and RLOO's fixed completions fill what the prompt leaves;
+    RLOO's β is 0 (TRL builds its reference from the policy's hub name, which a random model lacks).
+    ``medusa``: ``ChunkedMedusaConfig``'s ``medusa_*`` fields (any ``impl`` but chunkloss: Medusa's own loss).
     ``accumulate``: gradient accumulation steps; ``config``: config fields set last. The same options
     otherwise for every implementation."""
     cuda = torch.cuda.is_available()
@@ -339,22 +348,22 @@ def make_trainer(loss: str, impl: str, model, tokenizer, ds, *, out_dir: str, ba
         cfg.update({"liger": dict(use_liger_kernel=True), "compile": dict(torch_compile=True),
                     "unsloth": {k: getattr(TrainingArguments, k) for k in UNSLOTH_DEFAULTS},
                     "chunkloss": chunk}[impl] if impl != "trl" else {})  # fmt: skip
-    if loss == "grpo":
+    if loss in ("grpo", "rloo"):
         prompt = max(len(tokenizer(p)["input_ids"]) for p in ds["prompt"])
         cfg.update(num_generations=NUM_GENERATIONS, max_completion_length=max(seq - prompt, 1),
-                   temperature=1.0)  # fmt: skip
+                   temperature=1.0, **({"beta": 0.0} if loss == "rloo" else {}))  # fmt: skip
     else:
         cfg["max_length"] = seq
-    if loss == "dpo":
+    if loss in ("dpo", "kto"):
         cfg["precompute_ref_log_probs"] = False
     if loss == "gkd":  # off-policy: no step generates; the Trainer counts non-padding tokens
         cfg.update(lmbda=0.0, include_num_input_tokens_seen="non_padding")
     cfg.update(config or {})
     Config, Trainer = trainer_classes(loss, impl)
     kw = dict(train_dataset=ds, processing_class=tokenizer, peft_config=peft_config)
-    if loss == "grpo":
+    if loss in ("grpo", "rloo"):
         return fixed_completions(Trainer)(model, [even_id_reward], Config(**cfg), **kw)
-    if loss in ("dpo", "gkd"):
+    if loss in ("dpo", "gkd", "kto"):
         return Trainer(model, ref, Config(**cfg), **kw)
     return Trainer(model, Config(**cfg), **kw)
 

@@ -34,6 +34,9 @@ def test_floor_gemms_drop_frozen_weight_gradients_and_add_the_recompute():
     assert sum(c for *_, c in gc) - sum(c for *_, c in full) == linears * layers  # the layers' forward again
     dpo = bench_e2e.step_gemms(_args(loss="dpo"), 2)
     assert dpo[0][0] == 2 * rows  # chosen and rejected rows
+    # KTO: the reference on the completions, the policy and the reference on the KL batch, all without grad
+    kto = bench_e2e.step_gemms(_args(loss="kto"), 2)
+    assert sum(c for *_, c in kto) - sum(c for *_, c in full) == 3 * (linears * layers + 1)
 
 
 def test_kernel_kinds_and_idle_time_from_the_union_of_intervals():
@@ -79,6 +82,21 @@ def test_each_implementation_runs_in_its_own_process_and_the_floor_runs(tmp_path
     assert bench_e2e.main([*SMOKE, "--floor", "--out", str(floor)]) == 0
     (row,) = json.loads(floor.read_text())["rows"]
     assert row["ms"] == pytest.approx(row["parts"]["gemm"] + row["parts"]["attention"])
+
+
+@pytest.mark.slow  # a process per implementation importing torch, transformers and TRL
+@in_child_process
+def test_kto_and_rloo_run_and_give_trl_losses(tmp_path):
+    """The chunked trainers with the kernels (the Triton interpreter) and TRL's: the same loss curve (KTO's
+    data unpaired, half desirable, the KL batch TRL builds; RLOO's completions fixed)."""
+    for loss in ("kto", "rloo"):
+        out = tmp_path / f"{loss}.json"
+        assert bench_e2e.main([*SMOKE, "--loss", loss, "--impl", "trl,chunkloss", "--out", str(out)]) == 0
+        trl, ours = json.loads(out.read_text())["sweep"]
+        assert "error" not in trl and "error" not in ours, (trl, ours)
+        assert ours["kernels"] and ours["patch"].startswith("chunkloss.models.patch")
+        assert len(ours["losses"]) == 3
+        assert ours["losses"] == pytest.approx(trl["losses"], rel=1e-4, abs=1e-5), loss
 
 
 def test_bad_arguments_get_one_line():

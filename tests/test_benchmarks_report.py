@@ -143,7 +143,8 @@ def test_every_benchmark_module_imports_against_the_public_api(module):
     importlib.import_module(f"benchmarks.{module}")
 
 
-@pytest.mark.parametrize("module", ["cases_ce", "cases_grpo", "cases_jsd", "cases_preference"])
+@pytest.mark.parametrize("module", ["cases_ce", "cases_grpo", "cases_jsd", "cases_kto", "cases_preference",
+                                    "cases_rloo"])  # fmt: skip
 def test_every_loss_case_offers_chunkloss_and_plain_torch(module):
     cases = importlib.import_module(f"benchmarks.{module}").cases()
     assert cases
