@@ -140,14 +140,27 @@ def attn_in_case(model, batch, seq, hidden, n_heads, n_kv, head_dim, device, dty
 
     n = batch * seq
     width = (n_heads + 2 * n_kv) * head_dim  # the three projections' output columns together
-    row = {"case": f"{model} B={batch} T={seq}", "model": model, "B": batch, "T": seq, "N": n, "H": hidden,
-           "heads": n_heads, "kv_heads": n_kv, "head_dim": head_dim}  # fmt: skip
+    row = {
+        "case": f"{model} B={batch} T={seq}",
+        "model": model,
+        "B": batch,
+        "T": seq,
+        "N": n,
+        "H": hidden,
+        "heads": n_heads,
+        "kv_heads": n_kv,
+        "head_dim": head_dim,
+    }
     return Case(
-        row=row, leaves=leaves, consts=(cos, sin), dys=(grad_of(n_heads), grad_of(n_kv), grad_of(n_kv)),
-        uncounted=(*(leaves[k] for k in ATTN_GRADS[1:]), cos, sin), outputs=("q", "k", "v"),
+        row=row,
+        leaves=leaves,
+        consts=(cos, sin),
+        dys=(grad_of(n_heads), grad_of(n_kv), grad_of(n_kv)),
+        uncounted=(*(leaves[k] for k in ATTN_GRADS[1:]), cos, sin),
+        outputs=("q", "k", "v"),
         floor_ms=6 * n * hidden * width / (PEAK_TFLOPS * 1e12) * 1e3,  # 3 GEMMs of 2·N·H·width FLOPs
         reference=attn_in_ref,
-    )  # fmt: skip
+    )
 
 
 # --- the gated MLP ----------------------------------------------------------------------------------------
@@ -168,10 +181,14 @@ def mlp_case(n, hidden, inter, device, dtype=torch.bfloat16) -> Case:
     dy = (torch.randn(n, hidden, generator=gen)).to(device, dtype)
     return Case(
         row={"case": f"N={n} H={hidden} I={inter}", "N": n, "H": hidden, "I": inter},
-        leaves=leaves, consts=(), dys=(dy,), uncounted=tuple(leaves[k] for k in GRADS[1:]), outputs=("y",),
+        leaves=leaves,
+        consts=(),
+        dys=(dy,),
+        uncounted=tuple(leaves[k] for k in GRADS[1:]),
+        outputs=("y",),
         floor_ms=18 * n * hidden * inter / (PEAK_TFLOPS * 1e12) * 1e3,  # 9 GEMMs of 2·N·H·I FLOPs
         reference=gated_mlp_ref,
-    )  # fmt: skip
+    )
 
 
 # --- implementations --------------------------------------------------------------------------------------
@@ -193,8 +210,10 @@ def _liger(block: str):
         print(f"liger_kernel unavailable for {block}: {exc!r}", file=sys.stderr)
         return None
     # Liger's autograd Functions on our leaves (LigerRMSNorm's defaults: llama casting, in place).
-    return attn_in_block(lambda x, w: LigerRMSNormFunction.apply(x, w, EPS, 0.0, "llama", True),
-                         lambda q, k, cos, sin: liger_rotary_pos_emb(q, k, cos, sin))  # fmt: skip
+    return attn_in_block(
+        lambda x, w: LigerRMSNormFunction.apply(x, w, EPS, 0.0, "llama", True),
+        lambda q, k, cos, sin: liger_rotary_pos_emb(q, k, cos, sin),
+    )
 
 
 def implementations(block: str, smoke: bool) -> dict:
@@ -296,8 +315,11 @@ def run_case(case: Case, impls, device, warmup, repeats) -> list[dict]:
         result["err"] = {k: max_rel_err(t, r) for k, t, r in zip(names, (*ys, *grads), ref, strict=True)}
         del ys, grads
         row.update(result)
-        print(f"{case.row['case']:<28} {name:<14} {result['ms']:8.3f} ms  saved {result['saved_bytes']} B  "
-              f"max error {max(result['err'].values()):.1e}", flush=True)  # fmt: skip
+        print(
+            f"{case.row['case']:<28} {name:<14} {result['ms']:8.3f} ms  saved {result['saved_bytes']} B  "
+            f"max error {max(result['err'].values()):.1e}",
+            flush=True,
+        )
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
@@ -308,8 +330,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/results", help="folder of the result sets")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script (CPU works)")
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--blocks", default=",".join(BLOCKS),
-                        help=f"comma-separated blocks to measure, of {', '.join(BLOCKS)}")  # fmt: skip
+    parser.add_argument(
+        "--blocks",
+        default=",".join(BLOCKS),
+        help=f"comma-separated blocks to measure, of {', '.join(BLOCKS)}",
+    )
     args = parser.parse_args(argv)
     blocks = [b for b in args.blocks.split(",") if b]
     if not blocks or set(blocks) - set(BLOCKS):
@@ -328,8 +353,14 @@ def main(argv: list[str] | None = None) -> int:
             case = (mlp_case if block == "mlp" else attn_in_case)(*shape, device)
             rows += run_case(case, impls, device, warmup, repeats)
             del case
-        data = {"stamp": stamp(command=command.strip()), "dtype": "bfloat16", "warmup": warmup,
-                "repeats": repeats, "peak_tflops": PEAK_TFLOPS, "rows": rows}  # fmt: skip
+        data = {
+            "stamp": stamp(command=command.strip()),
+            "dtype": "bfloat16",
+            "warmup": warmup,
+            "repeats": repeats,
+            "peak_tflops": PEAK_TFLOPS,
+            "rows": rows,
+        }
         name = SET_NAMES[block]
         write_set(args.out, name, data)
         print(f"wrote {name}.json, .md and .png under {args.out} in {time.time() - start:.0f} s")

@@ -86,6 +86,8 @@ ROWS_PER_EXAMPLE = {"dpo": 2, "orpo": 2}
 # Forward passes without grad per step: DPO's reference, GKD's teacher; KTO's reference on the completions
 # and the policy and reference on the KL batch; RLOO's old log-probs.
 NO_GRAD_FORWARDS = {"dpo": 1, "gkd": 1, "kto": 3, "rloo": 1}
+
+
 # Profile: kernel kinds by substrings of the kernel name, first match wins; torch's own kernels ("at::")
 # that match nothing are "other", any other unmatched kernel is a Triton kernel.
 def build_model(a, seed: int = 0):
@@ -95,9 +97,16 @@ def build_model(a, seed: int = 0):
     dtype = torch.bfloat16 if cuda else torch.float32
     from chunkloss.data import tiny_tokenizer
 
-    model = random_model(s, "cuda" if cuda else "cpu", dtype, seed, tiny_tokenizer(),
-                         num_hidden_layers=a.layers or s["layers"], tie_word_embeddings=s["tied"],
-                         max_position_embeddings=max(4096, a.seq))  # fmt: skip
+    model = random_model(
+        s,
+        "cuda" if cuda else "cpu",
+        dtype,
+        seed,
+        tiny_tokenizer(),
+        num_hidden_layers=a.layers or s["layers"],
+        tie_word_embeddings=s["tied"],
+        max_position_embeddings=max(4096, a.seq),
+    )
     if a.task != "qlora":
         return model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
@@ -106,8 +115,9 @@ def build_model(a, seed: int = 0):
         model.save_pretrained(tmp)
         del model
         q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
-        return AutoModelForCausalLM.from_pretrained(tmp, quantization_config=q, dtype=dtype,
-                                                    device_map={"": 0 if cuda else "cpu"})  # fmt: skip
+        return AutoModelForCausalLM.from_pretrained(
+            tmp, quantization_config=q, dtype=dtype, device_map={"": 0 if cuda else "cpu"}
+        )
 
 
 def unsloth_model(a, tokenizer):
@@ -120,12 +130,24 @@ def unsloth_model(a, tokenizer):
         tokenizer.save_pretrained(tmp)
         free_memory()
         model, _ = FastLanguageModel.from_pretrained(
-            tmp, max_seq_length=a.seq, dtype=torch.bfloat16, load_in_4bit=a.task == "qlora",
-            full_finetuning=a.task == "full", use_gradient_checkpointing=gc, offload_embedding=False)
+            tmp,
+            max_seq_length=a.seq,
+            dtype=torch.bfloat16,
+            load_in_4bit=a.task == "qlora",
+            full_finetuning=a.task == "full",
+            use_gradient_checkpointing=gc,
+            offload_embedding=False,
+        )
     if a.task == "full":
         return model
-    return FastLanguageModel.get_peft_model(model, r=LORA_RANK, lora_alpha=2 * LORA_RANK, lora_dropout=0.0,
-                                            target_modules=LORA_TARGETS, use_gradient_checkpointing=gc)
+    return FastLanguageModel.get_peft_model(
+        model,
+        r=LORA_RANK,
+        lora_alpha=2 * LORA_RANK,
+        lora_dropout=0.0,
+        target_modules=LORA_TARGETS,
+        use_gradient_checkpointing=gc,
+    )
 
 
 def peft_config(task: str):
@@ -133,16 +155,30 @@ def peft_config(task: str):
         return None
     from peft import LoraConfig
 
-    return LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, lora_dropout=0.0, target_modules=LORA_TARGETS,
-                      task_type="CAUSAL_LM")  # fmt: skip
+    return LoraConfig(
+        r=LORA_RANK,
+        lora_alpha=2 * LORA_RANK,
+        lora_dropout=0.0,
+        target_modules=LORA_TARGETS,
+        task_type="CAUSAL_LM",
+    )
 
 
 def setting(a, impl: str) -> dict:
     """What a run is, the keys of its case (``report.e2e_case``) first."""
     medusa = {"medusa": f"stage {a.medusa_stage} K={a.medusa_heads}"} if a.loss == "medusa" else {}
     kernels = impl == "chunkloss" and a.kernels and kernels_available()
-    return dict(shape=a.shape, task=a.task, loss=a.loss, **medusa, seq=a.seq, gc=a.gc == "on", impl=impl,
-                layers=a.layers or SHAPES[a.shape]["layers"], kernels=kernels)  # fmt: skip
+    return dict(
+        shape=a.shape,
+        task=a.task,
+        loss=a.loss,
+        **medusa,
+        seq=a.seq,
+        gc=a.gc == "on",
+        impl=impl,
+        layers=a.layers or SHAPES[a.shape]["layers"],
+        kernels=kernels,
+    )
 
 
 def train(a, batch: int, profile: bool = False) -> dict:
@@ -169,10 +205,23 @@ def train(a, batch: int, profile: bool = False) -> dict:
         medusa = dict(num_heads=a.medusa_heads, stage=a.medusa_stage)
         peft = None if a.impl == "unsloth" else peft_config(a.task)  # Unsloth's model has its LoRA
         with patch_lines() as lines:
-            trainer = make_trainer(a.loss, a.impl, model, tokenizer, ds, out_dir=tempfile.mkdtemp(),
-                                   batch=batch, steps=a.steps, seq=a.seq, gc=a.gc == "on", ref=ref,
-                                   kernels=a.kernels, peft_config=peft, medusa=medusa,
-                                   config=getattr(a, "extra", None))  # fmt: skip
+            trainer = make_trainer(
+                a.loss,
+                a.impl,
+                model,
+                tokenizer,
+                ds,
+                out_dir=tempfile.mkdtemp(),
+                batch=batch,
+                steps=a.steps,
+                seq=a.seq,
+                gc=a.gc == "on",
+                ref=ref,
+                kernels=a.kernels,
+                peft_config=peft,
+                medusa=medusa,
+                config=getattr(a, "extra", None),
+            )
         if lines:
             res["patch"] = lines[0]
         timer = StepTimer()
@@ -183,9 +232,12 @@ def train(a, batch: int, profile: bool = False) -> dict:
             trainer.add_callback(profile_window(prof, a.warmup))
         trainer.train()
         times = timer.times[a.warmup :]
-        res.update(step_time_s=statistics.median(times), step_times_s=times,
-                   peak_mem_gib=timer.peak_extra_gib(),
-                   losses=[h["loss"] for h in trainer.state.log_history if "loss" in h])  # fmt: skip
+        res.update(
+            step_time_s=statistics.median(times),
+            step_times_s=times,
+            peak_mem_gib=timer.peak_extra_gib(),
+            losses=[h["loss"] for h in trainer.state.log_history if "loss" in h],
+        )
         res["tokens_per_s"] = batch * ROWS_PER_EXAMPLE.get(a.loss, 1) * a.seq / res["step_time_s"]
         if prof is not None:
             res["parts"] = kernel_time(prof, sum(times), len(times))
@@ -250,9 +302,14 @@ def step_gemms(a, batch: int) -> list[tuple[int, int, int, int]]:
             out.append((fout, rows, fin, layers))
         else:  # x A^T, (x A^T) B^T; backward: dB, d(x A^T), dA, dx
             r = LORA_RANK
-            out += [(rows, fin, r, layers * fwd_passes), (rows, r, fout, layers * fwd_passes),
-                    (fout, rows, r, layers), (rows, fout, r, layers), (r, rows, fin, layers),
-                    (rows, r, fin, layers)]  # fmt: skip
+            out += [
+                (rows, fin, r, layers * fwd_passes),
+                (rows, r, fout, layers * fwd_passes),
+                (fout, rows, r, layers),
+                (rows, fout, r, layers),
+                (r, rows, fin, layers),
+                (rows, r, fin, layers),
+            ]
     out += [(rows, h, s["vocab"], 1 + NO_GRAD_FORWARDS.get(a.loss, 0)), (rows, s["vocab"], h, 1)]
     if full:
         out.append((s["vocab"], rows, h, 1))

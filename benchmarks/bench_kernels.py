@@ -93,15 +93,21 @@ def make_cases():
 def implementations(liger):
     from chunkloss import kernels as ck
 
-    refs = {"rms_norm": lambda x, w: ck.rms_norm_ref(x, w, 1e-6), "layer_norm": ck.layer_norm_ref,
-            "swiglu": ck.swiglu_ref, "geglu": ck.geglu_ref,
-            "rope": lambda q, k, cos, sin: ck.apply_rotary_pos_emb_ref(q, k, cos, sin)}  # fmt: skip
+    refs = {
+        "rms_norm": lambda x, w: ck.rms_norm_ref(x, w, 1e-6),
+        "layer_norm": ck.layer_norm_ref,
+        "swiglu": ck.swiglu_ref,
+        "geglu": ck.geglu_ref,
+        "rope": lambda q, k, cos, sin: ck.apply_rotary_pos_emb_ref(q, k, cos, sin),
+    }
     # Ours as patch() uses them: gradients written over buffers nobody else reads (Liger does the same).
-    ours = {"rms_norm": lambda x, w: ck.rms_norm(x, w, 1e-6, in_place=True),
-            "layer_norm": lambda x, w, b: ck.layer_norm(x, w, b, in_place=True),
-            "swiglu": lambda a, b: ck.swiglu(a, b, in_place=True),
-            "geglu": lambda a, b: ck.geglu(a, b, in_place=True),
-            "rope": lambda q, k, cos, sin: ck.apply_rotary_pos_emb(q, k, cos, sin, in_place=True)}
+    ours = {
+        "rms_norm": lambda x, w: ck.rms_norm(x, w, 1e-6, in_place=True),
+        "layer_norm": lambda x, w, b: ck.layer_norm(x, w, b, in_place=True),
+        "swiglu": lambda a, b: ck.swiglu(a, b, in_place=True),
+        "geglu": lambda a, b: ck.geglu(a, b, in_place=True),
+        "rope": lambda q, k, cos, sin: ck.apply_rotary_pos_emb(q, k, cos, sin, in_place=True),
+    }
     compiled = {op: torch.compile(fn, dynamic=False) for op, fn in refs.items()}
     return {"torch": refs, "compile": compiled, "liger": liger, "ours": ours}
 

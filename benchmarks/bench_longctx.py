@@ -52,13 +52,28 @@ def run_length(a, seq: int) -> dict:
     grpo = a.loss == "grpo"
     if grpo:
         extra = {**extra, "num_generations": GRPO_GROUP}
-    e2e = argparse.Namespace(shape=a.shape, task=a.task, loss=a.loss, seq=seq, gc="on", impl=impl,
-                             steps=a.steps, warmup=a.warmup, layers=a.layers, kernels=True,
-                             medusa_heads=0, medusa_stage=1, extra=extra,
-                             rows=a.steps * (GRPO_GROUP if grpo else 1))  # fmt: skip
+    e2e = argparse.Namespace(
+        shape=a.shape,
+        task=a.task,
+        loss=a.loss,
+        seq=seq,
+        gc="on",
+        impl=impl,
+        steps=a.steps,
+        warmup=a.warmup,
+        layers=a.layers,
+        kernels=True,
+        medusa_heads=0,
+        medusa_stage=1,
+        extra=extra,
+        rows=a.steps * (GRPO_GROUP if grpo else 1),
+    )
     r = train(e2e, GRPO_GROUP if grpo else 1)
-    r.update(impl=a.impl, tokens=seq * (GRPO_GROUP if grpo else 1),
-             host_peak_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)  # fmt: skip
+    r.update(
+        impl=a.impl,
+        tokens=seq * (GRPO_GROUP if grpo else 1),
+        host_peak_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+    )
     return r
 
 
@@ -104,13 +119,26 @@ def main(argv: list[str] | None = None) -> int:
     if a.worker:
         worker(a)
         return 0
-    data = {"stamp": stamp(command="python -m benchmarks.bench_longctx " + " ".join(argv)), "mode": "longctx",
-            "gpu_gib_cap": a.gpu_gib or None, "rows": []}  # fmt: skip
+    data = {
+        "stamp": stamp(command="python -m benchmarks.bench_longctx " + " ".join(argv)),
+        "mode": "longctx",
+        "gpu_gib_cap": a.gpu_gib or None,
+        "rows": [],
+    }
     for impl in impls:
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
             part = pathlib.Path(f.name)
-        cmd = [sys.executable, "-m", "benchmarks.bench_longctx", *argv, "--worker", "--out", str(part),
-               "--impl", impl]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "benchmarks.bench_longctx",
+            *argv,
+            "--worker",
+            "--out",
+            str(part),
+            "--impl",
+            impl,
+        ]
         try:
             subprocess.run(cmd, timeout=a.timeout_s, env=child_env(IMPLS[impl][0]))
         except subprocess.TimeoutExpired:

@@ -41,8 +41,14 @@ def run(only=None, repeats=7) -> list[dict]:
             inputs = case.make_inputs(device)
             for impl, fn in case.impls.items():
                 t0 = time.time()
-                row = {"case": case.name, "group": case.group, "tokens": case.tokens, "impl": impl,
-                       "floor_ms": case.floor_ms, **case.meta}  # fmt: skip
+                row = {
+                    "case": case.name,
+                    "group": case.group,
+                    "tokens": case.tokens,
+                    "impl": impl,
+                    "floor_ms": case.floor_ms,
+                    **case.meta,
+                }
                 row.update(measure_or_error(fn, inputs, repeats))
                 for t in inputs.values():
                     if isinstance(t, torch.Tensor):
@@ -58,8 +64,10 @@ def run(only=None, repeats=7) -> list[dict]:
 def _fmt(r: dict) -> str:
     if "error" in r:
         return f"{r['case']:<28} {r['impl']:<24} {r['error']}"
-    return (f"{r['case']:<28} {r['impl']:<24} {r['ms']:8.2f} ms  {r['ms'] / r['floor_ms']:5.2f}x GEMM floor  "
-            f"peak extra {r['peak_extra_bytes'] / GiB:6.2f} GiB  loss {r['loss']:.5f}")  # fmt: skip
+    return (
+        f"{r['case']:<28} {r['impl']:<24} {r['ms']:8.2f} ms  {r['ms'] / r['floor_ms']:5.2f}x GEMM floor  "
+        f"peak extra {r['peak_extra_bytes'] / GiB:6.2f} GiB  loss {r['loss']:.5f}"
+    )
 
 
 def main(argv=None) -> int:

@@ -85,8 +85,15 @@ def impls(**mode) -> dict:
     with_ref = ours.options.beta != 0.0
     entropy = mode.get("top_entropy_quantile", 1.0) < 1.0  # the mask needs the materialised entropies
     out = {
-        "chunkloss": lambda i: ours(i["hidden"], i["weight"], i["ids"], i["mask"], i["adv"],
-                                    old_logps=i["old"], ref_logps=i["ref"] if with_ref else None),
+        "chunkloss": lambda i: ours(
+            i["hidden"],
+            i["weight"],
+            i["ids"],
+            i["mask"],
+            i["adv"],
+            old_logps=i["old"],
+            ref_logps=i["ref"] if with_ref else None,
+        ),
         "torch": lambda i: _trl_loss(i, *materialised_logps(i, entropy), **mode),
     }
     with contextlib.suppress(ImportError):
@@ -101,8 +108,15 @@ def impls(**mode) -> dict:
         liger = LigerFusedLinearGRPOLoss(beta=BETA, use_ref_model=True, loss_type="dapo")
 
         def liger_fn(i):
-            return liger(i["hidden"], i["weight"], i["ids"], i["mask"], i["adv"],
-                         ref_per_token_logps=i["ref"], old_per_token_logps=i["old"])[0]  # fmt: skip
+            return liger(
+                i["hidden"],
+                i["weight"],
+                i["ids"],
+                i["mask"],
+                i["adv"],
+                ref_per_token_logps=i["ref"],
+                old_per_token_logps=i["old"],
+            )[0]
 
         out["liger"] = liger_fn
     return out

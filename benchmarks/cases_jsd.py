@@ -80,9 +80,14 @@ def impls() -> dict:
 
         def liger_jsd(i):
             loss = liger(
-                i["student_hidden"], i["student_weight"], i["teacher_hidden"], i["teacher_weight"],
-                i["labels"], None, None,
-            )  # fmt: skip
+                i["student_hidden"],
+                i["student_weight"],
+                i["teacher_hidden"],
+                i["teacher_weight"],
+                i["labels"],
+                None,
+                None,
+            )
             return loss[0] if isinstance(loss, tuple) else loss
 
         out["liger"] = liger_jsd

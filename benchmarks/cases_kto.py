@@ -73,9 +73,12 @@ def impls(ref_head: bool) -> dict:
         kl = {"kl_logps": i["kl_logps"], "ref_kl_logps": i["ref_kl_logps"]}
         return ours(i["hidden"], i["weight"], y, i["desirable"], ref_logps=ref, **kl)
 
-    out = {"chunkloss": chunkloss,
-           "torch": lambda i: kto_loss(i, seq_logps(i["hidden"], i["weight"], i["labels"])[0],
-                                       lambda *a: seq_logps(*a)[0])}  # fmt: skip
+    out = {
+        "chunkloss": chunkloss,
+        "torch": lambda i: kto_loss(
+            i, seq_logps(i["hidden"], i["weight"], i["labels"])[0], lambda *a: seq_logps(*a)[0]
+        ),
+    }
     with contextlib.suppress(ImportError):
         from trl.kernels.chunked_logprob import ChunkedLogProbFunction  # noqa: F401
 
@@ -89,14 +92,32 @@ def impls(ref_head: bool) -> dict:
         from liger_kernel.chunked_loss import LigerFusedLinearKTOLoss
 
         liger = LigerFusedLinearKTOLoss(beta=BETA, use_ref_model=True)
-        out["liger"] = lambda i: liger(i["hidden"], i["weight"], i["labels"], None, i["desirable"],
-                                       i["ref_hidden"], i["ref_weight"], None, kl_term(i))[0]  # fmt: skip
+        out["liger"] = lambda i: liger(
+            i["hidden"],
+            i["weight"],
+            i["labels"],
+            None,
+            i["desirable"],
+            i["ref_hidden"],
+            i["ref_weight"],
+            None,
+            kl_term(i),
+        )[0]
     return out
 
 
 def cases() -> list[Case]:
     n_valid = 2 * PAIRS * (T - T // 4)
     meta = {"H": H, "V": V, "B": 2 * PAIRS, "T": T, "prompt": T // 4, "desirable": PAIRS, "beta": BETA}
-    return [Case(f"{name} {2 * PAIRS}x{T}", "kto", 2 * PAIRS * T, (8 if ref else 6) * n_valid * H * V,
-                 _inputs(ref), impls(ref), meta)
-            for name, ref in (("kto", False), ("kto+ref", True))]  # fmt: skip
+    return [
+        Case(
+            f"{name} {2 * PAIRS}x{T}",
+            "kto",
+            2 * PAIRS * T,
+            (8 if ref else 6) * n_valid * H * V,
+            _inputs(ref),
+            impls(ref),
+            meta,
+        )
+        for name, ref in (("kto", False), ("kto+ref", True))
+    ]

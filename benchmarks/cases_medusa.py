@@ -61,8 +61,9 @@ def impls(k: int) -> dict:
 
     ours = FusedLinearMultiTokenLoss(head_weights(k))
     bf16 = FusedLinearMultiTokenLoss(head_weights(k), accum_dtype=torch.bfloat16)
-    small = FusedLinearMultiTokenLoss(head_weights(k), accum_dtype=torch.bfloat16,
-                                      chunk_size=liger_chunk_rows(N, H, V))  # fmt: skip
+    small = FusedLinearMultiTokenLoss(
+        head_weights(k), accum_dtype=torch.bfloat16, chunk_size=liger_chunk_rows(N, H, V)
+    )
 
     def materialised(inp):
         loss = 0.0
@@ -72,9 +73,12 @@ def impls(k: int) -> dict:
             loss = loss + w_i * F.cross_entropy(z.float().flatten(0, 1), target[:, : T - i].flatten())
         return loss
 
-    out = {"chunkloss": lambda i: ours(*lists(i)), "chunkloss_bf16_accum": lambda i: bf16(*lists(i)),
-           "chunkloss_bf16_accum_liger_chunks": lambda i: small(*lists(i)),
-           "torch": materialised}  # fmt: skip
+    out = {
+        "chunkloss": lambda i: ours(*lists(i)),
+        "chunkloss_bf16_accum": lambda i: bf16(*lists(i)),
+        "chunkloss_bf16_accum_liger_chunks": lambda i: small(*lists(i)),
+        "torch": materialised,
+    }
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
     except ImportError:
@@ -99,11 +103,29 @@ def cases() -> list[Case]:
         inputs = _inputs(1, "shared")(device)
         return {"hidden": inputs.pop("hidden0"), **inputs}
 
-    out = [Case(f"single head N={N}", "medusa", N, 6 * N * H * V, single,
-                {"chunkloss_single_head": lambda i: ce(i["hidden"], i["weight"], i["labels"])}, {"heads": 1})]
+    out = [
+        Case(
+            f"single head N={N}",
+            "medusa",
+            N,
+            6 * N * H * V,
+            single,
+            {"chunkloss_single_head": lambda i: ce(i["hidden"], i["weight"], i["labels"])},
+            {"heads": 1},
+        )
+    ]
     for k in (3, 5):
         for form in ("shared", "per_head"):
             valid = sum(N - B * i for i in range(k))
-            out.append(Case(f"K={k} {form} N={N}", "medusa", N, 6 * valid * H * V, _inputs(k, form), impls(k),
-                            {"heads": k, "form": form}))  # fmt: skip
+            out.append(
+                Case(
+                    f"K={k} {form} N={N}",
+                    "medusa",
+                    N,
+                    6 * valid * H * V,
+                    _inputs(k, form),
+                    impls(k),
+                    {"heads": k, "form": form},
+                )
+            )
     return out

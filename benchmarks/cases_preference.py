@@ -104,16 +104,18 @@ def _dpo_impls() -> dict:
     def chunkloss(i):
         b = i["pairs"]
         y = i["labels"]
-        return ours(i["hidden"], i["weight"], y[:b], y[b:], ref_hidden=i["ref_hidden"],
-                    ref_weight=i["ref_weight"])  # fmt: skip
+        return ours(
+            i["hidden"], i["weight"], y[:b], y[b:], ref_hidden=i["ref_hidden"], ref_weight=i["ref_weight"]
+        )
 
     out = {"chunkloss": chunkloss, "torch": _torch_dpo}
     with contextlib.suppress(ImportError):
         from liger_kernel.chunked_loss import LigerFusedLinearDPOLoss
 
         liger = LigerFusedLinearDPOLoss(use_ref_model=True)
-        out["liger"] = lambda i: liger(i["weight"], i["hidden"], i["labels"], None, i["ref_hidden"],
-                                       i["ref_weight"])[0]  # fmt: skip
+        out["liger"] = lambda i: liger(
+            i["weight"], i["hidden"], i["labels"], None, i["ref_hidden"], i["ref_weight"]
+        )[0]
     with contextlib.suppress(ImportError):
         from trl.kernels.chunked_logprob import ChunkedLogProbFunction  # noqa: F401
 

@@ -35,9 +35,12 @@ def _trl_loss(i, logps, entropies=None):
 
 def impls() -> dict:
     ours = FusedLinearRLOOLoss()
-    out = {"chunkloss": lambda i: ours(i["hidden"], i["weight"], i["ids"], i["mask"], i["adv"],
-                                       old_logps=i["old_logps"]),
-           "torch": lambda i: _trl_loss(i, *materialised_logps(i))}  # fmt: skip
+    out = {
+        "chunkloss": lambda i: ours(
+            i["hidden"], i["weight"], i["ids"], i["mask"], i["adv"], old_logps=i["old_logps"]
+        ),
+        "torch": lambda i: _trl_loss(i, *materialised_logps(i)),
+    }
     with contextlib.suppress(ImportError):
         from trl.kernels.chunked_logprob import ChunkedLogProbFunction  # noqa: F401
 

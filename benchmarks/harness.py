@@ -102,9 +102,15 @@ def random_model(shape: dict, device, dtype, seed: int, tokenizer=None, **config
     fields."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    fields = dict(vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["inter"],
-                  num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
-                  num_key_value_heads=shape["kv"], head_dim=shape["head_dim"])  # fmt: skip
+    fields = dict(
+        vocab_size=shape["vocab"],
+        hidden_size=shape["hidden"],
+        intermediate_size=shape["inter"],
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv"],
+        head_dim=shape["head_dim"],
+    )
     if tokenizer is not None:
         fields.update({f"{k}_token_id": getattr(tokenizer, f"{k}_token_id") for k in ("pad", "eos", "bos")})
     cfg = AutoConfig.for_model(shape.get("family", "llama"), **{**fields, **config})
@@ -162,8 +168,13 @@ def measure(fn: Callable[[dict], torch.Tensor], inputs: dict, warmup: int = 2, r
     gc.collect()
     loss, peak = peak_extra(step)
     grad_bytes = sum(t.grad.numel() * t.grad.element_size() for t in leaves if t.grad is not None)
-    out = {"ms": statistics.median(times), "ms_all": times, "peak_extra_bytes": peak - grad_bytes,
-           "grad_bytes": grad_bytes, "loss": float(loss.detach().float())}  # fmt: skip
+    out = {
+        "ms": statistics.median(times),
+        "ms_all": times,
+        "peak_extra_bytes": peak - grad_bytes,
+        "grad_bytes": grad_bytes,
+        "loss": float(loss.detach().float()),
+    }
     for t in leaves:
         t.grad = None
     return out
@@ -225,8 +236,10 @@ def counting_dataset(loss: str, n: int, length: int):
     if loss in ("sft", "medusa"):
         return Dataset.from_dict({"prompt": prompts, "completion": good})
     if loss == "gkd":  # conversational: GKD's collator splits the prompt from the last message
-        chats = [[{"role": "user", "content": p}, {"role": "assistant", "content": g.strip()}]
-                 for p, g in zip(prompts, good, strict=True)]  # fmt: skip
+        chats = [
+            [{"role": "user", "content": p}, {"role": "assistant", "content": g.strip()}]
+            for p, g in zip(prompts, good, strict=True)
+        ]
         return Dataset.from_dict({"messages": chats})
     return Dataset.from_dict({"prompt": prompts, "chosen": good, "rejected": bad})
 
@@ -283,8 +296,11 @@ def materialised_medusa(base):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             a, heads, m = self.args, self.medusa_heads, self.accelerator.unwrap_model(model)
             with contextlib.nullcontext() if a.medusa_stage == 2 else torch.no_grad():
-                hidden = m.model(input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"),
-                                 use_cache=False).last_hidden_state[:, :-1]  # fmt: skip
+                hidden = m.model(
+                    input_ids=inputs["input_ids"],
+                    attention_mask=inputs.get("attention_mask"),
+                    use_cache=False,
+                ).last_hidden_state[:, :-1]
             target, t = inputs["labels"][:, 1:], hidden.shape[1]
             loss = 0.0
             if a.medusa_stage == 2:
@@ -319,10 +335,26 @@ def trainer_classes(loss: str, impl: str) -> tuple[type, type]:
     return getattr(module, f"Chunked{name}Config"), getattr(module, f"Chunked{name}Trainer")
 
 
-def make_trainer(loss: str, impl: str, model, tokenizer, ds, *, out_dir: str, batch: int, steps: int,
-                 seq: int, gc: bool, ref=None, peft_config=None, kernels: bool = True,
-                 chunk_compile: bool = True, medusa: dict | None = None, accumulate: int = 1,
-                 config: dict | None = None):  # fmt: skip
+def make_trainer(
+    loss: str,
+    impl: str,
+    model,
+    tokenizer,
+    ds,
+    *,
+    out_dir: str,
+    batch: int,
+    steps: int,
+    seq: int,
+    gc: bool,
+    ref=None,
+    peft_config=None,
+    kernels: bool = True,
+    chunk_compile: bool = True,
+    medusa: dict | None = None,
+    accumulate: int = 1,
+    config: dict | None = None,
+):
     """``loss``'s trainer of ``impl`` on ``model``: TRL's (``trl``), with ``use_liger_kernel=True``
     (``liger``), with ``torch_compile=True`` (``compile``), chunkloss's with ``chunk_kernels=kernels``
     passed explicitly (``chunkloss``; False where the kernels cannot run: :func:`kernels_available`), or as
@@ -334,10 +366,21 @@ def make_trainer(loss: str, impl: str, model, tokenizer, ds, *, out_dir: str, ba
     ``accumulate``: gradient accumulation steps; ``config``: config fields set last. The same options
     otherwise for every implementation."""
     cuda = torch.cuda.is_available()
-    cfg = dict(output_dir=out_dir, report_to="none", per_device_train_batch_size=batch, max_steps=steps,
-               learning_rate=1e-5, logging_steps=1, save_strategy="no", seed=0, bf16=cuda, use_cpu=not cuda,
-               dataloader_num_workers=0, gradient_accumulation_steps=accumulate,
-               **{_checkpointing_field(): gc})  # fmt: skip
+    cfg = dict(
+        output_dir=out_dir,
+        report_to="none",
+        per_device_train_batch_size=batch,
+        max_steps=steps,
+        learning_rate=1e-5,
+        logging_steps=1,
+        save_strategy="no",
+        seed=0,
+        bf16=cuda,
+        use_cpu=not cuda,
+        dataloader_num_workers=0,
+        gradient_accumulation_steps=accumulate,
+        **{_checkpointing_field(): gc},
+    )
     chunk = dict(chunk_kernels=kernels and kernels_available(), chunk_compile=chunk_compile and cuda)
     if loss == "medusa":  # both on the chunked trainer's config; the peer swaps in Medusa's own loss
         cfg.update({f"medusa_{k}": v for k, v in (medusa or {}).items()})
@@ -345,13 +388,24 @@ def make_trainer(loss: str, impl: str, model, tokenizer, ds, *, out_dir: str, ba
     else:
         from transformers import TrainingArguments
 
-        cfg.update({"liger": dict(use_liger_kernel=True), "compile": dict(torch_compile=True),
-                    "unsloth": {k: getattr(TrainingArguments, k) for k in UNSLOTH_DEFAULTS},
-                    "chunkloss": chunk}[impl] if impl != "trl" else {})  # fmt: skip
+        cfg.update(
+            {
+                "liger": dict(use_liger_kernel=True),
+                "compile": dict(torch_compile=True),
+                "unsloth": {k: getattr(TrainingArguments, k) for k in UNSLOTH_DEFAULTS},
+                "chunkloss": chunk,
+            }[impl]
+            if impl != "trl"
+            else {}
+        )
     if loss in ("grpo", "rloo"):
         prompt = max(len(tokenizer(p)["input_ids"]) for p in ds["prompt"])
-        cfg.update(num_generations=NUM_GENERATIONS, max_completion_length=max(seq - prompt, 1),
-                   temperature=1.0, **({"beta": 0.0} if loss == "rloo" else {}))  # fmt: skip
+        cfg.update(
+            num_generations=NUM_GENERATIONS,
+            max_completion_length=max(seq - prompt, 1),
+            temperature=1.0,
+            **({"beta": 0.0} if loss == "rloo" else {}),
+        )
     else:
         cfg["max_length"] = seq
     if loss in ("dpo", "kto"):

@@ -85,8 +85,10 @@ class GradTap:
         module = self.trainer.model
         head = getattr(module, "module", module).get_output_embeddings().weight
         middle = f"layers.{module.config.num_hidden_layers // 2}."
-        return {"head": [p for _, p in named if p is head],
-                "middle_layer": [p for n, p in named if middle in n]}  # fmt: skip
+        return {
+            "head": [p for _, p in named if p is head],
+            "middle_layer": [p for n, p in named if middle in n],
+        }
 
     def _read(self) -> None:
         ds = _is_deepspeed(self.trainer)
@@ -133,10 +135,20 @@ def _trainer(kind: str, out: Path, steps: int, batch: int, bf16: bool, accumulat
     tok = tiny_tokenizer()
     torch.manual_seed(0)
     model = tiny_model(tok, hidden_size=64, num_layers=2)
-    common = dict(output_dir=str(out / "trainer"), report_to="none", per_device_train_batch_size=batch,
-                  max_steps=steps, logging_steps=1, save_strategy="no", learning_rate=1e-3, seed=0, bf16=bf16,
-                  dataloader_num_workers=0, chunk_compile=False,
-                  gradient_accumulation_steps=accumulate)  # fmt: skip
+    common = dict(
+        output_dir=str(out / "trainer"),
+        report_to="none",
+        per_device_train_batch_size=batch,
+        max_steps=steps,
+        logging_steps=1,
+        save_strategy="no",
+        learning_rate=1e-3,
+        seed=0,
+        bf16=bf16,
+        dataloader_num_workers=0,
+        chunk_compile=False,
+        gradient_accumulation_steps=accumulate,
+    )
     ds = tiny_dataset(kind, n=256)
     if kind == "sft":
         from chunkloss.trainers.sft import ChunkedSFTConfig, ChunkedSFTTrainer
@@ -146,13 +158,22 @@ def _trainer(kind: str, out: Path, steps: int, batch: int, bf16: bool, accumulat
         from chunkloss.trainers.dpo import ChunkedDPOConfig, ChunkedDPOTrainer
 
         # The reference is given: TRL would load it from the policy's path, and this random model has none.
-        return ChunkedDPOTrainer(model, copy.deepcopy(model), args=ChunkedDPOConfig(**common, max_length=48),
-                                 train_dataset=ds, processing_class=tok)  # fmt: skip
+        return ChunkedDPOTrainer(
+            model,
+            copy.deepcopy(model),
+            args=ChunkedDPOConfig(**common, max_length=48),
+            train_dataset=ds,
+            processing_class=tok,
+        )
     if kind == "grpo":
         from chunkloss.trainers.grpo import ChunkedGRPOConfig, ChunkedGRPOTrainer
 
-        cfg = ChunkedGRPOConfig(**common, num_generations=NUM_GENERATIONS,
-                                max_completion_length=MAX_COMPLETION_LENGTH, num_iterations=2)  # fmt: skip
+        cfg = ChunkedGRPOConfig(
+            **common,
+            num_generations=NUM_GENERATIONS,
+            max_completion_length=MAX_COMPLETION_LENGTH,
+            num_iterations=2,
+        )
         trainer = fixed_completions(ChunkedGRPOTrainer, _short_completion)
         return trainer(model, count_reward, cfg, train_dataset=ds, processing_class=tok)
     raise ValueError(f"--trainer must be one of {TRAINERS}, got {kind!r}")
@@ -166,9 +187,19 @@ def _real_trainer(a, batch: int):
 
     tok = tiny_tokenizer()
     model = build_model(a.model, tok, a.seq_len)
-    return build_trainer(a.trainer, "chunked", model, tok, seq_len=a.seq_len, batch=batch, rows=256,
-                         steps=a.steps, out_dir=str(a.out / "trainer"), gc=a.gradient_checkpointing,
-                         accumulate=a.accumulate)  # fmt: skip
+    return build_trainer(
+        a.trainer,
+        "chunked",
+        model,
+        tok,
+        seq_len=a.seq_len,
+        batch=batch,
+        rows=256,
+        steps=a.steps,
+        out_dir=str(a.out / "trainer"),
+        gc=a.gradient_checkpointing,
+        accumulate=a.accumulate,
+    )
 
 
 def _peak_memory_gib(trainer) -> list[dict] | None:
@@ -205,15 +236,26 @@ def run(a, batch: int) -> None:
         timed = clock.times[WARMUP_STEPS:] or clock.times
         acc, logs = tr.accelerator, tr.state.log_history
         real = a.model != "tiny"
-        meta = dict(trainer=a.trainer, model=a.model, seq_len=a.seq_len if real else None,
-                    gradient_checkpointing=a.gradient_checkpointing if real else None,
-                    num_processes=acc.num_processes, distributed_type=str(acc.distributed_type),
-                    per_device_batch=batch, accumulate=a.accumulate, bf16=bf16, loss_curve=curve,
-                    grad_norms=[h["grad_norm"] for h in logs if "grad_norm" in h], norms=tap.norms,
-                    step_times_s=clock.times, median_step_time_s=statistics.median(timed) if timed else None,
-                    peak_memory_gib=memory,
-                    device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                    nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"), torch=torch.__version__)  # fmt: skip
+        meta = dict(
+            trainer=a.trainer,
+            model=a.model,
+            seq_len=a.seq_len if real else None,
+            gradient_checkpointing=a.gradient_checkpointing if real else None,
+            num_processes=acc.num_processes,
+            distributed_type=str(acc.distributed_type),
+            per_device_batch=batch,
+            accumulate=a.accumulate,
+            bf16=bf16,
+            loss_curve=curve,
+            grad_norms=[h["grad_norm"] for h in logs if "grad_norm" in h],
+            norms=tap.norms,
+            step_times_s=clock.times,
+            median_step_time_s=statistics.median(timed) if timed else None,
+            peak_memory_gib=memory,
+            device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"),
+            torch=torch.__version__,
+        )
         write_json(out / "run.json", meta)
 
 
@@ -264,11 +306,19 @@ def compare(multi: Path, single: Path, out: Path, noise: tuple[Path, Path] | Non
     norms; and, given ``noise`` (the noise run, the reference's batch in two micro-batches, and the reference
     it is measured against), its errors as ``noise``."""
     r_m, r_s = json.loads((multi / "run.json").read_text()), json.loads((single / "run.json").read_text())
-    result = dict(trainer=r_m["trainer"], model=r_m.get("model", "tiny"), seq_len=r_m.get("seq_len"),
-                  gradient_checkpointing=r_m.get("gradient_checkpointing"),
-                  multi={k: r_m.get(k) for k in RUN_KEYS}, single={k: r_s.get(k) for k in RUN_KEYS},
-                  **errors(multi, single), curve_multi=r_m["loss_curve"], curve_single=r_s["loss_curve"],
-                  norms_multi=r_m.get("norms"), norms_single=r_s.get("norms"))  # fmt: skip
+    result = dict(
+        trainer=r_m["trainer"],
+        model=r_m.get("model", "tiny"),
+        seq_len=r_m.get("seq_len"),
+        gradient_checkpointing=r_m.get("gradient_checkpointing"),
+        multi={k: r_m.get(k) for k in RUN_KEYS},
+        single={k: r_s.get(k) for k in RUN_KEYS},
+        **errors(multi, single),
+        curve_multi=r_m["loss_curve"],
+        curve_single=r_s["loss_curve"],
+        norms_multi=r_m.get("norms"),
+        norms_single=r_s.get("norms"),
+    )
     if noise is not None:
         e = errors(*noise)
         result["noise"] = {k: e[k] for k in ("max_rel_grad_error", "max_rel_curve_diff", "max_rel_norm_diff")}
@@ -299,9 +349,11 @@ def run_name(trainer: str, backend: str, model: str) -> str:
 def real_setting(c: dict) -> str:
     """A real-shape comparison's setting, in words."""
     gc = "on" if c.get("gradient_checkpointing") else "off"
-    return (f"{c['model']} shape with random weights, bf16, the kernels on; {c['seq_len']}-token sequences, "
-            f"{REAL_BATCH} per GPU ({2 * REAL_BATCH} on one GPU), {c['steps_compared']} steps "
-            f"(benchmarks.harness.make_trainer's learning rate), checkpointing {gc}.")  # fmt: skip
+    return (
+        f"{c['model']} shape with random weights, bf16, the kernels on; {c['seq_len']}-token sequences, "
+        f"{REAL_BATCH} per GPU ({2 * REAL_BATCH} on one GPU), {c['steps_compared']} steps "
+        f"(benchmarks.harness.make_trainer's learning rate), checkpointing {gc}."
+    )
 
 
 def summary(folder: Path, model: str = "tiny") -> dict:
@@ -341,8 +393,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", choices=tuple(MODELS), default="tiny")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (a real shape)")
     p.add_argument("--steps", type=int, help=f"default {STEPS}, a real shape {REAL_STEPS}")
-    p.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false",
-                   help="a real shape: checkpointing off")  # fmt: skip
+    p.add_argument(
+        "--no-gradient-checkpointing",
+        dest="gradient_checkpointing",
+        action="store_false",
+        help="a real shape: checkpointing off",
+    )
     p.add_argument("--out", type=Path, help="run folder, or the json file with --compare")
     p.add_argument("--single", action="store_true", help="the reference: one process on the global batch")
     p.add_argument("--world", type=int, default=2, help="with --single: the multi-process world size")
@@ -359,8 +415,15 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--trainer and --out are required (except with --summary)")
     if a.compare:
         r = compare(*a.compare, a.out, a.noise)
-        keys = ("trainer", "max_abs_grad_error", "max_rel_grad_error", "max_abs_curve_diff",
-                "max_rel_curve_diff", "max_rel_norm_diff", "noise")  # fmt: skip
+        keys = (
+            "trainer",
+            "max_abs_grad_error",
+            "max_rel_grad_error",
+            "max_abs_curve_diff",
+            "max_rel_curve_diff",
+            "max_rel_norm_diff",
+            "noise",
+        )
         print(json.dumps({k: r.get(k) for k in keys}))
         return
     if a.accumulate < 1 or (a.accumulate > 1 and not a.single) or a.world % a.accumulate:

@@ -95,8 +95,11 @@ def head_memory(model: str, weight_bytes: int = 2) -> dict:
     s = MODELS[model]
     v, h = s["vocab"], s["hidden"]
     out = {"vocab": v, "hidden": h, "tied": s["tied"], "weight_bytes": weight_bytes}
-    for key, nbytes in (("gathered_weight", v * h * weight_bytes), ("fp32_accumulator", v * h * 4),
-                        ("weight_grad", v * h * weight_bytes)):  # fmt: skip
+    for key, nbytes in (
+        ("gathered_weight", v * h * weight_bytes),
+        ("fp32_accumulator", v * h * 4),
+        ("weight_grad", v * h * weight_bytes),
+    ):
         out[f"{key}_bytes"] = nbytes
         out[f"{key}_gib"] = nbytes / 2**30
     out["one_chunk_max_rows"] = default_chunk_size(v, weight_bytes, v * h * 4 // 2**20, grad_in_place=True)
@@ -109,21 +112,54 @@ def build_model(model: str, tokenizer, seq_len: int):
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     s, dtype = MODELS[model], torch.bfloat16 if cuda else torch.float32
-    return random_model(s, device, dtype, SEED, tokenizer, tie_word_embeddings=s["tied"],
-                        max_position_embeddings=max(4096, 2 * seq_len))  # fmt: skip
+    return random_model(
+        s,
+        device,
+        dtype,
+        SEED,
+        tokenizer,
+        tie_word_embeddings=s["tied"],
+        max_position_embeddings=max(4096, 2 * seq_len),
+    )
 
 
-def build_trainer(kind: str, impl: str, model, tokenizer, *, seq_len: int, batch: int, rows: int, steps: int,
-                  out_dir: str, gc: bool, kernels: bool = True, chunk_compile: bool = True,
-                  accumulate: int = 1):  # fmt: skip
+def build_trainer(
+    kind: str,
+    impl: str,
+    model,
+    tokenizer,
+    *,
+    seq_len: int,
+    batch: int,
+    rows: int,
+    steps: int,
+    out_dir: str,
+    gc: bool,
+    kernels: bool = True,
+    chunk_compile: bool = True,
+    accumulate: int = 1,
+):
     """``kind``'s trainer of ``impl`` (``IMPLS``) on ``model``: ``rows`` counting examples of ``seq_len``
     tokens, ``accumulate`` micro-batches of ``batch`` per step. DPO's reference is the initial policy, given:
     TRL would load it from the policy's path, which a random model lacks."""
     ds = counting_dataset(kind, rows, seq_len)
     ref = copy.deepcopy(model).requires_grad_(False) if kind == "dpo" else None
-    return make_trainer(kind, HARNESS_IMPL[impl], model, tokenizer, ds, out_dir=out_dir, batch=batch,
-                        steps=steps, seq=seq_len, gc=gc, ref=ref, kernels=kernels,
-                        chunk_compile=chunk_compile, accumulate=accumulate)  # fmt: skip
+    return make_trainer(
+        kind,
+        HARNESS_IMPL[impl],
+        model,
+        tokenizer,
+        ds,
+        out_dir=out_dir,
+        batch=batch,
+        steps=steps,
+        seq=seq_len,
+        gc=gc,
+        ref=ref,
+        kernels=kernels,
+        chunk_compile=chunk_compile,
+        accumulate=accumulate,
+    )
 
 
 class TokenCount:
@@ -151,11 +187,19 @@ class TokenCount:
 
 def _setting(a, world: int) -> dict:
     cuda = torch.cuda.is_available()
-    return dict(trainer=a.trainer, backend=backend_name(), impl=a.impl, model=a.model, seq_len=a.seq_len,
-                world=world, gradient_checkpointing=a.gradient_checkpointing,
-                chunk_compile=a.impl == "chunked" and a.chunk_compile and cuda,
-                kernels=a.impl == "chunked" and a.kernels == "on" and kernels_available(),
-                dtype="bfloat16" if cuda else "float32", profile=a.profile)  # fmt: skip
+    return dict(
+        trainer=a.trainer,
+        backend=backend_name(),
+        impl=a.impl,
+        model=a.model,
+        seq_len=a.seq_len,
+        world=world,
+        gradient_checkpointing=a.gradient_checkpointing,
+        chunk_compile=a.impl == "chunked" and a.chunk_compile and cuda,
+        kernels=a.impl == "chunked" and a.kernels == "on" and kernels_available(),
+        dtype="bfloat16" if cuda else "float32",
+        profile=a.profile,
+    )
 
 
 def _train(batch: int, a, tokenizer, t0: float) -> dict:
@@ -166,10 +210,20 @@ def _train(batch: int, a, tokenizer, t0: float) -> dict:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     model = build_model(a.model, tokenizer, a.seq_len)
     t1 = time.perf_counter()
-    trainer = build_trainer(a.trainer, a.impl, model, tokenizer, seq_len=a.seq_len, batch=batch,
-                            rows=max(2 * batch * world, 8), steps=a.steps, out_dir=str(a.out / "trainer"),
-                            gc=a.gradient_checkpointing, kernels=a.kernels == "on",
-                            chunk_compile=a.chunk_compile)  # fmt: skip
+    trainer = build_trainer(
+        a.trainer,
+        a.impl,
+        model,
+        tokenizer,
+        seq_len=a.seq_len,
+        batch=batch,
+        rows=max(2 * batch * world, 8),
+        steps=a.steps,
+        out_dir=str(a.out / "trainer"),
+        gc=a.gradient_checkpointing,
+        kernels=a.kernels == "on",
+        chunk_compile=a.chunk_compile,
+    )
     timer, tokens = StepTimer(), TokenCount(model)
     trainer.add_callback(timer.callback(after_step=tokens.end_step))
     prof = None
@@ -190,13 +244,24 @@ def _train(batch: int, a, tokenizer, t0: float) -> dict:
     mine = torch.tensor([float(sum(tokens.per_step[skip:])), float(len(timed))], device=acc.device)
     total = acc.gather(mine[None]).reshape(-1, 2).sum(0).tolist()
     per_step = total[0] / max(total[1] / acc.num_processes, 1)
-    return dict(backend=backend_name(), distributed_type=str(acc.distributed_type), world=acc.num_processes,
-                build_s=t1 - t0, setup_s=t2 - t1, train_s=t3 - t2, steps_s=sum(timer.times),
-                step_times_s=timer.times, median_step_time_s=median, tokens_per_step=per_step,
-                tokens_per_s=per_step / median, tokens_per_s_per_gpu=per_step / median / acc.num_processes,
-                peak_memory_gib=_peak_memory_gib(trainer),
-                train_begin_allocated_gib_rank0=timer.allocated_before / 2**30,
-                losses=[h["loss"] for h in trainer.state.log_history if "loss" in h], **parts)  # fmt: skip
+    return dict(
+        backend=backend_name(),
+        distributed_type=str(acc.distributed_type),
+        world=acc.num_processes,
+        build_s=t1 - t0,
+        setup_s=t2 - t1,
+        train_s=t3 - t2,
+        steps_s=sum(timer.times),
+        step_times_s=timer.times,
+        median_step_time_s=median,
+        tokens_per_step=per_step,
+        tokens_per_s=per_step / median,
+        tokens_per_s_per_gpu=per_step / median / acc.num_processes,
+        peak_memory_gib=_peak_memory_gib(trainer),
+        train_begin_allocated_gib_rank0=timer.allocated_before / 2**30,
+        losses=[h["loss"] for h in trainer.state.log_history if "loss" in h],
+        **parts,
+    )
 
 
 def run_batch(batch: int, a, tokenizer) -> dict:
@@ -290,8 +355,11 @@ def sweep(a) -> list[dict]:
         if rank == 0:
             write_json(a.out / f"batch_{batch}.json", r)
             peaks = [round(m["allocated"], 2) for m in r["peak_memory_gib"] or []] or "n/a"
-            print(f"[multigpu_scale] batch {batch}: {r['median_step_time_s']:.3f} s/step, "
-                  f"{r['tokens_per_s']:.0f} tokens/s, peak GiB per rank {peaks}", flush=True)  # fmt: skip
+            print(
+                f"[multigpu_scale] batch {batch}: {r['median_step_time_s']:.3f} s/step, "
+                f"{r['tokens_per_s']:.0f} tokens/s, peak GiB per rank {peaks}",
+                flush=True,
+            )
         prev = r
     return results
 
@@ -342,8 +410,10 @@ def collect(folder: Path) -> tuple[list[dict], list[str]]:
         for b in sorted(by_batch):
             left = by_batch[b].get("allocated_before_gib") or 0.0
             if left > LEFTOVER_GIB:
-                notes.append(f"{run_dir.name}, batch {b}: started with {left:.2f} GiB left allocated by "
-                             "earlier batches of its process (its peak memory counts them)")  # fmt: skip
+                notes.append(
+                    f"{run_dir.name}, batch {b}: started with {left:.2f} GiB left allocated by "
+                    "earlier batches of its process (its peak memory counts them)"
+                )
     # Launches that left no run folder (a backend that does not import, a crash while starting).
     seen = {p.name for p in folder.iterdir() if (p / "setting.json").exists()}
     for err in sorted(folder.glob("*.error")):
@@ -360,8 +430,14 @@ def profile_row(r: dict) -> dict:
     case += f" b={r['batch']}"
     error = None if r["status"] == "ok" else r["status"]
     time_ms = r["median_step_time_s"] * 1e3 if r.get("median_step_time_s") else None
-    return dict(case=case, impl=r["impl"], ms=time_ms, error=error, parts=r.get("parts", {}),
-                peak_mem_gib=fullest(r.get("peak_memory_gib")))
+    return dict(
+        case=case,
+        impl=r["impl"],
+        ms=time_ms,
+        error=error,
+        parts=r.get("parts", {}),
+        peak_mem_gib=fullest(r.get("peak_memory_gib")),
+    )
 
 
 def summary(folder: Path) -> dict:
@@ -372,23 +448,57 @@ def summary(folder: Path) -> dict:
     st = dict(ok[0]["stamp"]) if ok else stamp()
     st["command"] = COMMAND
     keep = (
-        "trainer", "backend", "impl", "model", "seq_len", "world", "gradient_checkpointing", "dtype",
-        "chunk_compile", "kernels", "batch", "steps", "warmup", "status", "oom_ranks", "reason", "skipped",
+        "trainer",
+        "backend",
+        "impl",
+        "model",
+        "seq_len",
+        "world",
+        "gradient_checkpointing",
+        "dtype",
+        "chunk_compile",
+        "kernels",
+        "batch",
+        "steps",
+        "warmup",
+        "status",
+        "oom_ranks",
+        "reason",
+        "skipped",
         "error",
-        "median_step_time_s", "step_times_s", "tokens_per_step", "tokens_per_s", "tokens_per_s_per_gpu",
-        "peak_memory_gib", "peak_memory_gib_at_oom", "allocated_before_gib",
-        "train_begin_allocated_gib_rank0", "distributed_type", "build_s", "setup_s", "train_s", "wall_s",
+        "median_step_time_s",
+        "step_times_s",
+        "tokens_per_step",
+        "tokens_per_s",
+        "tokens_per_s_per_gpu",
+        "peak_memory_gib",
+        "peak_memory_gib_at_oom",
+        "allocated_before_gib",
+        "train_begin_allocated_gib_rank0",
+        "distributed_type",
+        "build_s",
+        "setup_s",
+        "train_s",
+        "wall_s",
         "losses",
-    )  # fmt: skip
+    )
     profiled = [r for r in runs if r.get("profile")]
     if profiled:
         prof_stamp = {**st, "command": f"CHUNKLOSS_PROFILE=1 {COMMAND}"}
-        write_set(folder, PROFILE, {"stamp": prof_stamp, "mode": "profile",
-                                    "rows": [profile_row(r) for r in profiled]})  # fmt: skip
+        write_set(
+            folder,
+            PROFILE,
+            {"stamp": prof_stamp, "mode": "profile", "rows": [profile_row(r) for r in profiled]},
+        )
     rows = [{k: r[k] for k in keep if k in r} for r in runs if not r.get("profile")]
     models = sorted({r["model"] for r in rows if r.get("model") in MODELS})
-    data = {"stamp": st, "num_generations": NUM_GENERATIONS,
-            "head_memory": {m: head_memory(m) for m in models}, "runs": rows, "notes": notes}  # fmt: skip
+    data = {
+        "stamp": st,
+        "num_generations": NUM_GENERATIONS,
+        "head_memory": {m: head_memory(m) for m in models},
+        "runs": rows,
+        "notes": notes,
+    }
     write_set(folder, RESULT, data)
     return data
 

@@ -148,8 +148,11 @@ def longctx_summary(rows: list[dict]) -> dict:
     against tokens, GiB per 1k tokens; None under two points) and the longest run that completed."""
     out = {}
     for impl in dict.fromkeys(r["impl"] for r in rows):
-        pts = [(r["tokens"] / 1e3, r["peak_mem_gib"]) for r in rows
-               if r["impl"] == impl and r.get("peak_mem_gib") is not None]  # fmt: skip
+        pts = [
+            (r["tokens"] / 1e3, r["peak_mem_gib"])
+            for r in rows
+            if r["impl"] == impl and r.get("peak_mem_gib") is not None
+        ]
         slope = None
         if len(pts) >= 2:
             mx, my = (sum(p[i] for p in pts) / len(pts) for i in (0, 1))
@@ -164,35 +167,102 @@ def records(name: str, data: dict) -> list[dict]:
     ``error`` (None, ``OOM`` or a message) and extra columns."""
     k = kind(name)
     if k in ("losses", "medusa"):
-        return [_row(r["case"], r["impl"], r.get("ms"), _gib(r.get("peak_extra_bytes")), r.get("error"),
-                     floor=r.get("floor_ms"), loss=r.get("loss")) for r in data["rows"]]  # fmt: skip
+        return [
+            _row(
+                r["case"],
+                r["impl"],
+                r.get("ms"),
+                _gib(r.get("peak_extra_bytes")),
+                r.get("error"),
+                floor=r.get("floor_ms"),
+                loss=r.get("loss"),
+            )
+            for r in data["rows"]
+        ]
     if k == "kernels":
-        return [_row(r["case"], i, r[i].get("graph_ms"), (r[i].get("peak_extra_mib") or 0) / 1024, None,
-                     eager_ms=r[i].get("ms"), floor=r["floor_ms"])
-                for r in data["rows"] for i in r if isinstance(r[i], dict)]  # fmt: skip
+        return [
+            _row(
+                r["case"],
+                i,
+                r[i].get("graph_ms"),
+                (r[i].get("peak_extra_mib") or 0) / 1024,
+                None,
+                eager_ms=r[i].get("ms"),
+                floor=r["floor_ms"],
+            )
+            for r in data["rows"]
+            for i in r
+            if isinstance(r[i], dict)
+        ]
     if k in ("decoder", "decoder_attn"):
-        return [_row(r["case"], r["impl"], r.get("ms"), _gib(r.get("peak_bytes")), r.get("error"),
-                     floor=r.get("floor_ms"), saved_mib=(r.get("saved_bytes") or 0) / 2**20,
-                     max_err=max(r.get("err", {}).values(), default=None)) for r in data["rows"]]
+        return [
+            _row(
+                r["case"],
+                r["impl"],
+                r.get("ms"),
+                _gib(r.get("peak_bytes")),
+                r.get("error"),
+                floor=r.get("floor_ms"),
+                saved_mib=(r.get("saved_bytes") or 0) / 2**20,
+                max_err=max(r.get("err", {}).values(), default=None),
+            )
+            for r in data["rows"]
+        ]
     if k == "medusa_e2e":
-        return [_row(f"stage {r['stage']} K={r['heads']} b={r['batch']}", r["impl"], r.get("step_time_s"),
-                     r.get("peak_mem_gib"), "OOM" if r["oom"] else None, tokens_per_s=r.get("tokens_per_s"))
-                for r in data["runs"]]  # fmt: skip
+        return [
+            _row(
+                f"stage {r['stage']} K={r['heads']} b={r['batch']}",
+                r["impl"],
+                r.get("step_time_s"),
+                r.get("peak_mem_gib"),
+                "OOM" if r["oom"] else None,
+                tokens_per_s=r.get("tokens_per_s"),
+            )
+            for r in data["runs"]
+        ]
     if k == "e2e":
-        return [_row(e2e_case(r), r["impl"], r.get("step_time_s"), r.get("peak_mem_gib"),
-                     "OOM" if r.get("oom") else r.get("error"), tokens_per_s=r.get("tokens_per_s"))
-                for r in data["sweep"]]  # fmt: skip
+        return [
+            _row(
+                e2e_case(r),
+                r["impl"],
+                r.get("step_time_s"),
+                r.get("peak_mem_gib"),
+                "OOM" if r.get("oom") else r.get("error"),
+                tokens_per_s=r.get("tokens_per_s"),
+            )
+            for r in data["sweep"]
+        ]
     if k == "longctx":
-        return [_row(f"{r['shape']} {r['task']} {r['loss']} {r['tokens']} tok", r["impl"],
-                     r.get("step_time_s"), r.get("peak_mem_gib"), "OOM" if r.get("oom") else r.get("error"),
-                     host=r.get("host_peak_gib")) for r in data["rows"]]  # fmt: skip
+        return [
+            _row(
+                f"{r['shape']} {r['task']} {r['loss']} {r['tokens']} tok",
+                r["impl"],
+                r.get("step_time_s"),
+                r.get("peak_mem_gib"),
+                "OOM" if r.get("oom") else r.get("error"),
+                host=r.get("host_peak_gib"),
+            )
+            for r in data["rows"]
+        ]
     if k in ("profile", "floor"):
-        return [_row(r["case"], r["impl"], r.get("ms"), r.get("peak_mem_gib"), r.get("error"),
-                     **r.get("parts", {})) for r in data["rows"]]  # fmt: skip
+        return [
+            _row(
+                r["case"], r["impl"], r.get("ms"), r.get("peak_mem_gib"), r.get("error"), **r.get("parts", {})
+            )
+            for r in data["rows"]
+        ]
     if k == "multigpu":
-        return [_row(f"{c['trainer']} {c['backend']}", "chunked", c["multi"]["median_step_time_s"],
-                     fullest(c["multi"]["peak_memory_gib"]), one_gpu_s=c["single"]["median_step_time_s"],
-                     **_parity_cells(c)) for c in data["comparisons"]]  # fmt: skip
+        return [
+            _row(
+                f"{c['trainer']} {c['backend']}",
+                "chunked",
+                c["multi"]["median_step_time_s"],
+                fullest(c["multi"]["peak_memory_gib"]),
+                one_gpu_s=c["single"]["median_step_time_s"],
+                **_parity_cells(c),
+            )
+            for c in data["comparisons"]
+        ]
     if k == "multigpu_scale":
         out = []
         for r in data["runs"]:
@@ -201,8 +271,16 @@ def records(name: str, data: dict) -> list[dict]:
             off = r["impl"] == "chunked" and not r.get("kernels")  # runs before the switch had no kernels
             impl = r["impl"] + (" (no kernels)" if off else "")
             err = None if r["status"] == "ok" else r["status"]
-            out.append(_row(case, impl, r.get("median_step_time_s"), fullest(r.get("peak_memory_gib")), err,
-                            tokens_per_s=r.get("tokens_per_s")))  # fmt: skip
+            out.append(
+                _row(
+                    case,
+                    impl,
+                    r.get("median_step_time_s"),
+                    fullest(r.get("peak_memory_gib")),
+                    err,
+                    tokens_per_s=r.get("tokens_per_s"),
+                )
+            )
         return out
     raise ValueError(f"no renderer for result set {name!r}")
 
@@ -213,9 +291,13 @@ def _parity_cells(c: dict) -> dict:
     for prefix, e in (("", c), ("noise_", c.get("noise") or {})):
         if e:
             norms = e.get("max_rel_norm_diff") or {}
-            cells.update({f"{prefix}rel_grad_err": e["max_rel_grad_error"],
-                          f"{prefix}rel_curve_diff": e["max_rel_curve_diff"],
-                          **{f"{prefix}rel_norm_diff_{g}": v for g, v in norms.items()}})  # fmt: skip
+            cells.update(
+                {
+                    f"{prefix}rel_grad_err": e["max_rel_grad_error"],
+                    f"{prefix}rel_curve_diff": e["max_rel_curve_diff"],
+                    **{f"{prefix}rel_norm_diff_{g}": v for g, v in norms.items()},
+                }
+            )
     return cells
 
 
@@ -230,9 +312,16 @@ def against_best_peer(rows: list[dict]) -> list[dict]:
         small = min((r for r in peers if r["memory"] is not None), key=lambda r: r["memory"], default=None)
         for r in (r for r in ran if is_ours(r["impl"])):
             mem = small and r["memory"] is not None and small["memory"] and r["memory"] / small["memory"]
-            out.append({"case": case, "impl": r["impl"], "best_time_peer": fast and fast["impl"],
-                        "time_ratio": fast and r["time"] / fast["time"], "memory_ratio": mem or None,
-                        "best_memory_peer": small and small["impl"]})  # fmt: skip
+            out.append(
+                {
+                    "case": case,
+                    "impl": r["impl"],
+                    "best_time_peer": fast and fast["impl"],
+                    "time_ratio": fast and r["time"] / fast["time"],
+                    "memory_ratio": mem or None,
+                    "best_memory_peer": small and small["impl"],
+                }
+            )
     return out
 
 
@@ -252,8 +341,9 @@ def _num(v) -> str:
 
 def rows_table(name: str, rows: list[dict]) -> list[str]:
     unit, mem = KINDS[kind(name)][1], KINDS[kind(name)][2]
-    extra = list(dict.fromkeys(k for r in rows for k in r if k not in ("case", "impl", "time", "memory",
-                                                                       "error")))  # fmt: skip
+    extra = list(
+        dict.fromkeys(k for r in rows for k in r if k not in ("case", "impl", "time", "memory", "error"))
+    )
     head = ["case", "implementation", f"time ({unit})", mem, *extra]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -276,16 +366,27 @@ def set_md(name: str, data: dict) -> str:
     title, _, _, meaning = KINDS[kind(name)]
     rows = records(name, data)
     summary = summary_table(rows)
-    lines = [f"# {title}", "", f"`{data['stamp'].get('command', '')}` ({stamp_line(data['stamp'])}). "
-             f"{meaning}", *(["", data["model"]] if data.get("model") else []), ""]  # fmt: skip
+    lines = [
+        f"# {title}",
+        "",
+        f"`{data['stamp'].get('command', '')}` ({stamp_line(data['stamp'])}). {meaning}",
+        *(["", data["model"]] if data.get("model") else []),
+        "",
+    ]
     if summary:
         lines += ["Chunkloss against the best peer in each case (below 1: faster / less):", "", *summary, ""]
     lines += rows_table(name, rows)
-    growth = [f"| {impl} | {_num(v['gib_per_1k_tokens'])} | {v['longest_tokens']} |"
-              for impl, v in (data.get("summary") or {}).items()]
+    growth = [
+        f"| {impl} | {_num(v['gib_per_1k_tokens'])} | {v['longest_tokens']} |"
+        for impl, v in (data.get("summary") or {}).items()
+    ]
     if growth:
-        lines += ["", "| implementation | GPU GiB per 1k tokens | longest run (tokens) |", "|---|---|---|",
-                  *growth]
+        lines += [
+            "",
+            "| implementation | GPU GiB per 1k tokens | longest run (tokens) |",
+            "|---|---|---|",
+            *growth,
+        ]
     notes = data.get("notes") or []
     return "\n".join(lines + ([""] + [f"- {n}" for n in notes] if notes else [])) + "\n"
 
@@ -401,21 +502,35 @@ def readme_block(losses: dict) -> list[str]:
 
 
 def docs_page(sets: dict) -> str:
-    lines = ["# Benchmarks", "", "Generated by `python -m benchmarks.report` from the result files in "
-             "`benchmarks/results/`; do not edit by hand. Each section names the command that measured it, "
-             "the GPU, the date and the library versions. Ratios: chunkloss over the fastest peer's time and "
-             "over the smallest peer memory in the same case (below 1: better).", "", *RUNNING]  # fmt: skip
+    lines = [
+        "# Benchmarks",
+        "",
+        "Generated by `python -m benchmarks.report` from the result files in "
+        "`benchmarks/results/`; do not edit by hand. Each section names the command that measured it, "
+        "the GPU, the date and the library versions. Ratios: chunkloss over the fastest peer's time and "
+        "over the smallest peer memory in the same case (below 1: better).",
+        "",
+        *RUNNING,
+    ]
     for name in sorted(sets, key=lambda n: (list(KINDS).index(kind(n)), n)):
         data, (title, _, _, meaning) = sets[name], KINDS[kind(name)]
         summary = summary_table(records(name, data))
-        lines += ["", f"## {title} (`{name}`)", "", f"`{data['stamp'].get('command', '')}` "
-                  f"({stamp_line(data['stamp'])}). {meaning}", ""]  # fmt: skip
+        lines += [
+            "",
+            f"## {title} (`{name}`)",
+            "",
+            f"`{data['stamp'].get('command', '')}` ({stamp_line(data['stamp'])}). {meaning}",
+            "",
+        ]
         if name == "losses":
             lines += [*peer_table(data, list(dict.fromkeys(r["case"] for r in data["rows"]))), ""]
         elif summary:
             lines += [*summary, ""]
-        lines += [f"Every row: [`{name}.md`](../benchmarks/results/{name}.md).", "",
-                  f"![{name}](../benchmarks/results/{name}.png)"]  # fmt: skip
+        lines += [
+            f"Every row: [`{name}.md`](../benchmarks/results/{name}.md).",
+            "",
+            f"![{name}](../benchmarks/results/{name}.png)",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -434,8 +549,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results", type=pathlib.Path, default=RESULTS, help="folder of the result json files")
     p.add_argument("--docs", type=pathlib.Path, default=ROOT / "docs" / "benchmarks.md")
     p.add_argument("--readme", type=pathlib.Path, default=ROOT / "README.md")
-    p.add_argument("--merge", type=pathlib.Path, nargs="+", metavar="DIR",
-                   help="first merge the bench_e2e files under these folders into --results")  # fmt: skip
+    p.add_argument(
+        "--merge",
+        type=pathlib.Path,
+        nargs="+",
+        metavar="DIR",
+        help="first merge the bench_e2e files under these folders into --results",
+    )
     a = p.parse_args(argv)
     if a.merge:
         print("merged", ", ".join(merge(a.results, a.merge)))

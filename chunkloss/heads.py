@@ -225,9 +225,15 @@ def add_medusa_heads(
         return old
     weight = lm_head.weight
     heads = MedusaHeads(
-        weight.shape[1], weight.shape[0], num_heads, num_layers, weight.detach(), share,
-        device=weight.device, dtype=weight.dtype,
-    )  # fmt: skip
+        weight.shape[1],
+        weight.shape[0],
+        num_heads,
+        num_layers,
+        weight.detach(),
+        share,
+        device=weight.device,
+        dtype=weight.dtype,
+    )
     model.medusa_heads = heads
     cfg.medusa_num_heads, cfg.medusa_num_layers, cfg.medusa_share_lm_head = num_heads, num_layers, share
     return heads

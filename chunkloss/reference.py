@@ -312,9 +312,19 @@ def grpo_loss_from_logps_ref(
     sapo = (sapo_temperature_pos, sapo_temperature_neg)
     vespo = (vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg)
     per_token_loss, coef_1, phi_seq = _grpo_policy_term_ref(
-        loss_type, logps, log_ratio, coef_1, adv, mask, importance_sampling_ratio, epsilon_low, eps_hi, delta,
-        sapo, vespo,
-    )  # fmt: skip
+        loss_type,
+        logps,
+        log_ratio,
+        coef_1,
+        adv,
+        mask,
+        importance_sampling_ratio,
+        epsilon_low,
+        eps_hi,
+        delta,
+        sapo,
+        vespo,
+    )
     if off_policy_mask_threshold is not None:
         per_token_loss = per_token_loss * off_policy_mask
     if entropy_mask is not None:
@@ -333,17 +343,38 @@ def grpo_loss_from_logps_ref(
 
     kl = per_token_kl.detach() if beta != 0.0 else None
     metrics = _grpo_metrics_ref(
-        mask, adv, coef_1.detach(), entropies, kl, loss_type, epsilon_low, eps_hi,
+        mask,
+        adv,
+        coef_1.detach(),
+        entropies,
+        kl,
+        loss_type,
+        epsilon_low,
+        eps_hi,
         phi_seq,
-    )  # fmt: skip
+    )
     if entropy_coef != 0.0:
         metrics["policy_loss"] = policy_loss
     return loss, metrics
 
 
-def grpo_ref(hidden, weight, completion_ids, completion_mask, advantages, bias=None, *, ref_hidden=None,
-             ref_weight=None, ref_bias=None, ref_logps=None, temperature=1.0, logit_scale=1.0, softcap=None,
-             **kw):  # fmt: skip
+def grpo_ref(
+    hidden,
+    weight,
+    completion_ids,
+    completion_mask,
+    advantages,
+    bias=None,
+    *,
+    ref_hidden=None,
+    ref_weight=None,
+    ref_bias=None,
+    ref_logps=None,
+    temperature=1.0,
+    logit_scale=1.0,
+    softcap=None,
+    **kw,
+):
     """fp32 GRPO loss of the materialised logits (and reference head): (loss, metrics)."""
     tf = dict(temperature=temperature, logit_scale=logit_scale, softcap=softcap)
     logp, ent = grpo_logps_ref(hidden, weight, bias, completion_ids, **tf)
@@ -382,8 +413,19 @@ def rloo_loss_from_logps_ref(
     return loss, metrics
 
 
-def rloo_ref(hidden, weight, completion_ids, completion_mask, advantages, bias=None, *, temperature=1.0,
-             logit_scale=1.0, softcap=None, **kw):  # fmt: skip
+def rloo_ref(
+    hidden,
+    weight,
+    completion_ids,
+    completion_mask,
+    advantages,
+    bias=None,
+    *,
+    temperature=1.0,
+    logit_scale=1.0,
+    softcap=None,
+    **kw,
+):
     """fp32 RLOO loss of the materialised logits: (loss, metrics)."""
     tf = dict(temperature=temperature, logit_scale=logit_scale, softcap=softcap)
     logp, ent = grpo_logps_ref(hidden, weight, bias, completion_ids, **tf)
@@ -402,8 +444,18 @@ def _pref_token_logps(hidden, weight, bias, labels, ignore_index, logit_scale=1.
     return z, logp, mask
 
 
-def _pref_logps(hidden, weight, bias, chosen, rejected, ignore_index, average, ld_alpha=None, logit_scale=1.0,
-                softcap=None):  # fmt: skip
+def _pref_logps(
+    hidden,
+    weight,
+    bias,
+    chosen,
+    rejected,
+    ignore_index,
+    average,
+    ld_alpha=None,
+    logit_scale=1.0,
+    softcap=None,
+):
     """Per-sequence log-probs (2B,) as TRL sums them (``ld_alpha``: DPOTrainer's shared/tail split)."""
     labels = torch.cat([chosen, rejected])
     z, logp, mask = _pref_token_logps(hidden, weight, bias, labels, ignore_index, logit_scale, softcap)
@@ -540,8 +592,18 @@ def dpo_ref(
     )
     if ref_hidden is not None:
         with torch.no_grad():
-            ref = _pref_logps(ref_hidden, ref_weight, ref_bias, chosen, rejected, ignore_index,
-                              average_log_prob, ld_alpha, logit_scale, softcap)[0]  # fmt: skip
+            ref = _pref_logps(
+                ref_hidden,
+                ref_weight,
+                ref_bias,
+                chosen,
+                rejected,
+                ignore_index,
+                average_log_prob,
+                ld_alpha,
+                logit_scale,
+                softcap,
+            )[0]
     elif ref_chosen_logps is not None:
         ref = torch.cat([ref_chosen_logps, ref_rejected_logps]).float()
     else:
@@ -555,9 +617,19 @@ def dpo_ref(
     mc, mr = mask.chunk(2)
     sft = -logp.chunk(2)[0].sum() / mc.sum().clamp(min=1)
     pair = SimpleNamespace(
-        c=c, r=r, ref_c=ref_c, ref_r=ref_r, lc=lc, lr=lr, sc=sc, sr=sr, d=sc - sr,
-        nc=mc.sum(1).clamp(min=1), nr=mr.sum(1).clamp(min=1), sft=sft,
-    )  # fmt: skip
+        c=c,
+        r=r,
+        ref_c=ref_c,
+        ref_r=ref_r,
+        lc=lc,
+        lr=lr,
+        sc=sc,
+        sr=sr,
+        d=sc - sr,
+        nc=mc.sum(1).clamp(min=1),
+        nr=mr.sum(1).clamp(min=1),
+        sft=sft,
+    )
     loss = 0.0
     for t, wt in zip(types, weights):
         per = _dpo_type_ref(t, pair, beta, label_smoothing, discopop_tau)
@@ -575,17 +647,32 @@ def dpo_ref(
 def _nll_chosen(z, nll_labels, ignore_index):
     zc = z[: nll_labels.shape[0]]
     valid = nll_labels != ignore_index
-    nll = F.cross_entropy(zc.reshape(-1, zc.shape[-1]), nll_labels.reshape(-1), ignore_index=ignore_index,
-                          reduction="sum")  # fmt: skip
+    nll = F.cross_entropy(
+        zc.reshape(-1, zc.shape[-1]), nll_labels.reshape(-1), ignore_index=ignore_index, reduction="sum"
+    )
     return nll / valid.sum().clamp(min=1)
 
 
-def orpo_ref(hidden, weight, chosen, rejected, bias=None, *, nll_labels=None, beta=0.1, ignore_index=-100,
-             logit_scale=1.0, softcap=None, return_token_metrics=False, logit_rows=None):  # fmt: skip
+def orpo_ref(
+    hidden,
+    weight,
+    chosen,
+    rejected,
+    bias=None,
+    *,
+    nll_labels=None,
+    beta=0.1,
+    ignore_index=-100,
+    logit_scale=1.0,
+    softcap=None,
+    return_token_metrics=False,
+    logit_rows=None,
+):
     """``ORPOTrainer.get_batch_loss_metrics`` (TRL 1.16) on fp32 logits; ``logits/*`` averaged over
     completion tokens; a pair with an empty completion adds 0 to the odds-ratio term."""
-    seq, z, logp, mask = _pref_logps(hidden, weight, bias, chosen, rejected, ignore_index, True,
-                                     logit_scale=logit_scale, softcap=softcap)  # fmt: skip
+    seq, z, logp, mask = _pref_logps(
+        hidden, weight, bias, chosen, rejected, ignore_index, True, logit_scale=logit_scale, softcap=softcap
+    )
     c, r = seq.chunk(2)
     valid = (mask.chunk(2)[0].any(1)) & (mask.chunk(2)[1].any(1))
     cs, rs = torch.where(valid, c, -1.0), torch.where(valid, r, -1.0)
@@ -606,14 +693,37 @@ def orpo_ref(hidden, weight, chosen, rejected, bias=None, *, nll_labels=None, be
 
 
 def cpo_ref(
-    hidden, weight, chosen, rejected, bias=None, *, nll_labels=None, beta=0.1, loss_type="sigmoid",
-    label_smoothing=0.0, cpo_alpha=1.0, simpo_gamma=0.5, alpha=0.0, ignore_index=-100, logit_scale=1.0,
-    softcap=None, return_token_metrics=False, logit_rows=None,
-):  # fmt: skip
+    hidden,
+    weight,
+    chosen,
+    rejected,
+    bias=None,
+    *,
+    nll_labels=None,
+    beta=0.1,
+    loss_type="sigmoid",
+    label_smoothing=0.0,
+    cpo_alpha=1.0,
+    simpo_gamma=0.5,
+    alpha=0.0,
+    ignore_index=-100,
+    logit_scale=1.0,
+    softcap=None,
+    return_token_metrics=False,
+    logit_rows=None,
+):
     """``CPOTrainer.cpo_loss`` + NLL (TRL 1.16) on fp32 logits; SimPO is ``loss_type="simpo"``."""
-    seq, z, logp, mask = _pref_logps(hidden, weight, bias, chosen, rejected, ignore_index,
-                                     loss_type in ("ipo", "simpo"), logit_scale=logit_scale,
-                                     softcap=softcap)  # fmt: skip
+    seq, z, logp, mask = _pref_logps(
+        hidden,
+        weight,
+        bias,
+        chosen,
+        rejected,
+        ignore_index,
+        loss_type in ("ipo", "simpo"),
+        logit_scale=logit_scale,
+        softcap=softcap,
+    )
     c, r = seq.chunk(2)
     if alpha != 0.0:
         c, r = (1 - torch.exp(c).pow(-alpha)) / alpha, (1 - torch.exp(r).pow(-alpha)) / alpha
@@ -639,10 +749,25 @@ def cpo_ref(
 
 # --- KTO ---------------------------------------------------------------------------------------------
 def kto_ref(
-    hidden, weight, labels, desirable, bias=None, *, ref_logps, kl_logps=None, ref_kl_logps=None,
-    kl_gather=None, beta=0.1, loss_type="kto", desirable_weight=1.0, undesirable_weight=1.0,
-    ignore_index=-100, logit_scale=1.0, softcap=None, return_token_metrics=False,
-):  # fmt: skip
+    hidden,
+    weight,
+    labels,
+    desirable,
+    bias=None,
+    *,
+    ref_logps,
+    kl_logps=None,
+    ref_kl_logps=None,
+    kl_gather=None,
+    beta=0.1,
+    loss_type="kto",
+    desirable_weight=1.0,
+    undesirable_weight=1.0,
+    ignore_index=-100,
+    logit_scale=1.0,
+    softcap=None,
+    return_token_metrics=False,
+):
     """``trl.KTOTrainer._compute_loss`` (TRL 1.16) on fp32 logits, written as it is there: the completions
     split by ``desirable``, the KL term detached, gathered (``kl_gather``), averaged and clamped at 0, the
     losses of both sides concatenated and averaged. A side with no completion gives metrics of 0."""

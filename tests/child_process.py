@@ -51,11 +51,23 @@ class _Child:
         self.tmp = tempfile.TemporaryDirectory()
         self.reports = Path(self.tmp.name) / "reports.jsonl"
         self.output = open(Path(self.tmp.name) / "output.txt", "w+")
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", __name__,
-                   "--basetemp", str(Path(self.tmp.name) / "tmp"), *nodes]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            __name__,
+            "--basetemp",
+            str(Path(self.tmp.name) / "tmp"),
+            *nodes,
+        ]
         env = {**os.environ, _CHILD: "1", _REPORTS: str(self.reports)}
-        self.process = subprocess.Popen(command, env=env, cwd=_ROOT, stdout=self.output,
-                                        stderr=subprocess.STDOUT)  # fmt: skip
+        self.process = subprocess.Popen(
+            command, env=env, cwd=_ROOT, stdout=self.output, stderr=subprocess.STDOUT
+        )
         self.read = 0  # lines of the reports already taken
         self.phases: dict[str, list[dict]] = {}
 

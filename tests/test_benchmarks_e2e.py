@@ -40,11 +40,16 @@ def test_floor_gemms_drop_frozen_weight_gradients_and_add_the_recompute():
 
 
 def test_kernel_kinds_and_idle_time_from_the_union_of_intervals():
-    names = {"sm90_xmma_gemm_bf16": "gemm", "nvjet_tst_128x256": "gemm", "flash_fwd_kernel": "attention",
-             "void at::native::multi_tensor_apply_kernel<Adam>": "optimizer",
-             "_rms_norm_fwd_kernel": "triton", "void at::native::elementwise_kernel<copy>": "copies",
-             "void at::native::reduce_kernel": "other",
-             "ncclDevKernel_AllGather_RING_LL": "comm"}  # fmt: skip
+    names = {
+        "sm90_xmma_gemm_bf16": "gemm",
+        "nvjet_tst_128x256": "gemm",
+        "flash_fwd_kernel": "attention",
+        "void at::native::multi_tensor_apply_kernel<Adam>": "optimizer",
+        "_rms_norm_fwd_kernel": "triton",
+        "void at::native::elementwise_kernel<copy>": "copies",
+        "void at::native::reduce_kernel": "other",
+        "ncclDevKernel_AllGather_RING_LL": "comm",
+    }
     assert {n: harness.kernel_kind(n) for n in names} == names
     cuda = harness.torch.autograd.DeviceType.CUDA
 
@@ -52,8 +57,12 @@ def test_kernel_kinds_and_idle_time_from_the_union_of_intervals():
         span = types.SimpleNamespace(start=start, end=end)
         return types.SimpleNamespace(name=name, device_type=cuda, time_range=span)
 
-    spans = [event("x_gemm", 0, 4000), event("_k_kernel", 2000, 5000), event("flash_bwd", 7000, 8000),
-             event("ncclDevKernel_ReduceScatter", 4500, 7500)]  # fmt: skip
+    spans = [
+        event("x_gemm", 0, 4000),
+        event("_k_kernel", 2000, 5000),
+        event("flash_bwd", 7000, 8000),
+        event("ncclDevKernel_ReduceScatter", 4500, 7500),
+    ]
     prof = types.SimpleNamespace(events=lambda: spans)
     # 10 ms over two steps, 8 ms busy; from 5 to 7 ms only the collective runs
     parts = harness.kernel_time(prof, wall_s=0.010, steps=2)
@@ -74,8 +83,23 @@ def test_each_implementation_runs_in_its_own_process_and_the_floor_runs(tmp_path
         assert len(r["step_times_s"]) == 2 and r["step_time_s"] > 0 and r["tokens_per_s"] > 0
     # Medusa's own loss on materialised fp32 logits and the chunked one: the same sums in another order.
     medusa = tmp_path / "medusa.json"
-    assert bench_e2e.main([*SMOKE, "--loss", "medusa", "--medusa-stage", "2", "--impl", "trl,chunkloss",
-                           "--no-kernels", "--out", str(medusa)]) == 0  # fmt: skip
+    assert (
+        bench_e2e.main(
+            [
+                *SMOKE,
+                "--loss",
+                "medusa",
+                "--medusa-stage",
+                "2",
+                "--impl",
+                "trl,chunkloss",
+                "--no-kernels",
+                "--out",
+                str(medusa),
+            ]
+        )
+        == 0
+    )
     hf, ours = json.loads(medusa.read_text())["sweep"]
     assert hf["losses"] == pytest.approx(ours["losses"], rel=1e-4) and len(hf["losses"]) == 3
     floor = tmp_path / "floor.json"
@@ -150,8 +174,11 @@ def test_qlora_floor_adds_the_dequantisation_of_each_4bit_weight(monkeypatch):
 
 def test_qlora_without_bitsandbytes_gets_one_line(monkeypatch, capsys):
     real = bench_e2e.importlib.util.find_spec
-    monkeypatch.setattr(bench_e2e.importlib.util, "find_spec",
-                        lambda name, *a: None if name == "bitsandbytes" else real(name, *a))  # fmt: skip
+    monkeypatch.setattr(
+        bench_e2e.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "bitsandbytes" else real(name, *a),
+    )
     with pytest.raises(SystemExit):
         bench_e2e.main([*SMOKE, "--task", "qlora", "--out", "x.json"])
     assert "--task qlora needs bitsandbytes" in capsys.readouterr().err

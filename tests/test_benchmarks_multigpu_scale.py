@@ -24,10 +24,24 @@ from tests.child_process import in_child_process
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--model", "tiny", "--seq-len", "16", "--steps", "2", "--warmup", "1"]
 RUN_KEYS = {
-    "trainer", "backend", "impl", "model", "seq_len", "world", "gradient_checkpointing", "batch", "oom",
-    "step_times_s", "median_step_time_s", "tokens_per_step", "tokens_per_s", "tokens_per_s_per_gpu",
-    "peak_memory_gib", "stamp", "head_memory",
-}  # fmt: skip
+    "trainer",
+    "backend",
+    "impl",
+    "model",
+    "seq_len",
+    "world",
+    "gradient_checkpointing",
+    "batch",
+    "oom",
+    "step_times_s",
+    "median_step_time_s",
+    "tokens_per_step",
+    "tokens_per_s",
+    "tokens_per_s_per_gpu",
+    "peak_memory_gib",
+    "stamp",
+    "head_memory",
+}
 
 
 @pytest.fixture(autouse=True)
@@ -54,15 +68,50 @@ def _oom_from(batch: int, monkeypatch) -> None:
 def test_sweeps_and_summary(tmp_path, monkeypatch):
     ours, trl = tmp_path / "sft_none_chunked", tmp_path / "sft_none_trl"
     _oom_from(4, monkeypatch)
-    assert multigpu_scale.main(["--trainer", "sft", "--impl", "chunked", "--batch-sizes", "1,2,4,8", *TINY,
-                                "--out", str(ours)]) == 0  # fmt: skip
+    assert (
+        multigpu_scale.main(
+            ["--trainer", "sft", "--impl", "chunked", "--batch-sizes", "1,2,4,8", *TINY, "--out", str(ours)]
+        )
+        == 0
+    )
     # A budget already spent (it counts from the process start): the batch after the first is skipped.
-    assert multigpu_scale.main(["--trainer", "sft", "--impl", "trl", "--batch-sizes", "1,2", *TINY,
-                                "--time-budget-s", "0.001", "--out", str(trl)]) == 0  # fmt: skip
+    assert (
+        multigpu_scale.main(
+            [
+                "--trainer",
+                "sft",
+                "--impl",
+                "trl",
+                "--batch-sizes",
+                "1,2",
+                *TINY,
+                "--time-budget-s",
+                "0.001",
+                "--out",
+                str(trl),
+            ]
+        )
+        == 0
+    )
     # A profiled run: its own set, not a row of the scale.
     profiled = tmp_path / "sft_none_chunked_profile"
-    assert multigpu_scale.main(["--trainer", "sft", "--impl", "chunked", "--batch-sizes", "1", *TINY,
-                                "--profile", "--out", str(profiled)]) == 0  # fmt: skip
+    assert (
+        multigpu_scale.main(
+            [
+                "--trainer",
+                "sft",
+                "--impl",
+                "chunked",
+                "--batch-sizes",
+                "1",
+                *TINY,
+                "--profile",
+                "--out",
+                str(profiled),
+            ]
+        )
+        == 0
+    )
 
     r = json.loads((ours / "batch_2.json").read_text())
     assert RUN_KEYS <= set(r) and r["oom"] is False
@@ -83,12 +132,21 @@ def test_sweeps_and_summary(tmp_path, monkeypatch):
     assert {"stamp", "head_memory", "runs", "notes"} <= set(data) and data["notes"] == []
     assert set(data["head_memory"]) == {"tiny"}
     statuses = [(r["impl"], r["batch"], r["status"]) for r in data["runs"]]
-    assert statuses == [("chunked", 1, "ok"), ("chunked", 2, "ok"), ("chunked", 4, "oom"), ("trl", 1, "ok"),
-                        ("trl", 2, "skipped")]  # fmt: skip
+    assert statuses == [
+        ("chunked", 1, "ok"),
+        ("chunked", 2, "ok"),
+        ("chunked", 4, "oom"),
+        ("trl", 1, "ok"),
+        ("trl", 2, "skipped"),
+    ]
     rows = report.records("multigpu_scale", data)
-    assert [(r["impl"], r["error"]) for r in rows] == [("chunked", None), ("chunked", None),
-                                                       ("chunked", "oom"), ("trl", None),
-                                                       ("trl", "skipped")]  # fmt: skip
+    assert [(r["impl"], r["error"]) for r in rows] == [
+        ("chunked", None),
+        ("chunked", None),
+        ("chunked", "oom"),
+        ("trl", None),
+        ("trl", "skipped"),
+    ]
     assert rows[0]["time"] == data["runs"][0]["median_step_time_s"]
     assert (tmp_path / "multigpu_scale.png").stat().st_size > 5_000
     assert json.loads((tmp_path / "multigpu_scale.json").read_text())["runs"] == data["runs"]
@@ -122,19 +180,38 @@ def test_a_batch_frees_its_model_before_it_returns(tmp_path, impl, monkeypatch):
 
     monkeypatch.setattr(multigpu_scale, "build_model", build_model)
     monkeypatch.setattr(multigpu_scale, "run_batch", run_batch)
-    assert multigpu_scale.main(["--trainer", "sft", "--impl", impl, "--batch-sizes", "1", *TINY,
-                                "--out", str(tmp_path / impl)]) == 0  # fmt: skip
+    assert (
+        multigpu_scale.main(
+            ["--trainer", "sft", "--impl", impl, "--batch-sizes", "1", *TINY, "--out", str(tmp_path / impl)]
+        )
+        == 0
+    )
     assert alive == [False]
 
 
 def test_remaining_relaunches_after_progress_and_notes_a_failed_batch(tmp_path):
     run = tmp_path / "dpo_fsdp2_chunked"
     run.mkdir()
-    setting = {"trainer": "dpo", "backend": "fsdp2", "impl": "chunked", "model": "tiny", "seq_len": 16,
-               "world": 2, "gradient_checkpointing": True, "batch_sizes": [1, 2, 4]}  # fmt: skip
+    setting = {
+        "trainer": "dpo",
+        "backend": "fsdp2",
+        "impl": "chunked",
+        "model": "tiny",
+        "seq_len": 16,
+        "world": 2,
+        "gradient_checkpointing": True,
+        "batch_sizes": [1, 2, 4],
+    }
     (run / "setting.json").write_text(json.dumps(setting))
-    ok = {k: v for k, v in setting.items() if k != "batch_sizes"} | {"batch": 1, "oom": False, "steps": 2,
-          "warmup": 1, "median_step_time_s": 0.5, "tokens_per_s": 64.0, "peak_memory_gib": None}  # fmt: skip
+    ok = {k: v for k, v in setting.items() if k != "batch_sizes"} | {
+        "batch": 1,
+        "oom": False,
+        "steps": 2,
+        "warmup": 1,
+        "median_step_time_s": 0.5,
+        "tokens_per_s": 64.0,
+        "peak_memory_gib": None,
+    }
     (run / "batch_1.json").write_text(json.dumps(ok))
     (run / "batch_1.started").write_text("0\n")
     (run / "batch_2.started").write_text("0\n")
@@ -147,8 +224,10 @@ def test_remaining_relaunches_after_progress_and_notes_a_failed_batch(tmp_path):
     runs, notes = multigpu_scale.collect(tmp_path)
     assert [(r["batch"], r["status"]) for r in runs] == [(1, "ok"), (2, "failed")]
     assert runs[1]["reason"] == "RuntimeError: NCCL error"
-    assert notes == ["dpo_fsdp2_chunked, batch 2: RuntimeError: NCCL error",
-                     "zero3: ImportError: no deepspeed"]  # fmt: skip
+    assert notes == [
+        "dpo_fsdp2_chunked, batch 2: RuntimeError: NCCL error",
+        "zero3: ImportError: no deepspeed",
+    ]
 
 
 @pytest.mark.slow  # two processes importing torch, transformers and TRL: about 14 s on two CPU cores

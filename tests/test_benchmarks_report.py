@@ -60,34 +60,63 @@ def _loss(case, impl, ms=None, gib=None, error=None):
 
 
 def test_ratios_are_against_the_fastest_and_the_smallest_peer_that_ran():
-    rows = report.records("losses", {"stamp": STAMP, "rows": [
-        _loss("a", "chunkloss", 10.0, 1.0), _loss("a", "chunkloss (bf16 accum)", 9.0, 0.5),
-        _loss("a", "torch", 8.0, 4.0), _loss("a", "liger", 12.0, 2.0), _loss("a", "cce", error="OOM"),
-        _loss("b", "chunkloss", 5.0, 1.0), _loss("b", "torch", error="OOM"),
-    ]})  # fmt: skip
+    rows = report.records(
+        "losses",
+        {
+            "stamp": STAMP,
+            "rows": [
+                _loss("a", "chunkloss", 10.0, 1.0),
+                _loss("a", "chunkloss (bf16 accum)", 9.0, 0.5),
+                _loss("a", "torch", 8.0, 4.0),
+                _loss("a", "liger", 12.0, 2.0),
+                _loss("a", "cce", error="OOM"),
+                _loss("b", "chunkloss", 5.0, 1.0),
+                _loss("b", "torch", error="OOM"),
+            ],
+        },
+    )
     by = {(s["case"], s["impl"]): s for s in report.against_best_peer(rows)}
     a = by[("a", "chunkloss")]
     assert (a["best_time_peer"], a["best_memory_peer"]) == ("torch", "liger")
     assert a["time_ratio"] == pytest.approx(10 / 8) and a["memory_ratio"] == pytest.approx(1 / 2)
     assert by[("a", "chunkloss (bf16 accum)")]["time_ratio"] == pytest.approx(9 / 8)
     assert by[("b", "chunkloss")]["time_ratio"] is None  # no peer ran
-    md = report.set_md("losses", {"stamp": STAMP, "rows": [_loss("a", "chunkloss", 10.0, 1.0),
-                                                             _loss("a", "torch", 8.0, 4.0)]})  # fmt: skip
+    md = report.set_md(
+        "losses",
+        {"stamp": STAMP, "rows": [_loss("a", "chunkloss", 10.0, 1.0), _loss("a", "torch", 8.0, 4.0)]},
+    )
     assert "| a | chunkloss | 1.25 (torch) | 0.25 (torch) |" in md
 
 
 def _run(impl, batch, time=None, mem=None, oom=False, **setting):
-    r = {"shape": "tiny", "task": "full", "loss": "sft", "seq": 64, "gc": False, "impl": impl, "batch": batch,
-         "oom": oom} | setting  # fmt: skip
+    r = {
+        "shape": "tiny",
+        "task": "full",
+        "loss": "sft",
+        "seq": 64,
+        "gc": False,
+        "impl": impl,
+        "batch": batch,
+        "oom": oom,
+    } | setting
     return r | ({"error": "OOM"} if oom else {"step_time_s": time, "peak_mem_gib": mem})
 
 
 def test_e2e_rows_compare_each_batch_and_setting_with_the_best_peer():
-    sweep = [_run("trl", 8, 1.0, 30.0), _run("liger", 8, 0.8, 25.0), _run("compile", 8, 0.9, 20.0),
-             _run("chunkloss", 8, 0.6, 15.0), _run("trl", 16, oom=True), _run("chunkloss", 16, 1.1, 28.0),
-             _run("liger", 8, 2.0, 30.0, gc=True), _run("chunkloss", 8, 1.0, 10.0, gc=True)]  # fmt: skip
-    s = {(x["case"], x["impl"]): x for x in report.against_best_peer(report.records("e2e_full_sft",
-                                                                                       {"sweep": sweep}))}
+    sweep = [
+        _run("trl", 8, 1.0, 30.0),
+        _run("liger", 8, 0.8, 25.0),
+        _run("compile", 8, 0.9, 20.0),
+        _run("chunkloss", 8, 0.6, 15.0),
+        _run("trl", 16, oom=True),
+        _run("chunkloss", 16, 1.1, 28.0),
+        _run("liger", 8, 2.0, 30.0, gc=True),
+        _run("chunkloss", 8, 1.0, 10.0, gc=True),
+    ]
+    s = {
+        (x["case"], x["impl"]): x
+        for x in report.against_best_peer(report.records("e2e_full_sft", {"sweep": sweep}))
+    }
     off = s[("tiny full sft 64 tok gc off b=8", "chunkloss")]
     on = s[("tiny full sft 64 tok gc on b=8", "chunkloss")]
     assert (off["best_time_peer"], off["best_memory_peer"]) == ("liger", "compile")
@@ -97,11 +126,26 @@ def test_e2e_rows_compare_each_batch_and_setting_with_the_best_peer():
 
 
 def test_multigpu_scale_rows_take_the_fullest_gpu_and_name_kernels_off():
-    runs = [{"model": "m", "trainer": "dpo", "backend": "zero3", "gradient_checkpointing": True, "batch": 1,
-             "impl": impl, "status": "ok", "median_step_time_s": t, "tokens_per_s": 10 / t, "kernels": k,
-             "peak_memory_gib": [{"rank": 0, "allocated": m0}, {"rank": 1, "allocated": m1}]}
-            for impl, t, k, m0, m1 in (("chunked", 0.8, True, 30.0, 31.0), ("trl", 1.0, False, 40.0, 39.0),
-                                       ("chunked", 0.9, False, 35.0, 34.0))]  # fmt: skip
+    runs = [
+        {
+            "model": "m",
+            "trainer": "dpo",
+            "backend": "zero3",
+            "gradient_checkpointing": True,
+            "batch": 1,
+            "impl": impl,
+            "status": "ok",
+            "median_step_time_s": t,
+            "tokens_per_s": 10 / t,
+            "kernels": k,
+            "peak_memory_gib": [{"rank": 0, "allocated": m0}, {"rank": 1, "allocated": m1}],
+        }
+        for impl, t, k, m0, m1 in (
+            ("chunked", 0.8, True, 30.0, 31.0),
+            ("trl", 1.0, False, 40.0, 39.0),
+            ("chunked", 0.9, False, 35.0, 34.0),
+        )
+    ]
     runs.append({**runs[1], "impl": "liger", "batch": 2, "status": "oom", "peak_memory_gib": None})
     rows = report.records("multigpu_scale", {"runs": runs})
     assert [r["impl"] for r in rows] == ["chunked", "trl", "chunked (no kernels)", "liger"]
@@ -114,11 +158,17 @@ def test_multigpu_scale_rows_take_the_fullest_gpu_and_name_kernels_off():
 def test_merge_groups_runs_by_task_and_loss_and_newer_rows_replace_older(tmp_path):
     a, b, out = tmp_path / "a", tmp_path / "b", tmp_path / "out"
     a.mkdir(), b.mkdir(), out.mkdir()
-    first = {"stamp": STAMP, "mode": "e2e",
-             "sweep": [_run("trl", 8, 1.0, 30.0), _run("chunkloss", 8, 0.7, 20.0)]}  # fmt: skip
+    first = {
+        "stamp": STAMP,
+        "mode": "e2e",
+        "sweep": [_run("trl", 8, 1.0, 30.0), _run("chunkloss", 8, 0.7, 20.0)],
+    }
     (a / "x.json").write_text(json.dumps(first))
-    second = {"stamp": STAMP, "mode": "e2e", "sweep": [_run("chunkloss", 8, 0.6, 19.0),
-                                                       _run("trl", 8, 2.0, 9.0, task="lora")]}  # fmt: skip
+    second = {
+        "stamp": STAMP,
+        "mode": "e2e",
+        "sweep": [_run("chunkloss", 8, 0.6, 19.0), _run("trl", 8, 2.0, 9.0, task="lora")],
+    }
     (b / "y.json").write_text(json.dumps(second))
     floor = {"stamp": STAMP, "mode": "floor", "rows": [{"case": "c", "impl": "floor", "ms": 5.0}]}
     (b / "z.json").write_text(json.dumps(floor))
@@ -143,8 +193,9 @@ def test_every_benchmark_module_imports_against_the_public_api(module):
     importlib.import_module(f"benchmarks.{module}")
 
 
-@pytest.mark.parametrize("module", ["cases_ce", "cases_grpo", "cases_jsd", "cases_kto", "cases_preference",
-                                    "cases_rloo"])  # fmt: skip
+@pytest.mark.parametrize(
+    "module", ["cases_ce", "cases_grpo", "cases_jsd", "cases_kto", "cases_preference", "cases_rloo"]
+)
 def test_every_loss_case_offers_chunkloss_and_plain_torch(module):
     cases = importlib.import_module(f"benchmarks.{module}").cases()
     assert cases

@@ -149,8 +149,11 @@ def test_tiny_config_warns_nothing_of_ours(tmp_path, name, extra):
         warnings.filterwarnings("error", module=r"chunkloss(\.|$)")
         summary, _ = _train(name, tmp_path, "--max_steps", "2", "--logging_steps", "1", *extra)
     assert summary["steps"] == 2
-    deprecations = [f"{w.filename}:{w.lineno}: {w.message}" for w in seen
-                    if issubclass(w.category, FutureWarning | DeprecationWarning)]  # fmt: skip
+    deprecations = [
+        f"{w.filename}:{w.lineno}: {w.message}"
+        for w in seen
+        if issubclass(w.category, FutureWarning | DeprecationWarning)
+    ]
     assert deprecations == []
 
 

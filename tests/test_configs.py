@@ -440,8 +440,9 @@ def test_load_in_4bit_without_bitsandbytes_is_one_line(tmp_path, monkeypatch, ca
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "bitsandbytes" else real(name, *a))  # fmt: skip
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a)
+    )
     path = tmp_path / "qlora.yaml"
     path.write_text(_tiny("sft", QLORA))
     assert main(["train", str(path)]) == 2

@@ -184,7 +184,7 @@ def test_engine_and_losses_use_no_private_names_of_other_modules():
                 "    from chunkloss.trainers import gkd\n"
             },
             "wrong way",
-        ),  # fmt: skip
+        ),
         ({"chunkloss/trainers/sft.py": "from chunkloss.cli import main\n"}, "wrong way"),
         ({"chunkloss/engine/plan.py": "from chunkloss.engine import loop\n"}, "cycle"),
         (

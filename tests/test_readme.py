@@ -163,8 +163,13 @@ def test_the_readme_quick_check_collects_a_subset_without_errors():
     assert "-m" in quick[3:] and quick[-1] == full[-1], quick
 
     def collected(command: list[str]) -> int:
-        run = subprocess.run([sys.executable, *command[1:], "--collect-only"], cwd=ROOT, capture_output=True,
-                             text=True, timeout=300)  # fmt: skip
+        run = subprocess.run(
+            [sys.executable, *command[1:], "--collect-only"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
         return int(re.search(r"^(\d+)(?:/\d+)? tests? collected", run.stdout, re.M).group(1))
 

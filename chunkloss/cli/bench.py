@@ -64,21 +64,29 @@ def bench(argv: list[str]) -> int:
     targets, rest = _targets(argv)
     for t in targets:
         if t not in BENCHES:
-            print(f"chunkloss: error: unknown benchmark {t!r}; choose losses, kernels, e2e or all",
-                  file=sys.stderr)
+            print(
+                f"chunkloss: error: unknown benchmark {t!r}; choose losses, kernels, e2e or all",
+                file=sys.stderr,
+            )
             return 2
     root = benchmarks_dir()
     if root is None:
-        print("chunkloss: error: no benchmarks/ folder: `chunkloss bench` runs the benchmark scripts of a "
-              "source checkout (clone the chunkloss repository and run it from there; `chunkloss bench "
-              "--help`)", file=sys.stderr)
+        print(
+            "chunkloss: error: no benchmarks/ folder: `chunkloss bench` runs the benchmark scripts of a "
+            "source checkout (clone the chunkloss repository and run it from there; `chunkloss bench "
+            "--help`)",
+            file=sys.stderr,
+        )
         return 2
     wants_help = any(a in ("-h", "--help") for a in rest)
     import torch
 
     if not torch.cuda.is_available() and not wants_help:
-        print("chunkloss: error: no CUDA device found. The benchmarks time GPU kernels and GPU memory; "
-              "they do not print CPU numbers. Run this on a machine with a CUDA GPU.", file=sys.stderr)
+        print(
+            "chunkloss: error: no CUDA device found. The benchmarks time GPU kernels and GPU memory; "
+            "they do not print CPU numbers. Run this on a machine with a CUDA GPU.",
+            file=sys.stderr,
+        )
         return 1
     for t in targets:
         if not (root / f"bench_{t}.py").is_file():

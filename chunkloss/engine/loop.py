@@ -54,6 +54,7 @@ def without_saved_tensor_hooks():
         for pack, unpack in reversed(stack):
             _autograd._push_saved_tensors_default_hooks(pack, unpack)
 
+
 __all__ = ["ChunkLoop", "project_head"]
 
 

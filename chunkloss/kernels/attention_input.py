@@ -49,10 +49,22 @@ _ROPE = RoPEOptions(head_axis=1)
 
 
 def attention_input_ref(
-    x: torch.Tensor, norm_weight: torch.Tensor, w_q: Weight, w_k: Weight, w_v: Weight,
-    cos: torch.Tensor, sin: torch.Tensor, *, b_q: torch.Tensor | None = None, b_k: torch.Tensor | None = None,
-    b_v: torch.Tensor | None = None, head_dim: int | None = None, eps: float = 1e-6, offset: float = 0.0,
-    casting: str = "llama", adapters: tuple[LoraAdapter | None, ...] | None = None,
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    w_q: Weight,
+    w_k: Weight,
+    w_v: Weight,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    b_q: torch.Tensor | None = None,
+    b_k: torch.Tensor | None = None,
+    b_v: torch.Tensor | None = None,
+    head_dim: int | None = None,
+    eps: float = 1e-6,
+    offset: float = 0.0,
+    casting: str = "llama",
+    adapters: tuple[LoraAdapter | None, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pure PyTorch, op for op as transformers' Llama modules (PEFT's LoRA layers for the projections with an
     adapter); arguments as :func:`attention_input`."""
@@ -83,8 +95,10 @@ def _cat(tensors):
 
 def _head_views(qkv: torch.Tensor, batch: int, opts: AttentionInputOptions):
     """q, k, v as (B, heads, T, head_dim) views of the (B·T, width) ``qkv``."""
-    return tuple(part.view(batch, -1, part.shape[1] // opts.head_dim, opts.head_dim).transpose(1, 2)
-                 for part in qkv.split(opts.widths, dim=1))  # fmt: skip
+    return tuple(
+        part.view(batch, -1, part.shape[1] // opts.head_dim, opts.head_dim).transpose(1, 2)
+        for part in qkv.split(opts.widths, dim=1)
+    )
 
 
 def _norm_fwd(x, weight, opts: RMSNormOptions):
@@ -108,8 +122,9 @@ def _adapted(parts, plan: LoraPlan):
 
 class AttentionInputFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, norm_weight, w_q, w_k, w_v, b_q, b_k, b_v, cos, sin, opts: AttentionInputOptions,
-                *lora):
+    def forward(
+        ctx, x, norm_weight, w_q, w_k, w_v, b_q, b_k, b_v, cos, sin, opts: AttentionInputOptions, *lora
+    ):
         batch = x.shape[0]
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         h, rstd = _norm_fwd(x2, norm_weight, opts.norm)
@@ -173,18 +188,24 @@ def autocast_changes_dtype(x: torch.Tensor, *weights: torch.Tensor) -> bool:
 def _check(x, norm_weight, weights, biases, cos, head_dim):
     hidden = x.shape[-1]
     if x.ndim != 3 or norm_weight.shape != (hidden,):
-        raise ValueError(f"attention_input expects x (B, T, H) and norm_weight (H,); got x {tuple(x.shape)}, "
-                         f"norm_weight {tuple(norm_weight.shape)}")  # fmt: skip
+        raise ValueError(
+            f"attention_input expects x (B, T, H) and norm_weight (H,); got x {tuple(x.shape)}, "
+            f"norm_weight {tuple(norm_weight.shape)}"
+        )
     for name, w, b in zip(("w_q", "w_k", "w_v"), weights, biases, strict=True):
         if w.ndim != 2 or w.shape[1] != hidden or w.shape[0] % head_dim:
-            raise ValueError(f"attention_input: {name} must be (heads * {head_dim}, {hidden}), "
-                             f"got {tuple(w.shape)}")  # fmt: skip
+            raise ValueError(
+                f"attention_input: {name} must be (heads * {head_dim}, {hidden}), got {tuple(w.shape)}"
+            )
         if b is not None and b.shape != (w.shape[0],):
-            raise ValueError(f"attention_input: the bias of {name} must be ({w.shape[0]},), "
-                             f"got {tuple(b.shape)}")  # fmt: skip
+            raise ValueError(
+                f"attention_input: the bias of {name} must be ({w.shape[0]},), got {tuple(b.shape)}"
+            )
     if cos.shape[-1] > head_dim or cos.shape[-1] % 2 or cos.shape[-2] != x.shape[1]:
-        raise ValueError(f"attention_input: cos and sin must be (B or 1, T, R) with R even and <= head_dim "
-                         f"{head_dim}, T = {x.shape[1]}; got {tuple(cos.shape)}")  # fmt: skip
+        raise ValueError(
+            f"attention_input: cos and sin must be (B or 1, T, R) with R even and <= head_dim "
+            f"{head_dim}, T = {x.shape[1]}; got {tuple(cos.shape)}"
+        )
     dtypes = {t.dtype for t in (x, *weights, *biases) if t is not None}
     if len(dtypes) > 1:
         got = sorted(map(str, dtypes))
@@ -192,10 +213,22 @@ def _check(x, norm_weight, weights, biases, cos, head_dim):
 
 
 def attention_input(
-    x: torch.Tensor, norm_weight: torch.Tensor, w_q: Weight, w_k: Weight, w_v: Weight,
-    cos: torch.Tensor, sin: torch.Tensor, *, b_q: torch.Tensor | None = None, b_k: torch.Tensor | None = None,
-    b_v: torch.Tensor | None = None, head_dim: int | None = None, eps: float = 1e-6, offset: float = 0.0,
-    casting: str = "llama", norm_recompute: bool = False,
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    w_q: Weight,
+    w_k: Weight,
+    w_v: Weight,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    b_q: torch.Tensor | None = None,
+    b_k: torch.Tensor | None = None,
+    b_v: torch.Tensor | None = None,
+    head_dim: int | None = None,
+    eps: float = 1e-6,
+    offset: float = 0.0,
+    casting: str = "llama",
+    norm_recompute: bool = False,
     adapters: tuple[LoraAdapter | None, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """RMSNorm, the q/k/v projections and RoPE in one autograd Function; equals :func:`attention_input_ref`.
@@ -233,11 +266,15 @@ def attention_input(
     _check(x, norm_weight, weights, biases, cos, head_dim)
     if autocast_changes_dtype(x, *weights):
         dtype = torch.get_autocast_dtype(x.device.type)
-        raise TypeError(f"attention_input: under autocast to {dtype}, x and the weights must be in that "
-                        f"dtype already; got {x.dtype}")
+        raise TypeError(
+            f"attention_input: under autocast to {dtype}, x and the weights must be in that "
+            f"dtype already; got {x.dtype}"
+        )
     if any(b is not None for b in biases):  # one concatenated bias, zeros where a projection has none
-        biases = tuple(torch.zeros(w.shape[0], dtype=w.dtype, device=w.device) if b is None else b
-                       for w, b in zip(weights, biases, strict=True))  # fmt: skip
+        biases = tuple(
+            torch.zeros(w.shape[0], dtype=w.dtype, device=w.device) if b is None else b
+            for w, b in zip(weights, biases, strict=True)
+        )
     widths = tuple(w.shape[0] for w in weights)
     plan, lora = plan_lora("attention_input", ("q", "k", "v"), adapters, x.shape[-1], widths, x)
     cos, sin = _tables(cos, sin, None, x.shape[0])

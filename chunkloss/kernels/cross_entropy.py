@@ -35,7 +35,10 @@ def cross_entropy_step_ref(
     rounded once to the logits' dtype and copied over them."""
     o = arguments_of(cross_entropy_step, logits, labels, normaliser, grad_scale, **options)
     eps, lam, want_accuracy, want_entropy = (
-        o["label_smoothing"], o["lse_square_scale"], o["want_accuracy"], o["want_entropy"]
+        o["label_smoothing"],
+        o["lse_square_scale"],
+        o["want_accuracy"],
+        o["want_entropy"],
     )
     _check(logits, labels, normaliser, grad_scale, eps, lam, o["softcap"], o["temperature"])
     with torch.enable_grad():

@@ -59,9 +59,11 @@ def check_weights(where: str, names: tuple[str, ...], weights) -> None:
             continue
         if not isinstance(w, torch.Tensor) or not w.is_floating_point():
             got = w.dtype if isinstance(w, torch.Tensor) else type(w).__name__
-            raise TypeError(f"{where}: {name} must be a floating-point tensor or a FrozenWeight, got "
-                            f"{got} (a packed quantised weight goes in a FrozenWeight that dequantises "
-                            f"it)")  # fmt: skip
+            raise TypeError(
+                f"{where}: {name} must be a floating-point tensor or a FrozenWeight, got "
+                f"{got} (a packed quantised weight goes in a FrozenWeight that dequantises "
+                f"it)"
+            )
 
 
 def materialize(weight: Weight) -> torch.Tensor:
@@ -71,8 +73,9 @@ def materialize(weight: Weight) -> torch.Tensor:
     w = weight.load()
     if not isinstance(w, torch.Tensor) or w.shape != weight.shape or w.dtype != weight.dtype:
         got = f"{tuple(w.shape)} {w.dtype}" if isinstance(w, torch.Tensor) else type(w).__name__
-        raise ValueError(f"FrozenWeight.load() must return a {tuple(weight.shape)} {weight.dtype} tensor, "
-                         f"got {got}")  # fmt: skip
+        raise ValueError(
+            f"FrozenWeight.load() must return a {tuple(weight.shape)} {weight.dtype} tensor, got {got}"
+        )
     return w
 
 

@@ -138,7 +138,14 @@ def _glu_fwd_launch(a, b, activation):
     c = torch.empty_like(a)
     n = a.numel()
     _glu_fwd_kernel[(cdiv(n, BLOCK_SIZE),)](
-        a, b, c, n, ACT=_ACT_ID[activation], K0=_SQRT_2_OVER_PI, BLOCK_SIZE=BLOCK_SIZE, num_warps=NUM_WARPS,
+        a,
+        b,
+        c,
+        n,
+        ACT=_ACT_ID[activation],
+        K0=_SQRT_2_OVER_PI,
+        BLOCK_SIZE=BLOCK_SIZE,
+        num_warps=NUM_WARPS,
     )
     return c
 
@@ -159,8 +166,18 @@ def _glu_bwd(dc, a, b, opts: GLUOptions, c: torch.Tensor | None = None):
 def _glu_bwd_launch(dc, a, b, da, db, c, activation):
     n = a.numel()
     _glu_bwd_kernel[(cdiv(n, BLOCK_SIZE),)](
-        dc, a, b, da, db, dc if c is None else c, n, ACT=_ACT_ID[activation], K0=_SQRT_2_OVER_PI,
-        WRITE_C=c is not None, BLOCK_SIZE=BLOCK_SIZE, num_warps=NUM_WARPS,
+        dc,
+        a,
+        b,
+        da,
+        db,
+        dc if c is None else c,
+        n,
+        ACT=_ACT_ID[activation],
+        K0=_SQRT_2_OVER_PI,
+        WRITE_C=c is not None,
+        BLOCK_SIZE=BLOCK_SIZE,
+        num_warps=NUM_WARPS,
     )
 
 

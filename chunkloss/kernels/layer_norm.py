@@ -136,8 +136,24 @@ def _partial_rows(PARTIALS, pid, n_cols, HAS_DW: tl.constexpr):
 #   dw = sum over rows of dy * xhat,  db = sum over rows of dy; each program sums its contiguous block of
 #   rows into one fp32 row of each partial buffer in PARTIALS, the launcher adds the partials.
 @triton.jit
-def _layer_norm_bwd_rows(DY, X, STATS, DX, w, rows, row_mask, cols, col_mask, stride_dy, stride_x, stride_dx,
-                         n_cols, HAS_DX: tl.constexpr, HAS_DW: tl.constexpr, HAS_DB: tl.constexpr):
+def _layer_norm_bwd_rows(
+    DY,
+    X,
+    STATS,
+    DX,
+    w,
+    rows,
+    row_mask,
+    cols,
+    col_mask,
+    stride_dy,
+    stride_x,
+    stride_dx,
+    n_cols,
+    HAS_DX: tl.constexpr,
+    HAS_DW: tl.constexpr,
+    HAS_DB: tl.constexpr,
+):
     """dx of BLOCK_M rows, and their column sums of dy * xhat and of dy (zeros when not needed)."""
     mask = row_mask[:, None] & col_mask[None, :]
     dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -225,8 +241,9 @@ def _layer_norm_bwd_kernel(
                 if HAS_DX:
                     wdy = dy * tl.load(W + col, mask=col_mask, other=0.0).to(tl.float32)[None, :]
                     dx = rstd[:, None] * (wdy - xhat * c1[:, None] - c2[:, None])
-                    tl.store(DX + rows[:, None] * stride_dx + col[None, :], dx.to(DX.dtype.element_ty),
-                             mask=mask)
+                    tl.store(
+                        DX + rows[:, None] * stride_dx + col[None, :], dx.to(DX.dtype.element_ty), mask=mask
+                    )
                 # The first row step starts the partial sums: what the buffer held is read and dropped (a
                 # where, not a load mask: Triton 3.9's interpreter refuses a mask built from a scalar
                 # comparison).
@@ -253,8 +270,24 @@ def _layer_norm_bwd_kernel(
             # (its scalar arguments are not indices).
             for step in tl.range(0, rows_per_program // BLOCK_M, num_stages=STAGES):
                 rows = row_start + step * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
-                dw, db = _layer_norm_bwd_rows(DY, X, STATS, DX, w, rows, rows < row_end, cols, col_mask,
-                                              stride_dy, stride_x, stride_dx, n_cols, HAS_DX, HAS_DW, HAS_DB)
+                dw, db = _layer_norm_bwd_rows(
+                    DY,
+                    X,
+                    STATS,
+                    DX,
+                    w,
+                    rows,
+                    rows < row_end,
+                    cols,
+                    col_mask,
+                    stride_dy,
+                    stride_x,
+                    stride_dx,
+                    n_cols,
+                    HAS_DX,
+                    HAS_DW,
+                    HAS_DB,
+                )
                 dw_acc += dw
                 db_acc += db
         else:
@@ -262,8 +295,24 @@ def _layer_norm_bwd_kernel(
             while start < row_end:
                 rows = start + tl.arange(0, BLOCK_M).to(tl.int64)
                 start += BLOCK_M
-                dw, db = _layer_norm_bwd_rows(DY, X, STATS, DX, w, rows, rows < row_end, cols, col_mask,
-                                              stride_dy, stride_x, stride_dx, n_cols, HAS_DX, HAS_DW, HAS_DB)
+                dw, db = _layer_norm_bwd_rows(
+                    DY,
+                    X,
+                    STATS,
+                    DX,
+                    w,
+                    rows,
+                    rows < row_end,
+                    cols,
+                    col_mask,
+                    stride_dy,
+                    stride_x,
+                    stride_dx,
+                    n_cols,
+                    HAS_DX,
+                    HAS_DW,
+                    HAS_DB,
+                )
                 dw_acc += dw
                 db_acc += db
         if HAS_DW:
@@ -281,8 +330,20 @@ def _layer_norm_fwd(x, weight, bias, opts: LayerNormOptions):
     stats = torch.empty((n_rows, 2), dtype=torch.float32, device=x.device)  # mean, rstd: one allocation
     plan = norm_fwd_plan(n_rows, n_cols, _utils.NORM_SETTINGS.get(x.device))
     _layer_norm_fwd_kernel[(plan.n_programs,)](
-        x, y, weight, bias, stats, x.stride(0), y.stride(0), n_rows, n_cols, opts.eps,
-        HAS_BIAS=bias is not None, LOOPED=plan.looped, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+        x,
+        y,
+        weight,
+        bias,
+        stats,
+        x.stride(0),
+        y.stride(0),
+        n_rows,
+        n_cols,
+        opts.eps,
+        HAS_BIAS=bias is not None,
+        LOOPED=plan.looped,
+        BLOCK_M=plan.block_m,
+        BLOCK_N=plan.block_n,
         num_warps=plan.num_warps,
     )
     return y, x, stats
@@ -301,10 +362,25 @@ def _layer_norm_bwd(
     if n_partials:
         partials = torch.empty((n_partials, plan.n_programs, n_cols), dtype=torch.float32, device=x.device)
     _layer_norm_bwd_kernel[(plan.n_programs,)](
-        dy, x, weight, stats, dx, partials,
-        dy.stride(0), x.stride(0), dx.stride(0) if needs_dx else 0, n_rows, n_cols, plan.rows_per_program,
-        HAS_DX=needs_dx, HAS_DW=needs_dw, HAS_DB=needs_db,
-        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, num_warps=plan.num_warps, **plan.switches,
+        dy,
+        x,
+        weight,
+        stats,
+        dx,
+        partials,
+        dy.stride(0),
+        x.stride(0),
+        dx.stride(0) if needs_dx else 0,
+        n_rows,
+        n_cols,
+        plan.rows_per_program,
+        HAS_DX=needs_dx,
+        HAS_DW=needs_dw,
+        HAS_DB=needs_db,
+        BLOCK_M=plan.block_m,
+        BLOCK_N=plan.block_n,
+        num_warps=plan.num_warps,
+        **plan.switches,
     )
     if not n_partials:
         return dx, None, None

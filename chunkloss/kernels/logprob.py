@@ -413,8 +413,16 @@ def row_grad_from_loss_(
     coef = torch.autograd.grad(loss, leaves, allow_unused=True)
     # Contiguous: the gradient of a sum reaches each row as a stride-0 expansion.
     coef = [torch.zeros_like(leaves[0]) if c is None else c.contiguous() for c in coef]
-    return row_grad_(logits, labels, coef[0], coef_entropy=coef[1] if len(coef) > 1 else None, stats=rows,
-                     logit_scale=logit_scale, softcap=softcap, temperature=temperature)  # fmt: skip
+    return row_grad_(
+        logits,
+        labels,
+        coef[0],
+        coef_entropy=coef[1] if len(coef) > 1 else None,
+        stats=rows,
+        logit_scale=logit_scale,
+        softcap=softcap,
+        temperature=temperature,
+    )
 
 
 def row_grad_ref(
@@ -434,8 +442,15 @@ def row_grad_ref(
     once to the logits' dtype and copied over them (``stats`` is accepted and not needed)."""
     with torch.enable_grad():
         x = logits.detach().to(torch.float32, copy=True).requires_grad_(True)
-        got = row_stats_ref(x, labels, labels2, logit_scale=logit_scale, softcap=softcap,
-                            temperature=temperature, entropy=coef_entropy is not None)  # fmt: skip
+        got = row_stats_ref(
+            x,
+            labels,
+            labels2,
+            logit_scale=logit_scale,
+            softcap=softcap,
+            temperature=temperature,
+            entropy=coef_entropy is not None,
+        )
         total = (got["logp"] * coef).sum()
         if labels2 is not None:
             total = total + (got["logp2"] * coef2).sum()

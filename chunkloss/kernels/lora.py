@@ -130,7 +130,10 @@ def lora_ref(result: torch.Tensor, x: torch.Tensor, adapter: LoraAdapter | None)
 
 
 def lora_linear_ref(
-    x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None, adapter: LoraAdapter | None = None,
+    x: torch.Tensor,
+    weight: Weight,
+    bias: torch.Tensor | None = None,
+    adapter: LoraAdapter | None = None,
 ) -> torch.Tensor:
     """Pure PyTorch, op for op as PEFT's ``lora.Linear.forward``; arguments as :func:`lora_linear`."""
     return lora_ref(F.linear(x, materialize(weight), bias), x, adapter)
@@ -141,15 +144,18 @@ def _check_adapter(where: str, adapter, in_features: int, out_features: int, x: 
         raise TypeError(f"{where} must be a LoraAdapter or None, got {type(adapter).__name__}")
     a, b = adapter.a, adapter.b
     if a.ndim != 2 or b.ndim != 2 or a.shape[1] != in_features or b.shape != (out_features, a.shape[0]):
-        raise ValueError(f"{where}: a must be (r, {in_features}) and b ({out_features}, r); got a "
-                         f"{tuple(a.shape)}, b {tuple(b.shape)}")  # fmt: skip
+        raise ValueError(
+            f"{where}: a must be (r, {in_features}) and b ({out_features}, r); got a "
+            f"{tuple(a.shape)}, b {tuple(b.shape)}"
+        )
     if a.shape[0] < 1:  # no upper bound: the products hold for r > min(in, out) too, which PEFT accepts
         raise ValueError(f"{where}: rank must be at least 1, got {a.shape[0]}")
     if not a.is_floating_point() or b.dtype != a.dtype:
         raise TypeError(f"{where}: a and b must share a floating-point dtype; got {a.dtype} and {b.dtype}")
     if a.device != x.device or b.device != x.device:
-        raise ValueError(f"{where}: a and b must be on the input's device {x.device}; got {a.device} and "
-                         f"{b.device}")  # fmt: skip
+        raise ValueError(
+            f"{where}: a and b must be on the input's device {x.device}; got {a.device} and {b.device}"
+        )
     if not math.isfinite(adapter.scaling):
         raise ValueError(f"{where}: scaling must be finite, got {adapter.scaling}")
     if not 0.0 <= adapter.dropout_p < 1.0:
@@ -165,8 +171,10 @@ def plan_lora(
     if adapters is None:
         return None, ()
     if not isinstance(adapters, (tuple, list)) or len(adapters) != len(names):
-        raise ValueError(f"{where}: adapters must be a tuple of {len(names)} (for {', '.join(names)}), "
-                         f"each a LoraAdapter or None")  # fmt: skip
+        raise ValueError(
+            f"{where}: adapters must be a tuple of {len(names)} (for {', '.join(names)}), "
+            f"each a LoraAdapter or None"
+        )
     present = [(i, ad) for i, ad in enumerate(adapters) if ad is not None]
     if not present:
         return None, ()
@@ -174,15 +182,18 @@ def plan_lora(
         _check_adapter(f"{where}: the {names[i]} adapter", ad, in_features, widths[i], x)
     dtypes = {ad.a.dtype for _, ad in present}
     if len(dtypes) > 1:
-        raise TypeError(f"{where}: the adapters of {', '.join(names)} must share a dtype, got "
-                        f"{sorted(map(str, dtypes))}")  # fmt: skip
+        raise TypeError(
+            f"{where}: the adapters of {', '.join(names)} must share a dtype, got {sorted(map(str, dtypes))}"
+        )
     device = x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else dtypes.pop()
     cuda_autocast = torch.is_autocast_enabled("cuda")  # what PEFT's Linear4bit asks
     plan = LoraPlan(
-        slots=tuple(i for i, _ in present), ranks=tuple(ad.a.shape[0] for _, ad in present),
+        slots=tuple(i for i, _ in present),
+        ranks=tuple(ad.a.shape[0] for _, ad in present),
         scalings=tuple(float(ad.scaling) for _, ad in present),
-        dropout_ps=tuple(float(ad.dropout_p) for _, ad in present), dtype=dtype,
+        dropout_ps=tuple(float(ad.dropout_p) for _, ad in present),
+        dtype=dtype,
         cast_outs=tuple(bool(ad.cast_before_add) and not cuda_autocast for _, ad in present),
         keep_inputs=tuple(bool(ad.cast_before_add) and cuda_autocast for _, ad in present),
     )
@@ -231,8 +242,9 @@ def lora_dt(gs, t: torch.Tensor, weights, plan: LoraPlan, need, need_dt: bool):
     """``dt = [s_j·g_j·B_j]_j`` (N, Σr) in ``plan.dtype`` (None unless ``need_dt``) and the list of ``dB_j``
     (None where ``need``, the flags of (a, b, a, b, ...), says no), from the (N, out_j) upstream gradients."""
     dts, dbs = [], []
-    for j, (g, tj, b, s) in enumerate(zip(gs, t.split(plan.ranks, dim=1), weights[1::2], plan.scalings,
-                                          strict=True)):  # fmt: skip
+    for j, (g, tj, b, s) in enumerate(
+        zip(gs, t.split(plan.ranks, dim=1), weights[1::2], plan.scalings, strict=True)
+    ):
         gc = g.to(plan.dtype)
         dbs.append((gc.t() @ (tj * s)).to(b.dtype) if need[2 * j + 1] else None)
         if need_dt:
@@ -267,8 +279,9 @@ def lora_da(dt: torch.Tensor, x: torch.Tensor, masks, weights, plan: LoraPlan, n
     if plan.shared:
         das = (dt.t() @ x.to(plan.dtype)).split(plan.ranks)
     else:
-        parts = zip(dt.split(plan.ranks, dim=1), masks, plan.dropout_ps, plan.keep_inputs, wanted,
-                    strict=True)  # fmt: skip
+        parts = zip(
+            dt.split(plan.ranks, dim=1), masks, plan.dropout_ps, plan.keep_inputs, wanted, strict=True
+        )
         das = [dtj.t() @ _dropped(x, weights, m, p, k, plan) if w else None for dtj, m, p, k, w in parts]
     return [da.to(a.dtype) if w else None for da, a, w in zip(das, a_list, wanted, strict=True)]
 
@@ -312,7 +325,10 @@ class LoraLinearFunction(torch.autograd.Function):
 
 
 def lora_linear(
-    x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None, adapter: LoraAdapter | None = None,
+    x: torch.Tensor,
+    weight: Weight,
+    bias: torch.Tensor | None = None,
+    adapter: LoraAdapter | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` plus a LoRA adapter: one autograd Function, its backward written out.
 
@@ -340,9 +356,11 @@ def lora_linear(
         bias = None if bias is None else bias.to(dtype)
     out_features, in_features = weight.shape if weight.ndim == 2 else (-1, -1)
     if weight.ndim != 2 or x.shape[-1] != in_features or (bias is not None and bias.shape != (out_features,)):
-        raise ValueError(f"lora_linear expects x (..., in), weight (out, in) and bias (out,); got x "
-                         f"{tuple(x.shape)}, weight {tuple(weight.shape)}, "
-                         f"bias {None if bias is None else tuple(bias.shape)}")  # fmt: skip
+        raise ValueError(
+            f"lora_linear expects x (..., in), weight (out, in) and bias (out,); got x "
+            f"{tuple(x.shape)}, weight {tuple(weight.shape)}, "
+            f"bias {None if bias is None else tuple(bias.shape)}"
+        )
     dtypes = {t.dtype for t in (x, weight, bias) if t is not None}
     if len(dtypes) > 1:
         raise TypeError(f"lora_linear: x, weight and bias must share a dtype, got {sorted(map(str, dtypes))}")

@@ -54,9 +54,16 @@ from .lora import (
 
 
 def gated_mlp_ref(
-    x: torch.Tensor, w_gate: Weight, w_up: Weight, w_down: Weight, *,
-    b_gate: torch.Tensor | None = None, b_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None,
-    activation: str = "silu", adapters: tuple[LoraAdapter | None, ...] | None = None,
+    x: torch.Tensor,
+    w_gate: Weight,
+    w_up: Weight,
+    w_down: Weight,
+    *,
+    b_gate: torch.Tensor | None = None,
+    b_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+    activation: str = "silu",
+    adapters: tuple[LoraAdapter | None, ...] | None = None,
 ) -> torch.Tensor:
     """Pure-PyTorch gated MLP, op for op as ``LlamaMLP`` (``"silu"``) / ``GemmaMLP`` compute it.
 
@@ -95,7 +102,7 @@ def _split(items, *sizes):
     """Consecutive runs of ``sizes`` items, then the rest."""
     runs, start = [], 0
     for size in sizes:
-        runs.append(items[start:start + size])
+        runs.append(items[start : start + size])
         start += size
     return *runs, items[start:]
 
@@ -111,7 +118,7 @@ def _gate_up(x, w_gate, w_up, b_gate, b_up, lora_in, t_in, opts: MLPOptions):
 class GatedMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down, b_gate, b_up, b_down, opts: MLPOptions, *lora):
-        lora_in, lora_out = lora[: 2 * _n_tensors(opts.lora_in)], lora[2 * _n_tensors(opts.lora_in):]
+        lora_in, lora_out = lora[: 2 * _n_tensors(opts.lora_in)], lora[2 * _n_tensors(opts.lora_in) :]
         t_in, masks_in = lora_down(x, lora_in, opts.lora_in) if opts.lora_in is not None else (None, ())
         g, u = _gate_up(x, w_gate, w_up, b_gate, b_up, lora_in, t_in, opts)
         h, g, u = _glu_fwd(g, u, GLUOptions(opts.activation))
@@ -133,7 +140,7 @@ class GatedMLPFunction(torch.autograd.Function):
         need, opts = ctx.needs_input_grad, ctx.opts
         n_in, n_out = _n_tensors(opts.lora_in), _n_tensors(opts.lora_out)
         masks_in, masks_out, lora_in, lora_out, saved = _split(rest, n_in, n_out, 2 * n_in, 2 * n_out)
-        need_in, need_out = need[8: 8 + 2 * n_in], need[8 + 2 * n_in:]
+        need_in, need_out = need[8 : 8 + 2 * n_in], need[8 + 2 * n_in :]
         dy = dy.contiguous()
         dh = dy @ materialize(w_down)
         dt_out = grads_out = None
@@ -186,9 +193,17 @@ def _check(x, w_gate, w_up, w_down, biases, activation):
 
 
 def gated_mlp(
-    x: torch.Tensor, w_gate: Weight, w_up: Weight, w_down: Weight, *,
-    b_gate: torch.Tensor | None = None, b_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None,
-    activation: str = "silu", recompute: bool = True, adapters: tuple[LoraAdapter | None, ...] | None = None,
+    x: torch.Tensor,
+    w_gate: Weight,
+    w_up: Weight,
+    w_down: Weight,
+    *,
+    b_gate: torch.Tensor | None = None,
+    b_up: torch.Tensor | None = None,
+    b_down: torch.Tensor | None = None,
+    activation: str = "silu",
+    recompute: bool = True,
+    adapters: tuple[LoraAdapter | None, ...] | None = None,
     tile: int | None = None,
 ) -> torch.Tensor:
     """Fused ``F.linear(act(F.linear(x, w_gate, b_gate)) * F.linear(x, w_up, b_up), w_down, b_down)``.
@@ -230,8 +245,9 @@ def gated_mlp(
     _check(x, w_gate, w_up, w_down, biases, activation)
     hidden, inter = x.shape[-1], w_gate.shape[0]
     if adapters is not None and (not isinstance(adapters, (tuple, list)) or len(adapters) != 3):
-        raise ValueError("gated_mlp: adapters must be a tuple of 3 (for gate, up, down), each a LoraAdapter "
-                         "or None")  # fmt: skip
+        raise ValueError(
+            "gated_mlp: adapters must be a tuple of 3 (for gate, up, down), each a LoraAdapter or None"
+        )
     gate_ad, up_ad, down_ad = adapters or (None, None, None)
     plan_in, lora_in = plan_lora("gated_mlp", ("gate", "up"), (gate_ad, up_ad), hidden, (inter, inter), x)
     plan_out, lora_out = plan_lora("gated_mlp", ("down",), (down_ad,), inter, (hidden,), x)
@@ -239,19 +255,31 @@ def gated_mlp(
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.shape[0] == 0:
-        return gated_mlp_ref(x, w_gate, w_up, w_down, b_gate=b_gate, b_up=b_up, b_down=b_down,
-                             activation=activation, adapters=adapters)
+        return gated_mlp_ref(
+            x,
+            w_gate,
+            w_up,
+            w_down,
+            b_gate=b_gate,
+            b_up=b_up,
+            b_down=b_down,
+            activation=activation,
+            adapters=adapters,
+        )
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    w_gate, w_up, w_down = (w if isinstance(w, FrozenWeight) else w.contiguous()
-                            for w in (w_gate, w_up, w_down))  # fmt: skip
+    w_gate, w_up, w_down = (
+        w if isinstance(w, FrozenWeight) else w.contiguous() for w in (w_gate, w_up, w_down)
+    )
     opts = MLPOptions(activation, recompute, plan_in, plan_out)
     if tile is not None and (type(tile) is not int or tile <= 0):
         raise ValueError(f"gated_mlp: tile must be a positive int or None, got {tile!r}")
     with torch.autocast(x.device.type, enabled=False):
         tiles = [x2] if tile is None or x2.shape[0] <= tile else x2.split(tile)
-        ys = [GatedMLPFunction.apply(t, w_gate, w_up, w_down, b_gate, b_up, b_down, opts, *lora_in, *lora_out)
-              for t in tiles]  # fmt: skip
+        ys = [
+            GatedMLPFunction.apply(t, w_gate, w_up, w_down, b_gate, b_up, b_down, opts, *lora_in, *lora_out)
+            for t in tiles
+        ]
         y = ys[0] if len(ys) == 1 else torch.cat(ys)
     return y.view(*shape[:-1], y.shape[-1])
 
@@ -267,8 +295,16 @@ class FusedGatedMLP(nn.Module):
         recompute: see :func:`gated_mlp`.
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu", bias: bool = False,
-                 recompute: bool = True, device=None, dtype=None):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        activation: str = "silu",
+        bias: bool = False,
+        recompute: bool = True,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
@@ -279,9 +315,17 @@ class FusedGatedMLP(nn.Module):
         self.activation, self.recompute = activation, recompute
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gated_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight,
-                         b_gate=self.gate_proj.bias, b_up=self.up_proj.bias, b_down=self.down_proj.bias,
-                         activation=self.activation, recompute=self.recompute)
+        return gated_mlp(
+            x,
+            self.gate_proj.weight,
+            self.up_proj.weight,
+            self.down_proj.weight,
+            b_gate=self.gate_proj.bias,
+            b_up=self.up_proj.bias,
+            b_down=self.down_proj.bias,
+            activation=self.activation,
+            recompute=self.recompute,
+        )
 
     def extra_repr(self) -> str:
         return f"activation={self.activation}, recompute={self.recompute}"

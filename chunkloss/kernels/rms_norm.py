@@ -153,8 +153,24 @@ def _rms_norm_fwd_kernel(
 #   dw = sum over rows of dy * xhat (cast(xhat) for "llama"); each program sums its contiguous block of rows
 #   into one fp32 row of DW_PARTIAL, the launcher adds the (n_programs, D) partials.
 @triton.jit
-def _rms_norm_bwd_rows(DY, X, RSTD, DX, wt, rows, row_mask, cols, col_mask, stride_dy, stride_x, stride_dx,
-                       n_cols, CAST_LLAMA: tl.constexpr, HAS_DX: tl.constexpr, HAS_DW: tl.constexpr):
+def _rms_norm_bwd_rows(
+    DY,
+    X,
+    RSTD,
+    DX,
+    wt,
+    rows,
+    row_mask,
+    cols,
+    col_mask,
+    stride_dy,
+    stride_x,
+    stride_dx,
+    n_cols,
+    CAST_LLAMA: tl.constexpr,
+    HAS_DX: tl.constexpr,
+    HAS_DW: tl.constexpr,
+):
     """dx of BLOCK_M rows, and their column sums of dy * xhat (zeros when not needed)."""
     mask = row_mask[:, None] & col_mask[None, :]
     dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -236,8 +252,9 @@ def _rms_norm_bwd_kernel(
                 if HAS_DX:
                     wt = tl.load(W + col, mask=col_mask, other=0.0).to(tl.float32) + offset
                     dx = rstd[:, None] * (dy * wt[None, :] - xhat * c[:, None])
-                    tl.store(DX + rows[:, None] * stride_dx + col[None, :], dx.to(DX.dtype.element_ty),
-                             mask=mask)
+                    tl.store(
+                        DX + rows[:, None] * stride_dx + col[None, :], dx.to(DX.dtype.element_ty), mask=mask
+                    )
                 if HAS_DW:
                     if CAST_LLAMA:
                         xhat = xhat.to(X.dtype.element_ty).to(tl.float32)
@@ -258,17 +275,47 @@ def _rms_norm_bwd_kernel(
             # (its scalar arguments are not indices).
             for step in tl.range(0, rows_per_program // BLOCK_M, num_stages=STAGES):
                 rows = row_start + step * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
-                dw_acc += _rms_norm_bwd_rows(DY, X, RSTD, DX, wt, rows, rows < row_end, cols, col_mask,
-                                             stride_dy, stride_x, stride_dx, n_cols,
-                                             CAST_LLAMA, HAS_DX, HAS_DW)
+                dw_acc += _rms_norm_bwd_rows(
+                    DY,
+                    X,
+                    RSTD,
+                    DX,
+                    wt,
+                    rows,
+                    rows < row_end,
+                    cols,
+                    col_mask,
+                    stride_dy,
+                    stride_x,
+                    stride_dx,
+                    n_cols,
+                    CAST_LLAMA,
+                    HAS_DX,
+                    HAS_DW,
+                )
         else:
             start = row_start
             while start < row_end:
                 rows = start + tl.arange(0, BLOCK_M).to(tl.int64)
                 start += BLOCK_M
-                dw_acc += _rms_norm_bwd_rows(DY, X, RSTD, DX, wt, rows, rows < row_end, cols, col_mask,
-                                             stride_dy, stride_x, stride_dx, n_cols,
-                                             CAST_LLAMA, HAS_DX, HAS_DW)
+                dw_acc += _rms_norm_bwd_rows(
+                    DY,
+                    X,
+                    RSTD,
+                    DX,
+                    wt,
+                    rows,
+                    rows < row_end,
+                    cols,
+                    col_mask,
+                    stride_dy,
+                    stride_x,
+                    stride_dx,
+                    n_cols,
+                    CAST_LLAMA,
+                    HAS_DX,
+                    HAS_DW,
+                )
         if HAS_DW:
             tl.store(dw_row + cols, dw_acc, mask=col_mask)
 
@@ -284,8 +331,20 @@ def _rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, opts: RMSNormOptions):
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     plan = norm_fwd_plan(n_rows, n_cols, _utils.rms_knobs(_utils.NORM_SETTINGS.get(x.device)))
     _rms_norm_fwd_kernel[(plan.n_programs,)](
-        x, y, weight, rstd, x.stride(0), y.stride(0), n_rows, n_cols, opts.eps, opts.offset,
-        CAST_LLAMA=cast_llama, LOOPED=plan.looped, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+        x,
+        y,
+        weight,
+        rstd,
+        x.stride(0),
+        y.stride(0),
+        n_rows,
+        n_cols,
+        opts.eps,
+        opts.offset,
+        CAST_LLAMA=cast_llama,
+        LOOPED=plan.looped,
+        BLOCK_M=plan.block_m,
+        BLOCK_N=plan.block_n,
         num_warps=plan.num_warps,
     )
     return y, x, rstd
@@ -300,11 +359,26 @@ def _rms_norm_bwd(dy, x, weight, rstd, opts: RMSNormOptions, needs_dx: bool, nee
     if needs_dw:
         dw_partial = torch.empty((plan.n_programs, n_cols), dtype=torch.float32, device=x.device)
     _rms_norm_bwd_kernel[(plan.n_programs,)](
-        dy, x, weight, rstd, dx, dw_partial,
-        dy.stride(0), x.stride(0), dx.stride(0) if needs_dx else 0, n_rows, n_cols, plan.rows_per_program,
+        dy,
+        x,
+        weight,
+        rstd,
+        dx,
+        dw_partial,
+        dy.stride(0),
+        x.stride(0),
+        dx.stride(0) if needs_dx else 0,
+        n_rows,
+        n_cols,
+        plan.rows_per_program,
         opts.offset,
-        CAST_LLAMA=opts.casting == "llama", HAS_DX=needs_dx, HAS_DW=needs_dw,
-        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, num_warps=plan.num_warps, **plan.switches,
+        CAST_LLAMA=opts.casting == "llama",
+        HAS_DX=needs_dx,
+        HAS_DW=needs_dw,
+        BLOCK_M=plan.block_m,
+        BLOCK_N=plan.block_n,
+        num_warps=plan.num_warps,
+        **plan.switches,
     )
     # One reduction kernel, and one cast unless the weight is fp32.
     dw = dw_partial.sum(0).to(weight.dtype) if needs_dw else None

@@ -21,12 +21,18 @@ from ._utils import LaunchSettings, cdiv, custom_op, next_power_of_2
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """``cat(-x2, x1)`` over the halves of the last dimension, as in transformers."""
-    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rotary_pos_emb_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                             position_ids: torch.Tensor | None = None, unsqueeze_dim: int = 1):
+def apply_rotary_pos_emb_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    unsqueeze_dim: int = 1,
+):
     """Pure-PyTorch ``apply_rotary_pos_emb`` (transformers), extended to partial rotary dims like Phi.
 
     Args:
@@ -96,11 +102,18 @@ def rope_knobs(device: torch.device | None = None, **changes):
 # and the pass-through dims' gradient is d itself.
 @triton.jit
 def _rope_heads(
-    X, OUT,  # one tensor's input rows and output rows (OUT may be X)
-    x_row, o_row,  # offsets of this token's first head in X and OUT (int64)
-    sxh, soh,  # head strides of X and OUT
-    c1, c2, s1, s2,  # (BLOCK_R,) fp32 halves of this token's cos and sin rows
-    row, n_rows,  # this token's index and the token count (the last program's static loop runs past the end)
+    X,
+    OUT,  # one tensor's input rows and output rows (OUT may be X)
+    x_row,
+    o_row,  # offsets of this token's first head in X and OUT (int64)
+    sxh,
+    soh,  # head strides of X and OUT
+    c1,
+    c2,
+    s1,
+    s2,  # (BLOCK_R,) fp32 halves of this token's cos and sin rows
+    row,
+    n_rows,  # this token's index and the token count (the last program's static loop runs past the end)
     N_HEADS: tl.constexpr,  # 0 skips the tensor (a gradient that is not needed)
     HALF: tl.constexpr,  # R / 2
     N_PASS: tl.constexpr,  # pass-through dims D - R to copy: 0 for full rotary and in place
@@ -132,19 +145,34 @@ def _rope_heads(
         if N_PASS > 0:
             pass_cols = 2 * HALF + tl.arange(0, BLOCK_P)
             pass_mask = head_mask[:, None] & (pass_cols < 2 * HALF + N_PASS)[None, :]
-            x = tl.load(X + x_row + heads[:, None] * sxh + pass_cols[None, :], mask=pass_mask,
-                        eviction_policy=EVICT)
+            x = tl.load(
+                X + x_row + heads[:, None] * sxh + pass_cols[None, :], mask=pass_mask, eviction_policy=EVICT
+            )
             tl.store(OUT + o_row + heads[:, None] * soh + pass_cols[None, :], x, mask=pass_mask)
 
 
 @triton.jit
 def _rope_kernel(
-    Q, K,  # inputs (forward) or output gradients (backward); unit stride in the last dim
-    QO, KO,  # outputs; may alias Q, K
-    COS, SIN,  # (B or 1, T, R) tables (batch stride 0 when shared)
-    sqb, sqh, sqt, skb, skh, skt,  # batch / head / token strides of Q and K
-    sqob, sqoh, sqot, skob, skoh, skot,  # same for QO and KO
-    scb, sct,  # batch / token strides of COS and SIN
+    Q,
+    K,  # inputs (forward) or output gradients (backward); unit stride in the last dim
+    QO,
+    KO,  # outputs; may alias Q, K
+    COS,
+    SIN,  # (B or 1, T, R) tables (batch stride 0 when shared)
+    sqb,
+    sqh,
+    sqt,
+    skb,
+    skh,
+    skt,  # batch / head / token strides of Q and K
+    sqob,
+    sqoh,
+    sqot,
+    skob,
+    skoh,
+    skot,  # same for QO and KO
+    scb,
+    sct,  # batch / token strides of COS and SIN
     n_rows,  # B * T tokens
     seq_len,
     N_Q: tl.constexpr,  # q heads (0: skip q)
@@ -171,10 +199,50 @@ def _rope_kernel(
         c2 = tl.load(COS + table + HALF, mask=table_mask, other=0.0).to(tl.float32)
         s1 = tl.load(SIN + table, mask=table_mask, other=0.0).to(tl.float32)
         s2 = tl.load(SIN + table + HALF, mask=table_mask, other=0.0).to(tl.float32)
-        _rope_heads(Q, QO, b * sqb + t * sqt, b * sqob + t * sqot, sqh, sqoh, c1, c2, s1, s2, row, n_rows,
-                    N_Q, HALF, N_PASS, BACKWARD, BLOCK_HQ, BLOCK_R, BLOCK_P, EVICT)
-        _rope_heads(K, KO, b * skb + t * skt, b * skob + t * skot, skh, skoh, c1, c2, s1, s2, row, n_rows,
-                    N_K, HALF, N_PASS, BACKWARD, BLOCK_HK, BLOCK_R, BLOCK_P, EVICT)
+        _rope_heads(
+            Q,
+            QO,
+            b * sqb + t * sqt,
+            b * sqob + t * sqot,
+            sqh,
+            sqoh,
+            c1,
+            c2,
+            s1,
+            s2,
+            row,
+            n_rows,
+            N_Q,
+            HALF,
+            N_PASS,
+            BACKWARD,
+            BLOCK_HQ,
+            BLOCK_R,
+            BLOCK_P,
+            EVICT,
+        )
+        _rope_heads(
+            K,
+            KO,
+            b * skb + t * skt,
+            b * skob + t * skot,
+            skh,
+            skoh,
+            c1,
+            c2,
+            s1,
+            s2,
+            row,
+            n_rows,
+            N_K,
+            HALF,
+            N_PASS,
+            BACKWARD,
+            BLOCK_HK,
+            BLOCK_R,
+            BLOCK_P,
+            EVICT,
+        )
 
 
 def _dense(x: torch.Tensor) -> bool:
@@ -200,10 +268,17 @@ def _rope_plan(n_rows: int, n_q: int, n_k: int, head_dim: int, rot: int, copy_pa
     cap = knobs.block_h or 1 << 30
     n_pass = head_dim - rot if copy_pass else 0
     meta = dict(
-        N_Q=n_q, N_K=n_k, HALF=rot // 2, N_PASS=n_pass, TOKENS=knobs.tokens,
-        BLOCK_HQ=min(cap, next_power_of_2(n_q)), BLOCK_HK=min(cap, next_power_of_2(n_k)),
-        BLOCK_R=next_power_of_2(rot // 2), BLOCK_P=next_power_of_2(n_pass),
-        EVICT="evict_first" if knobs.evict_first else "", num_warps=knobs.num_warps,
+        N_Q=n_q,
+        N_K=n_k,
+        HALF=rot // 2,
+        N_PASS=n_pass,
+        TOKENS=knobs.tokens,
+        BLOCK_HQ=min(cap, next_power_of_2(n_q)),
+        BLOCK_HK=min(cap, next_power_of_2(n_k)),
+        BLOCK_R=next_power_of_2(rot // 2),
+        BLOCK_P=next_power_of_2(n_pass),
+        EVICT="evict_first" if knobs.evict_first else "",
+        num_warps=knobs.num_warps,
     )
     return (cdiv(n_rows, knobs.tokens),), meta
 
@@ -232,15 +307,26 @@ def _rope_launch(q, k, cos, sin, opts: RoPEOptions, backward: bool, out=None):
     n_rows = batch * seq_len
     if n_rows == 0:
         return qo, ko, in_place
-    grid, meta = _rope_plan(n_rows, n_q, n_k, head_dim, rot, not in_place and rot < head_dim,
-                             ROPE_SETTINGS.get(first.device))
+    grid, meta = _rope_plan(
+        n_rows, n_q, n_k, head_dim, rot, not in_place and rot < head_dim, ROPE_SETTINGS.get(first.device)
+    )
     _rope_kernel[grid](
-        first if q is None else q, first if k is None else k,  # a skipped tensor's pointer is never read
-        first if qo is None else qo, first if ko is None else ko, cos, sin,
-        *_bht_strides(q, opts.head_axis), *_bht_strides(k, opts.head_axis),
-        *_bht_strides(qo, opts.head_axis), *_bht_strides(ko, opts.head_axis),
-        0 if cos.shape[0] == 1 else cos.stride(0), cos.stride(1), n_rows, seq_len,
-        BACKWARD=backward, **meta,
+        first if q is None else q,
+        first if k is None else k,  # a skipped tensor's pointer is never read
+        first if qo is None else qo,
+        first if ko is None else ko,
+        cos,
+        sin,
+        *_bht_strides(q, opts.head_axis),
+        *_bht_strides(k, opts.head_axis),
+        *_bht_strides(qo, opts.head_axis),
+        *_bht_strides(ko, opts.head_axis),
+        0 if cos.shape[0] == 1 else cos.stride(0),
+        cos.stride(1),
+        n_rows,
+        seq_len,
+        BACKWARD=backward,
+        **meta,
     )
     return qo, ko, in_place
 
@@ -311,9 +397,15 @@ def _tables(cos, sin, position_ids, batch):
     return cos.contiguous(), sin.contiguous()
 
 
-def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         position_ids: torch.Tensor | None = None, unsqueeze_dim: int = 1,
-                         in_place: bool = False):
+def apply_rotary_pos_emb(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    unsqueeze_dim: int = 1,
+    in_place: bool = False,
+):
     """Triton ``apply_rotary_pos_emb``; equals :func:`apply_rotary_pos_emb_ref`.
 
     Args:
@@ -335,7 +427,10 @@ def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
     cos, sin = _tables(cos, sin, position_ids, q.shape[0])
     seq_axis = 3 - unsqueeze_dim
     assert k.shape[0] == q.shape[0] and k.shape[seq_axis] == q.shape[seq_axis] == cos.shape[1], (
-        q.shape, k.shape, cos.shape)
+        q.shape,
+        k.shape,
+        cos.shape,
+    )
     assert cos.shape[-1] <= q.shape[-1] == k.shape[-1] and cos.shape[-1] % 2 == 0, (cos.shape, q.shape)
     opts = RoPEOptions(head_axis=unsqueeze_dim, in_place=in_place)
     return RoPEFunction.apply(q, k, cos, sin, opts)

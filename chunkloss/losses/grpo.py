@@ -138,9 +138,18 @@ def _gamma_weight(adv, log_w_seq, opts: GRPOOptions):
 
 
 def _row_loss(
-    logp, ent, ref, log_w, token: GRPORows, scalars: GRPOScalars, opts: GRPOOptions, keep=None, phi=None,
-    n_bonus=None, emask=None,
-):  # fmt: skip
+    logp,
+    ent,
+    ref,
+    log_w,
+    token: GRPORows,
+    scalars: GRPOScalars,
+    opts: GRPOOptions,
+    keep=None,
+    phi=None,
+    n_bonus=None,
+    emask=None,
+):
     """Σ over the rows of the normalised TRL per-token loss, and token-shaped metric sums."""
     adv = token.adv
     coef_1 = torch.exp(log_w)
@@ -449,9 +458,14 @@ class FusedLinearGRPOLoss(FusedLinearBase):
             )
         b, t, h = hidden.shape
         batch, _ = sequence_batch(
-            mask, torch.arange(b, device=hidden.device), token=token, sequence=sequence, scalars=scalars,
-            extra=extra, host_checks=label_checks,
-        )  # fmt: skip
+            mask,
+            torch.arange(b, device=hidden.device),
+            token=token,
+            sequence=sequence,
+            scalars=scalars,
+            extra=extra,
+            host_checks=label_checks,
+        )
         loss = self.run(hidden.reshape(b * t, h), weight, bias, batch)
         seq_shaped = self.options.importance_sampling_level == "sequence" and advantages.dim() == 1
         sums = {**_zero_metrics(self.options, hidden.device), **self.chunk_sums}

@@ -388,9 +388,14 @@ class FusedLinearPreferenceLoss(FusedLinearBase):
         n_pairs = hidden.shape[0] // 2
         group = torch.arange(2 * n_pairs, device=hidden.device) % max(n_pairs, 1)
         batch, _ = sequence_batch(
-            keep, group, token=token, sequence=sequence, scalars=scalars, extra=extra,
+            keep,
+            group,
+            token=token,
+            sequence=sequence,
+            scalars=scalars,
+            extra=extra,
             host_checks=label_checks,
-        )  # fmt: skip
+        )
         return self.run(hidden.reshape(-1, hidden.shape[-1]), weight, bias, batch)
 
     def _check_labels(self, hidden, vocab: int, chosen, rejected, nll_labels) -> list:
@@ -512,8 +517,15 @@ def preference_pass2(opts: PreferenceOptions, logits, extra_logits, token, coef,
     nll = {}
     if token.nll_labels is not None:
         nll = dict(labels2=token.nll_labels, coef2=(coef[:, NLL] * token.nll_mask).float().contiguous())
-    return row_grad_(logits, token.labels, a.float().contiguous(), **nll, stats=rows,
-                     logit_scale=opts.logit_scale, softcap=opts.softcap)  # fmt: skip
+    return row_grad_(
+        logits,
+        token.labels,
+        a.float().contiguous(),
+        **nll,
+        stats=rows,
+        logit_scale=opts.logit_scale,
+        softcap=opts.softcap,
+    )
 
 
 register_gpu_steps(

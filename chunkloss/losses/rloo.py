@@ -221,9 +221,13 @@ class FusedLinearRLOOLoss(FusedLinearBase):
             seq_zeros=torch.zeros(b + 1, device=dev),
         )
         batch, _ = sequence_batch(
-            mask, torch.arange(b, device=dev), token=token, sequence=sequence, scalars=scalars,
+            mask,
+            torch.arange(b, device=dev),
+            token=token,
+            sequence=sequence,
+            scalars=scalars,
             host_checks=label_checks,
-        )  # fmt: skip
+        )
         loss = self.run(hidden.reshape(b * t, h), weight, bias, batch)
         sums = dict(self.chunk_sums)
         sums["clip_ratio/low_min"] = nanmin(sums.pop("low_per_seq")[:b])

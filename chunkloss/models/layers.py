@@ -37,8 +37,17 @@ from .hooks import gathering_hooks_only, hooked_owners, run_inside
 from .lora import Projection, computes_as_is, projection
 
 __all__ = [
-    "NormSpec", "MLPSpec", "LayerSpec", "PatchedRMSNorm", "PatchedGatedMLP", "PatchedAttention",
-    "Qwen3Attention", "MistralAttention", "SlidingWindowAttention", "Gemma2Attention", "PreNormLayer",
+    "NormSpec",
+    "MLPSpec",
+    "LayerSpec",
+    "PatchedRMSNorm",
+    "PatchedGatedMLP",
+    "PatchedAttention",
+    "Qwen3Attention",
+    "MistralAttention",
+    "SlidingWindowAttention",
+    "Gemma2Attention",
+    "PreNormLayer",
     "SandwichLayer",
 ]
 
@@ -115,8 +124,9 @@ class PatchedRMSNorm:
         spec = self.chunkloss_norm
         out = rms_norm(x, self.weight, spec.eps, spec.offset, spec.casting, spec.in_place)
         if spec.offer:
-            saved_norms.offer(out, lambda: rms_norm(x, self.weight, spec.eps, spec.offset, spec.casting,
-                                                    spec.in_place))  # fmt: skip
+            saved_norms.offer(
+                out, lambda: rms_norm(x, self.weight, spec.eps, spec.offset, spec.casting, spec.in_place)
+            )
         return out
 
 
@@ -140,9 +150,19 @@ class PatchedGatedMLP:
     def _fused(self, x: torch.Tensor) -> torch.Tensor:
         spec = self.chunkloss_mlp
         parts = gate, up, down = _fusable((self.gate_proj, self.up_proj, self.down_proj), x)
-        return gated_mlp(x, gate.weight, up.weight, down.weight, b_gate=gate.bias, b_up=up.bias,
-                         b_down=down.bias, activation=spec.activation, recompute=spec.recompute,
-                         adapters=_adapters(parts), tile=spec.tile)  # fmt: skip
+        return gated_mlp(
+            x,
+            gate.weight,
+            up.weight,
+            down.weight,
+            b_gate=gate.bias,
+            b_up=up.bias,
+            b_down=down.bias,
+            activation=spec.activation,
+            recompute=spec.recompute,
+            adapters=_adapters(parts),
+            tile=spec.tile,
+        )
 
 
 class PatchedAttention:
@@ -163,8 +183,10 @@ class PatchedAttention:
     def project(self, hidden_states):
         """q, k, v as (B, heads, T, head_dim) views of the projections."""
         shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        return tuple(_linear(proj, hidden_states).view(shape).transpose(1, 2)
-                     for proj in (self.q_proj, self.k_proj, self.v_proj))  # fmt: skip
+        return tuple(
+            _linear(proj, hidden_states).view(shape).transpose(1, 2)
+            for proj in (self.q_proj, self.k_proj, self.v_proj)
+        )
 
     def rotate(self, q, k, position_embeddings):
         cos, sin = position_embeddings
@@ -183,9 +205,17 @@ class PatchedAttention:
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, _family(self).eager_attention_forward
         )
-        out, weights = interface(self, q, k, v, attention_mask,
-                                 dropout=0.0 if not self.training else self.attention_dropout,
-                                 scaling=self.scaling, **self.interface_kwargs(), **kwargs)  # fmt: skip
+        out, weights = interface(
+            self,
+            q,
+            k,
+            v,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            **self.interface_kwargs(),
+            **kwargs,
+        )
         out = out.reshape(batch, seq, -1).contiguous()
         return _linear(self.o_proj, out), weights
 
@@ -196,8 +226,9 @@ class PatchedAttention:
         # operands, a rounding attention_input does not reproduce.
         return parts is not None and not autocast_changes_dtype(x, *(p.weight for p in parts))
 
-    def attend_from_residual(self, x, norm, position_embeddings, attention_mask, cache=None, *,
-                             norm_recompute=False, **kwargs):  # fmt: skip
+    def attend_from_residual(
+        self, x, norm, position_embeddings, attention_mask, cache=None, *, norm_recompute=False, **kwargs
+    ):
         """``self(norm(x), ...)`` with the norm, q/k/v (and their LoRA adapters) and RoPE as one
         attention_input call, run inside the forwards of the norm and the projections (those with hooks);
         :meth:`takes_residual` must hold."""
@@ -207,10 +238,22 @@ class PatchedAttention:
             parts = _fusable(projections, y)
             cos, sin = position_embeddings
             spec = norm.chunkloss_norm
-            return attention_input(y, norm.weight, *(p.weight for p in parts), cos, sin, b_q=parts[0].bias,
-                                   b_k=parts[1].bias, b_v=parts[2].bias, head_dim=self.head_dim, eps=spec.eps,
-                                   offset=spec.offset, casting=spec.casting, norm_recompute=norm_recompute,
-                                   adapters=_adapters(parts))  # fmt: skip
+            return attention_input(
+                y,
+                norm.weight,
+                *(p.weight for p in parts),
+                cos,
+                sin,
+                b_q=parts[0].bias,
+                b_k=parts[1].bias,
+                b_v=parts[2].bias,
+                head_dim=self.head_dim,
+                eps=spec.eps,
+                offset=spec.offset,
+                casting=spec.casting,
+                norm_recompute=norm_recompute,
+                adapters=_adapters(parts),
+            )
 
         q, k, v = run_inside(hooked_owners((norm, *projections)), qkv, x)
         return self.attend(q, k, v, attention_mask, cache, **kwargs)
@@ -260,30 +303,56 @@ class _Layer:
         """``self_attn(input_layernorm(x))``'s output, the norm, q/k/v and RoPE fused where they can be."""
         attn, norm = self.self_attn, self.input_layernorm
         spec = self.chunkloss_layer
-        if (spec.fuse_attention_input and isinstance(attn, PatchedAttention) and attn.takes_attention_input
-                and isinstance(norm, PatchedRMSNorm) and gathering_hooks_only(attn)
-                and gathering_hooks_only(norm) and attn.takes_residual(x)):  # fmt: skip
+        if (
+            spec.fuse_attention_input
+            and isinstance(attn, PatchedAttention)
+            and attn.takes_attention_input
+            and isinstance(norm, PatchedRMSNorm)
+            and gathering_hooks_only(attn)
+            and gathering_hooks_only(norm)
+            and attn.takes_residual(x)
+        ):
+
             def fused(y):
-                return attn.attend_from_residual(y, norm, position_embeddings, attention_mask,
-                                                 norm_recompute=spec.norm_recompute, **kwargs)  # fmt: skip
+                return attn.attend_from_residual(
+                    y, norm, position_embeddings, attention_mask, norm_recompute=spec.norm_recompute, **kwargs
+                )
 
             # Inside the attention module's forward too, as the separate path calls it.
             return run_inside(hooked_owners([attn], recurse=False), fused, x)[0]
-        out, _ = attn(hidden_states=norm(x), position_embeddings=position_embeddings,
-                      attention_mask=attention_mask, **kwargs)  # fmt: skip
+        out, _ = attn(
+            hidden_states=norm(x),
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            **kwargs,
+        )
         return out
 
 
 class PreNormLayer(_Layer):
     """``LlamaDecoderLayer.forward`` (Llama, Mistral, Qwen2, Qwen3, Gemma)."""
 
-    def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
-                position_embeddings=None, **kwargs):  # fmt: skip
+    def forward(
+        self,
+        hidden_states,
+        attention_mask=None,
+        position_ids=None,
+        cache=None,
+        use_cache=False,
+        position_embeddings=None,
+        **kwargs,
+    ):
         with self.saved_norms():
             residual = hidden_states
-            hidden_states = self.attention(hidden_states, position_embeddings, attention_mask,
-                                           position_ids=position_ids, cache=cache, use_cache=use_cache,
-                                           **kwargs)  # fmt: skip
+            hidden_states = self.attention(
+                hidden_states,
+                position_embeddings,
+                attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=use_cache,
+                **kwargs,
+            )
             hidden_states = residual + hidden_states
             residual = hidden_states
             hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
@@ -293,12 +362,25 @@ class PreNormLayer(_Layer):
 class SandwichLayer(_Layer):
     """``Gemma2DecoderLayer.forward``: a norm before and after attention and before and after the MLP."""
 
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, position_ids=None,
-                cache=None, **kwargs):  # fmt: skip
+    def forward(
+        self,
+        hidden_states,
+        position_embeddings=None,
+        attention_mask=None,
+        position_ids=None,
+        cache=None,
+        **kwargs,
+    ):
         with self.saved_norms():
             residual = hidden_states
-            hidden_states = self.attention(hidden_states, position_embeddings, attention_mask,
-                                           position_ids=position_ids, cache=cache, **kwargs)  # fmt: skip
+            hidden_states = self.attention(
+                hidden_states,
+                position_embeddings,
+                attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                **kwargs,
+            )
             hidden_states = residual + self.post_attention_layernorm(hidden_states)
             residual = hidden_states
             hidden_states = self.mlp(self.pre_feedforward_layernorm(hidden_states))

@@ -82,8 +82,11 @@ def _lora_linear_class():
 def _lora_kind(module: nn.Module) -> str | None:
     """``"linear"`` for PEFT's LoRA ``Linear``, ``"4bit"`` / ``"8bit"`` for its bitsandbytes layers, else
     None."""
-    kinds = {"linear": _lora_linear_class(), "4bit": _class("peft.tuners.lora.bnb", "Linear4bit"),
-             "8bit": _class("peft.tuners.lora.bnb", "Linear8bitLt")}  # fmt: skip
+    kinds = {
+        "linear": _lora_linear_class(),
+        "4bit": _class("peft.tuners.lora.bnb", "Linear4bit"),
+        "8bit": _class("peft.tuners.lora.bnb", "Linear8bitLt"),
+    }
     return next((kind for kind, cls in kinds.items() if cls is not None and type(module) is cls), None)
 
 

@@ -120,9 +120,15 @@ def _install(module: nn.Module, forward: type | None, attr: str | None = None, s
     else:
         key = (base, forward)
         if key not in _CLASSES:
-            _CLASSES[key] = type(base.__name__, (forward, base), {
-                "_chunkloss_base": base, "__module__": base.__module__, "__qualname__": base.__qualname__,
-            })  # fmt: skip
+            _CLASSES[key] = type(
+                base.__name__,
+                (forward, base),
+                {
+                    "_chunkloss_base": base,
+                    "__module__": base.__module__,
+                    "__qualname__": base.__qualname__,
+                },
+            )
         module.__class__ = _CLASSES[key]
     if attr is not None:
         if forward is None:
@@ -148,18 +154,39 @@ class ChunkedLossForCausalLM:
 
     chunkloss_loss_options: dict
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
-                use_cache=None, logits_to_keep=0, **kwargs):  # fmt: skip
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        logits_to_keep=0,
+        **kwargs,
+    ):
         if labels is None:
-            return super().forward(input_ids=input_ids, attention_mask=attention_mask,
-                                   position_ids=position_ids, inputs_embeds=inputs_embeds,
-                                   use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)  # fmt: skip
+            return super().forward(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                inputs_embeds=inputs_embeds,
+                use_cache=use_cache,
+                logits_to_keep=logits_to_keep,
+                **kwargs,
+            )
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         return_dict = kwargs.pop("return_dict", None)
         shift_labels = kwargs.pop("shift_labels", None)
-        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)  # fmt: skip
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
         hidden = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         hidden = hidden[:, keep, :]
@@ -167,12 +194,22 @@ class ChunkedLossForCausalLM:
             # As transformers' ForCausalLMLoss: position t predicts token t + 1, the last one nothing.
             shift_labels = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
         ce = self.chunkloss_cross_entropy()
-        loss = ce(hidden, self.lm_head.weight, shift_labels.to(hidden.device), bias=self.lm_head.bias,
-                  num_items_in_batch=kwargs.get("num_items_in_batch"))
+        loss = ce(
+            hidden,
+            self.lm_head.weight,
+            shift_labels.to(hidden.device),
+            bias=self.lm_head.bias,
+            num_items_in_batch=kwargs.get("num_items_in_batch"),
+        )
         # transformers 5.24 renamed the outputs' past_key_values to cache; take whichever this version has.
         cache = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
-        out = CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states,
-                                     attentions=outputs.attentions, **{cache: getattr(outputs, cache, None)})
+        out = CausalLMOutputWithPast(
+            loss=loss,
+            logits=None,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            **{cache: getattr(outputs, cache, None)},
+        )
         if return_dict is False or (return_dict is None and not getattr(self.config, "return_dict", True)):
             return out.to_tuple()
         return out
@@ -220,9 +257,19 @@ def _summary(model: nn.Module, fused: Counter) -> tuple[str, bool]:
     return line, bool(reasons)
 
 
-def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, mlp: bool = True, loss: bool = True,
-          loss_options: dict | None = None, mlp_recompute: bool = False, norm_recompute: bool = False,
-          attention: bool = True, mlp_tile: int | None = None) -> nn.Module:
+def patch(
+    model: nn.Module,
+    *,
+    rms_norm: bool = True,
+    rope: bool = True,
+    mlp: bool = True,
+    loss: bool = True,
+    loss_options: dict | None = None,
+    mlp_recompute: bool = False,
+    norm_recompute: bool = False,
+    attention: bool = True,
+    mlp_tile: int | None = None,
+) -> nn.Module:
     """Make a transformers Llama / Mistral / Qwen2 / Qwen3 / Gemma / Gemma-2 model use chunkloss's kernels.
 
     Patching again replaces the earlier options (``attention=False`` after ``attention=True`` puts the
@@ -283,26 +330,38 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, mlp: bo
     for name, module in model.named_modules():
         cls = _base_class(module).__name__
         if cls == f"{family}RMSNorm":
-            spec = NormSpec(eps=getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6)),
-                            offset=1.0 if gemma else 0.0, casting="gemma" if gemma else "llama",
-                            in_place=_norm_in_place_safe(name, model_type),
-                            offer=norm_recompute and name.rsplit(".", 1)[-1] in _PRE_NORMS)  # fmt: skip
+            spec = NormSpec(
+                eps=getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6)),
+                offset=1.0 if gemma else 0.0,
+                casting="gemma" if gemma else "llama",
+                in_place=_norm_in_place_safe(name, model_type),
+                offer=norm_recompute and name.rsplit(".", 1)[-1] in _PRE_NORMS,
+            )
             _install(module, PatchedRMSNorm if rms_norm else None, "chunkloss_norm", spec)
             fused["norms"] += rms_norm
         elif cls == f"{family}MLP":
             activation = _mlp_activation(module) if mlp else None
             if mlp and activation is None:
-                warnings.warn(f"chunkloss: {name} uses {type(module.act_fn).__name__}, left unpatched",
-                              stacklevel=2)  # fmt: skip
-            _install(module, PatchedGatedMLP if activation else None, "chunkloss_mlp",
-                     MLPSpec(activation, mlp_recompute, mlp_tile))  # fmt: skip
+                warnings.warn(
+                    f"chunkloss: {name} uses {type(module.act_fn).__name__}, left unpatched", stacklevel=2
+                )
+            _install(
+                module,
+                PatchedGatedMLP if activation else None,
+                "chunkloss_mlp",
+                MLPSpec(activation, mlp_recompute, mlp_tile),
+            )
             fused["MLPs"] += activation is not None
         elif cls == f"{family}Attention":
             _install(module, attention_forward if rope else None)
             fused["RoPE"] += rope
         elif cls == f"{family}DecoderLayer":
-            _install(module, layer_forward if fuse or norm_recompute else None, "chunkloss_layer",
-                     LayerSpec(fuse, norm_recompute))  # fmt: skip
+            _install(
+                module,
+                layer_forward if fuse or norm_recompute else None,
+                "chunkloss_layer",
+                LayerSpec(fuse, norm_recompute),
+            )
             fused["attention inputs"] += fuse
     if loss and hasattr(model, "lm_head") and hasattr(model, "model"):
         _install(model, ChunkedLossForCausalLM, "chunkloss_loss_options", dict(loss_options or {}))
@@ -322,8 +381,12 @@ def unpatch_rotary(model: nn.Module | None = None) -> list[str]:
     Returns:
         ``[]``, the modeling modules whose function was put back.
     """
-    warnings.warn("chunkloss.models.unpatch_rotary does nothing: patch() no longer replaces the family's "
-                  "apply_rotary_pos_emb", DeprecationWarning, stacklevel=2)  # fmt: skip
+    warnings.warn(
+        "chunkloss.models.unpatch_rotary does nothing: patch() no longer replaces the family's "
+        "apply_rotary_pos_emb",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     return []
 
 

@@ -1,6 +1,6 @@
 """TRL trainers that use the chunked losses: drop-in subclasses of TRL 1.16's trainers.
 
-    from chunkloss.trainers import ChunkedGRPOTrainer, ChunkedGRPOConfig
+from chunkloss.trainers import ChunkedGRPOTrainer, ChunkedGRPOConfig
 """
 
 from .distillation import ChunkedDistillationConfig, ChunkedDistillationTrainer

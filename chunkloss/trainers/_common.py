@@ -298,12 +298,18 @@ def apply_chunk_kernels(trainer) -> None:
         for key in ("mlp_recompute", "norm_recompute", "mlp_tile"):
             value = getattr(args, f"chunk_kernels_{key}", None)
             if value:
-                refuse(name, f"chunk_kernels_{key}={value!r} with chunk_kernels=False",
-                       "it selects how the kernels compute and what they keep for the backward")  # fmt: skip
+                refuse(
+                    name,
+                    f"chunk_kernels_{key}={value!r} with chunk_kernels=False",
+                    "it selects how the kernels compute and what they keep for the backward",
+                )
         return
     if options["norm_recompute"] and getattr(args, "torch_compile", False):
-        refuse(name, "chunk_kernels_norm_recompute=True with torch_compile=True",
-               "its saved-tensor hooks are not traced by torch.compile")  # fmt: skip
+        refuse(
+            name,
+            "chunk_kernels_norm_recompute=True with torch_compile=True",
+            "its saved-tensor hooks are not traced by torch.compile",
+        )
     log = logging.getLogger("chunkloss.trainers")
     unwrap = trainer.accelerator.unwrap_model
     model = peft_base(unwrap(trainer.model))
@@ -311,9 +317,14 @@ def apply_chunk_kernels(trainer) -> None:
     if why is not None:
         if setting:
             refuse(name, f"chunk_kernels=True {why[0]}", why[1])
-        log.warning("%s: chunk_kernels off: the model (type %r) %s keeps transformers' modules (%s); "
-                    "chunk_kernels=False silences this",
-                    name, _model_type(model), why[0], why[1])  # fmt: skip
+        log.warning(
+            "%s: chunk_kernels off: the model (type %r) %s keeps transformers' modules (%s); "
+            "chunk_kernels=False silences this",
+            name,
+            _model_type(model),
+            why[0],
+            why[1],
+        )
         return
     try:
         patch(model, loss=False, **options)

@@ -116,5 +116,8 @@ class NonFiniteLossWatch:
         logging.getLogger("chunkloss.trainers").warning(
             "%s: the training loss is %s at step %d: %s. Reported once; the logged loss leaves such steps "
             "out while logging_nan_inf_filter is on",
-            type(self).__name__, loss, int(step), first_bad,
-        )  # fmt: skip
+            type(self).__name__,
+            loss,
+            int(step),
+            first_bad,
+        )

@@ -119,9 +119,15 @@ class AdapterHeadLogps:
         base = peft_base(self.accelerator.unwrap_model(model))
         if not getattr(base, "_chunkloss_head", False) or not has_active_head_adapter(base):
             return super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
-                compute_aux_loss, **multimodal,
-            )  # fmt: skip
+                model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                batch_size,
+                compute_entropy,
+                compute_aux_loss,
+                **multimodal,
+            )
         if compute_entropy or any(v is not None for v in multimodal.values()):
             refuse(
                 type(self).__name__,

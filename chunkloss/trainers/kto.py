@@ -29,8 +29,16 @@ from ._setup import ChunkedTrainerSetup
 __all__ = ["ChunkedKTOConfig", "ChunkedKTOTrainer"]
 
 _MODEL_KEYS = ("input_ids", "attention_mask")
-_BATCH_KEYS = {*_MODEL_KEYS, "completion_mask", "label", "ref_logps", "ref_KL_logps",
-               "KL_input_ids", "KL_attention_mask", "KL_completion_mask"}  # fmt: skip
+_BATCH_KEYS = {
+    *_MODEL_KEYS,
+    "completion_mask",
+    "label",
+    "ref_logps",
+    "ref_KL_logps",
+    "KL_input_ids",
+    "KL_attention_mask",
+    "KL_completion_mask",
+}
 
 
 @dataclass

@@ -124,9 +124,19 @@ class ChunkedORPOTrainer(ChunkedTrainerSetup, DeferredMetrics, ORPOTrainer):
         # Training steps store the values on the device, fetched when the trainer logs (``DeferredMetrics``),
         # not with .item() here. Evaluation hands some to ``prediction_step`` as numbers, as TRL does.
         fetch = (lambda t: t) if train_eval == "train" else (lambda t: t.item())
-        metrics = {f"{prefix}{k}": fetch(gather(m[k].reshape(1)).mean()) for k in (
-            "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/rejected",
-            "logps/chosen", "logits/rejected", "logits/chosen")}  # fmt: skip
+        metrics = {
+            f"{prefix}{k}": fetch(gather(m[k].reshape(1)).mean())
+            for k in (
+                "rewards/chosen",
+                "rewards/rejected",
+                "rewards/accuracies",
+                "rewards/margins",
+                "logps/rejected",
+                "logps/chosen",
+                "logits/rejected",
+                "logits/chosen",
+            )
+        }
         for k in ("nll_loss", "log_odds_ratio", "log_odds_chosen"):
             metrics[f"{prefix}{k}"] = fetch(gather(m[k].reshape(1)).mean())
         if self.aux_loss_enabled:

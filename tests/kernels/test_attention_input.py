@@ -117,8 +117,9 @@ def _saved_bytes_and_grads(norm_recompute):
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         biases = {k: v for k, v in leaves.items() if k.startswith("b_")}
-        outs = attention_input(*(leaves[k] for k in LEAVES), cos, sin, head_dim=head_dim, **biases,
-                               norm_recompute=norm_recompute)
+        outs = attention_input(
+            *(leaves[k] for k in LEAVES), cos, sin, head_dim=head_dim, **biases, norm_recompute=norm_recompute
+        )
     params = {leaves[k].untyped_storage().data_ptr() for k in leaves if k != "x"}
     saved = sum(n for ptr, n in storages.items() if ptr not in params)
     loss = sum((o * (i + 1)).square().sum() for i, o in enumerate(outs))
@@ -178,10 +179,21 @@ def test_compiles_without_graph_breaks(norm_recompute):
     x, norm_weight, w_q, w_k, w_v = (masters[k].requires_grad_(k in ("x", "norm_weight")) for k in LEAVES)
 
     def call(x, norm_weight):
-        return attention_input(x, norm_weight, w_q, w_k, w_v, cos, sin, head_dim=head_dim, b_k=masters["b_k"],
-                               norm_recompute=norm_recompute)  # fmt: skip
+        return attention_input(
+            x,
+            norm_weight,
+            w_q,
+            w_k,
+            w_v,
+            cos,
+            sin,
+            head_dim=head_dim,
+            b_k=masters["b_k"],
+            norm_recompute=norm_recompute,
+        )
 
     compiled_matches_eager(call, [x, norm_weight])
     q, k = torch.randn(2, 2, 3, 16, requires_grad=True), torch.randn(2, 2, 3, 16, requires_grad=True)
-    compiled_matches_eager(lambda q, k: apply_rotary_pos_emb(q * 1, k * 1, cos, sin, in_place=norm_recompute),
-                           [q, k])  # fmt: skip
+    compiled_matches_eager(
+        lambda q, k: apply_rotary_pos_emb(q * 1, k * 1, cos, sin, in_place=norm_recompute), [q, k]
+    )

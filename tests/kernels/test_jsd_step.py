@@ -69,8 +69,11 @@ def test_jsd_step_bad_input():
         kj.jsd_step(z, z, y[:2], n)
     with pytest.raises(TypeError, match="logits must be"):
         kj.jsd_step(z.double(), z, y, n)
-    for bad, match in [(dict(beta=1.5), "beta"), (dict(temperature=0.0), "temperature"),
-                       (dict(teacher_softcap=-1.0), "teacher_softcap")]:  # fmt: skip
+    for bad, match in [
+        (dict(beta=1.5), "beta"),
+        (dict(temperature=0.0), "temperature"),
+        (dict(teacher_softcap=-1.0), "teacher_softcap"),
+    ]:
         with pytest.raises(ValueError, match=match):
             kj.jsd_step(z, z, y, n, **bad)
         with pytest.raises(ValueError, match=match):

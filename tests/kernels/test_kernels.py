@@ -53,8 +53,9 @@ def run3(fn_ours, fn_ref, masters, layouts, dtype, grad_fn=torch.randn_like):
     results = []
     upstream = None
     for fn, dt in ((fn_ref, torch.float32), (fn_ref, dtype), (fn_ours, dtype)):
-        inputs = [laid_out(m, lay, dt) if lay else m.to(dt).requires_grad_(True)
-                  for m, lay in zip(masters, layouts)]
+        inputs = [
+            laid_out(m, lay, dt) if lay else m.to(dt).requires_grad_(True) for m, lay in zip(masters, layouts)
+        ]
         out = fn(*inputs)
         if upstream is None:
             upstream = grad_fn(out.float())
@@ -78,8 +79,13 @@ def check3(results, dtype, names):
 def test_rms_norm(casting, offset, width, dtype, layout):
     x = torch.randn(19, width) * 3
     w = torch.randn(width) * 0.3 + (0.0 if offset else 1.0)
-    results = run3(lambda x, w: rms_norm(x, w, 1e-6, offset, casting),
-                   lambda x, w: rms_norm_ref(x, w, 1e-6, offset, casting), [x, w], [layout, None], dtype)
+    results = run3(
+        lambda x, w: rms_norm(x, w, 1e-6, offset, casting),
+        lambda x, w: rms_norm_ref(x, w, 1e-6, offset, casting),
+        [x, w],
+        [layout, None],
+        dtype,
+    )
     check3(results, dtype, ["x", "w"])
 
 
@@ -104,9 +110,13 @@ class _RMSNormTorchMath(torch.autograd.Function):
 def test_rms_norm_torch_math(casting, offset, dtype):
     x = torch.randn(19, 127) * 3
     w = torch.randn(127) * 0.3 + (0.0 if offset else 1.0)
-    results = run3(lambda x, w: _RMSNormTorchMath.apply(x, w, offset, casting),
-                   lambda x, w: rms_norm_ref(x, w, 1e-6, offset, casting), [x, w], ["contiguous", None],
-                   dtype)  # fmt: skip
+    results = run3(
+        lambda x, w: _RMSNormTorchMath.apply(x, w, offset, casting),
+        lambda x, w: rms_norm_ref(x, w, 1e-6, offset, casting),
+        [x, w],
+        ["contiguous", None],
+        dtype,
+    )
     check3(results, dtype, ["x", "w"])
 
 
@@ -126,11 +136,15 @@ def test_layer_norm(has_bias, width, dtype, layout):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("width", WIDTHS)
-@pytest.mark.parametrize("ours,ref", [
-    (swiglu, swiglu_ref),
-    (geglu, geglu_ref),
-    (lambda a, b: GLU("gelu")(a, b), lambda a, b: glu_ref(a, b, "gelu")),  # exact (erf) GELU
-], ids=["swiglu", "geglu", "geglu_exact"])
+@pytest.mark.parametrize(
+    "ours,ref",
+    [
+        (swiglu, swiglu_ref),
+        (geglu, geglu_ref),
+        (lambda a, b: GLU("gelu")(a, b), lambda a, b: glu_ref(a, b, "gelu")),  # exact (erf) GELU
+    ],
+    ids=["swiglu", "geglu", "geglu_exact"],
+)
 def test_glu(ours, ref, width, dtype, layout):
     a = torch.randn(19, width) * 3  # covers both tails of the activations
     b = torch.randn(19, width)
@@ -170,8 +184,11 @@ def test_rope(tables, unsqueeze_dim, head_dim, rot, dtype, in_place):
         return x.transpose(1, 2) if unsqueeze_dim == 1 else x
 
     outs = []
-    for dt, fn in ((torch.float32, apply_rotary_pos_emb_ref), (dtype, apply_rotary_pos_emb_ref),
-                   (dtype, apply_rotary_pos_emb)):
+    for dt, fn in (
+        (torch.float32, apply_rotary_pos_emb_ref),
+        (dtype, apply_rotary_pos_emb_ref),
+        (dtype, apply_rotary_pos_emb),
+    ):
         qp, kp = q_proj.to(dt).requires_grad_(), k_proj.to(dt).requires_grad_()
         kwargs = {"in_place": in_place} if fn is apply_rotary_pos_emb else {}
         q, k = heads(qp * 1, n_q), heads(kp * 1, n_k)  # non-leaf, like a projection output
@@ -205,7 +222,7 @@ def test_rope_gradient_of_one_output_only():
     qe, _ = apply_rotary_pos_emb(q, k, cos, sin)
     qr, _ = apply_rotary_pos_emb_ref(q, k, cos, sin)
     dq, dk = torch.autograd.grad(qe.sum(), (q, k), allow_unused=True)
-    dq_ref, = torch.autograd.grad(qr.sum(), (q,))
+    (dq_ref,) = torch.autograd.grad(qr.sum(), (q,))
     torch.testing.assert_close(dq, dq_ref)
     assert dk is None or dk.abs().max() == 0
 
@@ -239,11 +256,14 @@ def test_norm_in_place_backward_matches(norm):
     x = torch.randn(3, 5, 100, requires_grad=True)  # 3-D input: rows flattened before the kernel
     w = torch.randn(100, requires_grad=True)
     if norm == "rms":
+
         def fn(x, ip):
             return rms_norm(x, w, in_place=ip)
     else:
+
         def fn(x, ip):
             return layer_norm(x, w, None, in_place=ip)
+
     g = torch.randn(3, 5, 100)
     expected = torch.autograd.grad(fn(x, False), (x, w), g.clone())
     g_buffer = g.clone()

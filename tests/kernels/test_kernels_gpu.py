@@ -47,8 +47,13 @@ def three_way(fn_ours, fn_ref, masters, dtype, in_place=False):
 def test_rms_norm_4096(casting, offset, dtype):
     x = torch.randn(4096, 4096, device="cuda")
     w = torch.randn(4096, device="cuda") * 0.3 + (0.0 if offset else 1.0)
-    three_way(lambda x, w: rms_norm(x, w, 1e-6, offset, casting, in_place=True),
-              lambda x, w: rms_norm_ref(x, w, 1e-6, offset, casting), [x, w], dtype, in_place=True)
+    three_way(
+        lambda x, w: rms_norm(x, w, 1e-6, offset, casting, in_place=True),
+        lambda x, w: rms_norm_ref(x, w, 1e-6, offset, casting),
+        [x, w],
+        dtype,
+        in_place=True,
+    )
 
 
 @pytest.mark.parametrize("width", [2048, 8192, 16384, 5120 + 7])
@@ -71,10 +76,19 @@ def test_norms_looped_configs(width, block_n, block_m, dtype):
     w = torch.randn(width, device="cuda") * 0.3 + 1.0
     b = torch.randn(width, device="cuda") * 0.3
     with norm_knobs(max_fused_cols=0, loop_block_n=block_n, loop_block_m=block_m, loop_bwd_programs_per_sm=1):
-        three_way(lambda x, w: rms_norm(x, w, 1e-6, 0.0, "llama", in_place=True),
-                  lambda x, w: rms_norm_ref(x, w, 1e-6, 0.0, "llama"), [x, w], dtype, in_place=True)
-        three_way(lambda x, w: rms_norm(x, w, 1e-6, 1.0, "gemma"),
-                  lambda x, w: rms_norm_ref(x, w, 1e-6, 1.0, "gemma"), [x, w], dtype)
+        three_way(
+            lambda x, w: rms_norm(x, w, 1e-6, 0.0, "llama", in_place=True),
+            lambda x, w: rms_norm_ref(x, w, 1e-6, 0.0, "llama"),
+            [x, w],
+            dtype,
+            in_place=True,
+        )
+        three_way(
+            lambda x, w: rms_norm(x, w, 1e-6, 1.0, "gemma"),
+            lambda x, w: rms_norm_ref(x, w, 1e-6, 1.0, "gemma"),
+            [x, w],
+            dtype,
+        )
         three_way(layer_norm, layer_norm_ref, [x, w, b], dtype)
 
 
@@ -132,8 +146,11 @@ def test_rope_llama_shape(dtype, in_place):
     q_proj = torch.randn(batch, seq, n_q * head_dim, device="cuda")
     k_proj = torch.randn(batch, seq, n_k * head_dim, device="cuda")
     outs = []
-    for dt, fn in ((torch.float32, apply_rotary_pos_emb_ref), (dtype, apply_rotary_pos_emb_ref),
-                   (dtype, apply_rotary_pos_emb)):
+    for dt, fn in (
+        (torch.float32, apply_rotary_pos_emb_ref),
+        (dtype, apply_rotary_pos_emb_ref),
+        (dtype, apply_rotary_pos_emb),
+    ):
         qp, kp = q_proj.to(dt).requires_grad_(), k_proj.to(dt).requires_grad_()
         q = (qp * 1).view(batch, seq, n_q, head_dim).transpose(1, 2)
         k = (kp * 1).view(batch, seq, n_k, head_dim).transpose(1, 2)
@@ -183,4 +200,3 @@ def test_glu_int64_offsets():
     c = swiglu(a, b)
     ref = swiglu_ref(a[-8:].float(), b[-8:].float())
     assert_close_to_ref(c[-8:], ref, swiglu_ref(a[-8:], b[-8:]), "tail")
-

@@ -104,8 +104,9 @@ def check_three_way(ours, ref, base, adapters, dtypes, trainable, device=None, m
     assert set(grads) == set(g_ref)
     for name in g_ref:
         assert grads[name].dtype == g_tch[name].dtype, name
-        assert_close_to_ref(grads[name], g_ref[name], None if same is None else g_tch[name], f"d{name}",
-                            dtype=row)  # fmt: skip
+        assert_close_to_ref(
+            grads[name], g_ref[name], None if same is None else g_tch[name], f"d{name}", dtype=row
+        )
 
 
 def _randn(*size, gen):
@@ -169,8 +170,18 @@ def _tables(tables, dtype):
 def _attention(fn, **fixed):
     def call(x, norm_weight, w_q, w_k, w_v, adapters, tables):
         t = _tables(tables, x.dtype)
-        return fn(x, norm_weight, w_q, w_k, w_v, t["cos"], t["sin"], head_dim=t["head_dim"],
-                  adapters=adapters, **fixed)  # fmt: skip
+        return fn(
+            x,
+            norm_weight,
+            w_q,
+            w_k,
+            w_v,
+            t["cos"],
+            t["sin"],
+            head_dim=t["head_dim"],
+            adapters=adapters,
+            **fixed,
+        )
 
     return call
 
@@ -180,8 +191,15 @@ def _attention(fn, **fixed):
 @pytest.mark.parametrize("dtypes", DTYPES, ids=DTYPE_IDS)
 def test_attention_input_matches_peft_math(dtypes, case, dropout_p):
     base, adapters, tables = attention_case(*case, dropout_p)
-    check_three_way(_attention(attention_input), _attention(attention_input_ref), base, adapters, dtypes,
-                    trainable={"x"}, tables=tables)  # fmt: skip
+    check_three_way(
+        _attention(attention_input),
+        _attention(attention_input_ref),
+        base,
+        adapters,
+        dtypes,
+        trainable={"x"},
+        tables=tables,
+    )
 
 
 @pytest.mark.parametrize("norm_recompute", [False, True])
@@ -189,8 +207,15 @@ def test_attention_input_trainable_norm_and_base(norm_recompute):
     """Norm weight and projection weights that require grad get theirs, with the norm recomputed or kept."""
     base, adapters, tables = attention_case(*ATTN_CASES[0], 0.1)
     ours = _attention(attention_input, norm_recompute=norm_recompute)
-    check_three_way(ours, _attention(attention_input_ref), base, adapters, (torch.float32, torch.float32),
-                    trainable={"x", "norm_weight", "w_k"}, tables=tables)  # fmt: skip
+    check_three_way(
+        ours,
+        _attention(attention_input_ref),
+        base,
+        adapters,
+        (torch.float32, torch.float32),
+        trainable={"x", "norm_weight", "w_k"},
+        tables=tables,
+    )
 
 
 # gated_mlp: (tokens, H, I, rank, which of gate/up/down get an adapter, activation, bias, recompute).
@@ -202,12 +227,17 @@ MLP_CASES = [
 
 def mlp_case(n, hidden, inter, rank, present, p):
     gen = torch.Generator().manual_seed(3)
-    base = {"x": _randn(n, hidden, gen=gen), "w_gate": _randn(inter, hidden, gen=gen) * hidden**-0.5,
-            "w_up": _randn(inter, hidden, gen=gen) * hidden**-0.5,
-            "w_down": _randn(hidden, inter, gen=gen) * inter**-0.5}  # fmt: skip
+    base = {
+        "x": _randn(n, hidden, gen=gen),
+        "w_gate": _randn(inter, hidden, gen=gen) * hidden**-0.5,
+        "w_up": _randn(inter, hidden, gen=gen) * hidden**-0.5,
+        "w_down": _randn(hidden, inter, gen=gen) * inter**-0.5,
+    }
     sides = ((hidden, inter), (hidden, inter), (inter, hidden))
-    adapters = [adapter_masters(i, o, rank, 1.5, p, gen) if on else None
-                for (i, o), on in zip(sides, present, strict=True)]  # fmt: skip
+    adapters = [
+        adapter_masters(i, o, rank, 1.5, p, gen) if on else None
+        for (i, o), on in zip(sides, present, strict=True)
+    ]
     return base, adapters
 
 
@@ -230,14 +260,28 @@ def _mlp(fn, **fixed):
 def test_gated_mlp_matches_peft_math(dtypes, case, dropout_p):
     n, hidden, inter, rank, present, activation, bias, recompute = case
     base, adapters = mlp_case(n, hidden, inter, rank, present, dropout_p)
-    check_three_way(_mlp(gated_mlp, recompute=recompute), _mlp(gated_mlp_ref), base, adapters, dtypes,
-                    trainable={"x"}, activation=activation, bias_seed=4 if bias else None)  # fmt: skip
+    check_three_way(
+        _mlp(gated_mlp, recompute=recompute),
+        _mlp(gated_mlp_ref),
+        base,
+        adapters,
+        dtypes,
+        trainable={"x"},
+        activation=activation,
+        bias_seed=4 if bias else None,
+    )
 
 
 def test_gated_mlp_trainable_base():
     base, adapters = mlp_case(*MLP_CASES[0][:5], 0.1)
-    check_three_way(_mlp(gated_mlp), _mlp(gated_mlp_ref), base, adapters, (torch.float32, torch.float32),
-                    trainable={"x", "w_gate", "w_down"})  # fmt: skip
+    check_three_way(
+        _mlp(gated_mlp),
+        _mlp(gated_mlp_ref),
+        base,
+        adapters,
+        (torch.float32, torch.float32),
+        trainable={"x", "w_gate", "w_down"},
+    )
 
 
 # A rank above a projection's smaller side (PEFT accepts one; the update is then of rank min(in, out) at
@@ -295,8 +339,9 @@ def test_bf16_base_fp32_adapters_under_autocast(fn):
 
         return call
 
-    check_three_way(autocast(ours), autocast(ref), base, adapters, (torch.bfloat16, torch.float32),
-                    trainable={"x"}, **kw)  # fmt: skip
+    check_three_way(
+        autocast(ours), autocast(ref), base, adapters, (torch.bfloat16, torch.float32), trainable={"x"}, **kw
+    )
 
 
 class _GemmShapes(TorchDispatchMode):
@@ -350,8 +395,15 @@ def test_adapters_share_one_gemm_without_dropout():
     base, adapters, tables = attention_case(*ATTN_CASES[0], 0.0)
     hidden, rank = attn.SHAPES[0][2], ATTN_CASES[0][1]
     with _GemmShapes() as mode:
-        run(_attention(attention_input), base, adapters, (torch.float32, torch.float32), None, {"x"},
-            tables=tables)  # fmt: skip
+        run(
+            _attention(attention_input),
+            base,
+            adapters,
+            (torch.float32, torch.float32),
+            None,
+            {"x"},
+            tables=tables,
+        )
     n = attn.SHAPES[0][0] * attn.SHAPES[0][1]
     assert mode.shapes.count((n, 3 * rank)) == 1, mode.shapes
     shapes = _backward_gemms(_attention(attention_input), base, adapters, {"x"}, tables=tables)
@@ -383,8 +435,10 @@ def test_gated_mlp_saves_the_input_the_small_products_and_the_masks(dropout_p):
         return torch.nn.Parameter(_randn(*size, gen=gen).to(device))
 
     params = [param(*s) for s in ((inter, hidden),) * 2 + ((hidden, inter),)]
-    adapters = tuple(LoraAdapter(param(rank, i), param(o, rank), 2.0, dropout_p)
-                     for i, o in ((hidden, inter), (hidden, inter), (inter, hidden)))  # fmt: skip
+    adapters = tuple(
+        LoraAdapter(param(rank, i), param(o, rank), 2.0, dropout_p)
+        for i, o in ((hidden, inter), (hidden, inter), (inter, hidden))
+    )
     x = torch.randn(n, hidden, requires_grad=True)
     saved = saved_bytes(lambda: gated_mlp(x, *params, adapters=adapters))
     masks = n * (2 * hidden + inter) if dropout_p else 0
@@ -466,11 +520,20 @@ def test_real_widths_gpu(dtypes, dropout_p):
     shape = (2, 1031, 2048, 32, 8, 64, 64)
     base, adapters, tables = attention_case(shape, 16, (True, True, True), dropout_p)
     tables = {k: v.cuda() if torch.is_tensor(v) else v for k, v in tables.items()}
-    check_three_way(_attention(attention_input), _attention(attention_input_ref), base, adapters, dtypes,
-                    trainable={"x"}, device="cuda", tables=tables)  # fmt: skip
+    check_three_way(
+        _attention(attention_input),
+        _attention(attention_input_ref),
+        base,
+        adapters,
+        dtypes,
+        trainable={"x"},
+        device="cuda",
+        tables=tables,
+    )
     base, adapters = mlp_case(2062, 2048, 8192, 16, (True, True, True), dropout_p)
-    check_three_way(_mlp(gated_mlp), _mlp(gated_mlp_ref), base, adapters, dtypes, trainable={"x"},
-                    device="cuda")  # fmt: skip
+    check_three_way(
+        _mlp(gated_mlp), _mlp(gated_mlp_ref), base, adapters, dtypes, trainable={"x"}, device="cuda"
+    )
     base, adapters = linear_case(16, False, dropout_p)
     check_three_way(_lora_linear, _lora_linear_ref, base, adapters, dtypes, trainable={"x"}, device="cuda")
 
@@ -492,13 +555,15 @@ def test_compiles_without_graph_breaks(fn, dropout_p):
         call = _attention(attention_input, norm_recompute=True)
     device = torch.get_default_device()
     names = list(base)
-    adapters = [None if s is None else (s[0].to(device).requires_grad_(), s[1].to(device).requires_grad_(),
-                                        *s[2:]) for s in specs]  # fmt: skip
+    adapters = [
+        None if s is None else (s[0].to(device).requires_grad_(), s[1].to(device).requires_grad_(), *s[2:])
+        for s in specs
+    ]
     leaves = [base[k].to(device).requires_grad_(k == "x") for k in names]
     extra = {"tables": tables} if fn == "attention_input" else {}
 
     def model(*tensors):
-        it = iter(tensors[len(names):])
+        it = iter(tensors[len(names) :])
         built = tuple(None if s is None else LoraAdapter(next(it), next(it), s[2], s[3]) for s in adapters)
         return call(**dict(zip(names, tensors[: len(names)], strict=True)), adapters=built, **extra)
 
@@ -593,10 +658,21 @@ def test_cast_before_add_matches_pefts_4bit_math(fn):
     """PEFT's Linear4bit casts the update to the base's dtype before adding it: fp32 adapters on a bf16 base,
     with dropout, against the fp64 reference of that order."""
     base, adapters, ours, kw = _frozen_case(fn, 0.1)
-    ref = {"lora_linear": _lora_linear_ref, "gated_mlp": _mlp(gated_mlp_ref),
-           "attention_input": _attention(attention_input_ref)}[fn]  # fmt: skip
-    check_three_way(ours, ref, base, adapters, (torch.bfloat16, torch.float32), trainable={"x"},
-                    cast_before_add=True, **kw)  # fmt: skip
+    ref = {
+        "lora_linear": _lora_linear_ref,
+        "gated_mlp": _mlp(gated_mlp_ref),
+        "attention_input": _attention(attention_input_ref),
+    }[fn]
+    check_three_way(
+        ours,
+        ref,
+        base,
+        adapters,
+        (torch.bfloat16, torch.float32),
+        trainable={"x"},
+        cast_before_add=True,
+        **kw,
+    )
 
 
 def test_cast_before_add_is_pefts_op_order():
@@ -618,12 +694,18 @@ def test_cast_before_add_is_pefts_op_order():
 def test_bad_frozen_weights_raise_one_line_errors():
     x = torch.randn(2, 8)
     packed = torch.zeros(24, 1, dtype=torch.uint8)  # a 4-bit weight's storage (Params4bit), not its values
-    with pytest.raises(TypeError, match=r"lora_linear: weight must be a floating-point tensor or a "
-                       r"FrozenWeight, got torch.uint8 \(a packed quantised weight"):
+    with pytest.raises(
+        TypeError,
+        match=r"lora_linear: weight must be a floating-point tensor or a "
+        r"FrozenWeight, got torch.uint8 \(a packed quantised weight",
+    ):
         lora_linear(x, packed)
     wrong = FrozenWeight(lambda: torch.zeros(8, 6), (6, 8), torch.float32, x.device)
-    with pytest.raises(ValueError, match=r"load\(\) must return a \(6, 8\) torch.float32 tensor, got "
-                       r"\(8, 6\) "):
+    with pytest.raises(
+        ValueError,
+        match=r"load\(\) must return a \(6, 8\) torch.float32 tensor, got "
+        r"\(8, 6\) ",
+    ):
         lora_linear(x, wrong)
     with pytest.raises(ValueError, match=r"shape must be \(out, in\)"):
         FrozenWeight(lambda: torch.zeros(6), (6,), torch.float32, x.device)
@@ -638,8 +720,11 @@ def test_cast_before_add_under_cuda_autocast_gpu(fn):
     """Under CUDA's autocast PEFT's Linear4bit casts nothing: dropout draws its masks on the bf16 input (CUDA
     spends its random numbers by vector width, so masks drawn on an fp32 copy would be other masks)."""
     base, adapters, ours, kw = _frozen_case(fn, 0.1)
-    ref = {"lora_linear": _lora_linear_ref, "gated_mlp": _mlp(gated_mlp_ref),
-           "attention_input": _attention(attention_input_ref)}[fn]  # fmt: skip
+    ref = {
+        "lora_linear": _lora_linear_ref,
+        "gated_mlp": _mlp(gated_mlp_ref),
+        "attention_input": _attention(attention_input_ref),
+    }[fn]
 
     def autocast(fn):
         def call(**args):
@@ -648,6 +733,15 @@ def test_cast_before_add_under_cuda_autocast_gpu(fn):
 
         return call
 
-    check_three_way(autocast(ours), autocast(ref), base, adapters, (torch.bfloat16, torch.float32),
-                    trainable={"x"}, device="cuda", cast_before_add=True, mask_dtype=torch.bfloat16,
-                    **kw)  # fmt: skip
+    check_three_way(
+        autocast(ours),
+        autocast(ref),
+        base,
+        adapters,
+        (torch.bfloat16, torch.float32),
+        trainable={"x"},
+        device="cuda",
+        cast_before_add=True,
+        mask_dtype=torch.bfloat16,
+        **kw,
+    )

@@ -69,10 +69,19 @@ def test_leading_dims_and_frozen_inputs(recompute):
     m = make_inputs(3 * 7, 24, 40, bias=True)
     x = m["x"].view(3, 7, 24).requires_grad_(False)
     w_gate = m["w_gate"].requires_grad_(True)
-    y = gated_mlp(x, w_gate, m["w_up"], m["w_down"], b_gate=m["b_gate"], b_up=m["b_up"], b_down=m["b_down"],
-                  recompute=recompute)
-    ref = gated_mlp_ref(x, w_gate, m["w_up"], m["w_down"], b_gate=m["b_gate"], b_up=m["b_up"],
-                        b_down=m["b_down"])
+    y = gated_mlp(
+        x,
+        w_gate,
+        m["w_up"],
+        m["w_down"],
+        b_gate=m["b_gate"],
+        b_up=m["b_up"],
+        b_down=m["b_down"],
+        recompute=recompute,
+    )
+    ref = gated_mlp_ref(
+        x, w_gate, m["w_up"], m["w_down"], b_gate=m["b_gate"], b_up=m["b_up"], b_down=m["b_down"]
+    )
     assert y.shape == (3, 7, 24)
     assert_close_to_ref(y, ref)
     (dw,) = torch.autograd.grad(y.square().sum(), [w_gate])
@@ -120,8 +129,9 @@ def test_backward_twice_with_retain_graph():
 
 
 def test_module_matches_transformers_llama_mlp():
-    config = transformers.LlamaConfig(hidden_size=24, intermediate_size=40, num_attention_heads=2,
-                                      mlp_bias=True)
+    config = transformers.LlamaConfig(
+        hidden_size=24, intermediate_size=40, num_attention_heads=2, mlp_bias=True
+    )
     hf = transformers.models.llama.modeling_llama.LlamaMLP(config)
     ours = FusedGatedMLP(24, 40, bias=True)
     assert ours.load_state_dict(hf.state_dict()) is not None  # the same parameter names and shapes
@@ -161,12 +171,15 @@ def test_bad_arguments_raise_one_line_errors():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,activation,bias,recompute", [
-    (torch.bfloat16, "silu", False, True),
-    (torch.bfloat16, "silu", False, False),
-    (torch.bfloat16, "gelu_tanh", True, True),
-    (torch.float16, "silu", False, True),
-])
+@pytest.mark.parametrize(
+    "dtype,activation,bias,recompute",
+    [
+        (torch.bfloat16, "silu", False, True),
+        (torch.bfloat16, "silu", False, False),
+        (torch.bfloat16, "gelu_tanh", True, True),
+        (torch.float16, "silu", False, True),
+    ],
+)
 def test_gated_mlp_odd_real_widths_gpu(dtype, activation, bias, recompute):
     # H = 2000 and I = 5461 are multiples of no tile; 1031 tokens leave a partial row tile.
     masters = make_inputs(1031, 2000, 5461, bias, device="cuda")
@@ -181,8 +194,10 @@ def test_compiles_without_graph_breaks(recompute):
     m = make_inputs(13, 24, 40, bias=True)
     x = m["x"].requires_grad_(True)
     w_gate = m["w_gate"].requires_grad_(True)
-    compiled_matches_eager(lambda x, w_gate: gated_mlp(x, w_gate, m["w_up"], m["w_down"], b_up=m["b_up"],
-                                                       recompute=recompute), [x, w_gate])  # fmt: skip
+    compiled_matches_eager(
+        lambda x, w_gate: gated_mlp(x, w_gate, m["w_up"], m["w_down"], b_up=m["b_up"], recompute=recompute),
+        [x, w_gate],
+    )
     a, b = (torch.randn(5, 7, requires_grad=True) for _ in range(2))
     # in_place overwrites a and b in the backward: fresh copies of the leaves
     compiled_matches_eager(lambda a, b: swiglu(a * 1, b * 1, in_place=recompute), [a, b])

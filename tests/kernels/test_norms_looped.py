@@ -53,8 +53,13 @@ def test_rms_norm_looped(looped, casting, offset, width, dtype, layout):
     assert_looped(looped, ROWS, width)
     x = torch.randn(ROWS, width) * 3
     w = torch.randn(width) * 0.3 + (0.0 if offset else 1.0)
-    results = run3(lambda x, w: rms_norm(x, w, 1e-6, offset, casting),
-                   lambda x, w: rms_norm_ref(x, w, 1e-6, offset, casting), [x, w], [layout, None], dtype)
+    results = run3(
+        lambda x, w: rms_norm(x, w, 1e-6, offset, casting),
+        lambda x, w: rms_norm_ref(x, w, 1e-6, offset, casting),
+        [x, w],
+        [layout, None],
+        dtype,
+    )
     check3(results, dtype, ["x", "w"])
 
 

@@ -58,8 +58,16 @@ def test_rope_knobs_fp32(knobs, tables, unsqueeze_dim, head_dim, rot, in_place):
     cos, sin, position_ids = rope_tables(BATCH, SEQ, rot, tables)
     ref = rope_grads(apply_rotary_pos_emb_ref, torch.float32, head_dim, cos, sin, position_ids, unsqueeze_dim)
     with rope_knobs(**KNOB_SETS[knobs]):
-        ours = rope_grads(apply_rotary_pos_emb, torch.float32, head_dim, cos, sin, position_ids,
-                          unsqueeze_dim, in_place=in_place)
+        ours = rope_grads(
+            apply_rotary_pos_emb,
+            torch.float32,
+            head_dim,
+            cos,
+            sin,
+            position_ids,
+            unsqueeze_dim,
+            in_place=in_place,
+        )
     for name, a, b in zip(["q_embed", "k_embed", "dq", "dk"], ours, ref):
         assert_close_to_ref(a, b, name=name)
 
@@ -127,8 +135,11 @@ def test_rope_knobs_context_restores():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("knobs", [{}, {"tokens": 4, "num_warps": 8, "block_h": 8, "evict_first": True},
-                                   {"tokens": 8, "num_warps": 2}], ids=["defaults", "t4_w8_h8_ev", "t8_w2"])
+@pytest.mark.parametrize(
+    "knobs",
+    [{}, {"tokens": 4, "num_warps": 8, "block_h": 8, "evict_first": True}, {"tokens": 8, "num_warps": 2}],
+    ids=["defaults", "t4_w8_h8_ev", "t8_w2"],
+)
 def test_rope_knobs_llama_shape_gpu(knobs):
     """Compiled kernels at 32 / 8 heads x 128 with 3 x 1001 tokens (4 and 8 per program do not divide it),
     bf16, in place, q and k as (B, T, H, D) leaves handed over as (B, H, T, D) views like bench_kernels."""
@@ -138,13 +149,21 @@ def test_rope_knobs_llama_shape_gpu(knobs):
     k_master = torch.randn(batch, seq, n_k, head_dim, device="cuda")
     gq, gk = torch.randn_like(q_master).transpose(1, 2), torch.randn_like(k_master).transpose(1, 2)
     outs = []
-    for dt, fn in ((torch.float32, apply_rotary_pos_emb_ref), (torch.bfloat16, apply_rotary_pos_emb_ref),
-                   (torch.bfloat16, apply_rotary_pos_emb)):
+    for dt, fn in (
+        (torch.float32, apply_rotary_pos_emb_ref),
+        (torch.bfloat16, apply_rotary_pos_emb_ref),
+        (torch.bfloat16, apply_rotary_pos_emb),
+    ):
         q, k = q_master.to(dt).requires_grad_(), k_master.to(dt).requires_grad_()
         kwargs = {"in_place": True} if fn is apply_rotary_pos_emb else {}
         with rope_knobs(**knobs):
-            qe, ke = fn((q * 1).transpose(1, 2), (k * 1).transpose(1, 2), cos.cuda().to(dt),
-                        sin.cuda().to(dt), **kwargs)
+            qe, ke = fn(
+                (q * 1).transpose(1, 2),
+                (k * 1).transpose(1, 2),
+                cos.cuda().to(dt),
+                sin.cuda().to(dt),
+                **kwargs,
+            )
             dq, dk = torch.autograd.grad((qe, ke), (q, k), (gq.to(dt), gk.to(dt)))
         outs.append((qe, ke, dq, dk))
     ref, tch, ours = outs

@@ -89,7 +89,7 @@ def test_forward_takes_tensors_first_and_biases_by_keyword(cls):
             FusedLinearGRPOLoss,
             lambda h, w, b: (h, w, torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3), torch.zeros(2), b),
         ),
-    ],  # fmt: skip
+    ],
     ids=["ce", "grpo"],
 )
 def test_bias_given_by_position_is_refused(cls, args):
@@ -137,13 +137,22 @@ def test_positional_options():
 # --------------------------------------------------------------------------------------------------
 # Metrics: the names each loss reports with its default options, each named in the class docstring.
 PAIR = {
-    "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-    "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected",
-}  # fmt: skip
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+    "logits/chosen",
+    "logits/rejected",
+}
 CLIP = {
-    "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-    "clip_ratio/low_min", "clip_ratio/high_max",
-}  # fmt: skip
+    "clip_ratio/low_mean",
+    "clip_ratio/high_mean",
+    "clip_ratio/region_mean",
+    "clip_ratio/low_min",
+    "clip_ratio/high_max",
+}
 DEFAULT_METRICS = {
     FusedLinearCrossEntropyLoss: {"num_tokens"},
     FusedLinearJSDLoss: {"num_tokens", "soft_loss", "entropy"},

@@ -172,16 +172,23 @@ def test_head_errors_name_the_argument(kind, case):
     [
         ("dpo", dict(ref_bias=torch.zeros(3)), ValueError, r"ref_bias must be \(V,\)=\(50,\), got \(3,\)"),
         ("grpo", dict(ref_bias=torch.zeros(3)), ValueError, r"ref_bias must be \(V,\)=\(50,\), got \(3,\)"),
-        ("dpo", dict(ref_weight=torch.zeros(V, H, dtype=torch.float64)), TypeError,
-         "ref_hidden dtype torch.float32 differs from ref_weight dtype torch.float64"),
+        (
+            "dpo",
+            dict(ref_weight=torch.zeros(V, H, dtype=torch.float64)),
+            TypeError,
+            "ref_hidden dtype torch.float32 differs from ref_weight dtype torch.float64",
+        ),
         ("grpo", dict(ref_weight=torch.zeros(V, 0)), ValueError, r"ref_weight must be \(V, H\) with V ≥ 1"),
-        ("grpo", dict(ref_hidden=torch.zeros(B, T, H, device="meta"),
-                      ref_weight=torch.zeros(V, H, device="meta")),
-         ValueError, "ref_hidden is on meta but hidden is on cpu"),
+        (
+            "grpo",
+            dict(ref_hidden=torch.zeros(B, T, H, device="meta"), ref_weight=torch.zeros(V, H, device="meta")),
+            ValueError,
+            "ref_hidden is on meta but hidden is on cpu",
+        ),
         ("jsd", dict(teacher_bias=torch.zeros(3)), ValueError, r"teacher head: teacher_bias must be \(V,\)"),
         ("jsd", dict(teacher_weight=torch.zeros(V, 0)), ValueError, r"teacher head: teacher_weight must be"),
     ],
-)  # fmt: skip
+)
 def test_extra_head_errors_name_the_argument(kind, change, exc, match):
     d = make(kind)
     if kind in PREFERENCE + GRPO:
@@ -290,14 +297,18 @@ def test_num_items_zero_and_nothing_labelled(kind):
 @pytest.mark.parametrize(
     "value,exc,match",
     [
-        (torch.tensor([7, 7]), ValueError, r"num_items_in_batch must be a number or a one-element tensor, "
-                                           r"got shape \(2,\)"),
+        (
+            torch.tensor([7, 7]),
+            ValueError,
+            r"num_items_in_batch must be a number or a one-element tensor, "
+            r"got shape \(2,\)",
+        ),
         (-3, ValueError, "num_items_in_batch must be a count ≥ 0, got -3"),
         (float("nan"), ValueError, "num_items_in_batch must be a count ≥ 0, got nan"),
         ("7", TypeError, "num_items_in_batch must be a number or a one-element tensor, got str"),
         (True, TypeError, "num_items_in_batch must be a number or a one-element tensor, got bool"),
     ],
-)  # fmt: skip
+)
 @pytest.mark.parametrize("kind", NUM_ITEMS_KINDS)
 def test_num_items_bad(kind, value, exc, match):
     with pytest.raises(exc, match=match):

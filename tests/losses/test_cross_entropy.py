@@ -335,8 +335,11 @@ def test_asked_metrics_are_there_when_nothing_is_labelled():
     )
     fn(hidden, weight, labels, bias=b)
     assert {k: v.item() for k, v in fn.metrics.items()} == {
-        "num_tokens": 0.0, "z_loss": 0.0, "mean_token_accuracy": 0.0, "entropy": 0.0
-    }  # fmt: skip
+        "num_tokens": 0.0,
+        "z_loss": 0.0,
+        "mean_token_accuracy": 0.0,
+        "entropy": 0.0,
+    }
 
 
 @pytest.mark.parametrize("compile", [False, True])

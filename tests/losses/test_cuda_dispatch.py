@@ -28,7 +28,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-
 def _focal_chunk(logits, extra_logits, token, scalars, opts):
     """A user's loss on a cross-entropy subclass: focal loss, γ = 2."""
     z = scale_logits(logits.float(), opts.logit_scale, opts.softcap, opts.temperature)

@@ -158,7 +158,7 @@ def test_dpo_loss_types_match_trl(loss_type):
             f_alpha_divergence_coef=0.3,
             loss_type="exo_pair",
             label_smoothing=0.01,
-        ),  # fmt: skip
+        ),
         dict(ld_alpha=0.3),
         dict(ld_alpha=0.5, loss_type="ipo"),
         dict(use_weighting=True),

@@ -78,8 +78,11 @@ def run_ref(inp, kw, opts, dtype=torch.float32):
         )
     else:
         tf = {k: f.pop(k) for k in ("temperature", "logit_scale", "softcap") if k in f}
-        tf = dict(logit_scale=tf.get("logit_scale", 1.0), softcap=tf.get("softcap"),
-                  temperature=tf.get("temperature", 1.0))  # fmt: skip
+        tf = dict(
+            logit_scale=tf.get("logit_scale", 1.0),
+            softcap=tf.get("softcap"),
+            temperature=tf.get("temperature", 1.0),
+        )
         z = scale_logits((h @ w.t() + (b if b is not None else 0)).float(), **tf)
         lp_all = torch.log_softmax(z, -1)
         logp = lp_all.gather(-1, inp["completion_ids"][..., None])[..., 0]
@@ -142,9 +145,13 @@ def test_grid_fp32(loss_type, level, kl):
 
 @pytest.mark.parametrize(
     "loss_type,level,kl",
-    [("dapo", "token", "head"), ("grpo", "sequence", "head"), ("cispo", "sequence_token", "precomputed"),
-     ("vespo", "token", "none")],
-)  # fmt: skip
+    [
+        ("dapo", "token", "head"),
+        ("grpo", "sequence", "head"),
+        ("cispo", "sequence_token", "precomputed"),
+        ("vespo", "token", "none"),
+    ],
+)
 def test_chunk_sizes_agree(loss_type, level, kl):
     """Loss, gradients and metrics agree across chunk sizes 1, odd, and larger than B·T (token path,
     one-pass and two-pass sequence path)."""
@@ -165,9 +172,13 @@ def test_chunk_sizes_agree(loss_type, level, kl):
 
 @pytest.mark.parametrize(
     "loss_type,level,chunk",
-    [("dapo", "token", 4), ("grpo", "sequence", 1), ("cispo", "sequence", 1000),
-     ("sapo", "sequence_token", 3)],
-)  # fmt: skip
+    [
+        ("dapo", "token", 4),
+        ("grpo", "sequence", 1),
+        ("cispo", "sequence", 1000),
+        ("sapo", "sequence_token", 3),
+    ],
+)
 def test_logit_transforms(loss_type, level, chunk):
     """logit_scale, softcap and temperature (in that order) on the policy and reference heads: token path,
     two-pass (reference column read back from pass 1) and one-pass sequence path."""

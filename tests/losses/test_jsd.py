@@ -53,9 +53,15 @@ def _grads(loss, d):
 def _ours(d, num_items_in_batch=None, **opts):
     mod = FusedLinearJSDLoss(**opts)
     loss = mod(
-        d["x_s"], d["w_s"], d["x_t"], d["w_t"], d["y"],
-        bias=d["b_s"], teacher_bias=d["b_t"], num_items_in_batch=num_items_in_batch,
-    )  # fmt: skip
+        d["x_s"],
+        d["w_s"],
+        d["x_t"],
+        d["w_t"],
+        d["y"],
+        bias=d["b_s"],
+        teacher_bias=d["b_t"],
+        num_items_in_batch=num_items_in_batch,
+    )
     return loss, _grads(loss, d), mod.metrics
 
 
@@ -81,9 +87,16 @@ def _ref(d, num_items_in_batch=None, **opts):
     }
     f32["y"] = d["y"]
     loss, metrics = jsd_ref(
-        f32["x_s"], f32["w_s"], f32["x_t"], f32["w_t"], f32["y"], f32["b_s"], f32["b_t"],
-        num_items_in_batch=num_items_in_batch, **kw,
-    )  # fmt: skip
+        f32["x_s"],
+        f32["w_s"],
+        f32["x_t"],
+        f32["w_t"],
+        f32["y"],
+        f32["b_s"],
+        f32["b_t"],
+        num_items_in_batch=num_items_in_batch,
+        **kw,
+    )
     return loss, _grads(loss, f32), metrics
 
 
@@ -333,9 +346,14 @@ def test_trl_gkd_generalized_jsd_loss(beta, kw):
     z_s = F.linear(d["x_s"], d["w_s"], d["b_s"])
     z_t = F.linear(d["x_t"], d["w_t"], d["b_t"])
     trl_loss = GKDTrainer.generalized_jsd_loss(
-        z_s, z_t, labels=d["y"], beta=beta, temperature=temperature, reduction=reduction,
+        z_s,
+        z_t,
+        labels=d["y"],
+        beta=beta,
+        temperature=temperature,
+        reduction=reduction,
         num_items_in_batch=num_items,
-    )  # fmt: skip
+    )
     trl_grads = _grads(trl_loss, d)
     opts = dict(beta=beta, temperature=temperature, reduction=reduction, chunk_size=6, compile=False)
     loss, grads, _ = _ours(d, num_items_in_batch=num_items, **opts)
@@ -362,15 +380,21 @@ def test_trl_distillation_chunked_divergence(kw):
     mask = (d["y"] != -100).long()
     temperature = kw.get("temperature", 1.0)
     trl_loss, entropy_sum, n_valid = _chunked_divergence_loss(
-        d["x_s"], d["x_t"], d["w_s"], d["w_t"], mask, kw["beta"],
+        d["x_s"],
+        d["x_t"],
+        d["w_s"],
+        d["w_t"],
+        mask,
+        kw["beta"],
         num_items_in_batch=kw.get("num_items"),
-        student_lm_head_bias=d["b_s"], teacher_lm_head_bias=d["b_t"],
+        student_lm_head_bias=d["b_s"],
+        teacher_lm_head_bias=d["b_t"],
         student_logit_scale=kw.get("student_logit_scale", 1.0),
         teacher_logit_scale=kw.get("teacher_logit_scale", 1.0),
         student_final_logit_softcapping=kw.get("student_softcap"),
         teacher_final_logit_softcapping=kw.get("teacher_softcap"),
         temperature=temperature,
-    )  # fmt: skip
+    )
     trl_grads = _grads(trl_loss, d)
     opts = {k: v for k, v in kw.items() if k != "num_items"}
     loss, grads, metrics = _ours(

@@ -54,9 +54,15 @@ def test_jsd_cuda(beta, compile):
 
     ref_leaves = [t.detach().float().requires_grad_() for t in leaves]
     ref, ref_metrics = jsd_ref(
-        ref_leaves[0], ref_leaves[1], x_t.float(), w_t.float(), labels, ref_leaves[2],
-        beta=beta, temperature=temperature,
-    )  # fmt: skip
+        ref_leaves[0],
+        ref_leaves[1],
+        x_t.float(),
+        w_t.float(),
+        labels,
+        ref_leaves[2],
+        beta=beta,
+        temperature=temperature,
+    )
     ref_grads = torch.autograd.grad(ref, ref_leaves)
     pt = _torch_bf16(leaves, x_t, w_t, labels, beta, temperature)
     pt_grads = torch.autograd.grad(pt, leaves)

@@ -45,9 +45,15 @@ def _inputs(side="mixed", bias=True, dtype=torch.float32, ignored="some", seed=1
     ref_logps = -(torch.rand(B, generator=g) * 10 + 20)  # near the policy's (about -T·log V ≈ -50 .. -60)
     kl_logps = -(torch.rand(B, generator=g) * 10 + 40)
     return dict(
-        x=x, w=w, b=bb, y=y, desirable=torch.tensor(SIDES[side]), ref_logps=ref_logps,
-        kl_logps=kl_logps, ref_kl_logps=kl_logps - torch.rand(B, generator=g) - 0.2,
-    )  # fmt: skip
+        x=x,
+        w=w,
+        b=bb,
+        y=y,
+        desirable=torch.tensor(SIDES[side]),
+        ref_logps=ref_logps,
+        kl_logps=kl_logps,
+        ref_kl_logps=kl_logps - torch.rand(B, generator=g) - 0.2,
+    )
 
 
 def _call_kw(d, loss_type):
@@ -154,8 +160,16 @@ def test_kl_term_carries_no_gradient():
     d = _inputs()
     kl = d["kl_logps"].clone().requires_grad_(True)
     mod = FusedLinearKTOLoss(chunk_size=7, compile=False)
-    loss = mod(d["x"], d["w"], d["y"], d["desirable"], bias=d["b"], ref_logps=d["ref_logps"], kl_logps=kl,
-               ref_kl_logps=d["ref_kl_logps"])  # fmt: skip
+    loss = mod(
+        d["x"],
+        d["w"],
+        d["y"],
+        d["desirable"],
+        bias=d["b"],
+        ref_logps=d["ref_logps"],
+        kl_logps=kl,
+        ref_kl_logps=d["ref_kl_logps"],
+    )
     loss.backward()
     assert kl.grad is None and not mod.metrics["kl"].requires_grad
 
@@ -375,8 +389,10 @@ def test_matches_trl(loss_type, side):
     kw = dict(ref_logps=_seq_logps(ref, ids, completion))
     if loss_type == "kto":
         kl_ids, kl_completion = batch["KL_input_ids"], batch["KL_completion_mask"]
-        kw.update(kl_logps=_seq_logps(policy, kl_ids, kl_completion),
-                  ref_kl_logps=_seq_logps(ref, kl_ids, kl_completion))  # fmt: skip
+        kw.update(
+            kl_logps=_seq_logps(policy, kl_ids, kl_completion),
+            ref_kl_logps=_seq_logps(ref, kl_ids, kl_completion),
+        )
         assert kw["kl_logps"].mean() > kw["ref_kl_logps"].mean()  # a KL term above its clamp
     mod = FusedLinearKTOLoss(
         loss_type=loss_type, chunk_size=5, compile=False, return_token_metrics=True, **cfg

@@ -20,10 +20,22 @@ HEAD_WEIGHTS = (1.0, 0.8, 0.64)
 
 
 def multi_token_ref(
-    hiddens, weights, labels, biases=None, *, head_weights=None, ignore_index=-100, reduction="mean",
-    num_items_in_batch=None, label_smoothing=0.0, lse_square_scale=0.0, softcap=None, temperature=1.0,
-    logit_scale=1.0, logits_dtype=None,
-):  # fmt: skip
+    hiddens,
+    weights,
+    labels,
+    biases=None,
+    *,
+    head_weights=None,
+    ignore_index=-100,
+    reduction="mean",
+    num_items_in_batch=None,
+    label_smoothing=0.0,
+    lse_square_scale=0.0,
+    softcap=None,
+    temperature=1.0,
+    logit_scale=1.0,
+    logits_dtype=None,
+):
     """K separate ``F.cross_entropy`` calls on materialised logits: head k on ``hiddens[k][:, t]`` against
     ``labels[:, t + k]``, weighted by ``head_weights[k]`` and summed. ``logits_dtype`` None: everything in
     fp64 (ground truth); a dtype: the logits in that dtype, the loss in fp32 (what users write).
@@ -177,8 +189,19 @@ def test_options_match_reference(opts, form):
     hiddens, weight, b, labels = make(torch.float32, form)
     grad_out = torch.rand(K, B, T) * 2.5 if opts.get("reduction") == "none" else 2.5
     kw = dict(head_weights=HEAD_WEIGHTS)
-    ours = run_ours(hiddens, weight, b, labels, False, grad_out, chunk_size=16, compile=False,
-                    return_entropy=True, **kw, **_ours_opts(opts))  # fmt: skip
+    ours = run_ours(
+        hiddens,
+        weight,
+        b,
+        labels,
+        False,
+        grad_out,
+        chunk_size=16,
+        compile=False,
+        return_entropy=True,
+        **kw,
+        **_ours_opts(opts),
+    )
     ref = run_ref(hiddens, weight, b, labels, grad_out, **kw, **opts)
     names = ("loss", "accuracy", "num_tokens", "entropy")
     check(ours, ref, None, names + (("z_loss",) if "lse_square_scale" in opts else ()))
@@ -373,9 +396,13 @@ def test_bad_inputs(name, mutate, exc, match):
 
 @pytest.mark.parametrize(
     "head_weights,exc,match",
-    [((), ValueError, "K ≥ 1"), ((1.0, -1.0), ValueError, "≥ 0"), ("ab", TypeError, "sequence"),
-     ((1.0, float("nan")), ValueError, "finite")],
-)  # fmt: skip
+    [
+        ((), ValueError, "K ≥ 1"),
+        ((1.0, -1.0), ValueError, "≥ 0"),
+        ("ab", TypeError, "sequence"),
+        ((1.0, float("nan")), ValueError, "finite"),
+    ],
+)
 def test_bad_head_weights(head_weights, exc, match):
     with pytest.raises(exc, match=match):
         FusedLinearMultiTokenLoss(head_weights=head_weights)

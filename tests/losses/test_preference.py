@@ -195,9 +195,16 @@ def test_simpo_is_cpo_with_simpo_defaults(chunk):
     d = _inputs(ref=False)
     ours = _run(FusedLinearSimPOLoss, d, None, chunk_size=chunk, compile=False, beta=2.0, simpo_gamma=0.5)
     ref = cpo_ref(
-        d["x"], d["w"], d["chosen"], d["rejected"], d["b"], beta=2.0, loss_type="simpo", simpo_gamma=0.5,
+        d["x"],
+        d["w"],
+        d["chosen"],
+        d["rejected"],
+        d["b"],
+        beta=2.0,
+        loss_type="simpo",
+        simpo_gamma=0.5,
         cpo_alpha=0.0,
-    )  # fmt: skip
+    )
     _check(ours, ref, d)
     assert "nll_loss" not in ours[2]
 
@@ -401,8 +408,16 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="ref_hidden and ref_weight"):
         dpo(x, w, c, r, ref_hidden=d["rx"])
     with pytest.raises(ValueError, match="not both"):
-        dpo(x, w, c, r, ref_hidden=d["rx"], ref_weight=d["rw"], ref_chosen_logps=torch.zeros(B),
-            ref_rejected_logps=torch.zeros(B))  # fmt: skip
+        dpo(
+            x,
+            w,
+            c,
+            r,
+            ref_hidden=d["rx"],
+            ref_weight=d["rw"],
+            ref_chosen_logps=torch.zeros(B),
+            ref_rejected_logps=torch.zeros(B),
+        )
     with pytest.raises(ValueError, match="both ref_chosen_logps"):
         dpo(x, w, c, r, ref_chosen_logps=torch.zeros(B))
     with pytest.raises(ValueError, match="ref_chosen_logps must be"):

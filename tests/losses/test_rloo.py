@@ -280,8 +280,14 @@ def test_metrics_are_documented():
     inp, kw = make_inputs()
     mod = FusedLinearRLOOLoss(compile=False)
     mod(**inp, **kw)
-    names = {"entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-             "clip_ratio/low_min", "clip_ratio/high_max"}  # fmt: skip
+    names = {
+        "entropy",
+        "clip_ratio/low_mean",
+        "clip_ratio/high_mean",
+        "clip_ratio/region_mean",
+        "clip_ratio/low_min",
+        "clip_ratio/high_max",
+    }
     assert set(mod.metrics) == names
     assert all(v.dim() == 0 and not v.requires_grad for v in mod.metrics.values())
     for name in names:

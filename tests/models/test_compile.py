@@ -69,10 +69,11 @@ def test_patched_forward_has_no_graph_break(model_type, lora_targets, monkeypatc
 
 @pytest.mark.gpu
 @pytest.mark.xfail(
-    raises=torch._dynamo.exc.TorchRuntimeError, strict=False,
+    raises=torch._dynamo.exc.TorchRuntimeError,
+    strict=False,
     reason="as the first compilation of a process (torch 2.11, H100 and H200), Dynamo's fake-tensor call of"
     " a kernel's custom op raised 'vector::reserve'; later in a process the same model compiled",
-)  # fmt: skip
+)
 @pytest.mark.parametrize("lora_targets", [None, "all"])
 def test_patched_forward_and_backward_compile_on_gpu(lora_targets):
     """The kernels themselves under torch.compile: no graph break; the loss and gradients of the unpatched

@@ -96,8 +96,10 @@ def test_fp32_adapters_on_a_bf16_model():
 def test_unsupported_adapters_keep_peft_forward_with_one_log_line(caplog):
     """DoRA on q_proj and LoRA on the embeddings keep PEFT's forward; the rest is fused; the loss and every
     adapter gradient are PEFT's."""
-    model = peft.get_peft_model(tiny_model("llama"), peft.LoraConfig(
-        r=4, target_modules=["q_proj", "gate_proj", "embed_tokens"], use_dora=True))  # fmt: skip
+    model = peft.get_peft_model(
+        tiny_model("llama"),
+        peft.LoraConfig(r=4, target_modules=["q_proj", "gate_proj", "embed_tokens"], use_dora=True),
+    )
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name or "lora_embedding_B" in name:
@@ -138,8 +140,9 @@ def test_adapter_state_is_read_at_each_call(caplog):
         fn(model)
         fn(patched)
         with torch.no_grad():
-            return model(input_ids=input_ids, labels=input_ids).loss, patched(input_ids=input_ids,
-                                                                             labels=input_ids).loss
+            return model(input_ids=input_ids, labels=input_ids).loss, patched(
+                input_ids=input_ids, labels=input_ids
+            ).loss
 
     ref, loss = both(lambda m: None)
     assert_close_to_ref(loss, ref)
@@ -201,7 +204,8 @@ def test_gradient_checkpointing_recomputes_through_the_fused_calls(reentrant):
     patched = copy.deepcopy(model)
     patch(patched, loss_options={"compile": False})
     patched.get_base_model().gradient_checkpointing_enable(
-        gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        gradient_checkpointing_kwargs={"use_reentrant": reentrant}
+    )
     patched.enable_input_require_grads()  # what PEFT/TRL do for reentrant checkpointing of a frozen base
     loss, grads = loss_and_grads(patched, input_ids)
     counts = grad_fn_counts(loss)

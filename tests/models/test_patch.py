@@ -30,8 +30,15 @@ CONFIGS = {
 
 def tiny_model(model_type: str, **overrides):
     config = getattr(transformers, CONFIGS[model_type])(
-        hidden_size=64, intermediate_size=96, num_hidden_layers=N_LAYERS, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, max_position_embeddings=64, **overrides,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=N_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        **overrides,
     )
     config._attn_implementation = "eager"
     model = AutoModelForCausalLM.from_config(config).float()
@@ -176,8 +183,13 @@ def test_attention_fusion_is_undone_and_redone():
     model = tiny_model("qwen2")  # q/k/v biases
     input_ids = torch.randint(0, VOCAB, (2, 7))
     ref = model(input_ids=input_ids, labels=input_ids).loss
-    cases = (({}, N_LAYERS, 0), ({}, N_LAYERS, 0), ({"attention": False}, 0, N_LAYERS), ({}, N_LAYERS, 0),
-             ({"rope": False}, 0, 0))  # fmt: skip
+    cases = (
+        ({}, N_LAYERS, 0),
+        ({}, N_LAYERS, 0),
+        ({"attention": False}, 0, N_LAYERS),
+        ({}, N_LAYERS, 0),
+        ({"rope": False}, 0, 0),
+    )
     for options, fused, ropes in cases:
         patch(model, loss_options={"compile": False}, **options)
         loss, n = _loss_and_fused_layers(model, input_ids)
@@ -265,10 +277,13 @@ def loss_and_grads(model, input_ids):
     return loss, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("model_type,overrides", [
-    ("llama", {"mlp_bias": True}),  # biases on the three projections
-    ("gemma", {"hidden_activation": "gelu"}),  # exact GELU
-])
+@pytest.mark.parametrize(
+    "model_type,overrides",
+    [
+        ("llama", {"mlp_bias": True}),  # biases on the three projections
+        ("gemma", {"hidden_activation": "gelu"}),  # exact GELU
+    ],
+)
 def test_fused_mlp_variants_match(model_type, overrides):
     """Both backward modes of the fused MLP give transformers' loss and gradients."""
     model = tiny_model(model_type, **overrides)

@@ -39,18 +39,25 @@ def quantized_model(model_type: str, dtype=torch.float32, **quantization):
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
         config = BitsAndBytesConfig(**quantization)
-        model = AutoModelForCausalLM.from_pretrained(tmp, quantization_config=config, dtype=dtype,
-                                                     device_map=device_map)  # fmt: skip
+        model = AutoModelForCausalLM.from_pretrained(
+            tmp, quantization_config=config, dtype=dtype, device_map=device_map
+        )
     return model.train()  # as trained (bitsandbytes repacks an eval-mode CPU weight for inference)
 
 
-def qlora_model(model_type: str, quant_type="nf4", double_quant=True, dtype=torch.float32, compute_dtype=None,
-                **lora):  # fmt: skip
+def qlora_model(
+    model_type: str, quant_type="nf4", double_quant=True, dtype=torch.float32, compute_dtype=None, **lora
+):
     """A 4-bit ``quant_type`` model (``compute_dtype``: default ``dtype``) with r=4 adapters on every
     projection (B nonzero, so that A gets a gradient)."""
-    model = quantized_model(model_type, dtype, load_in_4bit=True, bnb_4bit_quant_type=quant_type,
-                            bnb_4bit_use_double_quant=double_quant,
-                            bnb_4bit_compute_dtype=compute_dtype or dtype)  # fmt: skip
+    model = quantized_model(
+        model_type,
+        dtype,
+        load_in_4bit=True,
+        bnb_4bit_quant_type=quant_type,
+        bnb_4bit_use_double_quant=double_quant,
+        bnb_4bit_compute_dtype=compute_dtype or dtype,
+    )
     torch.manual_seed(0)
     model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=ALL, **lora))
     with torch.no_grad():
@@ -75,9 +82,11 @@ def _base_layers(model):
     return [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
 
 
-@pytest.mark.parametrize("model_type,quant_type,double_quant",
-                         [("llama", "nf4", True), ("qwen2", "fp4", False)],
-                         ids=["llama-nf4-double-quant", "qwen2-fp4-bias"])  # fmt: skip
+@pytest.mark.parametrize(
+    "model_type,quant_type,double_quant",
+    [("llama", "nf4", True), ("qwen2", "fp4", False)],
+    ids=["llama-nf4-double-quant", "qwen2-fp4-bias"],
+)
 def test_qlora_on_every_projection_runs_fused(model_type, quant_type, double_quant, caplog):
     """q/k/v in attention_input, o_proj in lora_linear, gate/up/down in gated_mlp over 4-bit bases (Qwen2's
     q/k/v with biases), adapter dropout 0.1: PEFT's loss, dx and adapter gradients in fp32; the backward
@@ -111,12 +120,15 @@ def test_qlora_on_every_projection_runs_fused(model_type, quant_type, double_qua
     for name, g in grads.items():
         assert_close_to_ref(g, ref_grads[name], name=name)
     with torch.no_grad(), model.disable_adapter(), patched.disable_adapter():
-        assert_close_to_ref(patched(input_ids=input_ids, labels=input_ids).loss,
-                            model(input_ids=input_ids, labels=input_ids).loss)  # fmt: skip
+        assert_close_to_ref(
+            patched(input_ids=input_ids, labels=input_ids).loss,
+            model(input_ids=input_ids, labels=input_ids).loss,
+        )
 
 
-@pytest.mark.parametrize("adapter_dtype", [torch.float32, torch.bfloat16],
-                         ids=["fp32-adapters", "bf16-adapters"])  # fmt: skip
+@pytest.mark.parametrize(
+    "adapter_dtype", [torch.float32, torch.bfloat16], ids=["fp32-adapters", "bf16-adapters"]
+)
 def test_projection_computes_as_pefts_4bit_layer(adapter_dtype):
     """A bf16 4-bit layer read by ``projection`` (its dequantised weight, its adapter added as Linear4bit
     adds it) gives PEFT's output bit for bit: PEFT's default fp32 adapters, and TRL's bf16 ones."""
@@ -146,14 +158,17 @@ def test_what_the_kernels_cannot_take_keeps_pefts_forward(caplog, monkeypatch):
     calls = []
     for name in ("Linear8bitLt", "Linear4bit"):
         cls = getattr(peft_bnb, name)
-        monkeypatch.setattr(cls, "forward", lambda self, x, *a, _f=cls.forward, **k: calls.append(1) or _f(
-            self, x, *a, **k))  # fmt: skip
+        monkeypatch.setattr(
+            cls, "forward", lambda self, x, *a, _f=cls.forward, **k: calls.append(1) or _f(self, x, *a, **k)
+        )
     eight = quantized_model("llama", load_in_8bit=True)
     cases = {
-        "an 8-bit base: bitsandbytes Linear8bitLt": peft.get_peft_model(eight, peft.LoraConfig(
-            r=4, target_modules=ALL)),  # fmt: skip
+        "an 8-bit base: bitsandbytes Linear8bitLt": peft.get_peft_model(
+            eight, peft.LoraConfig(r=4, target_modules=ALL)
+        ),
         "4-bit compute dtype torch.bfloat16 on a torch.float32 model": qlora_model(
-            "llama", compute_dtype=torch.bfloat16),  # fmt: skip
+            "llama", compute_dtype=torch.bfloat16
+        ),
     }
     input_ids = torch.randint(0, VOCAB, (2, 7))
     for why, model in cases.items():

@@ -26,20 +26,37 @@ N_LAYERS, VOCAB, BATCH, SEQ = 2, 64, 2, 32
 # heads, per-head q/k norms) and Gemma-2-2B (I = 4H, 8 x 256 heads = 0.89H, 4 KV heads, four norms a layer),
 # at H = 256.
 CONFIGS = {
-    "llama": ("LlamaConfig", {"intermediate_size": 1024, "num_attention_heads": 16, "head_dim": 16,
-                              "num_key_value_heads": 4}),
-    "qwen3": ("Qwen3Config", {"intermediate_size": 768, "num_attention_heads": 8, "head_dim": 32,
-                              "num_key_value_heads": 2}),
-    "gemma2": ("Gemma2Config", {"intermediate_size": 1024, "num_attention_heads": 8, "head_dim": 28,
-                                "num_key_value_heads": 4, "attn_logit_softcapping": None}),
+    "llama": (
+        "LlamaConfig",
+        {"intermediate_size": 1024, "num_attention_heads": 16, "head_dim": 16, "num_key_value_heads": 4},
+    ),
+    "qwen3": (
+        "Qwen3Config",
+        {"intermediate_size": 768, "num_attention_heads": 8, "head_dim": 32, "num_key_value_heads": 2},
+    ),
+    "gemma2": (
+        "Gemma2Config",
+        {
+            "intermediate_size": 1024,
+            "num_attention_heads": 8,
+            "head_dim": 28,
+            "num_key_value_heads": 4,
+            "attn_logit_softcapping": None,
+        },
+    ),
 }
 TARGET = 0.40  # patched / transformers, per token and layer
 
 
 def bf16_model(model_type: str):
     name, overrides = CONFIGS[model_type]
-    config = getattr(transformers, name)(hidden_size=256, num_hidden_layers=N_LAYERS, vocab_size=VOCAB,
-                                         max_position_embeddings=SEQ, **overrides)
+    config = getattr(transformers, name)(
+        hidden_size=256,
+        num_hidden_layers=N_LAYERS,
+        vocab_size=VOCAB,
+        max_position_embeddings=SEQ,
+        **overrides,
+    )
     config._attn_implementation = "eager"
     model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     # SDPA, as training runs attention; set after construction because Gemma-2 refuses it at init (for its

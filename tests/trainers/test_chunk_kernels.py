@@ -28,6 +28,7 @@ from tests.trainers.helpers import assert_same_grads, common_args, model_pair, t
 # (SFT, LoRA, gradient checkpointing, DPO with its reference patched too, ORPO): tests/tolerances.py's fp32
 # row leaves a 30x margin; a norm eps 1000x off fails it.
 
+
 def _args(tmp_path, **kw):
     args = common_args(tmp_path, **kw)
     args["use_cpu"] = not torch.cuda.is_available()  # the kernels need CUDA tensors there (no interpreter)
@@ -44,8 +45,12 @@ def _assert_kernels_ran(loss, n_norms: int, n_layers: int = 1):
 
 def _assert_no_kernels(loss):
     nodes = grad_fn_counts(loss)
-    kernels = {"RMSNormFunctionBackward", "RoPEFunctionBackward", "GLUFunctionBackward",
-               "GatedMLPFunctionBackward"}
+    kernels = {
+        "RMSNormFunctionBackward",
+        "RoPEFunctionBackward",
+        "GLUFunctionBackward",
+        "GatedMLPFunctionBackward",
+    }
     assert not kernels & set(nodes), nodes
 
 
@@ -190,8 +195,10 @@ def test_torch_compile_turns_the_default_kernels_off_and_refuses_asked_ones(tmp_
     model = model_pair()[0]
     with caplog.at_level(logging.WARNING, logger="chunkloss.trainers"):
         _sft(tmp_path, model, None, torch_compile=True)
-    assert any("chunk_kernels off" in r.getMessage() and "torch_compile=True" in r.getMessage()
-               for r in caplog.records)  # fmt: skip
+    assert any(
+        "chunk_kernels off" in r.getMessage() and "torch_compile=True" in r.getMessage()
+        for r in caplog.records
+    )
     assert not any(_is_patched_norm(m) for m in model.modules())
 
 
@@ -231,8 +238,11 @@ def test_sft_chunk_kernels_peft_rank_above_the_smaller_side(tmp_path, family):
         for name, p in m_plain.named_parameters():
             if "lora_B" in name:
                 p.normal_(0.0, 0.1)  # zero-initialised B would make the adapters invisible
-    sides = [min(m.base_layer.weight.shape) for m in m_plain.modules() if type(m).__name__ == "Linear"
-             and hasattr(m, "lora_A")]  # fmt: skip
+    sides = [
+        min(m.base_layer.weight.shape)
+        for m in m_plain.modules()
+        if type(m).__name__ == "Linear" and hasattr(m, "lora_A")
+    ]
     assert len(sides) == 7 and sorted(sides) == [8, 8, 12, 12, 12, 32, 32], sides
     m_kern = copy.deepcopy(m_plain)
     plain = _sft(tmp_path, m_plain, False)
@@ -250,8 +260,9 @@ def _dpo(tmp_path, model, ref, kernels: bool):
     return ChunkedDPOTrainer(
         model,
         ref,
-        ChunkedDPOConfig(**_args(tmp_path, max_length=48), chunk_size=9, chunk_compile=False,
-                         chunk_kernels=kernels),  # fmt: skip
+        ChunkedDPOConfig(
+            **_args(tmp_path, max_length=48), chunk_size=9, chunk_compile=False, chunk_kernels=kernels
+        ),
         train_dataset=tiny_dataset("dpo", n=4),
         processing_class=tokenizer(),
     )
@@ -281,8 +292,9 @@ def test_orpo_chunk_kernels_same_step(tmp_path):
     def orpo(model, kernels):
         return ChunkedORPOTrainer(
             model,
-            ChunkedORPOConfig(**_args(tmp_path, max_length=48), chunk_size=11, chunk_compile=False,
-                              chunk_kernels=kernels),  # fmt: skip
+            ChunkedORPOConfig(
+                **_args(tmp_path, max_length=48), chunk_size=11, chunk_compile=False, chunk_kernels=kernels
+            ),
             train_dataset=tiny_dataset("orpo", n=4),
             processing_class=tokenizer(),
         )
@@ -335,8 +347,11 @@ def test_grpo_chunk_kernels_patches_policy(tmp_path):
     ChunkedGRPOTrainer(
         model,
         count_reward,
-        ChunkedGRPOConfig(**_args(tmp_path, num_generations=2, max_completion_length=4), chunk_compile=False,
-                          chunk_kernels=True),  # fmt: skip
+        ChunkedGRPOConfig(
+            **_args(tmp_path, num_generations=2, max_completion_length=4),
+            chunk_compile=False,
+            chunk_kernels=True,
+        ),
         train_dataset=tiny_dataset("grpo", n=4),
         processing_class=tokenizer(),
     )
@@ -357,8 +372,12 @@ def test_cpu_without_interpreter_refused(tmp_path, monkeypatch):
     model, _ = model_pair()
     args = dict(common_args(tmp_path, max_length=64), chunk_size=7, chunk_compile=False, chunk_kernels=True)
     with pytest.raises(ValueError, match=r"chunk_kernels=True with parameters on \['cpu'\]"):
-        ChunkedSFTTrainer(model, ChunkedSFTConfig(**args), train_dataset=tiny_dataset("sft", n=4),
-                          processing_class=tokenizer())  # fmt: skip
+        ChunkedSFTTrainer(
+            model,
+            ChunkedSFTConfig(**args),
+            train_dataset=tiny_dataset("sft", n=4),
+            processing_class=tokenizer(),
+        )
     assert _untouched(model)  # refused before anything was patched
 
 
@@ -374,8 +393,12 @@ def test_liger_kernels_with_chunk_kernels_refused(tmp_path):
     model, _ = model_pair()
     args = dict(common_args(tmp_path, max_length=64), chunk_size=7, chunk_compile=False, chunk_kernels=True)
     with pytest.raises(ValueError, match="chunk_kernels=True with use_liger_kernel=True"):
-        ChunkedSFTTrainer(model, ChunkedSFTConfig(**args, use_liger_kernel=True),
-                          train_dataset=tiny_dataset("sft", n=4), processing_class=tokenizer())  # fmt: skip
+        ChunkedSFTTrainer(
+            model,
+            ChunkedSFTConfig(**args, use_liger_kernel=True),
+            train_dataset=tiny_dataset("sft", n=4),
+            processing_class=tokenizer(),
+        )
     assert _untouched(model)
 
 
@@ -394,8 +417,12 @@ def test_default_on_cpu_is_off_with_one_log_line(tmp_path, monkeypatch, caplog, 
     model, _ = model_pair()
     args = dict(common_args(tmp_path, max_length=64), chunk_size=7, chunk_compile=False)
     with caplog.at_level(logging.INFO, logger="chunkloss.trainers"):
-        ChunkedSFTTrainer(model, ChunkedSFTConfig(**args), train_dataset=tiny_dataset("sft", n=4),
-                          processing_class=tokenizer())  # fmt: skip
+        ChunkedSFTTrainer(
+            model,
+            ChunkedSFTConfig(**args),
+            train_dataset=tiny_dataset("sft", n=4),
+            processing_class=tokenizer(),
+        )
     assert "chunk_kernels off" in _auto_line(caplog) and "['cpu']" in _auto_line(caplog)
     assert _untouched(model)
 
@@ -410,8 +437,12 @@ def test_default_falls_back_where_true_is_refused(tmp_path, caplog, case):
         model, extra = model_pair()[0], {"use_liger_kernel": True}
     args = dict(_args(tmp_path, max_length=64), chunk_size=7, chunk_compile=False, **extra)
     with caplog.at_level(logging.INFO, logger="chunkloss.trainers"):
-        ChunkedSFTTrainer(model, ChunkedSFTConfig(**args), train_dataset=tiny_dataset("sft", n=4),
-                          processing_class=tokenizer())  # fmt: skip
+        ChunkedSFTTrainer(
+            model,
+            ChunkedSFTConfig(**args),
+            train_dataset=tiny_dataset("sft", n=4),
+            processing_class=tokenizer(),
+        )
     assert ("model type 'gpt2'" if case == "gpt2" else "use_liger_kernel=True") in _auto_line(caplog)
     assert _untouched(model)
 

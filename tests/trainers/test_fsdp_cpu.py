@@ -134,8 +134,15 @@ def _worker(rank: int, port: int, out: str) -> None:
             records.messages.clear()
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                loss = _loss(model, ids[local], labels[local], num_items, seen, scale=WORLD,
-                             per_token=layout == "head_alone")
+                loss = _loss(
+                    model,
+                    ids[local],
+                    labels[local],
+                    num_items,
+                    seen,
+                    scale=WORLD,
+                    per_token=layout == "head_alone",
+                )
                 loss.backward()
             grads = {name: _full(p.grad) for name, p in model.named_parameters()}
             opt.step()
@@ -144,8 +151,9 @@ def _worker(rank: int, port: int, out: str) -> None:
             dist.all_reduce(total)
             said = [*records.messages, *(str(w.message) for w in caught)]
             unrun = [m for m in said if any(u in m for u in UNRUN)]
-            results[layout] = dict(at_rest=at_rest, seen=seen, unrun=unrun, loss=float(total), grads=grads,
-                                   params=params)  # fmt: skip
+            results[layout] = dict(
+                at_rest=at_rest, seen=seen, unrun=unrun, loss=float(total), grads=grads, params=params
+            )
         if rank == 0:
             torch.save(results, out)
     finally:

@@ -420,9 +420,15 @@ def test_grpo_lora_on_lm_head_old_logps(tmp_path):
 def _adaptive_steps(tr, micro, loss_type, target, n_steps=2):
     """``n_steps`` optimizer steps of ``micro`` under GA=len(micro) with TRL's adaptive entropy controller on
     (initial coefficient 0.05); per step: the summed loss, gradients, metrics and the controller's state."""
-    state = {"loss_type": loss_type, "current_gradient_accumulation_steps": len(micro),
-             "use_adaptive_entropy": True, "_entropy_bonus_enabled": True, "entropy_coef": 0.05,
-             "_last_world_entropy": float("inf"), "_entropy_window_stats": None}  # fmt: skip
+    state = {
+        "loss_type": loss_type,
+        "current_gradient_accumulation_steps": len(micro),
+        "use_adaptive_entropy": True,
+        "_entropy_bonus_enabled": True,
+        "entropy_coef": 0.05,
+        "_last_world_entropy": float("inf"),
+        "_entropy_window_stats": None,
+    }
     args = {"steps_per_generation": len(micro), "entropy_target": target}
     saved = [(tr, k, getattr(tr, k)) for k in state] + [(tr.args, k, getattr(tr.args, k)) for k in args]
     for k, v in state.items():

@@ -31,13 +31,21 @@ def _pair(tmp_path, compile_=False, with_ref=True, models=None, peft_config=None
     ds = tiny_dataset("kto", n=8)
     base = common_args(tmp_path, max_length=48, **cfg)
     ref = KTOTrainer(
-        ref_m, refs[0], KTOConfig(**base), train_dataset=ds, processing_class=tokenizer(),
+        ref_m,
+        refs[0],
+        KTOConfig(**base),
+        train_dataset=ds,
+        processing_class=tokenizer(),
         peft_config=copy.deepcopy(peft_config),
-    )  # fmt: skip
+    )
     ours = ChunkedKTOTrainer(
-        our_m, refs[1], ChunkedKTOConfig(**base, chunk_size=9, chunk_compile=compile_), train_dataset=ds,
-        processing_class=tokenizer(), peft_config=copy.deepcopy(peft_config),
-    )  # fmt: skip
+        our_m,
+        refs[1],
+        ChunkedKTOConfig(**base, chunk_size=9, chunk_compile=compile_),
+        train_dataset=ds,
+        processing_class=tokenizer(),
+        peft_config=copy.deepcopy(peft_config),
+    )
     return ref, ours
 
 
@@ -148,9 +156,13 @@ def test_kto_lora_on_lm_head(tmp_path):
         r=4, lora_alpha=8, target_modules=["lm_head"], init_lora_weights=False, lora_dropout=0.0
     )
     ours = ChunkedKTOTrainer(
-        model_pair()[1], None, ChunkedKTOConfig(**common_args(tmp_path, max_length=48), chunk_compile=False),
-        train_dataset=tiny_dataset("kto", n=8), processing_class=tokenizer(), peft_config=cfg,
-    )  # fmt: skip
+        model_pair()[1],
+        None,
+        ChunkedKTOConfig(**common_args(tmp_path, max_length=48), chunk_compile=False),
+        train_dataset=tiny_dataset("kto", n=8),
+        processing_class=tokenizer(),
+        peft_config=cfg,
+    )
     batch = _batch(ours)
     model = ours.model
     model.train()
@@ -181,8 +193,9 @@ def test_kto_lora_on_lm_head(tmp_path):
         assert (KTOTrainer._compute_kl_logps(ours, model, batch) - kl_logps).abs().max() > 1e-2
     logits, labels = hidden_and_labels("")
     eye = torch.eye(logits.shape[-1])
-    expected, _ = kto_ref(logits, eye, labels, batch["label"], ref_logps=ref_logps, kl_logps=kl_logps,
-                          ref_kl_logps=ref_kl_logps)  # fmt: skip
+    expected, _ = kto_ref(
+        logits, eye, labels, batch["label"], ref_logps=ref_logps, kl_logps=kl_logps, ref_kl_logps=ref_kl_logps
+    )
     expected.backward()
     assert_close_loss(loss, expected)
     assert sorted(ours_grads) == sorted(k for k, p in model.named_parameters() if p.grad is not None)
@@ -226,11 +239,14 @@ def test_kto_peft_model_with_lm_head_lora_precompute_refused(tmp_path):
         mp.setattr(kto_mod.KTOTrainer, "compute_ref_log_probs", lambda self, m, i: calls.append(1))
         with pytest.raises(ValueError, match="precompute_ref_log_probs"):
             ChunkedKTOTrainer(
-                peft.get_peft_model(model_pair()[0], cfg), None,
-                ChunkedKTOConfig(**common_args(tmp_path, max_length=48), precompute_ref_log_probs=True,
-                                 chunk_compile=False),
-                train_dataset=tiny_dataset("kto", 8), processing_class=tokenizer(),
-            )  # fmt: skip
+                peft.get_peft_model(model_pair()[0], cfg),
+                None,
+                ChunkedKTOConfig(
+                    **common_args(tmp_path, max_length=48), precompute_ref_log_probs=True, chunk_compile=False
+                ),
+                train_dataset=tiny_dataset("kto", 8),
+                processing_class=tokenizer(),
+            )
     assert not calls
 
 
@@ -244,10 +260,12 @@ def test_kto_peft_model_with_lm_head_lora_without_ref_model(tmp_path):
 
     cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], init_lora_weights=False)
     ours = ChunkedKTOTrainer(
-        peft.get_peft_model(model_pair()[0], cfg), None,
+        peft.get_peft_model(model_pair()[0], cfg),
+        None,
         ChunkedKTOConfig(**common_args(tmp_path, max_length=48), chunk_compile=False),
-        train_dataset=tiny_dataset("kto", 8), processing_class=tokenizer(),
-    )  # fmt: skip
+        train_dataset=tiny_dataset("kto", 8),
+        processing_class=tokenizer(),
+    )
     model = ours.model
     assert "ref" in model.peft_config
     with torch.no_grad():  # the policy's adapter moves on in training; the reference must not follow it

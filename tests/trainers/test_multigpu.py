@@ -117,8 +117,11 @@ def _real_size_results() -> list:
     model = os.environ.get("CHUNKLOSS_MODEL", "qwen3-4b")
     if RESULTS:
         folder = Path(RESULTS)
-        found = [(f.stem, json.loads(f.read_text())) for f in sorted(folder.glob(f"*_{model}.json"))
-                 if not f.stem.startswith("multigpu")]  # fmt: skip
+        found = [
+            (f.stem, json.loads(f.read_text()))
+            for f in sorted(folder.glob(f"*_{model}.json"))
+            if not f.stem.startswith("multigpu")
+        ]
         return found + [(f.stem, f.read_text()) for f in sorted(folder.glob(f"*_{model}.error"))]
     committed = ROOT / "benchmarks" / "results" / f"multigpu_{model}.json"
     data = json.loads(committed.read_text()) if committed.exists() else {"comparisons": []}
@@ -136,10 +139,14 @@ def test_real_size_parity_within_bf16_noise(name, r):
     assert r["missing_grads"] == [] and r["extra_grads"] == [] and r["zero_ref_grads"] == []
     assert r["steps_compared"] == REAL_STEPS
     noise = r["noise"]
-    checks = {"first-step gradients": (r["max_rel_grad_error"], noise["max_rel_grad_error"]),
-              "loss curve": (r["max_rel_curve_diff"], noise["max_rel_curve_diff"]),
-              **{f"{g} gradient norms": (r["max_rel_norm_diff"][g], noise["max_rel_norm_diff"][g])
-                 for g in noise["max_rel_norm_diff"]}}  # fmt: skip
+    checks = {
+        "first-step gradients": (r["max_rel_grad_error"], noise["max_rel_grad_error"]),
+        "loss curve": (r["max_rel_curve_diff"], noise["max_rel_curve_diff"]),
+        **{
+            f"{g} gradient norms": (r["max_rel_norm_diff"][g], noise["max_rel_norm_diff"][g])
+            for g in noise["max_rel_norm_diff"]
+        },
+    }
     assert set(noise["max_rel_norm_diff"]) == {"head", "middle_layer"}
     for what, (got, allowed) in checks.items():
         print(f"[multigpu] {name} {what}: {got:.3e} (bf16 noise {allowed:.3e})")

@@ -23,8 +23,15 @@ OOM = "CUDA out of memory. Tried to allocate 2.00 GiB"  # the first line of torc
 
 def _trainer(tmp_path, batch: int, model=None, dataset=None, **cfg):
     torch.manual_seed(0)
-    args = {**common_args(tmp_path), "max_length": 64, "chunk_size": 7, "chunk_compile": False,
-            "per_device_train_batch_size": batch, "max_steps": 3, **cfg}  # fmt: skip
+    args = {
+        **common_args(tmp_path),
+        "max_length": 64,
+        "chunk_size": 7,
+        "chunk_compile": False,
+        "per_device_train_batch_size": batch,
+        "max_steps": 3,
+        **cfg,
+    }
     return ChunkedSFTTrainer(
         model or tiny_model(tokenizer(), hidden_size=32, num_layers=1),
         ChunkedSFTConfig(**args),
@@ -116,14 +123,24 @@ def test_out_of_memory_on_gpu_retries_with_kernels_and_compile_and_frees_the_fai
     between the peaks of batches 6 and 7 batches 8 and 7 run out of memory, and 6 trains;
     its allocated memory after the first step is a fresh batch-6 run's."""
     data = _long_texts()
-    cfg = dict(max_length=1024, bf16=True, use_cpu=False, chunk_kernels=True, chunk_compile=True,
-               chunk_size=None, max_steps=2, logging_steps=1, optim="sgd",
-               gradient_checkpointing=False)  # fmt: skip
+    cfg = dict(
+        max_length=1024,
+        bf16=True,
+        use_cpu=False,
+        chunk_kernels=True,
+        chunk_compile=True,
+        chunk_size=None,
+        max_steps=2,
+        logging_steps=1,
+        optim="sgd",
+        gradient_checkpointing=False,
+    )
 
     def model():
         torch.manual_seed(0)
-        return tiny_model(tokenizer(), hidden_size=1024, num_layers=16, vocab_size=65536,
-                          max_position_embeddings=2048).cuda()  # fmt: skip
+        return tiny_model(
+            tokenizer(), hidden_size=1024, num_layers=16, vocab_size=65536, max_position_embeddings=2048
+        ).cuda()
 
     def run(batch, **extra):
         torch.cuda.empty_cache()

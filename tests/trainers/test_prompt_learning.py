@@ -205,7 +205,10 @@ def test_virtual_tokens_lengthen_hidden_states(tmp_path):
     _, ours = sft_parity._pair(tmp_path, peft_config=_config("prompt_tuning"), **NO_CKPT)
     batch = sft_parity._batch(ours)
     seen = []
-    ours.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-               chunked_head=lambda hidden, head: seen.append(hidden.shape[1]))  # fmt: skip
+    ours.model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        chunked_head=lambda hidden, head: seen.append(hidden.shape[1]),
+    )
     assert seen == [batch["input_ids"].shape[1] + 4]
     assert torch.isfinite(sft_parity._step(ours, batch))

@@ -24,14 +24,32 @@ TRAINERS = ["sft", "dpo", "orpo", "kto", "grpo", "rloo", "gkd", "distillation", 
 STEPS, SAVE = 4, 2
 ROWS = 64  # not the configs' 512 (GRPO: 256): each run tokenizes all of them, for four steps
 # Logged once per run (not per step), or wall-clock times.
-NOT_COMPARED = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss",
-                "total_flos", "step_time"}  # fmt: skip
+NOT_COMPARED = {
+    "train_runtime",
+    "train_samples_per_second",
+    "train_steps_per_second",
+    "train_loss",
+    "total_flos",
+    "step_time",
+}
 
 
 def _run(name: str, out: Path, *overrides: str) -> list[dict]:
-    args = ["--output_dir", str(out), "--max_steps", str(STEPS), "--logging_steps", "1",
-            "--save_strategy", "steps", "--save_steps", str(SAVE), "--dataset_size", str(ROWS),
-            *overrides]  # fmt: skip
+    args = [
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        str(STEPS),
+        "--logging_steps",
+        "1",
+        "--save_strategy",
+        "steps",
+        "--save_steps",
+        str(SAVE),
+        "--dataset_size",
+        str(ROWS),
+        *overrides,
+    ]
     if name == "grpo":
         args += ["--use_adaptive_entropy", "true", "--entropy_target", "0.5"]  # the controller's state too
     cli.train(str(CONFIGS / f"{name}-tiny.yaml"), args)
@@ -99,8 +117,19 @@ def test_an_interrupted_save_leaves_the_previous_checkpoint_to_resume_from(tmp_p
 
     with pytest.raises(ValueError, match=f"not a complete checkpoint.*checkpoint-{SAVE}"):
         _run("sft", out, "--resume_from_checkpoint", str(out / f"checkpoint-{STEPS}"))
-    assert cli.main(["train", str(CONFIGS / "sft-tiny.yaml"), "--output_dir", str(out),
-                     "--resume_from_checkpoint", str(out / f"checkpoint-{STEPS}")]) == 2  # fmt: skip
+    assert (
+        cli.main(
+            [
+                "train",
+                str(CONFIGS / "sft-tiny.yaml"),
+                "--output_dir",
+                str(out),
+                "--resume_from_checkpoint",
+                str(out / f"checkpoint-{STEPS}"),
+            ]
+        )
+        == 2
+    )
     resumed = _run("sft", out, "--resume_from_checkpoint", "true", "--save_total_limit", "1")
     _assert_same_steps(resumed, full, after=SAVE)
     assert not (out / f"checkpoint-{SAVE}").exists(), "the older checkpoint goes once the new one is complete"

@@ -253,9 +253,13 @@ def test_rloo_lora_on_lm_head(tmp_path):
         chunk_compile=False,
     )
     ours = ChunkedRLOOTrainer(
-        model_pair()[1], count_reward, args, train_dataset=tiny_dataset("grpo", n=8),
-        processing_class=tokenizer(), peft_config=lora,
-    )  # fmt: skip
+        model_pair()[1],
+        count_reward,
+        args,
+        train_dataset=tiny_dataset("grpo", n=8),
+        processing_class=tokenizer(),
+        peft_config=lora,
+    )
     fixed_completions(ours)
     ours.model.train()
     inputs = ours._prepare_inputs(next(iter(ours.get_train_dataloader())))

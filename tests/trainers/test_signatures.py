@@ -59,10 +59,19 @@ def test_grpo_without_reward_funcs(tmp_path):
     args = dict(**common_args(tmp_path, num_generations=2, max_completion_length=4))
     for cls, cfg in ((GRPOTrainer, GRPOConfig), (ChunkedGRPOTrainer, ChunkedGRPOConfig)):
         with pytest.raises(ValueError, match="No reward source provided"):
-            cls(model=model_pair()[0], args=cfg(**args), train_dataset=tiny_dataset("grpo", 8),
-                processing_class=tokenizer())  # fmt: skip
-        trainer = cls(model=model_pair()[0], args=cfg(**args), train_dataset=tiny_dataset("grpo", 8),
-                      processing_class=tokenizer(), reward_funcs=count_reward)  # fmt: skip
+            cls(
+                model=model_pair()[0],
+                args=cfg(**args),
+                train_dataset=tiny_dataset("grpo", 8),
+                processing_class=tokenizer(),
+            )
+        trainer = cls(
+            model=model_pair()[0],
+            args=cfg(**args),
+            train_dataset=tiny_dataset("grpo", 8),
+            processing_class=tokenizer(),
+            reward_funcs=count_reward,
+        )
         assert trainer.reward_funcs == [count_reward]
 
 
@@ -72,9 +81,17 @@ def test_orpo_encoder_decoder_refused_before_trls_constructor(tmp_path, monkeypa
 
     tok = tokenizer()
     config = AutoConfig.for_model(
-        "t5", vocab_size=len(tok), d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2,
-        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, decoder_start_token_id=tok.pad_token_id,
-    )  # fmt: skip
+        "t5",
+        vocab_size=len(tok),
+        d_model=16,
+        d_kv=4,
+        d_ff=32,
+        num_layers=1,
+        num_heads=2,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        decoder_start_token_id=tok.pad_token_id,
+    )
     torch.manual_seed(0)
     model = AutoModelForSeq2SeqLM.from_config(config)
     path = tmp_path / "t5"

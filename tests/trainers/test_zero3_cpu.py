@@ -50,8 +50,9 @@ def _model(tied: bool):
     from chunkloss.trainers._head import add_chunked_head
 
     torch.manual_seed(0)
-    model = tiny_model(tiny_tokenizer(), family="llama", hidden_size=32, num_layers=NUM_LAYERS,
-                       tie_word_embeddings=tied)  # fmt: skip
+    model = tiny_model(
+        tiny_tokenizer(), family="llama", hidden_size=32, num_layers=NUM_LAYERS, tie_word_embeddings=tied
+    )
     patch(model, loss=False)
     add_chunked_head(model)
     return model
@@ -80,15 +81,26 @@ def _loss(model, ids, labels, num_items, scale=1.0):
     loss_mod = FusedLinearCrossEntropyLoss(chunk_size=5, compile=False)
 
     def head_fn(hidden, head):
-        return loss_mod(head.features(hidden[:, :-1]), head.weight, labels[:, 1:], bias=head.bias,
-                        num_items_in_batch=num_items)  # fmt: skip
+        return loss_mod(
+            head.features(hidden[:, :-1]),
+            head.weight,
+            labels[:, 1:],
+            bias=head.bias,
+            num_items_in_batch=num_items,
+        )
 
     return model(input_ids=ids, chunked_head=head_fn).result * scale
 
 
 def _worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(WORLD), DS_ACCELERATOR="cpu")  # fmt: skip
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(WORLD),
+        DS_ACCELERATOR="cpu",
+    )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     import deepspeed
@@ -101,16 +113,20 @@ def _worker(rank: int, port: int, out: str) -> None:
     config = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 by default; the reference does not clip
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                              "stage3_model_persistence_threshold": 0},  # fmt: skip
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_model_persistence_threshold": 0,
+        },
         "zero_allow_untested_optimizer": True,
     }
     counts = _count_fused_calls()
     try:
         model = _model(tied=True)
         params = dict(model.named_parameters())
-        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(params.values(), lr=LR),
-                                          config=config)  # fmt: skip
+        engine, *_ = deepspeed.initialize(
+            model=model, optimizer=torch.optim.SGD(params.values(), lr=LR), config=config
+        )
         up = model.model.layers[0].mlp.up_proj
         partitioned = model.lm_head.weight.numel() == 0 and up.weight.numel() == 0
         ids, labels = _batch(model.config.vocab_size)
