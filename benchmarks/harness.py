@@ -17,6 +17,7 @@ import importlib.metadata
 import json
 import os
 import pathlib
+import re
 import statistics
 import zlib
 from collections.abc import Callable
@@ -202,6 +203,8 @@ def _checkpointing_field() -> str:
 TRAINER_IMPLS = ("trl", "liger", "compile", "chunkloss", "unsloth")
 # The fields whose defaults Unsloth's configs change (to 8-bit AdamW, accumulation, ...): the others' given.
 UNSLOTH_DEFAULTS = ("optim", "gradient_accumulation_steps", "weight_decay", "warmup_steps")
+# The trainers the multi-GPU benchmarks run (multigpu_parity, multigpu_scale).
+MULTIGPU_TRAINERS = ("sft", "dpo", "grpo")
 LOSSES = ("sft", "dpo", "grpo", "orpo", "gkd", "medusa", "kto", "rloo")
 NUM_GENERATIONS = 2
 
@@ -539,3 +542,25 @@ def profile_window(prof, warmup: int):
             prof.stop()
 
     return Window()
+
+
+def peak_memory_gib(trainer) -> list[dict] | None:
+    """Every process's peak allocated and reserved CUDA memory in GiB (collective: all ranks call it)."""
+    if not torch.cuda.is_available():
+        return None
+    acc = trainer.accelerator
+    peaks = [torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()]
+    mine = torch.tensor(peaks, device=acc.device, dtype=torch.float64)
+    rows = acc.gather(mine[None]).reshape(-1, 2).cpu().tolist()
+    return [dict(rank=r, allocated=a / 2**30, reserved=b / 2**30) for r, (a, b) in enumerate(rows)]
+
+
+def failure_reason(error_text: str) -> str:
+    """Why a run failed, from its error file: a time-out or skip, else its first exception line, else its last
+    line."""
+    lines = [ln.strip() for ln in error_text.strip().splitlines() if ln.strip()]
+    for pattern in (r"timed out|skipped", r"\w+(Error|Exception)\b"):
+        hit = next((ln for ln in lines if re.search(pattern, ln) and "Warning" not in ln), None)
+        if hit:
+            return hit[:300]
+    return lines[-1][:300] if lines else "?"

@@ -26,20 +26,26 @@ import argparse  # noqa: E402
 import copy  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
-import re  # noqa: E402
 import statistics  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from benchmarks.harness import StepTimer, fixed_completions, record_pid, stamp  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    MULTIGPU_TRAINERS,
+    StepTimer,
+    failure_reason,
+    fixed_completions,
+    peak_memory_gib,
+    record_pid,
+    stamp,
+)
 from benchmarks.report import write_json, write_set  # noqa: E402
 
 STEPS, REAL_STEPS = 20, 30  # the tiny model's, a real shape's
 PER_DEVICE_BATCH, REAL_BATCH = 4, 2
 NUM_GENERATIONS = 2
 MAX_COMPLETION_LENGTH = 12
-TRAINERS = ("sft", "dpo", "grpo")
 BACKENDS = ("fsdp2", "zero3")
 RUN_KEYS = ("distributed_type", "num_processes", "accumulate", "median_step_time_s", "peak_memory_gib")
 WARMUP_STEPS = 3  # step times before this are compilation and allocator warm-up, left out of the median
@@ -176,7 +182,7 @@ def _trainer(kind: str, out: Path, steps: int, batch: int, bf16: bool, accumulat
         )
         trainer = fixed_completions(ChunkedGRPOTrainer, _short_completion)
         return trainer(model, count_reward, cfg, train_dataset=ds, processing_class=tok)
-    raise ValueError(f"--trainer must be one of {TRAINERS}, got {kind!r}")
+    raise ValueError(f"--trainer must be one of {MULTIGPU_TRAINERS}, got {kind!r}")
 
 
 def _real_trainer(a, batch: int):
@@ -202,17 +208,6 @@ def _real_trainer(a, batch: int):
     )
 
 
-def _peak_memory_gib(trainer) -> list[dict] | None:
-    """Every process's peak allocated and reserved CUDA memory in GiB (collective: all ranks call it)."""
-    if not torch.cuda.is_available():
-        return None
-    acc = trainer.accelerator
-    peaks = [torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()]
-    mine = torch.tensor(peaks, device=acc.device, dtype=torch.float64)
-    rows = acc.gather(mine[None]).reshape(-1, 2).cpu().tolist()
-    return [dict(rank=r, allocated=a / 2**30, reserved=b / 2**30) for r, (a, b) in enumerate(rows)]
-
-
 def run(a, batch: int) -> None:
     """Train ``a.trainer`` at per-process micro-batch ``batch``; rank 0 writes ``a.out``'s run.json (and
     grads_step1.pt)."""
@@ -229,7 +224,7 @@ def run(a, batch: int) -> None:
     clock = StepTimer()
     tr.add_callback(clock.callback())
     tr.train()
-    memory = _peak_memory_gib(tr)
+    memory = peak_memory_gib(tr)
     if tr.accelerator.is_main_process:
         curve = [h["loss"] for h in tr.state.log_history if "loss" in h]
         torch.save(tap.grads, out / "grads_step1.pt")
@@ -327,17 +322,6 @@ def compare(multi: Path, single: Path, out: Path, noise: tuple[Path, Path] | Non
     return result
 
 
-def _reason(error_text: str) -> str:
-    """Why a run failed, from its error file: a time-out or skip, else its first exception line, else its last
-    line."""
-    lines = [ln.strip() for ln in error_text.strip().splitlines() if ln.strip()]
-    for pattern in (r"timed out|skipped", r"\w+(Error|Exception)\b"):
-        hit = next((ln for ln in lines if re.search(pattern, ln) and "Warning" not in ln), None)
-        if hit:
-            return hit[:300]
-    return lines[-1][:300] if lines else "?"
-
-
 def set_name(model: str) -> str:
     return "multigpu" if model == "tiny" else f"multigpu_{model}"
 
@@ -361,14 +345,16 @@ def summary(folder: Path, model: str = "tiny") -> dict:
     ``folder/multigpu[_<model>]`` (json, md, png); a run that left none is named in ``notes`` with the reason
     from its ``.error`` file or the backend's ``<backend>.error``."""
     comparisons, notes = [], []
-    for trainer in TRAINERS:
+    for trainer in MULTIGPU_TRAINERS:
         for backend in BACKENDS:
             name = run_name(trainer, backend, model)
             f = folder / f"{name}.json"
             if not f.exists():
                 errs = (folder / f"{name}.error", folder / f"{backend}.error")
                 err = next((e for e in errs if e.exists()), None)
-                notes.append(f"{trainer} / {backend}: {_reason(err.read_text()) if err else 'no result'}")
+                notes.append(
+                    f"{trainer} / {backend}: {failure_reason(err.read_text()) if err else 'no result'}"
+                )
                 continue
             r = json.loads(f.read_text())
             comparisons.append(
@@ -389,7 +375,7 @@ def main(argv: list[str] | None = None) -> None:
     from benchmarks.multigpu_scale import MODELS
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--trainer", choices=TRAINERS)
+    p.add_argument("--trainer", choices=MULTIGPU_TRAINERS)
     p.add_argument("--model", choices=tuple(MODELS), default="tiny")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (a real shape)")
     p.add_argument("--steps", type=int, help=f"default {STEPS}, a real shape {REAL_STEPS}")

@@ -41,20 +41,22 @@ import torch  # noqa: E402
 
 from benchmarks.bench_e2e import SHAPES  # noqa: E402
 from benchmarks.harness import (  # noqa: E402
+    MULTIGPU_TRAINERS,
     NUM_GENERATIONS,
     StepTimer,
     counting_dataset,
+    failure_reason,
     free_memory,
     is_oom,
     kernel_time,
     kernels_available,
     make_trainer,
+    peak_memory_gib,
     profile_window,
     random_model,
     record_pid,
     stamp,
 )
-from benchmarks.multigpu_parity import TRAINERS, _peak_memory_gib, _reason  # noqa: E402
 from benchmarks.report import fullest, write_json, write_set  # noqa: E402
 
 # Shapes of the models (random weights), bench_e2e's; tied: the LM head shares the input embedding's weight.
@@ -257,7 +259,7 @@ def _train(batch: int, a, tokenizer, t0: float) -> dict:
         tokens_per_step=per_step,
         tokens_per_s=per_step / median,
         tokens_per_s_per_gpu=per_step / median / acc.num_processes,
-        peak_memory_gib=_peak_memory_gib(trainer),
+        peak_memory_gib=peak_memory_gib(trainer),
         train_begin_allocated_gib_rank0=timer.allocated_before / 2**30,
         losses=[h["loss"] for h in trainer.state.log_history if "loss" in h],
         **parts,
@@ -403,7 +405,7 @@ def collect(folder: Path) -> tuple[list[dict], list[str]]:
             b = _batch_of(f)
             if b not in by_batch:
                 errors = sorted(folder.glob(f"{run_dir.name}*.error"), key=lambda e: e.stat().st_mtime)
-                why = _reason(errors[-1].read_text()) if errors else "no result and no error file"
+                why = failure_reason(errors[-1].read_text()) if errors else "no result and no error file"
                 by_batch[b] = {**setting, "batch": b, "status": "failed", "reason": why}
                 notes.append(f"{run_dir.name}, batch {b}: {why}")
         runs += [{**by_batch[b], "run": run_dir.name} for b in sorted(by_batch)]
@@ -419,7 +421,7 @@ def collect(folder: Path) -> tuple[list[dict], list[str]]:
     for err in sorted(folder.glob("*.error")):
         name = err.name.split(".")[0]
         if name not in seen:
-            notes.append(f"{name}: {_reason(err.read_text())}")
+            notes.append(f"{name}: {failure_reason(err.read_text())}")
     return runs, notes
 
 
@@ -512,7 +514,7 @@ def _batches(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--trainer", choices=TRAINERS)
+    p.add_argument("--trainer", choices=MULTIGPU_TRAINERS)
     p.add_argument("--impl", choices=IMPLS, default="chunked")
     p.add_argument("--kernels", choices=("on", "off"), default="on", help="chunked: chunk_kernels")
     p.add_argument("--model", choices=tuple(MODELS), default="qwen3-4b")

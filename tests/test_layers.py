@@ -221,3 +221,21 @@ def test_the_check_fails_on_a_bad_import(tmp_path, files, problem):
         assert private_uses(tmp_path)
     else:
         assert cycles(graph)
+
+
+def test_benchmarks_import_no_cycle():
+    """The benchmark scripts import each other one way (shared pieces live in ``benchmarks.harness`` and
+    ``benchmarks.report``), at module level or inside functions."""
+    graph = {}
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        module = f"benchmarks.{path.stem}"
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("benchmarks."):
+                targets.add(node.module)
+            elif isinstance(node, ast.ImportFrom) and node.module == "benchmarks":
+                targets |= {f"benchmarks.{a.name}" for a in node.names}
+            elif isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names if a.name.startswith("benchmarks.")}
+        graph[module] = targets - {module}
+    assert cycles(graph) == []
