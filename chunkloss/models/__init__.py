@@ -9,6 +9,6 @@ Example::
     loss = model(input_ids=ids, labels=ids).loss   # output.logits is None: the loss never builds them
 """
 
-from .patch import SUPPORTED_MODEL_TYPES, patch, unpatch_rotary
+from .patch import SUPPORTED_MODEL_TYPES, patch
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "patch", "unpatch_rotary"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "patch"]

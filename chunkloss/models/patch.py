@@ -374,20 +374,4 @@ def patch(
     return wrapper
 
 
-def unpatch_rotary(model: nn.Module | None = None) -> list[str]:
-    """Does nothing: :func:`patch` no longer replaces the family's module-level ``apply_rotary_pos_emb``
-    (a patched model's attention calls the kernel itself, other models keep transformers' function).
-
-    Returns:
-        ``[]``, the modeling modules whose function was put back.
-    """
-    warnings.warn(
-        "chunkloss.models.unpatch_rotary does nothing: patch() no longer replaces the family's "
-        "apply_rotary_pos_emb",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return []
-
-
-__all__ = ["SUPPORTED_MODEL_TYPES", "patch", "unpatch_rotary"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "patch"]

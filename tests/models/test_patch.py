@@ -210,10 +210,6 @@ def test_patch_leaves_other_models_of_the_family_alone():
     input_ids = torch.randint(0, VOCAB, (1, 5))
     counts = grad_fn_counts(other(input_ids=input_ids, labels=input_ids).loss)
     assert not any(k.endswith("FunctionBackward") for k in counts), counts
-    from chunkloss.models import unpatch_rotary
-
-    with pytest.warns(DeprecationWarning, match="does nothing"):
-        assert unpatch_rotary(model) == []
 
 
 def test_attention_fusion_after_deepcopy_and_with_a_hooked_norm():
