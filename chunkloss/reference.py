@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from chunkloss.losses.common import scale_logits
+from chunkloss.losses.grpo_options import ClipMetrics, GRPOLossType, Normaliser, PolicyTerm
 
 
 def logits_ref(hidden: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -177,7 +178,7 @@ def _vespo_phi_ref(log_ratio, mask, adv, importance_sampling_ratio, k_pos, lambd
         return phi_seq.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def _grpo_metrics_ref(mask, adv, c1, entropies, kl, loss_type, epsilon_low, eps_hi, phi_seq):
+def _grpo_metrics_ref(mask, adv, c1, entropies, kl, loss_type: GRPOLossType, epsilon_low, eps_hi, phi_seq):
     """TRL's logged GRPO metrics of one process (``kl`` when given, ``entropy``, the clip ratios)."""
 
     def seq_mean(x):
@@ -196,7 +197,7 @@ def _grpo_metrics_ref(mask, adv, c1, entropies, kl, loss_type, epsilon_low, eps_
     if kl is not None:
         metrics["kl"] = global_mean(kl)
     metrics["entropy"] = global_mean(entropies.detach())
-    if loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+    if loss_type.clip_metrics is ClipMetrics.CLIP_RATIO:
         low = ((c1 < 1 - epsilon_low) & (adv < 0)).float()
         high = ((c1 > 1 + eps_hi) & (adv > 0)).float()
         metrics["clip_ratio/low_mean"] = global_mean(low)
@@ -204,47 +205,52 @@ def _grpo_metrics_ref(mask, adv, c1, entropies, kl, loss_type, epsilon_low, eps_
         metrics["clip_ratio/region_mean"] = global_mean(torch.maximum(low, high))
         metrics["clip_ratio/low_min"] = nan_red(seq_mean(low), torch.min)
         metrics["clip_ratio/high_max"] = nan_red(seq_mean(high), torch.max)
-    elif loss_type == "cispo":
+    elif loss_type.clip_metrics is ClipMetrics.CISPO:
         metrics["cispo_clip_ratio"] = global_mean(((c1 > eps_hi) & (adv > 0)).float())
-    elif loss_type == "vespo":
+    elif loss_type.clip_metrics is ClipMetrics.VESPO_PHI:
         metrics["vespo/phi_seq_mean"] = global_mean(phi_seq)
     return metrics
 
 
-def _grpo_normalised_ref(per_token_loss, mask, loss_type, num_items, num_processes, ga, spg, max_len):
+def _grpo_normalised_ref(
+    per_token_loss, mask, loss_type: GRPOLossType, num_items, num_processes, ga, spg, max_len
+):
     """The masked per-token loss summed and normalised per ``loss_type``, as TRL 1.16 does."""
-    if loss_type in ("grpo", "sapo"):
+    kind = loss_type.normaliser
+    if kind is Normaliser.SEQUENCE_MEAN:
         return ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / ga
-    if loss_type == "bnpo":
+    if kind is Normaliser.LOCAL_TOKENS:
         return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0) / ga
-    if loss_type == "dr_grpo":
+    if kind is Normaliser.MAX_LENGTH:
         return (per_token_loss * mask).sum() / (per_token_loss.size(0) * max_len) / ga
-    if loss_type == "luspo":
+    if kind is Normaliser.SEQUENCES:
         return (per_token_loss * mask).sum(-1).mean() / ga
+    # Normaliser.GLOBAL_TOKENS
     return (per_token_loss * mask).sum() / (num_items.clamp(min=1.0) / num_processes * ga / spg)
 
 
 def _grpo_policy_term_ref(
-    loss_type, logps, log_ratio, coef_1, adv, mask, isr, eps_lo, eps_hi, delta, sapo, vespo
+    loss_type: GRPOLossType, logps, log_ratio, coef_1, adv, mask, isr, eps_lo, eps_hi, delta, sapo, vespo
 ):
     """TRL's per-token policy loss of ``loss_type`` (B, T), the ratio its metrics read (``coef_1``, clamped at
     ``delta`` for the clipped types, as TRL), and VESPO's per-sequence φ (``None`` otherwise).
     ``isr``: the importance-sampling ratio or ``None``; ``sapo``: (temperature_pos, temperature_neg);
     ``vespo``: (k_pos, lambda_pos, k_neg, lambda_neg)."""
-    if loss_type == "cispo":
+    term = loss_type.term
+    if term is PolicyTerm.CISPO:
         return -torch.clamp(coef_1, max=eps_hi).detach() * adv * logps, coef_1, None
-    if loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+    if term is PolicyTerm.CLIP:
         coef_2 = torch.clamp(coef_1, 1 - eps_lo, 1 + eps_hi)
         if delta is not None:
             coef_1 = torch.clamp(coef_1, max=delta)
         return -torch.min(coef_1 * adv, coef_2 * adv), coef_1, None
-    if loss_type == "sapo":
+    if term is PolicyTerm.SAPO:
         temps = torch.where(adv > 0, *sapo)
         return -torch.sigmoid(temps * (coef_1 - 1)) * 4 / temps * adv, coef_1, None
-    if loss_type == "vespo":
+    if term is PolicyTerm.VESPO:
         phi_seq = _vespo_phi_ref(log_ratio, mask, adv, isr, *vespo)
         return -phi_seq * adv * logps, coef_1, phi_seq
-    raise ValueError(f"unknown loss_type {loss_type!r}")
+    raise ValueError(f"unknown policy term {term}")
 
 
 def grpo_loss_from_logps_ref(
@@ -282,6 +288,10 @@ def grpo_loss_from_logps_ref(
     **_,
 ):
     """TRL 1.16's GRPO loss and its metrics (one process, train mode), in fp32."""
+    try:
+        loss_type = GRPOLossType(loss_type)
+    except ValueError:
+        raise ValueError(f"unknown loss_type {loss_type!r}") from None
     mask = completion_mask.float() if tool_mask is None else (completion_mask * tool_mask).float()
     eps_hi = epsilon_low if epsilon_high is None else epsilon_high
     ga = gradient_accumulation_steps
@@ -329,14 +339,14 @@ def grpo_loss_from_logps_ref(
         per_token_loss = per_token_loss * off_policy_mask
     if entropy_mask is not None:
         per_token_loss = per_token_loss * entropy_mask
-    if importance_sampling_ratio is not None and loss_type != "vespo":
+    if importance_sampling_ratio is not None and not loss_type.sequence_weight:
         isr = importance_sampling_ratio
         per_token_loss = per_token_loss * (isr.unsqueeze(1) if isr.dim() == 1 else isr)
     if beta != 0.0:
         per_token_loss = per_token_loss + beta * per_token_kl
     counts = (num_items_in_batch, num_processes, ga, spg, max_completion_length)
     loss = _grpo_normalised_ref(per_token_loss, mask, loss_type, *counts)
-    policy_loss = loss.detach() * (1.0 if loss_type in ("dapo", "cispo", "vespo") else ga)
+    policy_loss = loss.detach() * (1.0 if loss_type.global_count else ga)
     if entropy_coef != 0.0:
         eff = mask if entropy_mask is None else mask * entropy_mask
         loss = loss - entropy_coef * (entropies * eff).sum() / eff.sum().clamp(min=1.0) / ga

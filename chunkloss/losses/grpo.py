@@ -27,6 +27,7 @@ and the sum over the completion mask (``completion_mask · tool_mask``) is norma
     luspo            Σ ℓ / B / GA
 
 minus the entropy bonus ``entropy_coef · mean_t H_t / GA`` over the mask (times the entropy mask).
+Which term, normaliser and metrics each loss type has is one table, :class:`GRPOLossType`.
 ``GA`` is the trainer's ``current_gradient_accumulation_steps``; trainer state (GA, process count,
 ``num_items_in_batch``) comes in as explicit arguments of ``forward``.
 
@@ -84,13 +85,17 @@ from chunkloss.losses.grpo_options import (
     IS_LEVELS,
     LOG_RATIO_MIN,
     LOSS_TYPES,
+    ClipMetrics,
+    GRPOLossType,
     GRPOOptions,
+    PolicyTerm,
 )
 
 __all__ = [
     "CLIP_LOSS_TYPES",
     "FusedLinearGRPOLoss",
     "GLOBAL_COUNT_LOSS_TYPES",
+    "GRPOLossType",
     "GRPOOptions",
     "IS_LEVELS",
     "LOSS_TYPES",
@@ -161,12 +166,13 @@ def _row_loss(
             kl = kl * coef_1
         metrics["kl"] = kl.detach().sum() / scalars.n_valid
     eps_hi = opts.eps_high
-    if opts.loss_type == "cispo":
+    term = opts.loss_type.term
+    if term is PolicyTerm.CISPO:
         per = -torch.clamp(coef_1, max=eps_hi).detach() * adv * logp
-    elif opts.loss_type == "sapo":
+    elif term is PolicyTerm.SAPO:
         tau = torch.where(adv > 0, opts.sapo_temperature_pos, opts.sapo_temperature_neg)
         per = -torch.sigmoid(tau * (coef_1 - 1)) * 4 / tau * adv
-    elif opts.loss_type == "vespo":
+    elif term is PolicyTerm.VESPO:
         per = -phi * adv * logp
     else:
         coef_2 = torch.clamp(coef_1, 1 - opts.epsilon_low, 1 + eps_hi)
@@ -175,7 +181,7 @@ def _row_loss(
         per = -torch.min(coef_1 * adv, coef_2 * adv)
     if keep is not None:
         per = per * keep
-    if token.is_ratio is not None and opts.loss_type != "vespo":
+    if token.is_ratio is not None and not opts.loss_type.sequence_weight:
         per = per * token.is_ratio
     if opts.beta != 0.0:
         per = per + opts.beta * kl
@@ -189,14 +195,15 @@ def _row_loss(
         loss = loss - scalars.entropy_coef * eff.sum() / n_eff / scalars.grad_accum
     metrics["entropy"] = ent.detach().sum() / scalars.n_valid
     c = coef_1.detach()
-    if opts.loss_type in CLIP_LOSS_TYPES:
+    clip_metrics = opts.loss_type.clip_metrics
+    if clip_metrics is ClipMetrics.CLIP_RATIO:
         low = ((c < 1 - opts.epsilon_low) & (adv < 0)).float()
         high = ((c > 1 + eps_hi) & (adv > 0)).float()
         metrics["low_flags"], metrics["high_flags"] = low, high
         metrics["region_flags"] = torch.maximum(low, high)
-    elif opts.loss_type == "cispo":
+    elif clip_metrics is ClipMetrics.CISPO:
         metrics["cispo_clip_ratio"] = ((c > eps_hi) & (adv > 0)).float().sum() / scalars.n_valid
-    elif opts.loss_type == "vespo":
+    elif clip_metrics is ClipMetrics.VESPO_PHI:
         metrics["phi_rows"] = phi
     return loss, metrics
 
@@ -282,7 +289,7 @@ def grpo_sequence_loss(
         keep = emask if keep is None else keep * emask
         n_bonus = emask.sum().clamp(min=1.0)
     phi = phi_seq = None
-    if opts.loss_type == "vespo":
+    if opts.loss_type.term is PolicyTerm.VESPO:
         with torch.no_grad():
             slr = (
                 segment_sum(torch.clamp(log_ratio.detach(), -20.0, 20.0), seq_id, num_seqs)
@@ -302,7 +309,8 @@ def grpo_sequence_loss(
     out = _token_shaped_metrics({k: v for k, v in m.items() if not (seq_clip and k in flags)}, token, scalars)
     if phi_seq is not None:
         out["vespo/phi_seq_mean"] = phi_seq.sum() / scalars.n_seqs
-    if seq_clip and opts.loss_type in CLIP_LOSS_TYPES:
+    clip_metrics = opts.loss_type.clip_metrics
+    if seq_clip and clip_metrics is ClipMetrics.CLIP_RATIO:
         # One ratio per sequence: TRL's metrics are over the B sequences (empty ones included).
         c = torch.exp(lw_seq.detach())
         if opts.delta is not None:
@@ -316,7 +324,7 @@ def grpo_sequence_loss(
         zeros = scalars.seq_zeros
         out["low_per_seq"] = zeros.index_add(0, sequence.index, low)
         out["high_per_seq"] = zeros.index_add(0, sequence.index, high)
-    if seq_clip and opts.loss_type == "cispo":
+    if seq_clip and clip_metrics is ClipMetrics.CISPO:
         # One ratio per sequence: TRL averages the (B, 1) flags over the B sequences (empty ones included).
         c = torch.exp(lw_seq.detach())
         flags = ((c > opts.eps_high) & (sequence.adv > 0)).float()
@@ -368,7 +376,7 @@ class FusedLinearGRPOLoss(FusedLinearBase):
             and o.entropy_coef == 0.0
             and o.importance_sampling_level == "token"
             and o.off_policy_mask_threshold is None
-            and o.loss_type != "vespo"
+            and not o.loss_type.sequence_weight
         ):
             return None
         q = 1 - o.top_entropy_quantile
@@ -477,11 +485,10 @@ def _zero_metrics(opts: GRPOOptions, device) -> dict:
     """The metrics when no row takes part (every completion empty): masked means of nothing are 0."""
     names = ["entropy"] + (["kl"] if opts.beta != 0.0 else [])
     names += ["policy_loss"] if opts.entropy_coef != 0.0 else []
-    if opts.loss_type in CLIP_LOSS_TYPES:
-        names += ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"]
-    names += {"cispo": ["cispo_clip_ratio"], "vespo": ["vespo/phi_seq_mean"]}.get(opts.loss_type, [])
+    names += opts.loss_type.clip_metrics.value
     out = {k: torch.zeros((), device=device) for k in names}
-    if opts.loss_type in CLIP_LOSS_TYPES:
+    if opts.loss_type.clip_metrics is ClipMetrics.CLIP_RATIO:
+        # Extrema over no sequence: TRL's nanmin / nanmax of nothing.
         out["clip_ratio/low_min"] = out["clip_ratio/high_max"] = torch.full((), float("nan"), device=device)
     return out
 

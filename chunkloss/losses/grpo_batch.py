@@ -14,7 +14,7 @@ from torch import Tensor
 
 from chunkloss.engine import ExtraHead, Rows, Sequences
 from chunkloss.losses.common import check_head, check_labels, item_count, to_scalar
-from chunkloss.losses.grpo_options import GLOBAL_COUNT_LOSS_TYPES, LOG_RATIO_MIN, GRPOOptions
+from chunkloss.losses.grpo_options import LOG_RATIO_MIN, GRPOOptions, Normaliser
 
 
 @dataclass
@@ -109,8 +109,10 @@ def check_advantages_and_ratio(opts: GRPOOptions, hidden, advantages, importance
         )
     if isr.device != dev:
         raise ValueError(f"importance_sampling_ratio is on {isr.device} but hidden is on {dev}")
-    if opts.loss_type == "vespo" and isr.shape != (b, t):
-        raise ValueError("vespo needs a token-level importance_sampling_ratio (B, T) (TRL's token_* modes)")
+    if opts.loss_type.sequence_weight and isr.shape != (b, t):
+        raise ValueError(
+            f"{opts.loss_type} needs a token-level importance_sampling_ratio (B, T) (TRL's token_* modes)"
+        )
 
 
 def reference_head(opts: GRPOOptions, hidden, weight, ref_logps, ref_hidden, ref_weight, ref_bias) -> list:
@@ -140,20 +142,21 @@ def reference_head(opts: GRPOOptions, hidden, weight, ref_logps, ref_hidden, ref
 
 
 def normaliser(opts: GRPOOptions, mask, num_items_in_batch, num_processes, ga: float, spg) -> Tensor:
-    """What the summed per-token loss is divided by (module docstring): per row (B, T) for 'grpo' and 'sapo'
-    (each sequence's length times B times GA), else one 0-d count."""
+    """What the summed per-token loss is divided by (the loss type's ``Normaliser``): per row (B, T) for
+    ``SEQUENCE_MEAN`` (each sequence's length times B times GA), else one 0-d count."""
     b, t = mask.shape
     dev = mask.device
     f32 = torch.float32
-    lt = opts.loss_type
-    if lt in ("grpo", "sapo"):
+    kind = opts.loss_type.normaliser
+    if kind is Normaliser.SEQUENCE_MEAN:
         return (mask.sum(-1).to(f32).clamp(min=1.0) * b * ga).unsqueeze(1).expand(b, t)
-    if lt == "bnpo":
+    if kind is Normaliser.LOCAL_TOKENS:
         return mask.sum().clamp(min=1).to(f32) * ga
-    if lt == "dr_grpo":
+    if kind is Normaliser.MAX_LENGTH:
         return to_scalar(float(b * opts.max_completion_length) * ga, dev)
-    if lt == "luspo":
+    if kind is Normaliser.SEQUENCES:
         return to_scalar(float(b) * ga, dev)
+    # Normaliser.GLOBAL_TOKENS
     items = mask.sum() if num_items_in_batch is None else item_count(num_items_in_batch, dev)
     return items.to(f32).clamp(min=1.0) / num_processes * ga / spg
 
@@ -179,7 +182,7 @@ def batch_tensors(opts: GRPOOptions, completion_ids, mask, advantages, per_token
         **optional,
     )
     vespo_log_is = None
-    if opts.loss_type == "vespo":
+    if opts.loss_type.sequence_weight:
         vespo_log_is = (
             torch.zeros(b, device=dev)
             if isr is None
@@ -196,7 +199,7 @@ def batch_tensors(opts: GRPOOptions, completion_ids, mask, advantages, per_token
         n_bonus=n_valid,
         n_seqs=to_scalar(max(b, 1), dev),
         grad_accum=to_scalar(ga, dev),
-        policy_scale=to_scalar(1.0 if opts.loss_type in GLOBAL_COUNT_LOSS_TYPES else ga, dev),
+        policy_scale=to_scalar(1.0 if opts.loss_type.global_count else ga, dev),
         # One slot more than there are sequences (dropped in _finish_metrics): inductor's CPU codegen
         # (torch 2.13) fails on an index_add into a 1-element buffer, i.e. a batch of one sequence.
         seq_zeros=torch.zeros(b + 1, device=dev),

@@ -16,13 +16,8 @@ from dataclasses import dataclass
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
-from chunkloss.losses.grpo import (
-    CLIP_LOSS_TYPES,
-    GLOBAL_COUNT_LOSS_TYPES,
-    FusedLinearGRPOLoss,
-    nanmax,
-    nanmin,
-)
+from chunkloss.losses.grpo import FusedLinearGRPOLoss, nanmax, nanmin
+from chunkloss.losses.grpo_options import ClipMetrics, GRPOLossType
 
 from ._checkpointing import CheckpointingDefault
 from ._common import ChunkedArguments, DeferredMetrics, refuse
@@ -134,14 +129,15 @@ class ChunkedGRPOTrainer(ChunkedTrainerSetup, DeferredMetrics, AdapterHeadLogps,
     def _compute_loss(self, model, inputs):
         mode = "train" if self.model.training else "eval"
         loss_mod = self._grpo_loss()
-        if self.loss_type == "vespo":
+        loss_type = loss_mod.options.loss_type
+        if loss_type.sequence_weight:
             is_ratio = inputs.get("importance_sampling_ratio")
         elif self.use_vllm and self.vllm_importance_sampling_correction:
             is_ratio = inputs["importance_sampling_ratio"]
         else:
             is_ratio = None
         ga = self.current_gradient_accumulation_steps if mode == "train" else 1
-        needs_global = self.loss_type in GLOBAL_COUNT_LOSS_TYPES
+        needs_global = loss_type.global_count
         completion_mask = inputs["completion_mask"]
 
         def loss_fn(x, w, b):
@@ -185,10 +181,12 @@ class ChunkedGRPOTrainer(ChunkedTrainerSetup, DeferredMetrics, AdapterHeadLogps,
             loss = loss + self.router_aux_loss_coef * out.aux_loss / ga
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(out.aux_loss).mean())
 
-        self._log_loss_metrics(mode, metrics, inputs, n_tok)
+        self._log_loss_metrics(mode, metrics, inputs, n_tok, loss_type)
         return loss
 
-    def _log_loss_metrics(self, mode: str, metrics: dict, inputs: dict, n_tok) -> None:
+    def _log_loss_metrics(
+        self, mode: str, metrics: dict, inputs: dict, n_tok, loss_type: GRPOLossType
+    ) -> None:
         """Log the loss's metrics under TRL's names (``n_tok``: the masked completion tokens)."""
         # TRL's values, fetched when the trainer logs (``DeferredMetrics``), not with .item() here.
         # TRL's global masked means: local means times local counts, summed over processes.
@@ -200,12 +198,13 @@ class ChunkedGRPOTrainer(ChunkedTrainerSetup, DeferredMetrics, AdapterHeadLogps,
             store["kl"].append(global_mean(acc, metrics["kl"], n_tok))
         store["entropy"].append(global_mean(acc, metrics["entropy"], n_tok))
         clip_count = n_seq if per_seq else n_tok
-        if self.loss_type in CLIP_LOSS_TYPES:
+        clip_metrics = loss_type.clip_metrics
+        if clip_metrics is ClipMetrics.CLIP_RATIO:
             for name in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
                 store[name].append(global_mean(acc, metrics[name], clip_count))
             store["clip_ratio/low_min"].append(gathered(acc, metrics["clip_ratio/low_min"], nanmin))
             store["clip_ratio/high_max"].append(gathered(acc, metrics["clip_ratio/high_max"], nanmax))
-        elif self.loss_type == "cispo":
+        elif clip_metrics is ClipMetrics.CISPO:
             store["cispo_clip_ratio"].append(global_mean(acc, metrics["cispo_clip_ratio"], clip_count))
-        elif self.loss_type == "vespo":
+        elif clip_metrics is ClipMetrics.VESPO_PHI:
             store["vespo/phi_seq_mean"].append(global_mean(acc, metrics["vespo/phi_seq_mean"], n_seq))
