@@ -53,13 +53,18 @@ def leaves(inp):
     return [inp[k] for k in ("hidden", "weight", "bias") if inp[k] is not None]
 
 
-def run_ours(inp, kw, **opts):
+def run_loss(loss_cls, inp, kw, **opts):
+    """``loss_cls(**opts)`` on ``inp``: its loss, the leaves' gradients and its metrics."""
     for x in leaves(inp):
         x.grad = None
-    mod = FusedLinearGRPOLoss(**opts)
+    mod = loss_cls(**opts)
     loss = mod(**inp, **kw)
     loss.backward()
     return loss.detach().float(), [x.grad.float() for x in leaves(inp)], mod.metrics
+
+
+def run_ours(inp, kw, **opts):
+    return run_loss(FusedLinearGRPOLoss, inp, kw, **opts)
 
 
 def run_ref(inp, kw, opts, dtype=torch.float32):

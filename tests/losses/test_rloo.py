@@ -18,6 +18,7 @@ from chunkloss.losses.common import scale_logits
 from chunkloss.losses.rloo import FusedLinearRLOOLoss
 from chunkloss.reference import grpo_logps_ref, rloo_loss_from_logps_ref, rloo_ref
 from tests.child_process import in_child_process
+from tests.losses.test_grpo import leaves, run_loss
 from tests.tolerances import assert_close_to_ref
 
 # Odd shapes. Completion 2 is empty, 1 has a hole, 4 holds one token; 0 is the longest (9 tokens).
@@ -58,17 +59,8 @@ def make_inputs(dtype=torch.float32, bias=True, seed=0):
     return inp, dict(old_logps=old)
 
 
-def leaves(inp):
-    return [inp[k] for k in ("hidden", "weight", "bias") if inp[k] is not None]
-
-
 def run_ours(inp, kw, **opts):
-    for x in leaves(inp):
-        x.grad = None
-    mod = FusedLinearRLOOLoss(**opts)
-    loss = mod(**inp, **kw)
-    loss.backward()
-    return loss.detach().float(), [x.grad.float() for x in leaves(inp)], mod.metrics
+    return run_loss(FusedLinearRLOOLoss, inp, kw, **opts)
 
 
 def run_ref(inp, kw, opts, dtype=torch.float32):

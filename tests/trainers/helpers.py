@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from chunkloss.data import tiny_model, tiny_tokenizer
+from chunkloss.data import tiny_dataset, tiny_model, tiny_tokenizer
 from tests.tolerances import assert_close_to_ref
 
 # A tiny Qwen3-MoE: every layer sparse, 4 experts, top-2.
@@ -129,3 +129,40 @@ def check_orpo_step(ref, ours):
     for key in m_ref:
         assert m_our[key] == pytest.approx(m_ref[key], rel=1e-5, abs=1e-6), key
     return batch, results
+
+
+def reference_pair(
+    kind: str,
+    trl_classes: tuple[type, type],
+    our_classes: tuple[type, type],
+    tmp_path,
+    compile_=False,
+    with_ref=True,
+    models=None,
+    peft_config=None,
+    ref_models=None,
+    **cfg,
+):
+    """TRL's trainer and ours (``(Config, Trainer)`` each) for a loss with a reference model (DPO, KTO): the
+    same tiny policy, reference (seed 1, or none) and ``tiny_dataset(kind)``, chunks of 9 rows."""
+    ref_m, our_m = models or model_pair()
+    torch.manual_seed(1)
+    refs = (ref_models or model_pair(seed=1)) if with_ref else (None, None)
+    ds = tiny_dataset(kind, n=8)
+    base = common_args(tmp_path, max_length=48, **cfg)
+    built = []
+    for (config, trainer), model, ref, extra in (
+        (trl_classes, ref_m, refs[0], {}),
+        (our_classes, our_m, refs[1], dict(chunk_size=9, chunk_compile=compile_)),
+    ):
+        built.append(
+            trainer(
+                model,
+                ref,
+                config(**base, **extra),
+                train_dataset=ds,
+                processing_class=tokenizer(),
+                peft_config=copy.deepcopy(peft_config),
+            )
+        )
+    return tuple(built)

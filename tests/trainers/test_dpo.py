@@ -3,8 +3,6 @@ gradients and logged metrics."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from trl import DPOConfig, DPOTrainer
@@ -18,6 +16,7 @@ from tests.trainers.helpers import (
     common_args,
     grads,
     model_pair,
+    reference_pair,
     stored_metrics,
     tokenizer,
 )
@@ -26,29 +25,10 @@ LOSS_TYPES = ["sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_
               "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm"]  # fmt: skip
 
 
-def _pair(tmp_path, compile_=False, with_ref=True, models=None, peft_config=None, ref_models=None, **cfg):
-    ref_m, our_m = models or model_pair()
-    torch.manual_seed(1)
-    refs = (ref_models or model_pair(seed=1)) if with_ref else (None, None)
-    ds = tiny_dataset("dpo", n=8)
-    base = common_args(tmp_path, max_length=48, **cfg)
-    ref = DPOTrainer(
-        ref_m,
-        refs[0],
-        DPOConfig(**base),
-        train_dataset=ds,
-        processing_class=tokenizer(),
-        peft_config=copy.deepcopy(peft_config),
+def _pair(tmp_path, **kw):
+    return reference_pair(
+        "dpo", (DPOConfig, DPOTrainer), (ChunkedDPOConfig, ChunkedDPOTrainer), tmp_path, **kw
     )
-    ours = ChunkedDPOTrainer(
-        our_m,
-        refs[1],
-        ChunkedDPOConfig(**base, chunk_size=9, chunk_compile=compile_),
-        train_dataset=ds,
-        processing_class=tokenizer(),
-        peft_config=copy.deepcopy(peft_config),
-    )
-    return ref, ours
 
 
 def _check(ref, ours):

@@ -3,7 +3,6 @@ loss, gradients and logged metrics; a few optimizer steps from one state, equal 
 
 from __future__ import annotations
 
-import copy
 import inspect
 
 import pytest
@@ -20,33 +19,16 @@ from tests.trainers.helpers import (
     common_args,
     logged_metrics,
     model_pair,
+    reference_pair,
     stored_metrics,
     tokenizer,
 )
 
 
-def _pair(tmp_path, compile_=False, with_ref=True, models=None, peft_config=None, ref_models=None, **cfg):
-    ref_m, our_m = models or model_pair()
-    refs = (ref_models or model_pair(seed=1)) if with_ref else (None, None)
-    ds = tiny_dataset("kto", n=8)
-    base = common_args(tmp_path, max_length=48, **cfg)
-    ref = KTOTrainer(
-        ref_m,
-        refs[0],
-        KTOConfig(**base),
-        train_dataset=ds,
-        processing_class=tokenizer(),
-        peft_config=copy.deepcopy(peft_config),
+def _pair(tmp_path, **kw):
+    return reference_pair(
+        "kto", (KTOConfig, KTOTrainer), (ChunkedKTOConfig, ChunkedKTOTrainer), tmp_path, **kw
     )
-    ours = ChunkedKTOTrainer(
-        our_m,
-        refs[1],
-        ChunkedKTOConfig(**base, chunk_size=9, chunk_compile=compile_),
-        train_dataset=ds,
-        processing_class=tokenizer(),
-        peft_config=copy.deepcopy(peft_config),
-    )
-    return ref, ours
 
 
 def _batch(trainer, rows=range(4)):
