@@ -47,9 +47,9 @@ def _checkpoint(model) -> None:
 def _step(trainer, batch=None):
     """One ``training_step`` (forward, backward, inside the trainer's offloading context) on ``batch``, or on
     the trainer's whole dataset collated; the loss."""
-    if batch is None:
+    if batch is None:  # training_step prepares it (GRPO: generates the completions)
         rows = [trainer.train_dataset[i] for i in range(len(trainer.train_dataset))]
-        batch = trainer._prepare_inputs(trainer.data_collator(rows))
+        batch = trainer.data_collator(rows)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train() for each optimizer step
     inputs = dict(batch) if isinstance(batch, dict) else batch  # GRPO's collated batch is a list of rows
@@ -117,6 +117,7 @@ def _same_step(make, tmp_path):
     for offload in (False, True):
         trainer = make(tmp_path / str(offload), copy.deepcopy(base), offload)
         _checkpoint(trainer.model)
+        torch.manual_seed(1)  # GRPO samples the same completions in both
         runs.append((_step(trainer), grads(trainer.model)))
     (loss_a, g_a), (loss_b, g_b) = runs
     assert torch.equal(loss_a, loss_b)
