@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from chunkloss._compat import trl as trl_compat
+
 from ._long_context import mlp_options
 
 __all__ = [
@@ -143,7 +145,7 @@ def mean_or_zero(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
 
 
 def fetch_metrics(*stores: dict[str, list]) -> None:
-    """Replace the 0-d tensors in the lists of each ``store`` (TRL's ``self._metrics[mode]``) by Python
+    """Replace the 0-d tensors in the lists of each ``store`` (TRL's metrics of one mode) by Python
     floats, with one host sync for all of them. ``tolist()`` of a tensor gives the floats its ``.item()``
     gives."""
     where = [
@@ -175,15 +177,21 @@ class DeferredMetrics:
     mean_or_zero = staticmethod(mean_or_zero)
 
     def record_tokens(self, mode: str, count: torch.Tensor | None) -> None:
-        """TRL's ``num_tokens`` bookkeeping: in training ``self._total_train_tokens += count.item() //
-        self._tp_size``, with ``count`` fetched at the next log; in evaluation (``count`` None) the running
-        total now. Either way ``self._metrics[mode]["num_tokens"]`` holds the total (in training, replaced
-        by the fetched one when the trainer logs)."""
+        """TRL's ``num_tokens`` bookkeeping: in training the running total grows by ``count.item() //``
+        the tensor-parallel size, with ``count`` fetched at the next log; in evaluation (``count`` None) the
+        running total now. Either way the ``num_tokens`` metric holds the total (in training, replaced by the
+        fetched one when the trainer logs)."""
         if mode == "train":
             self.__dict__.setdefault("_pending_tokens", []).append(count)
         else:
             self.fetch_deferred_metrics()
-        self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
+        trl_compat.metrics(self, mode)["num_tokens"] = [trl_compat.total_train_tokens(self)]
+
+    def record_aux_loss(self, mode: str, aux_loss: torch.Tensor) -> None:
+        """TRL's ``aux_loss`` metric of a mixture-of-experts router: its mean over the gathered processes."""
+        trl_compat.metrics(self, mode)["aux_loss"].append(
+            self.accelerator.gather_for_metrics(aux_loss).mean()
+        )
 
     def fetch_deferred_metrics(self) -> None:
         """Fetch the stored metrics and token counts (what ``log`` does first; an evaluation step calls it
@@ -192,14 +200,13 @@ class DeferredMetrics:
         if pending:
             counts = torch.stack(pending).tolist()
             pending.clear()
-            self._total_train_tokens += sum(c // self._tp_size for c in counts)
-        stores = []
-        for name in ("_metrics", "_stored_metrics"):  # ORPO's TRL trainer keeps ``_stored_metrics``
-            stores += list(getattr(self, name, {}).values())
+            tp = trl_compat.tp_size(self)
+            total = trl_compat.total_train_tokens(self) + sum(c // tp for c in counts)
+            trl_compat.set_total_train_tokens(self, total)
         # Trainers that defer their token count (SFT, DPO) log the running total, as TRL's set it each step.
-        if pending is not None and "num_tokens" in self._metrics["train"]:
-            self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
-        fetch_metrics(*stores)
+        if pending is not None and "num_tokens" in trl_compat.metrics(self, "train"):
+            trl_compat.metrics(self, "train")["num_tokens"] = [trl_compat.total_train_tokens(self)]
+        fetch_metrics(*trl_compat.metric_stores(self))
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         self.fetch_deferred_metrics()

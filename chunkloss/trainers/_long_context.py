@@ -23,6 +23,8 @@ import contextlib
 
 import torch
 
+from chunkloss._compat import transformers as transformers_compat
+
 #: Tokens per tile of the fused MLP under ``chunk_long_context`` (when ``chunk_kernels_mlp_tile`` is unset):
 #: each (tile, I) bf16 tensor is 128 MiB at Llama-3.2-1B's I = 8192, 224 MiB at Llama-3.1-8B's 14336. With
 #: these tiles and offloading the step took 5-8% longer than with checkpointing alone (docs/design.md).
@@ -53,10 +55,7 @@ def enable(args) -> None:
     constructor reads them."""
     if not getattr(args, "chunk_long_context", False):
         return
-    # transformers 5.23 renamed gradient_checkpointing to activation_checkpointing and mirrors the old name.
-    for name in ("activation_checkpointing", "gradient_checkpointing"):
-        if hasattr(args, name):
-            setattr(args, name, True)
+    transformers_compat.enable_activation_checkpointing(args)
     if hasattr(args, "activation_offloading") and _offloads(args):
         args.activation_offloading = True
 

@@ -12,8 +12,10 @@ import warnings
 
 import torch
 
+from chunkloss._compat import transformers as transformers_compat
+from chunkloss._compat import trl as trl_compat
+
 from . import _long_context as long_context
-from ._checkpointing import trl_checkpointing_calls
 from ._common import apply_chunk_kernels, check_max_steps, chunk_options, peft_base, refuse
 from ._head import add_chunked_head, allow_lm_head_adapter, check_head_supported, head_transforms
 from ._nonfinite import NonFiniteLossWatch
@@ -25,10 +27,6 @@ __all__ = ["STATE_FILE", "ChunkedTrainerSetup", "is_complete_checkpoint", "last_
 #: beyond transformers' (see ``ChunkedTrainerSetup._save_checkpoint``); its presence marks the checkpoint
 #: complete.
 STATE_FILE = "chunkloss_state.pt"
-#: Attributes of TRL's trainers that their checkpoints do not hold and that change what a resumed run logs
-#: or trains on: the running token count (``num_tokens``), and the generation step counter and buffered
-#: generations of GRPO and distillation (a run resumed between two generations otherwise generates anew).
-_RESUMED_ATTRS = ("_total_train_tokens", "_step", "_buffered_inputs")
 
 
 def last_complete_checkpoint(folder: str) -> str | None:
@@ -90,12 +88,13 @@ class ChunkedTrainerSetup(NonFiniteLossWatch, long_context.LongContextStep):
        and ``self.head_transforms`` (``softcap``, ``logit_scale`` of the trained model) are set.
     5. :meth:`_setup_loss`: the trainer's own loss modules.
 
-    In training it adds: checkpoints holding the state TRL's leave out (:data:`_RESUMED_ATTRS`), marked
-    complete by :data:`STATE_FILE` (``_save_checkpoint``, ``train``); and, per attempt of the training loop, a
-    fresh start and the out-of-memory error as accelerate's retry needs it or as one that says what to do
+    In training it adds: checkpoints holding the state TRL's leave out
+    (:data:`chunkloss._compat.trl.RESUMED_STATE`), marked complete by :data:`STATE_FILE`
+    (``_save_checkpoint``, ``train``); and, per attempt of the training loop, a fresh start and the
+    out-of-memory error as accelerate's retry needs it or as one that says what to do
     (``_inner_training_loop``); the first non-finite loss reported in one line (:class:`NonFiniteLossWatch`);
     and, while training or evaluating, none of the FutureWarnings of TRL's calls of transformers' deprecated
-    checkpointing names (:mod:`chunkloss.trainers._checkpointing`).
+    checkpointing names (:func:`chunkloss._compat.trl.quiet_checkpointing_calls`).
     """
 
     _trains_lm_head_lora = True
@@ -124,10 +123,8 @@ class ChunkedTrainerSetup(NonFiniteLossWatch, long_context.LongContextStep):
         model = call.get("model")
         adapter = allow_lm_head_adapter(model) if self._trains_lm_head_lora else contextlib.nullcontext()
         with adapter, warnings.catch_warnings():
-            # TRL 1.16's SFTTrainer (trl/trainer/sft_trainer.py, line 1058) warns that label_smoothing_factor
-            # makes it compute the loss from materialised logits in an extra forward pass; the chunked loss
-            # takes the smoothing itself, so the warning is not true of this trainer.
-            smoothing = "`label_smoothing_factor` is deprecated in `SFTTrainer`"
+            # The chunked loss takes the label smoothing itself (trl_compat.SFT_LABEL_SMOOTHING_WARNING).
+            smoothing = trl_compat.SFT_LABEL_SMOOTHING_WARNING
             warnings.filterwarnings("ignore", message=smoothing, category=FutureWarning)
             super().__init__(**call)
         self._refuse_built()
@@ -146,11 +143,11 @@ class ChunkedTrainerSetup(NonFiniteLossWatch, long_context.LongContextStep):
     # --- checkpoints -------------------------------------------------------------------------------------
 
     def _resumed_state(self) -> dict:
-        """What a checkpoint holds beyond transformers' and TRL's own (:data:`_RESUMED_ATTRS`)."""
+        """What a checkpoint holds beyond transformers' and TRL's own (:data:`trl_compat.RESUMED_STATE`)."""
         fetch = getattr(self, "fetch_deferred_metrics", None)
         if fetch is not None:
-            fetch()  # the token counts still on the device join _total_train_tokens
-        return {name: getattr(self, name) for name in _RESUMED_ATTRS if hasattr(self, name)}
+            fetch()  # the token counts still on the device join TRL's running total
+        return trl_compat.resumed_state(self)
 
     def _save_checkpoint(self, model, trial) -> None:
         """transformers' checkpoint, then :data:`STATE_FILE` (written to a temporary name and renamed, so it
@@ -164,7 +161,7 @@ class ChunkedTrainerSetup(NonFiniteLossWatch, long_context.LongContextStep):
             super()._save_checkpoint(model, trial)
         finally:
             self.args.save_total_limit = limit
-        run_dir = self._get_output_dir(trial=trial)
+        run_dir = transformers_compat.output_dir(self, trial)
         folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         state = self._resumed_state()
         self.accelerator.wait_for_everyone()  # every rank's shards are written
@@ -179,8 +176,7 @@ class ChunkedTrainerSetup(NonFiniteLossWatch, long_context.LongContextStep):
         super()._load_optimizer_and_scheduler(checkpoint)
         path = None if checkpoint is None else os.path.join(checkpoint, STATE_FILE)
         if path is not None and os.path.isfile(path):
-            for name, value in torch.load(path, weights_only=False).items():
-                setattr(self, name, value)
+            trl_compat.restore_state(self, torch.load(path, weights_only=False))
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
         """transformers' ``train``. ``resume_from_checkpoint=True`` resumes from the last *complete*
@@ -204,15 +200,15 @@ class ChunkedTrainerSetup(NonFiniteLossWatch, long_context.LongContextStep):
             )
         self.__dict__.pop("_attempt_start", None)
         try:
-            with trl_checkpointing_calls():
+            with trl_compat.quiet_checkpointing_calls():
                 return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
         finally:
             self.__dict__.pop("_attempt_start", None)
 
     def evaluate(self, *args, **kwargs):
         """transformers' ``evaluate``, without the FutureWarnings of TRL's checkpointing calls
-        (:func:`chunkloss.trainers._checkpointing.trl_checkpointing_calls`)."""
-        with trl_checkpointing_calls():
+        (:func:`chunkloss._compat.trl.quiet_checkpointing_calls`)."""
+        with trl_compat.quiet_checkpointing_calls():
             return super().evaluate(*args, **kwargs)
 
     # --- running out of memory ----------------------------------------------------------------------------
@@ -232,12 +228,8 @@ class ChunkedTrainerSetup(NonFiniteLossWatch, long_context.LongContextStep):
         ``auto_find_batch_size``, the loop runs again at a smaller batch after running out of memory), and
         an out-of-memory error is re-raised as itself (not wrapped by torch.compile), or, without
         ``auto_find_batch_size``, as one that names the batch and what to do."""
-        start = self.__dict__.setdefault("_attempt_start", self._resumed_state())
-        for name, value in start.items():
-            setattr(self, name, value)
-        for store in ("_metrics", "_stored_metrics"):
-            for values in getattr(self, store, {}).values():
-                values.clear()
+        trl_compat.restore_state(self, self.__dict__.setdefault("_attempt_start", self._resumed_state()))
+        trl_compat.clear_metrics(self)
         self.__dict__.pop("_pending_tokens", None)
         try:
             return super()._inner_training_loop(batch_size, *args, **kwargs)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from trl import DistillationConfig, DistillationTrainer
 
+from chunkloss._compat import trl as trl_compat
 from chunkloss.losses.jsd import FusedLinearJSDLoss
 
 from ._checkpointing import CheckpointingDefault
@@ -93,16 +94,15 @@ class ChunkedDistillationTrainer(ChunkedTrainerSetup, DistillationTrainer):
             "image_position_ids",
         )
         multimodal_inputs = {k: inputs[k] for k in multimodal_keys if k in inputs}
-        student_hidden = self._get_last_hidden_state(
-            unwrapped_student, input_ids, attention_mask, logits_to_keep, **multimodal_inputs
+        student_hidden = trl_compat.last_hidden_state(
+            self, unwrapped_student, input_ids, attention_mask, logits_to_keep, **multimodal_inputs
         )
         self.teacher_model.eval()
         unwrapped_teacher = self.accelerator.unwrap_model(self.teacher_model)
         with torch.no_grad():
-            teacher_hidden = self._forward_redirection(
+            teacher_hidden = trl_compat.redirected_last_hidden_state(
+                self,
                 self.teacher_model,
-                unwrapped_teacher,
-                self._get_last_hidden_state,
                 unwrapped_teacher,
                 input_ids,
                 attention_mask,
