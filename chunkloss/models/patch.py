@@ -135,10 +135,17 @@ def _install(module: nn.Module, forward: type | None, attr: str | None = None, s
             setattr(module, attr, spec)
 
 
+def devices_off_kernels(model: nn.Module, *, interpreter: bool = True) -> set[str]:
+    """Device types of ``model``'s parameters that the Triton kernels cannot take: all but CUDA, or none
+    where ``interpreter`` and ``TRITON_INTERPRET=1`` (the interpreter runs them on the CPU, for tests).
+    ``meta`` parameters are materialised elsewhere (offload)."""
+    if interpreter and os.environ.get("TRITON_INTERPRET") == "1":
+        return set()
+    return {p.device.type for p in model.parameters()} - {"cuda", "meta"}
+
+
 def _check_device(model: nn.Module) -> None:
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return
-    off = sorted({p.device.type for p in model.parameters()} - {"cuda", "meta"})
+    off = sorted(devices_off_kernels(model))
     if off:
         raise ValueError(
             f"chunkloss.models.patch: the model's parameters are on {off}; the Triton kernels run on CUDA "

@@ -28,8 +28,9 @@ from trl import DistillationConfig, DistillationTrainer
 from chunkloss._compat import trl as trl_compat
 from chunkloss.losses.jsd import FusedLinearJSDLoss
 
+from ._arguments import ChunkedArguments
 from ._checkpointing import CheckpointingDefault
-from ._common import ChunkedArguments, jsd_loss_for, refuse
+from ._common import jsd_loss_for, refuse
 from ._head import in_head_forward
 from ._setup import ChunkedTrainerSetup, teacher_head
 

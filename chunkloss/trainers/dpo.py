@@ -19,9 +19,11 @@ from chunkloss._compat import trl as trl_compat
 from chunkloss.losses.cross_entropy import FusedLinearCrossEntropyLoss
 from chunkloss.losses.dpo import FusedLinearDPOLoss
 
+from ._arguments import ChunkedArguments
 from ._checkpointing import CheckpointingDefault
-from ._common import ChunkedArguments, DeferredMetrics, refuse
+from ._common import refuse
 from ._head import fused_head_call, has_lm_head_lora, refuse_precomputed_head_lora_reference
+from ._metrics import DeferredMetrics
 from ._setup import ChunkedTrainerSetup
 
 __all__ = ["ChunkedDPOConfig", "ChunkedDPOTrainer"]

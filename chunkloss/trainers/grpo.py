@@ -20,8 +20,10 @@ from chunkloss._compat import trl as trl_compat
 from chunkloss.losses.grpo import FusedLinearGRPOLoss, nanmax, nanmin
 from chunkloss.losses.grpo_options import ClipMetrics, GRPOLossType
 
+from ._arguments import ChunkedArguments
 from ._checkpointing import CheckpointingDefault
-from ._common import ChunkedArguments, DeferredMetrics, refuse
+from ._common import refuse
+from ._metrics import DeferredMetrics
 from ._online import AdapterHeadLogps, gathered, global_mean, policy_forward
 from ._setup import ChunkedTrainerSetup
 

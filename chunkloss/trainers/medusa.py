@@ -25,7 +25,8 @@ from chunkloss._compat import trl as trl_compat
 from chunkloss.heads import add_medusa_heads, load_medusa_heads
 from chunkloss.losses.multi_token import FusedLinearMultiTokenLoss
 
-from ._common import chunk_options, peft_base, refuse
+from ._arguments import chunk_options
+from ._common import peft_base, refuse
 from .sft import ChunkedSFTConfig, ChunkedSFTTrainer
 
 __all__ = ["ChunkedMedusaConfig", "ChunkedMedusaTrainer"]

@@ -19,8 +19,9 @@ from chunkloss._compat import trl as trl_compat
 from chunkloss.losses.grpo import nanmax, nanmin
 from chunkloss.losses.rloo import FusedLinearRLOOLoss
 
+from ._arguments import ChunkedArguments
 from ._checkpointing import CheckpointingDefault
-from ._common import ChunkedArguments, DeferredMetrics
+from ._metrics import DeferredMetrics
 from ._online import AdapterHeadLogps, gathered, global_mean, policy_forward, refuse_image_columns
 from ._setup import ChunkedTrainerSetup
 

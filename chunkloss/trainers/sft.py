@@ -20,9 +20,11 @@ from chunkloss._compat import trl as trl_compat
 from chunkloss.losses.cross_entropy import FusedLinearCrossEntropyLoss
 from chunkloss.losses.dft import FusedLinearDFTLoss
 
+from ._arguments import ChunkedArguments
 from ._checkpointing import CheckpointingDefault
-from ._common import ChunkedArguments, DeferredMetrics, refuse
+from ._common import refuse
 from ._head import left_pad
+from ._metrics import DeferredMetrics
 from ._setup import ChunkedTrainerSetup
 
 __all__ = ["ChunkedSFTConfig", "ChunkedSFTTrainer"]
