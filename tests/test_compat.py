@@ -443,3 +443,16 @@ def test_accelerate_hook_attribute():
     add_hook_to_module(module, ModelHook())
     if not accelerate_compat.has_hf_hook(module):
         pytest.fail(f"accelerate {version('accelerate')} sets no _hf_hook on a hooked module")
+
+
+def test_layer_checkpointing_flag():
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    name = "GradientCheckpointingLayer.gradient_checkpointing"
+    if not hasattr(GradientCheckpointingLayer, "gradient_checkpointing"):
+        pytest.fail(f"transformers {transformers.__version__} has no {name}")
+    layer = GradientCheckpointingLayer()
+    layer.gradient_checkpointing = True
+    assert transformers_compat.layer_checkpointed(
+        layer.train()
+    ) and not transformers_compat.layer_checkpointed(layer.eval())

@@ -47,7 +47,7 @@ FSDP2_HOOK_MODULE = "torch.distributed.fsdp._fully_shard."
 
 def top_saved_tensor_hooks() -> tuple | None:
     """The innermost ``(pack, unpack)`` saved-tensor hooks open now, or None:
-    ``torch._C._autograd._top_saved_tensors_default_hooks(False)`` (torch 2.1 and later)."""
+    ``torch._C._autograd._top_saved_tensors_default_hooks(False)`` (torch 2.6 and later)."""
     return torch._C._autograd._top_saved_tensors_default_hooks(False)
 
 
@@ -55,7 +55,7 @@ def top_saved_tensor_hooks() -> tuple | None:
 def no_saved_tensor_hooks() -> Iterator[None]:
     """The block runs with no saved-tensor hooks open; those open before it are put back after it, in their
     order. torch has no public way to suspend them: ``torch._C._autograd``'s ``_top_``, ``_pop_`` and
-    ``_push_saved_tensors_default_hooks`` (torch 2.1 and later)."""
+    ``_push_saved_tensors_default_hooks`` (torch 2.6 and later)."""
     autograd = torch._C._autograd
     stack = []
     while (top := autograd._top_saved_tensors_default_hooks(False)) is not None:

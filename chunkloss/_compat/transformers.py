@@ -22,6 +22,7 @@ __all__ = [
     "cache_update",
     "enable_activation_checkpointing",
     "eager_attention_forward",
+    "layer_checkpointed",
     "output_dir",
 ]
 
@@ -100,3 +101,9 @@ def enable_activation_checkpointing(args) -> None:
     for name in ("activation_checkpointing", "gradient_checkpointing"):
         if hasattr(args, name):
             setattr(args, name, True)
+
+
+def layer_checkpointed(layer) -> bool:
+    """Whether a decoder layer runs under activation checkpointing now: ``GradientCheckpointingLayer``'s
+    ``gradient_checkpointing`` flag (transformers 5.x; not renamed by 5.23) while training."""
+    return bool(layer.training and getattr(layer, "gradient_checkpointing", False))

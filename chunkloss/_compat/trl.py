@@ -13,20 +13,20 @@ from collections.abc import Iterator
 from .transformers import DEPRECATED_CHECKPOINTING_CALLS
 
 __all__ = [
+    "PRIVATE_ATTRIBUTES",
     "RESUMED_STATE",
     "SFT_LABEL_SMOOTHING_WARNING",
     "TRAINER_OVERRIDES",
-    "PRIVATE_ATTRIBUTES",
     "EntropyControl",
     "clear_metrics",
     "is_vision_dataset",
     "last_hidden_state",
     "metric_stores",
     "metrics",
-    "redirected_last_hidden_state",
     "quiet_checkpointing_calls",
-    "resumed_state",
+    "redirected_last_hidden_state",
     "restore_state",
+    "resumed_state",
     "set_total_train_tokens",
     "total_train_tokens",
     "tp_size",
@@ -162,7 +162,8 @@ class EntropyControl:
 
 
 def is_vision_dataset(trainer) -> bool:
-    """Whether the train dataset has images: ``trainer._is_vision_dataset`` (TRL 1.16's DPO and KTO)."""
+    """Whether the train dataset has images: ``trainer._is_vision_dataset`` (TRL 1.16's SFT, DPO, KTO and
+    GKD)."""
     return trainer._is_vision_dataset
 
 

@@ -290,7 +290,7 @@ class _Layer:
     def saved_norms(self):
         """:class:`~chunkloss.models.saved_norms.SavedNorms` around a layer's forward with
         ``norm_recompute``, unless gradients are off or the layer is checkpointed (it keeps nothing then)."""
-        checkpointed = self.training and getattr(self, "gradient_checkpointing", False)
+        checkpointed = transformers_compat.layer_checkpointed(self)
         if self.chunkloss_layer.norm_recompute and torch.is_grad_enabled() and not checkpointed:
             return saved_norms.SavedNorms()
         return contextlib.nullcontext()
