@@ -117,21 +117,16 @@ def test_trl_default_checkpointing_is_kept_without_a_warning(tmp_path):
     assert args.gradient_checkpointing is True, "TRL's default"
 
 
-class _Action:
-    def __init__(self, default=None):
-        self.default = default
-
-
 def test_checkpointing_name_for_transformers_before_the_rename():
     # transformers < 5.23 has only gradient_checkpointing*: the new names are passed on as the old ones.
-    old = {"gradient_checkpointing": _Action(True), "gradient_checkpointing_kwargs": _Action()}
+    old = False
     config = {"activation_checkpointing": False, "activation_checkpointing_kwargs": {"use_reentrant": False}}
     assert _checkpointing_keys(config, old) == {
         "gradient_checkpointing": False,
         "gradient_checkpointing_kwargs": {"use_reentrant": False},
     }
     assert _checkpointing_keys({}, old) == {}, "TRL's default is left to the config class"
-    new = {**old, "activation_checkpointing": _Action(), "activation_checkpointing_kwargs": _Action()}
+    new = True
     assert _checkpointing_keys({"gradient_checkpointing": False}, new) == {"activation_checkpointing": False}
     assert _checkpointing_keys({}, new) == {}, "TRL's default is the chunked config class's own"
 

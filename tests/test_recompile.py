@@ -243,34 +243,6 @@ def test_sequence_coef_beside_triton_steps(case, plans, cuda_steps):
     assert [one_pass for one_pass, _ in plans[: 1 + len(LATER)]] == [ONE_PASS[t] for _, t in [FIRST, *LATER]]
 
 
-def test_guard_location_fix_is_scoped(monkeypatch):
-    """torch < 2.13 fails to print a shape guard without a source location, so dynamo cannot build that step;
-    ``guard_location_fix`` gives ``SLoc`` torch 2.13's ``__str__`` inside the block only, where the installed
-    one fails, and restores it after (an exception included)."""
-    from torch._guards import SLoc
-    from torch.utils._traceback import format_frame
-
-    def str_2_11(self):  # torch 2.11's SLoc.__str__
-        floc = self.framework_loc if isinstance(self.framework_loc, str) else format_frame(self.framework_loc)
-        return f"{self.maybe_user_loc} ({floc})" if self.maybe_user_loc is not None else f"({floc})"
-
-    monkeypatch.setattr(compiled, "_GUARD_LOCATION_BUG", True)
-    working = SLoc.__str__
-    with compiled.guard_location_fix():
-        assert SLoc.__str__ is working  # a torch that prints it is left alone
-    monkeypatch.setattr(SLoc, "__str__", str_2_11)
-    with pytest.raises(AttributeError):
-        str(SLoc(None, None))
-    with pytest.raises(KeyError), compiled.guard_location_fix():
-        assert str(SLoc(None, None)) == "()"
-        assert str(SLoc("base.py:10", "loss.py:3")) == "loss.py:3 (base.py:10)"
-        raise KeyError("inside the block")
-    assert SLoc.__str__ is str_2_11
-    monkeypatch.setattr(compiled, "_GUARD_LOCATION_BUG", False)  # torch >= 2.13: never touched
-    with compiled.guard_location_fix():
-        assert SLoc.__str__ is str_2_11
-
-
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @in_child_process
 def test_no_recompile_as_the_entropy_coefficient_changes(level):

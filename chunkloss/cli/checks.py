@@ -27,7 +27,7 @@ DATA_FILES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "par
 
 def check_run(name: str, run_args, model_args, training_args) -> None:
     """Raise :class:`ConfigError` (or ValueError) for the first value that cannot train."""
-    from chunkloss.trainers._common import check_max_steps
+    from chunkloss.trainers._arguments import check_max_steps
 
     _check_models(name, run_args, model_args, training_args)
     check_max_steps(training_args)  # as the trainer refuses it, before any model loads
@@ -71,7 +71,7 @@ def _check_loss_options(name: str, args) -> None:
     """Build the trainer's loss from the config's options (a module without weights: cheap), so that an
     option the loss refuses fails before any model loads."""
     import chunkloss
-    from chunkloss.trainers._common import chunk_options
+    from chunkloss.trainers._arguments import chunk_options
 
     opts = {**chunk_options(args), "compile": False}
     if name == "dpo":

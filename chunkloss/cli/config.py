@@ -133,13 +133,6 @@ def trainer_classes(name: str) -> tuple[type, type]:
     return getattr(module, spec.trainer), getattr(module, spec.config)
 
 
-# transformers 5.23 renamed gradient_checkpointing* to activation_checkpointing* and warns (FutureWarning) on
-# the old names; a config may use either, and the parser passes on the name the installed version reads.
-_CHECKPOINTING = {
-    "gradient_checkpointing": "activation_checkpointing",
-    "gradient_checkpointing_kwargs": "activation_checkpointing_kwargs",
-}
-
 _TYPE_NAMES = {
     "int": "an integer",
     "float": "a number",
@@ -190,7 +183,7 @@ def make_parser(name: str):
             actions: dict[str, argparse.Action] = {}
             for action in self._actions:  # the first action of a dest carries its type (not --no_<dest>)
                 actions.setdefault(action.dest, action)
-            config = _checkpointing_keys(config, actions)
+            config = _checkpointing_keys(config)
             config = {k: _convert(actions[k], k, v) if k in actions else v for k, v in config.items()}
             return super().set_defaults_with_config(**config)
 
@@ -198,16 +191,20 @@ def make_parser(name: str):
     return Parser(classes, prog=f"chunkloss train (trainer: {name})")
 
 
-def _checkpointing_names(actions) -> dict[str, str]:
-    """{name a config may use: the name the installed transformers reads}."""
-    if "activation_checkpointing" in actions:
-        return dict(_CHECKPOINTING)
-    return {new: old for old, new in _CHECKPOINTING.items()}
+def _checkpointing_names(renamed: bool | None = None) -> dict[str, str]:
+    """{name a config may use: the name transformers reads}: transformers 5.23 renamed gradient_checkpointing*
+    to activation_checkpointing* (``renamed``; None: whether the installed version did) and warns
+    (FutureWarning) on the old names; a config may use either, and the parser passes on the name read."""
+    from chunkloss._compat.transformers import CHECKPOINTING_RENAMED, CHECKPOINTING_RENAMES
+
+    if CHECKPOINTING_RENAMED if renamed is None else renamed:
+        return dict(CHECKPOINTING_RENAMES)
+    return {new: old for old, new in CHECKPOINTING_RENAMES.items()}
 
 
-def _checkpointing_keys(config: dict, actions) -> dict:
+def _checkpointing_keys(config: dict, renamed: bool | None = None) -> dict:
     config = dict(config)
-    for given, used in _checkpointing_names(actions).items():
+    for given, used in _checkpointing_names(renamed).items():
         if given in config:
             if used in config:
                 raise ConfigError(f"set only one of {given} and {used} (two names of one option)")
@@ -216,9 +213,9 @@ def _checkpointing_keys(config: dict, actions) -> dict:
     return config
 
 
-def _checkpointing_overrides(overrides: list[str], parser) -> list[str]:
+def _checkpointing_overrides(overrides: list[str]) -> list[str]:
     """Command-line ``--gradient_checkpointing`` (and the like) as the installed transformers names it."""
-    names = _checkpointing_names({a.dest for a in parser._actions})
+    names = _checkpointing_names()
     out = []
     for token in overrides:
         flag = token[2:].replace("-", "_") if token.startswith("--") else None
@@ -291,7 +288,7 @@ def load_config(path: str, overrides: list[str] | None = None):
     with _in_file(path):
         name = trainer_name(config, list(overrides or []))
         parser = make_parser(name)
-        overrides = _checkpointing_overrides(list(overrides or []), parser)
+        overrides = _checkpointing_overrides(list(overrides or []))
         *parsed, from_file, from_args = parser.parse_args_and_config(
             ["--config", path, *overrides], return_remaining_strings=True, separate_remaining_strings=True
         )

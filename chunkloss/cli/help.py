@@ -40,7 +40,7 @@ def _field_help(cls) -> list[str]:
 
 def train_overview() -> str:
     """The text of ``chunkloss train --help``."""
-    from chunkloss.trainers._common import ChunkedArguments
+    from chunkloss.trainers._arguments import ChunkedArguments
 
     lines = [
         "usage: chunkloss train CONFIG.yaml [--key value ...]     (--config CONFIG.yaml works too)",

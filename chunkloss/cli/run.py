@@ -165,7 +165,7 @@ def train(path: str, overrides: list[str] | None = None) -> dict:
 def _resume_from(path: str, training_args) -> str | None:
     """The checkpoint folder ``resume_from_checkpoint`` names; ``true``: the last complete one of
     ``output_dir`` (a save interrupted by a crash leaves one that is not)."""
-    from chunkloss.trainers._setup import is_complete_checkpoint, last_complete_checkpoint
+    from chunkloss.trainers._resume import is_complete_checkpoint, last_complete_checkpoint
 
     resume = training_args.resume_from_checkpoint
     if resume is None:

@@ -1,11 +1,11 @@
 """How a per-chunk step is compiled: a code object of its own per loss (:func:`bind`), rows marked dynamic
 (:class:`RowDynamic`), the number of sequences as a dynamic size (:class:`SequenceDynamic`), an eager
 fallback when the compiler fails, and a workaround for a torch < 2.13 guard printer, active only inside
-those calls (:func:`guard_location_fix`). Why each: docs/design.md, "Compiled steps"."""
+those calls (:func:`chunkloss._compat.torch.guard_location_fix`). Why each: docs/design.md, "Compiled
+steps"."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import types
 import warnings
@@ -13,7 +13,9 @@ import warnings
 import torch
 from torch import Tensor
 
-__all__ = ["RowDynamic", "SequenceDynamic", "bind", "guard_location_fix"]
+from chunkloss._compat import torch as torch_compat
+
+__all__ = ["RowDynamic", "SequenceDynamic", "bind"]
 
 
 def bind(step, *bound):
@@ -30,45 +32,6 @@ def bind(step, *bound):
 
     code = bound_step.__code__.replace()  # a new code object: a fresh compile cache
     return types.FunctionType(code, bound_step.__globals__, step.__name__, None, bound_step.__closure__)
-
-
-#: torch versions whose ``SLoc.__str__`` calls ``format_frame(None)`` for a shape guard without a source
-#: location (``AttributeError: 'NoneType' object has no attribute 'filename'`` while dynamo builds the
-#: guards; met with torch 2.11, fixed in 2.13).
-_GUARD_LOCATION_BUG = torch.__version__ < "2.13"
-
-
-def _sloc_str(self) -> str:
-    """torch 2.13's ``SLoc.__str__``: a location of ``None`` prints as empty."""
-    from torch.utils._traceback import format_frame
-
-    loc = self.framework_loc
-    floc = loc if isinstance(loc, str) else "" if loc is None else format_frame(loc)
-    return f"{self.maybe_user_loc} ({floc})" if self.maybe_user_loc is not None else f"({floc})"
-
-
-@contextlib.contextmanager
-def guard_location_fix():
-    """On torch < 2.13 where ``str(SLoc(None, None))`` raises, ``torch._guards.SLoc.__str__`` is torch 2.13's
-    for the duration of the block and the original afterwards; elsewhere nothing changes."""
-    if not _GUARD_LOCATION_BUG:
-        yield
-        return
-    from torch._guards import SLoc
-
-    original = SLoc.__str__
-    try:
-        str(SLoc(None, None))
-        broken = False
-    except AttributeError:
-        broken = True
-    if broken:
-        SLoc.__str__ = _sloc_str
-    try:
-        yield
-    finally:
-        if broken:
-            SLoc.__str__ = original
 
 
 class RowDynamic:
@@ -95,11 +58,11 @@ class RowDynamic:
             return self.eager(logits, *args)
         for t in _tensors((logits, args)):
             if t.dim() > 0:
-                torch._dynamo.maybe_mark_dynamic(t, 0)
+                torch_compat.mark_rows_dynamic(t)
         try:
-            with guard_location_fix():
+            with torch_compat.guard_location_fix():
                 return self.fn(logits, *args)
-        except torch._dynamo.exc.TorchDynamoException as exc:
+        except torch_compat.dynamo_error() as exc:
             warnings.warn(
                 f"chunkloss: torch.compile could not build a per-chunk step ({type(exc).__name__}: "
                 f"{str(exc).splitlines()[0][:200]}); this step runs eagerly from now on (same result, "

@@ -18,12 +18,12 @@ in the same chunk and handed to the loss as ``extra_logits``, or reduced at once
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import torch
 from torch import Tensor
 
+from chunkloss._compat import torch as torch_compat
 from chunkloss.engine.batch import Batch
 from chunkloss.engine.contract import (
     LossContract,
@@ -35,25 +35,6 @@ from chunkloss.engine.contract import (
 from chunkloss.engine.plan import chunk_rows, even_bounds, one_pass_possible, plan_chunks
 from chunkloss.engine.steps import StepKind, step_for
 from chunkloss.engine.weight_grad import WeightGrad
-
-_autograd = torch._C._autograd
-
-
-@contextlib.contextmanager
-def without_saved_tensor_hooks():
-    """The block runs with no saved-tensor hooks (activation offloading's, a checkpoint's), which are put back
-    after it. The chunk loop keeps nothing for autograd beyond its call (its gradients come out of the
-    forward), and ``torch.func``'s transforms, which the eager steps use, refuse to run under such hooks."""
-    stack = []
-    while (top := _autograd._top_saved_tensors_default_hooks(False)) is not None:
-        stack.append(top)
-        _autograd._pop_saved_tensors_default_hooks()
-    try:
-        yield
-    finally:
-        for pack, unpack in reversed(stack):
-            _autograd._push_saved_tensors_default_hooks(pack, unpack)
-
 
 __all__ = ["ChunkLoop", "project_head"]
 
@@ -123,7 +104,10 @@ class ChunkLoop:
     def run(self):
         """Returns ``(output, (grad_hidden, grad_weight, grad_bias), metrics)``: the loss (0-d) or the per-row
         output (N,), and the gradients in their inputs' dtypes (None where not needed)."""
-        with torch.no_grad(), without_saved_tensor_hooks():
+        # No saved-tensor hooks (activation offloading's, a checkpoint's) inside: the loop keeps nothing for
+        # autograd beyond its call (its gradients come out of the forward), and ``torch.func``'s transforms,
+        # which the eager steps use, refuse to run under such hooks.
+        with torch.no_grad(), torch_compat.no_saved_tensor_hooks():
             if not self.mod.is_sequence_loss:
                 self.token_pass()
             elif self.is_one_pass:

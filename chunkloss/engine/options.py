@@ -15,6 +15,7 @@ import torch
 __all__ = [
     "DEFAULT_LOGITS_BUDGET_MB",
     "FusedOptions",
+    "check_chunk_size",
     "default_chunk_size",
     "option_parameters",
     "options_doc",
@@ -47,10 +48,15 @@ class FusedOptions:
     compile: bool = True
 
     def __post_init__(self):
-        if self.chunk_size is not None and (not isinstance(self.chunk_size, int) or self.chunk_size <= 0):
-            raise ValueError(f"chunk_size must be a positive int or None, got {self.chunk_size!r}")
+        check_chunk_size(self.chunk_size)
         if self.logits_budget_mb <= 0:
             raise ValueError(f"logits_budget_mb must be positive, got {self.logits_budget_mb!r}")
+
+
+def check_chunk_size(chunk_size) -> None:
+    """Raise ``ValueError`` unless ``chunk_size`` is a positive int or None."""
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0):
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
 
 
 def default_chunk_size(

@@ -21,24 +21,24 @@ from typing import Any
 
 from torch import nn
 
+from chunkloss._compat import accelerate as accelerate_compat
+from chunkloss._compat import torch as torch_compat
+
 __all__ = ["gathering_hooks_only", "hooked_owners", "run_inside"]
 
-# The modules that define FSDP2's and DeepSpeed's forward hooks (FSDPState._pre_forward / _post_forward and
-# their grouped wrappers; ZeRO-3's _pre_forward_module_hook, _post_backward_module_hook,
-# _pre_backward_module_hook and _post_forward_module_hook, the last wrapped by deepspeed.utils.nvtx).
-_GATHERING_HOOKS = ("torch.distributed.fsdp._fully_shard.", "deepspeed.")
-
-
-def _forward_hooks(module: nn.Module) -> list:
-    return [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
+# The modules that define FSDP2's and DeepSpeed's forward hooks (torch_compat.FSDP2_HOOK_MODULE; ZeRO-3's
+# _pre_forward_module_hook, _post_backward_module_hook, _pre_backward_module_hook and
+# _post_forward_module_hook, the last wrapped by deepspeed.utils.nvtx).
+_GATHERING_HOOKS = (torch_compat.FSDP2_HOOK_MODULE, "deepspeed.")
 
 
 def gathering_hooks_only(module: nn.Module) -> bool:
     """Whether ``module`` has no forward hooks or only FSDP2's and DeepSpeed's, and no backward hook or
     accelerate ``_hf_hook``: a fused call that reads its parameters may run inside its forward."""
-    if hasattr(module, "_hf_hook") or module._backward_hooks or module._backward_pre_hooks:
+    if accelerate_compat.has_hf_hook(module) or torch_compat.backward_hooks(module):
         return False
-    return all(str(getattr(h, "__module__", "")).startswith(_GATHERING_HOOKS) for h in _forward_hooks(module))
+    hooks = torch_compat.forward_hooks(module)
+    return all(str(getattr(h, "__module__", "")).startswith(_GATHERING_HOOKS) for h in hooks)
 
 
 def hooked_owners(roots: Iterable[nn.Module], recurse: bool = True) -> list[nn.Module]:
@@ -47,7 +47,7 @@ def hooked_owners(roots: Iterable[nn.Module], recurse: bool = True) -> list[nn.M
     out, seen = [], set()
     for root in roots:
         for module in root.modules() if recurse else (root,):
-            if id(module) in seen or not _forward_hooks(module):
+            if id(module) in seen or not torch_compat.forward_hooks(module):
                 continue
             seen.add(id(module))
             if next(module.parameters(), None) is not None:

@@ -18,13 +18,13 @@ that FSDP2 and ZeRO-3 gather those parameters for it and for its backward.
 from __future__ import annotations
 
 import contextlib
-import sys
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from chunkloss._compat import transformers as transformers_compat
 from chunkloss.kernels import glu as _glu
 from chunkloss.kernels.attention_input import attention_input, autocast_changes_dtype
 from chunkloss.kernels.lora import lora_linear
@@ -72,11 +72,6 @@ class MLPSpec:
 class LayerSpec:
     fuse_attention_input: bool  # the input norm, q/k/v and RoPE as one attention_input call
     norm_recompute: bool  # keep no pre-norm output for the backward (chunkloss.models.saved_norms)
-
-
-def _family(module: nn.Module):
-    """The family's modeling module (``transformers.models.llama.modeling_llama``, ...)."""
-    return sys.modules[type(module).__module__]
 
 
 def _compiling_adapter(part: Projection) -> bool:
@@ -201,9 +196,10 @@ class PatchedAttention:
         """Attention over rotated q (B, Hq, T, D), k and v (B, Hkv, T, D), then ``o_proj``."""
         batch, _, seq, _ = q.shape
         if cache is not None:
-            k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
+            k, v = transformers_compat.cache_update(cache, k, v, self.layer_idx, kwargs)
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, _family(self).eager_attention_forward
+            transformers_compat.attn_implementation(self.config),
+            transformers_compat.eager_attention_forward(self),
         )
         out, weights = interface(
             self,
@@ -294,7 +290,7 @@ class _Layer:
     def saved_norms(self):
         """:class:`~chunkloss.models.saved_norms.SavedNorms` around a layer's forward with
         ``norm_recompute``, unless gradients are off or the layer is checkpointed (it keeps nothing then)."""
-        checkpointed = self.training and getattr(self, "gradient_checkpointing", False)
+        checkpointed = transformers_compat.layer_checkpointed(self)
         if self.chunkloss_layer.norm_recompute and torch.is_grad_enabled() and not checkpointed:
             return saved_norms.SavedNorms()
         return contextlib.nullcontext()

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from chunkloss._compat import accelerate as accelerate_compat
+from chunkloss._compat import torch as torch_compat
 from chunkloss.kernels.frozen import FrozenWeight
 from chunkloss.kernels.lora import LoraAdapter
 
@@ -56,7 +58,7 @@ def _fusable_hooks(module: nn.Module) -> bool:
 
 def _unhooked(module: nn.Module) -> bool:
     """No hook at all, FSDP2's and DeepSpeed's included: a 4-bit base is dequantised only as it is."""
-    return not module._forward_hooks and not module._forward_pre_hooks and not hasattr(module, "_hf_hook")
+    return not torch_compat.forward_hooks(module) and not accelerate_compat.has_hf_hook(module)
 
 
 def _sharded(weight: torch.Tensor) -> bool:

@@ -45,6 +45,8 @@ from collections import Counter
 import torch
 from torch import nn
 
+from chunkloss._compat import transformers as transformers_compat
+
 from .layers import (
     Gemma2Attention,
     LayerSpec,
@@ -93,14 +95,10 @@ def _norm_in_place_safe(name: str, model_type: str) -> bool:
 
 
 def _mlp_activation(mlp: nn.Module) -> str | None:
+    """The kernels' name of the MLP's activation, by its class name; None when no kernel has it."""
     name = type(mlp.act_fn).__name__
-    if name in ("SiLUActivation", "SiLU"):
-        return "silu"
-    if name in ("GELUTanh", "PytorchGELUTanh", "NewGELUActivation", "FastGELUActivation"):
-        return "gelu_tanh"
-    if name == "GELUActivation":
-        return "gelu"
-    return None
+    classes = transformers_compat.ACTIVATION_CLASSES
+    return next((kind for kind, names in classes.items() if name in names), None)
 
 
 def _base_class(module: nn.Module) -> type:
@@ -137,10 +135,17 @@ def _install(module: nn.Module, forward: type | None, attr: str | None = None, s
             setattr(module, attr, spec)
 
 
+def devices_off_kernels(model: nn.Module, *, interpreter: bool = True) -> set[str]:
+    """Device types of ``model``'s parameters that the Triton kernels cannot take: all but CUDA, or none
+    where ``interpreter`` and ``TRITON_INTERPRET=1`` (the interpreter runs them on the CPU, for tests).
+    ``meta`` parameters are materialised elsewhere (offload)."""
+    if interpreter and os.environ.get("TRITON_INTERPRET") == "1":
+        return set()
+    return {p.device.type for p in model.parameters()} - {"cuda", "meta"}
+
+
 def _check_device(model: nn.Module) -> None:
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return
-    off = sorted({p.device.type for p in model.parameters()} - {"cuda", "meta"})
+    off = sorted(devices_off_kernels(model))
     if off:
         raise ValueError(
             f"chunkloss.models.patch: the model's parameters are on {off}; the Triton kernels run on CUDA "
@@ -201,8 +206,7 @@ class ChunkedLossForCausalLM:
             bias=self.lm_head.bias,
             num_items_in_batch=kwargs.get("num_items_in_batch"),
         )
-        # transformers 5.24 renamed the outputs' past_key_values to cache; take whichever this version has.
-        cache = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+        cache = transformers_compat.OUTPUT_CACHE_FIELD  # past_key_values before transformers 5.24
         out = CausalLMOutputWithPast(
             loss=loss,
             logits=None,

@@ -21,10 +21,11 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from chunkloss._compat import torch as torch_compat
+
 __all__ = ["SavedNorms", "offer"]
 
 _ACTIVE: list[SavedNorms] = []
-_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
 class _Recipe:
@@ -73,7 +74,7 @@ class SavedNorms:
 
     def __init__(self):
         self.outputs: dict[int, tuple[Tensor, int, _Recipe]] = {}
-        self.outer = _top_hooks(False) if _top_hooks is not None else None
+        self.outer = torch_compat.top_saved_tensor_hooks()
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def __enter__(self) -> SavedNorms:
@@ -89,13 +90,13 @@ class SavedNorms:
     def add(self, out: Tensor, recompute: Callable[[], Tensor]) -> None:
         ptr = _storage(out)
         if ptr is not None:
-            self.outputs[ptr] = (out, out._version, _Recipe(recompute))
+            self.outputs[ptr] = (out, torch_compat.version_counter(out), _Recipe(recompute))
 
     def pack(self, t: Tensor):
         hit = self.outputs.get(_storage(t))
         if hit is not None:
             out, version, recipe = hit
-            if t._version == version and t.dtype == out.dtype and t.device == out.device:
+            if torch_compat.version_counter(t) == version and t.dtype == out.dtype and t.device == out.device:
                 return _View(recipe, t, out.storage_offset())
         if self.outer is None:
             return t

@@ -23,6 +23,10 @@ import contextlib
 
 import torch
 
+from chunkloss._compat import transformers as transformers_compat
+
+from ._arguments import ChunkedArguments
+
 #: Tokens per tile of the fused MLP under ``chunk_long_context`` (when ``chunk_kernels_mlp_tile`` is unset):
 #: each (tile, I) bf16 tensor is 128 MiB at Llama-3.2-1B's I = 8192, 224 MiB at Llama-3.1-8B's 14336. With
 #: these tiles and offloading the step took 5-8% longer than with checkpointing alone (docs/design.md).
@@ -32,12 +36,12 @@ MLP_TILE = 8192
 def mlp_options(args) -> dict:
     """``patch``'s MLP options from a config: ``chunk_kernels_mlp_recompute`` and ``chunk_kernels_mlp_tile``,
     both on under ``chunk_long_context``."""
-    long_context = bool(getattr(args, "chunk_long_context", False))
-    tile = getattr(args, "chunk_kernels_mlp_tile", None)
+    chunked = ChunkedArguments.of(args)
+    long_context, tile = bool(chunked.chunk_long_context), chunked.chunk_kernels_mlp_tile
     if tile is not None and (not isinstance(tile, int) or isinstance(tile, bool) or tile <= 0):
         raise ValueError(f"chunk_kernels_mlp_tile must be a positive int or None, got {tile!r}")
     return {
-        "mlp_recompute": bool(getattr(args, "chunk_kernels_mlp_recompute", False)) or long_context,
+        "mlp_recompute": bool(chunked.chunk_kernels_mlp_recompute) or long_context,
         "mlp_tile": tile if tile is not None else MLP_TILE if long_context else None,
     }
 
@@ -45,18 +49,15 @@ def mlp_options(args) -> dict:
 def _offloads(args) -> bool:
     """Whether offloading has somewhere to offload from: an accelerator that the run uses (on the CPU the
     activations are in host memory already, and TRL's context needs an accelerator)."""
-    return torch.accelerator.current_accelerator() is not None and not getattr(args, "use_cpu", False)
+    return torch.accelerator.current_accelerator() is not None and not args.use_cpu
 
 
 def enable(args) -> None:
     """Turn on checkpointing, and TRL's activation offloading where the config has the field, before TRL's
     constructor reads them."""
-    if not getattr(args, "chunk_long_context", False):
+    if not ChunkedArguments.of(args).chunk_long_context:
         return
-    # transformers 5.23 renamed gradient_checkpointing to activation_checkpointing and mirrors the old name.
-    for name in ("activation_checkpointing", "gradient_checkpointing"):
-        if hasattr(args, name):
-            setattr(args, name, True)
+    transformers_compat.enable_activation_checkpointing(args)
     if hasattr(args, "activation_offloading") and _offloads(args):
         args.activation_offloading = True
 
@@ -65,7 +66,7 @@ def offload_context(trainer):
     """TRL's offloading context for a trainer whose TRL class builds none (GRPO, ORPO, GKD, distillation);
     None when the trainer builds its own, ``chunk_long_context`` is off or the run is on the CPU."""
     args = trainer.args
-    if not getattr(args, "chunk_long_context", False) or hasattr(args, "activation_offloading"):
+    if not ChunkedArguments.of(args).chunk_long_context or hasattr(args, "activation_offloading"):
         return None
     if not _offloads(args):
         return None

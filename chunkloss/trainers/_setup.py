@@ -1,61 +1,26 @@
-"""The construction every chunked trainer shares, written once: :class:`ChunkedTrainerSetup`; and what they
-share in training: checkpoints that resume exactly and are used only once complete, and running out of
-memory (a retry at a smaller batch with ``auto_find_batch_size``, or one clear error without it)."""
+"""The construction every chunked trainer shares, written once: :class:`ChunkedTrainerSetup`, with the
+refusals each trainer adds; and the mixins it brings for training: checkpoints (:mod:`._resume`), running out
+of memory (:mod:`._oom`), the first non-finite loss (:mod:`._nonfinite`) and long sequences
+(:mod:`._long_context`)."""
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-import json
-import os
 import warnings
 
-import torch
+from chunkloss._compat import trl as trl_compat
 
 from . import _long_context as long_context
-from ._checkpointing import trl_checkpointing_calls
-from ._common import apply_chunk_kernels, check_max_steps, chunk_options, peft_base, refuse
+from ._arguments import check_max_steps, chunk_options
+from ._common import peft_base, refuse
 from ._head import add_chunked_head, allow_lm_head_adapter, check_head_supported, head_transforms
+from ._kernel_policy import apply_chunk_kernels
 from ._nonfinite import NonFiniteLossWatch
+from ._oom import OutOfMemoryRetry
+from ._resume import ResumableCheckpoints
 
-__all__ = ["STATE_FILE", "ChunkedTrainerSetup", "is_complete_checkpoint", "last_complete_checkpoint",
-           "prompt_learning_types", "teacher_head"]  # fmt: skip
-
-#: Written last into each checkpoint of a chunked trainer (renamed into place): the state the trainer keeps
-#: beyond transformers' (see ``ChunkedTrainerSetup._save_checkpoint``); its presence marks the checkpoint
-#: complete.
-STATE_FILE = "chunkloss_state.pt"
-#: Attributes of TRL's trainers that their checkpoints do not hold and that change what a resumed run logs
-#: or trains on: the running token count (``num_tokens``), and the generation step counter and buffered
-#: generations of GRPO and distillation (a run resumed between two generations otherwise generates anew).
-_RESUMED_ATTRS = ("_total_train_tokens", "_step", "_buffered_inputs")
-
-
-def last_complete_checkpoint(folder: str) -> str | None:
-    """The ``checkpoint-N`` folder of ``folder`` with the highest N that holds :data:`STATE_FILE` (a save
-    that was interrupted leaves a folder without it), or ``None``."""
-    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-
-    steps = []
-    for name in os.listdir(folder) if os.path.isdir(folder) else ():
-        head, _, step = name.rpartition("-")
-        complete = os.path.isfile(os.path.join(folder, name, STATE_FILE))
-        if head == PREFIX_CHECKPOINT_DIR and step.isdigit() and complete:
-            steps.append(int(step))
-    return os.path.join(folder, f"{PREFIX_CHECKPOINT_DIR}-{max(steps)}") if steps else None
-
-
-def _find_oom(exc: BaseException | None) -> torch.OutOfMemoryError | None:
-    """The ``torch.OutOfMemoryError`` that ``exc`` is or was raised from (torch.compile and Triton launches
-    wrap it), or ``None``."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, torch.OutOfMemoryError):
-            return exc
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return None
-
+__all__ = ["ChunkedTrainerSetup", "prompt_learning_types", "teacher_head"]
 
 # PEFT's prompt-learning adapters: prompt tuning and p-tuning prepend virtual tokens to the hidden states;
 # prefix tuning hands the attention layers virtual keys and values (the hidden states keep their length).
@@ -71,7 +36,9 @@ def prompt_learning_types(model) -> set[str]:
     return {str(getattr(c.peft_type, "value", c.peft_type)) for c in configs.values() if c.is_prompt_learning}
 
 
-class ChunkedTrainerSetup(NonFiniteLossWatch, long_context.LongContextStep):
+class ChunkedTrainerSetup(
+    ResumableCheckpoints, OutOfMemoryRetry, NonFiniteLossWatch, long_context.LongContextStep
+):
     """Mixin placed before the TRL trainer in a chunked trainer's bases: its constructor.
 
     The constructor takes exactly the TRL trainer's arguments (``inspect.signature`` of the chunked trainer is
@@ -90,12 +57,14 @@ class ChunkedTrainerSetup(NonFiniteLossWatch, long_context.LongContextStep):
        and ``self.head_transforms`` (``softcap``, ``logit_scale`` of the trained model) are set.
     5. :meth:`_setup_loss`: the trainer's own loss modules.
 
-    In training it adds: checkpoints holding the state TRL's leave out (:data:`_RESUMED_ATTRS`), marked
-    complete by :data:`STATE_FILE` (``_save_checkpoint``, ``train``); and, per attempt of the training loop, a
-    fresh start and the out-of-memory error as accelerate's retry needs it or as one that says what to do
-    (``_inner_training_loop``); the first non-finite loss reported in one line (:class:`NonFiniteLossWatch`);
-    and, while training or evaluating, none of the FutureWarnings of TRL's calls of transformers' deprecated
-    checkpointing names (:mod:`chunkloss.trainers._checkpointing`).
+    In training it adds, through its bases: checkpoints that hold the state TRL's leave out and are used only
+    once complete (:class:`~chunkloss.trainers._resume.ResumableCheckpoints`); per attempt of the training
+    loop, a fresh start and the out-of-memory error as accelerate's retry needs it or as one that says what to
+    do (:class:`~chunkloss.trainers._oom.OutOfMemoryRetry`); the first non-finite loss reported in one line
+    (:class:`NonFiniteLossWatch`); each step inside ``chunk_long_context``'s offloading
+    (:class:`~chunkloss.trainers._long_context.LongContextStep`); and, while training or evaluating, none of
+    the FutureWarnings of TRL's calls of transformers' deprecated checkpointing names
+    (:func:`chunkloss._compat.trl.quiet_checkpointing_calls`).
     """
 
     _trains_lm_head_lora = True
@@ -124,10 +93,8 @@ class ChunkedTrainerSetup(NonFiniteLossWatch, long_context.LongContextStep):
         model = call.get("model")
         adapter = allow_lm_head_adapter(model) if self._trains_lm_head_lora else contextlib.nullcontext()
         with adapter, warnings.catch_warnings():
-            # TRL 1.16's SFTTrainer (trl/trainer/sft_trainer.py, line 1058) warns that label_smoothing_factor
-            # makes it compute the loss from materialised logits in an extra forward pass; the chunked loss
-            # takes the smoothing itself, so the warning is not true of this trainer.
-            smoothing = "`label_smoothing_factor` is deprecated in `SFTTrainer`"
+            # The chunked loss takes the label smoothing itself (trl_compat.SFT_LABEL_SMOOTHING_WARNING).
+            smoothing = trl_compat.SFT_LABEL_SMOOTHING_WARNING
             warnings.filterwarnings("ignore", message=smoothing, category=FutureWarning)
             super().__init__(**call)
         self._refuse_built()
@@ -143,127 +110,18 @@ class ChunkedTrainerSetup(NonFiniteLossWatch, long_context.LongContextStep):
         self.head_transforms = {"softcap": softcap, "logit_scale": logit_scale}
         self._setup_loss()
 
-    # --- checkpoints -------------------------------------------------------------------------------------
-
-    def _resumed_state(self) -> dict:
-        """What a checkpoint holds beyond transformers' and TRL's own (:data:`_RESUMED_ATTRS`)."""
-        fetch = getattr(self, "fetch_deferred_metrics", None)
-        if fetch is not None:
-            fetch()  # the token counts still on the device join _total_train_tokens
-        return {name: getattr(self, name) for name in _RESUMED_ATTRS if hasattr(self, name)}
-
-    def _save_checkpoint(self, model, trial) -> None:
-        """transformers' checkpoint, then :data:`STATE_FILE` (written to a temporary name and renamed, so it
-        is whole or absent), then the deletion of old checkpoints beyond ``save_total_limit``, which
-        transformers would otherwise run before this checkpoint is complete."""
-        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
-
-        limit = self.args.save_total_limit
-        self.args.save_total_limit = None
-        try:
-            super()._save_checkpoint(model, trial)
-        finally:
-            self.args.save_total_limit = limit
-        run_dir = self._get_output_dir(trial=trial)
-        folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        state = self._resumed_state()
-        self.accelerator.wait_for_everyone()  # every rank's shards are written
-        if self.args.should_save:
-            tmp = os.path.join(folder, STATE_FILE + ".tmp")
-            torch.save(state, tmp)
-            os.replace(tmp, os.path.join(folder, STATE_FILE))
-            best = self.state.best_model_checkpoint
-            rotate_checkpoints(run_dir, save_total_limit=limit, best_model_checkpoint=best, use_mtime=True)
-
-    def _load_optimizer_and_scheduler(self, checkpoint) -> None:
-        super()._load_optimizer_and_scheduler(checkpoint)
-        path = None if checkpoint is None else os.path.join(checkpoint, STATE_FILE)
-        if path is not None and os.path.isfile(path):
-            for name, value in torch.load(path, weights_only=False).items():
-                setattr(self, name, value)
-
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
-        """transformers' ``train``. ``resume_from_checkpoint=True`` resumes from the last *complete*
-        checkpoint of ``output_dir`` (:func:`last_complete_checkpoint`): a save interrupted by a crash or a
-        kill leaves a folder that transformers would pick and fail on. A path to such a folder is refused
-        with the last complete one named."""
-        if resume_from_checkpoint is True:
-            found = last_complete_checkpoint(self.args.output_dir)
-            if found is None:
-                raise ValueError(
-                    f"resume_from_checkpoint=True: no complete checkpoint in {self.args.output_dir} (a "
-                    f"complete one holds {STATE_FILE})"
-                )
-            resume_from_checkpoint = found
-        elif isinstance(resume_from_checkpoint, str) and not is_complete_checkpoint(resume_from_checkpoint):
-            parent = os.path.dirname(os.path.normpath(resume_from_checkpoint))
-            last = last_complete_checkpoint(parent)
-            raise ValueError(
-                f"resume_from_checkpoint: {resume_from_checkpoint} is incomplete (its save was interrupted: "
-                f"no trainer_state.json or {STATE_FILE}); the last complete one is {last}"
-            )
-        self.__dict__.pop("_attempt_start", None)
-        try:
-            with trl_checkpointing_calls():
-                return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
-        finally:
-            self.__dict__.pop("_attempt_start", None)
+        """transformers' ``train``, resuming only from a complete checkpoint
+        (:meth:`ResumableCheckpoints.train <chunkloss.trainers._resume.ResumableCheckpoints.train>`), without
+        the FutureWarnings of TRL's checkpointing calls."""
+        with trl_compat.quiet_checkpointing_calls():
+            return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
 
     def evaluate(self, *args, **kwargs):
         """transformers' ``evaluate``, without the FutureWarnings of TRL's checkpointing calls
-        (:func:`chunkloss.trainers._checkpointing.trl_checkpointing_calls`)."""
-        with trl_checkpointing_calls():
+        (:func:`chunkloss._compat.trl.quiet_checkpointing_calls`)."""
+        with trl_compat.quiet_checkpointing_calls():
             return super().evaluate(*args, **kwargs)
-
-    # --- running out of memory ----------------------------------------------------------------------------
-
-    def _prepare_inputs(self, inputs):
-        prepared = super()._prepare_inputs(inputs)
-        if isinstance(prepared, dict):  # the shapes an out-of-memory error names
-            self._batch_shapes = {
-                k: tuple(v.shape)
-                for k, v in prepared.items()
-                if k.endswith("_ids") and isinstance(v, torch.Tensor) and v.ndim == 2
-            }
-        return prepared
-
-    def _inner_training_loop(self, batch_size=None, *args, **kwargs):
-        """transformers' loop; what one attempt leaves behind is reset before the next (with
-        ``auto_find_batch_size``, the loop runs again at a smaller batch after running out of memory), and
-        an out-of-memory error is re-raised as itself (not wrapped by torch.compile), or, without
-        ``auto_find_batch_size``, as one that names the batch and what to do."""
-        start = self.__dict__.setdefault("_attempt_start", self._resumed_state())
-        for name, value in start.items():
-            setattr(self, name, value)
-        for store in ("_metrics", "_stored_metrics"):
-            for values in getattr(self, store, {}).values():
-                values.clear()
-        self.__dict__.pop("_pending_tokens", None)
-        try:
-            return super()._inner_training_loop(batch_size, *args, **kwargs)
-        except Exception as exc:
-            oom = _find_oom(exc)
-            if oom is None:
-                raise
-            if self.args.auto_find_batch_size:
-                if oom is exc:
-                    raise
-                raise oom from None  # accelerate retries only on the error itself
-            raise torch.OutOfMemoryError(self._oom_message(batch_size, oom)) from exc
-
-    def _oom_message(self, batch_size, oom) -> str:
-        shapes = getattr(self, "_batch_shapes", {})
-        batch = ", ".join(f"{k} {v}" for k, v in shapes.items()) or "before its first batch"
-        last = last_complete_checkpoint(self.args.output_dir)
-        resume = f"resume from {last}" if last else "no checkpoint was written"
-        first = str(oom).split("\n")[0]
-        size = batch_size or self.args.per_device_train_batch_size
-        return (
-            f"out of memory at per_device_train_batch_size={size} (the batch: {batch}): set "
-            "auto_find_batch_size=True to retry at smaller batches, or lower per_device_train_batch_size "
-            "(raising gradient_accumulation_steps keeps the effective batch) or the sequence length, or set "
-            f"chunk_kernels=True and its recompute options; {resume}. ({first})"
-        )
 
     def _refuse_early(self, call: dict) -> None:
         """Raise for arguments this trainer refuses (``call``: the constructor's arguments given, by name)."""
@@ -290,19 +148,6 @@ class ChunkedTrainerSetup(NonFiniteLossWatch, long_context.LongContextStep):
                 "transformers drops the prefix's past key values under gradient checkpointing (TRL's own "
                 "trainer fails mid-training); set gradient_checkpointing=False",
             )
-
-
-def is_complete_checkpoint(checkpoint: str) -> bool:
-    """A checkpoint folder whose save finished: it holds :data:`STATE_FILE`, or (written by another trainer)
-    a ``trainer_state.json`` that parses."""
-    if os.path.isfile(os.path.join(checkpoint, STATE_FILE)):
-        return True
-    try:
-        with open(os.path.join(checkpoint, "trainer_state.json")) as f:
-            json.load(f)
-    except (OSError, ValueError):
-        return False
-    return True
 
 
 def teacher_head(trainer, patch: bool) -> None:

@@ -25,10 +25,12 @@ from dataclasses import dataclass
 import torch
 from trl import DistillationConfig, DistillationTrainer
 
+from chunkloss._compat import trl as trl_compat
 from chunkloss.losses.jsd import FusedLinearJSDLoss
 
+from ._arguments import ChunkedArguments
 from ._checkpointing import CheckpointingDefault
-from ._common import ChunkedArguments, jsd_loss_for, refuse
+from ._common import jsd_loss_for, refuse
 from ._head import in_head_forward
 from ._setup import ChunkedTrainerSetup, teacher_head
 
@@ -93,16 +95,15 @@ class ChunkedDistillationTrainer(ChunkedTrainerSetup, DistillationTrainer):
             "image_position_ids",
         )
         multimodal_inputs = {k: inputs[k] for k in multimodal_keys if k in inputs}
-        student_hidden = self._get_last_hidden_state(
-            unwrapped_student, input_ids, attention_mask, logits_to_keep, **multimodal_inputs
+        student_hidden = trl_compat.last_hidden_state(
+            self, unwrapped_student, input_ids, attention_mask, logits_to_keep, **multimodal_inputs
         )
         self.teacher_model.eval()
         unwrapped_teacher = self.accelerator.unwrap_model(self.teacher_model)
         with torch.no_grad():
-            teacher_hidden = self._forward_redirection(
+            teacher_hidden = trl_compat.redirected_last_hidden_state(
+                self,
                 self.teacher_model,
-                unwrapped_teacher,
-                self._get_last_hidden_state,
                 unwrapped_teacher,
                 input_ids,
                 attention_mask,

@@ -15,12 +15,15 @@ from dataclasses import dataclass
 import torch
 from trl import DPOConfig, DPOTrainer
 
+from chunkloss._compat import trl as trl_compat
 from chunkloss.losses.cross_entropy import FusedLinearCrossEntropyLoss
 from chunkloss.losses.dpo import FusedLinearDPOLoss
 
+from ._arguments import ChunkedArguments
 from ._checkpointing import CheckpointingDefault
-from ._common import ChunkedArguments, DeferredMetrics, refuse
+from ._common import refuse
 from ._head import fused_head_call, has_lm_head_lora, refuse_precomputed_head_lora_reference
+from ._metrics import DeferredMetrics
 from ._setup import ChunkedTrainerSetup
 
 __all__ = ["ChunkedDPOConfig", "ChunkedDPOTrainer"]
@@ -130,22 +133,22 @@ class ChunkedDPOTrainer(ChunkedTrainerSetup, DeferredMetrics, DPOTrainer):
         n_tok = n_chosen + n_rej
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * out.aux_loss
-            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(out.aux_loss).mean())
+            self.record_aux_loss(mode, out.aux_loss)
 
         # TRL's values, fetched when the trainer logs (``DeferredMetrics``), not with .item() here.
-        gather = self.accelerator.gather_for_metrics
+        gather, store = self.accelerator.gather_for_metrics, trl_compat.metrics(self, mode)
         # TRL's token-weighted means across processes: local means times local counts, summed.
         total = gather(n_tok).sum()
         entropy_sum = gather(metrics["entropy"] * n_tok).sum()
-        self._metrics[mode]["entropy"].append(self.mean_or_zero(entropy_sum, total))
+        store["entropy"].append(self.mean_or_zero(entropy_sum, total))
         self.record_tokens(mode, gather(inputs["attention_mask"].sum()).sum() if mode == "train" else None)
         for name, count in (("logits/chosen", n_chosen), ("logits/rejected", n_rej)):
             # TRL divides the two fetched Python numbers: float64.
             s = gather(metrics[name] * count.clamp(min=1)).sum().double()
-            self._metrics[mode][name].append(self.mean_or_zero(s, gather(count).sum()))
+            store[name].append(self.mean_or_zero(s, gather(count).sum()))
         tot_c = gather(n_chosen).sum()
         n_correct = gather(metrics["mean_token_accuracy"] * n_chosen).sum()
-        self._metrics[mode]["mean_token_accuracy"].append(self.mean_or_zero(n_correct, tot_c))
+        store["mean_token_accuracy"].append(self.mean_or_zero(n_correct, tot_c))
         for name in (
             "rewards/chosen",
             "rewards/rejected",
@@ -154,7 +157,7 @@ class ChunkedDPOTrainer(ChunkedTrainerSetup, DeferredMetrics, DPOTrainer):
             "logps/chosen",
             "logps/rejected",
         ):
-            self._metrics[mode][name].append(self.accelerator.gather(metrics[name].reshape(1)).mean())
+            store[name].append(self.accelerator.gather(metrics[name].reshape(1)).mean())
         if return_outputs:
             # Asked for by compute_metrics: the user wants the logits.
             with torch.no_grad():

@@ -26,8 +26,9 @@ from trl.experimental.gkd import GKDConfig, GKDTrainer
 
 from chunkloss.losses.jsd import FusedLinearJSDLoss
 
+from ._arguments import ChunkedArguments
 from ._checkpointing import CheckpointingDefault
-from ._common import ChunkedArguments, jsd_loss_for, refuse
+from ._common import jsd_loss_for, refuse
 from ._setup import P_TUNING, PROMPT_TUNING, ChunkedTrainerSetup, teacher_head
 
 __all__ = ["ChunkedGKDConfig", "ChunkedGKDTrainer"]

@@ -16,11 +16,14 @@ from dataclasses import dataclass
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
+from chunkloss._compat import trl as trl_compat
 from chunkloss.losses.grpo import FusedLinearGRPOLoss, nanmax, nanmin
 from chunkloss.losses.grpo_options import ClipMetrics, GRPOLossType
 
+from ._arguments import ChunkedArguments
 from ._checkpointing import CheckpointingDefault
-from ._common import ChunkedArguments, DeferredMetrics, refuse
+from ._common import refuse
+from ._metrics import DeferredMetrics
 from ._online import AdapterHeadLogps, gathered, global_mean, policy_forward
 from ._setup import ChunkedTrainerSetup
 
@@ -87,7 +90,7 @@ class ChunkedGRPOTrainer(ChunkedTrainerSetup, DeferredMetrics, AdapterHeadLogps,
             off_policy_mask_threshold=self.off_policy_mask_threshold,
             top_entropy_quantile=float(self.top_entropy_quantile),
             # The bonus on or off; its coefficient, which the adaptive controller moves, goes to each call.
-            entropy_coef=1.0 if self._entropy_bonus_enabled else 0.0,
+            entropy_coef=1.0 if trl_compat.EntropyControl(self).enabled else 0.0,
             max_completion_length=self.max_completion_length,
             **self.head_transforms,
         )
@@ -100,9 +103,10 @@ class ChunkedGRPOTrainer(ChunkedTrainerSetup, DeferredMetrics, AdapterHeadLogps,
     def _applied_entropy_coef(self) -> float:
         """TRL's coefficient of the entropy bonus for this step: the adaptive controller's from the end of the
         previous optimizer step where the entropy measured then was at or below ``entropy_target``, else 0."""
-        if not self._entropy_bonus_enabled:
+        control = trl_compat.EntropyControl(self)
+        if not control.enabled:
             return 0.0
-        if self.use_adaptive_entropy and not self._last_world_entropy <= self.args.entropy_target:
+        if self.use_adaptive_entropy and not control.last_world_entropy <= self.args.entropy_target:
             return 0.0
         return float(self.entropy_coef)
 
@@ -111,23 +115,24 @@ class ChunkedGRPOTrainer(ChunkedTrainerSetup, DeferredMetrics, AdapterHeadLogps,
         the accumulation window; at its last micro-batch their global mean moves ``entropy_coef`` by
         ``entropy_coef_delta`` (up at or below ``entropy_target``, down above it, within
         ``[entropy_coef_min, entropy_coef_max]``) for the next step."""
+        control = trl_compat.EntropyControl(self)
         stats = torch.stack([entropy_sum, count]).detach()
-        window = self._entropy_window_stats
-        self._entropy_window_stats = stats if window is None else window + stats
+        control.window = stats if control.window is None else control.window + stats
         if not self.accelerator.sync_gradients:
             return
-        totals = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+        totals = self.accelerator.reduce(control.window, reduction="sum")
         world_entropy = (totals[0] / totals[1].clamp(min=1.0)).item()  # TRL's host sync: the next coef
         a = self.args
         if world_entropy <= a.entropy_target:
             self.entropy_coef = min(self.entropy_coef + a.entropy_coef_delta, a.entropy_coef_max)
         else:
             self.entropy_coef = max(self.entropy_coef - a.entropy_coef_delta, a.entropy_coef_min)
-        self._last_world_entropy = world_entropy
-        self._entropy_window_stats = None
+        control.last_world_entropy = world_entropy
+        control.window = None
 
     def _compute_loss(self, model, inputs):
         mode = "train" if self.model.training else "eval"
+        bonus = trl_compat.EntropyControl(self).enabled
         loss_mod = self._grpo_loss()
         loss_type = loss_mod.options.loss_type
         if loss_type.sequence_weight:
@@ -157,7 +162,7 @@ class ChunkedGRPOTrainer(ChunkedTrainerSetup, DeferredMetrics, AdapterHeadLogps,
                 num_processes=self.accelerator.num_processes,
                 gradient_accumulation_steps=ga,
                 steps_per_generation=self.args.steps_per_generation if mode == "train" else 1,
-                entropy_coef=self._applied_entropy_coef() if self._entropy_bonus_enabled else None,
+                entropy_coef=self._applied_entropy_coef() if bonus else None,
             )
             return loss, dict(loss_mod.metrics)
 
@@ -167,19 +172,20 @@ class ChunkedGRPOTrainer(ChunkedTrainerSetup, DeferredMetrics, AdapterHeadLogps,
         # TRL's masked means count completion_mask · tool_mask.
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
         n_tok = mask.sum().float()
-        if self._entropy_bonus_enabled:
+        if bonus:
             # With the adaptive coefficient at 0 the loss is the policy loss alone (before TRL's GA division).
             policy_loss = metrics.get("policy_loss")
             if policy_loss is None:
                 policy_loss = loss.detach() * (1.0 if needs_global else ga)
-            self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean())
+            store = trl_compat.metrics(self, mode)
+            store["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean())
             if self.use_adaptive_entropy and mode == "train":
                 self._update_adaptive_entropy(metrics["entropy"] * n_tok, n_tok)
             if mode == "train" and self.accelerator.sync_gradients:
-                self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
+                store["entropy_coef"].append(self.entropy_coef)
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * out.aux_loss / ga
-            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(out.aux_loss).mean())
+            self.record_aux_loss(mode, out.aux_loss)
 
         self._log_loss_metrics(mode, metrics, inputs, n_tok, loss_type)
         return loss
@@ -192,7 +198,7 @@ class ChunkedGRPOTrainer(ChunkedTrainerSetup, DeferredMetrics, AdapterHeadLogps,
         # TRL's global masked means: local means times local counts, summed over processes.
         per_seq = self.importance_sampling_level == "sequence" and inputs["advantages"].dim() == 1
         n_seq = torch.tensor(float(inputs["completion_ids"].size(0)), device=n_tok.device)
-        acc, store = self.accelerator, self._metrics[mode]
+        acc, store = self.accelerator, trl_compat.metrics(self, mode)
 
         if self.beta != 0.0:
             store["kl"].append(global_mean(acc, metrics["kl"], n_tok))

@@ -18,12 +18,15 @@ from dataclasses import dataclass
 import torch
 from trl import KTOConfig, KTOTrainer
 
+from chunkloss._compat import trl as trl_compat
 from chunkloss.losses.cross_entropy import FusedLinearCrossEntropyLoss
 from chunkloss.losses.kto import KTO_LOSS_TYPES, FusedLinearKTOLoss
 
+from ._arguments import ChunkedArguments
 from ._checkpointing import CheckpointingDefault
-from ._common import ChunkedArguments, DeferredMetrics, refuse
+from ._common import refuse
 from ._head import fused_head_call, has_lm_head_lora, refuse_precomputed_head_lora_reference
+from ._metrics import DeferredMetrics
 from ._setup import ChunkedTrainerSetup
 
 __all__ = ["ChunkedKTOConfig", "ChunkedKTOTrainer"]
@@ -67,7 +70,7 @@ class ChunkedKTOTrainer(ChunkedTrainerSetup, DeferredMetrics, KTOTrainer):
         refuse_precomputed_head_lora_reference(name, call)
 
     def _refuse_built(self) -> None:
-        if self._is_vision_dataset:
+        if trl_compat.is_vision_dataset(self):
             refuse(type(self).__name__, "vision datasets", "the chunked head covers text models only")
 
     def _setup_loss(self) -> None:
@@ -150,7 +153,7 @@ class ChunkedKTOTrainer(ChunkedTrainerSetup, DeferredMetrics, KTOTrainer):
         self._store_metrics(mode, batch, metrics, local, counts)
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * out.aux_loss
-            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(out.aux_loss).mean())
+            self.record_aux_loss(mode, out.aux_loss)
         if return_outputs:
             # Asked for by compute_metrics: the user wants the logits.
             with torch.no_grad():
@@ -172,7 +175,7 @@ class ChunkedKTOTrainer(ChunkedTrainerSetup, DeferredMetrics, KTOTrainer):
         (``DeferredMetrics``). The loss reports this process's means; TRL's are over every process: local
         means times local counts, gathered and summed, over the gathered counts (in float64, as TRL divides
         Python numbers)."""
-        gather, store = self.accelerator.gather_for_metrics, self._metrics[mode]
+        gather, store = self.accelerator.gather_for_metrics, trl_compat.metrics(self, mode)
         n_c, n_r, tok_c, tok_r = counts
         store["kl"].append(m["kl"])
         n_tok = local[2] + local[3]

@@ -21,10 +21,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from chunkloss._compat import trl as trl_compat
 from chunkloss.heads import add_medusa_heads, load_medusa_heads
 from chunkloss.losses.multi_token import FusedLinearMultiTokenLoss
 
-from ._common import chunk_options, peft_base, refuse
+from ._arguments import chunk_options
+from ._common import peft_base, refuse
 from .sft import ChunkedSFTConfig, ChunkedSFTTrainer
 
 __all__ = ["ChunkedMedusaConfig", "ChunkedMedusaTrainer"]
@@ -91,7 +93,7 @@ class ChunkedMedusaTrainer(ChunkedSFTTrainer):
         super().__init__(model, args, *pos, **kwargs)
         base = peft_base(self.model)
         a = self.args
-        saved = getattr(base.config, "_name_or_path", "")
+        saved = getattr(base.config, "name_or_path", None) or ""
         if getattr(base.config, "medusa_num_heads", None) and os.path.isdir(saved):
             load_medusa_heads(base, saved)  # a model saved with its heads (stage 2 after stage 1)
         self.medusa_heads = add_medusa_heads(
@@ -166,18 +168,18 @@ class ChunkedMedusaTrainer(ChunkedSFTTrainer):
     def _log_heads(self, mode: str, metrics: dict) -> None:
         """Per-head loss and accuracy, as TRL logs token means: sums gathered over ranks over the gathered
         count. The loss's head 0 is the base head in stage 2 (TRL's ``mean_token_accuracy``)."""
-        gather = self.accelerator.gather_for_metrics
+        gather, store = self.accelerator.gather_for_metrics, trl_compat.metrics(self, mode)
         first = 1 if self.args.medusa_stage == 1 else 0
         for k in range(self.args.medusa_num_heads + 1 - first):
             n = metrics[f"head{k}/num_tokens"]
             total = gather(n).sum()
             name = "" if k + first == 0 else f"medusa{k + first}/"
             if name:
-                self._metrics[mode][f"{name}loss"].append(
+                store[f"{name}loss"].append(
                     self.mean_or_zero(gather(metrics[f"head{k}/loss"] * n).sum(), total)
                 )
             acc = gather(metrics[f"head{k}/accuracy"] * n).sum()
-            self._metrics[mode][f"{name}mean_token_accuracy"].append(self.mean_or_zero(acc, total))
+            store[f"{name}mean_token_accuracy"].append(self.mean_or_zero(acc, total))
 
 
 def _freeze_backbone(model) -> None:

@@ -16,8 +16,10 @@ from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
 from chunkloss.losses.orpo import FusedLinearORPOLoss
 
+from ._arguments import ChunkedArguments
 from ._checkpointing import CheckpointingDefault
-from ._common import ChunkedArguments, DeferredMetrics, refuse
+from ._common import refuse
+from ._metrics import DeferredMetrics
 from ._setup import P_TUNING, PROMPT_TUNING, ChunkedTrainerSetup
 
 __all__ = ["ChunkedORPOConfig", "ChunkedORPOTrainer"]

@@ -15,11 +15,13 @@ from dataclasses import dataclass
 import torch
 from trl import RLOOConfig, RLOOTrainer
 
+from chunkloss._compat import trl as trl_compat
 from chunkloss.losses.grpo import nanmax, nanmin
 from chunkloss.losses.rloo import FusedLinearRLOOLoss
 
+from ._arguments import ChunkedArguments
 from ._checkpointing import CheckpointingDefault
-from ._common import ChunkedArguments, DeferredMetrics
+from ._metrics import DeferredMetrics
 from ._online import AdapterHeadLogps, gathered, global_mean, policy_forward, refuse_image_columns
 from ._setup import ChunkedTrainerSetup
 
@@ -86,7 +88,7 @@ class ChunkedRLOOTrainer(ChunkedTrainerSetup, DeferredMetrics, AdapterHeadLogps,
         # TRL returns the loss unscaled (transformers divides it by the accumulation steps), the aux term too.
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * out.aux_loss
-            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(out.aux_loss).mean())
+            self.record_aux_loss(mode, out.aux_loss)
         self._log_loss_metrics(mode, metrics, completion_mask)
         return loss
 
@@ -94,7 +96,7 @@ class ChunkedRLOOTrainer(ChunkedTrainerSetup, DeferredMetrics, AdapterHeadLogps,
         """Log the loss's metrics under TRL's names, in TRL's order, as 0-d tensors (``DeferredMetrics``
         fetches them when the trainer logs): the entropy's masked token mean and the clip flags' means over
         every process's completions, their min and max."""
-        acc, store = self.accelerator, self._metrics[mode]
+        acc, store = self.accelerator, trl_compat.metrics(self, mode)
         n_tok = completion_mask.sum().float()
         n_seq = torch.tensor(float(completion_mask.size(0)), device=n_tok.device)
         store["entropy"].append(global_mean(acc, metrics["entropy"], n_tok))

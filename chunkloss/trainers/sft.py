@@ -16,12 +16,15 @@ from dataclasses import dataclass
 import torch
 from trl import SFTConfig, SFTTrainer
 
+from chunkloss._compat import trl as trl_compat
 from chunkloss.losses.cross_entropy import FusedLinearCrossEntropyLoss
 from chunkloss.losses.dft import FusedLinearDFTLoss
 
+from ._arguments import ChunkedArguments
 from ._checkpointing import CheckpointingDefault
-from ._common import ChunkedArguments, DeferredMetrics, refuse
+from ._common import refuse
 from ._head import left_pad
+from ._metrics import DeferredMetrics
 from ._setup import ChunkedTrainerSetup
 
 __all__ = ["ChunkedSFTConfig", "ChunkedSFTTrainer"]
@@ -126,8 +129,9 @@ class ChunkedSFTTrainer(ChunkedTrainerSetup, DeferredMetrics, SFTTrainer):
             metrics["mean_token_accuracy"] * num_valid_local
         ).sum()
         # TRL's values, fetched when the trainer logs (``DeferredMetrics``), not with .item() here.
-        self._metrics[mode]["entropy"].append(self.mean_or_zero(entropy_sum, num_valid))
-        self._metrics[mode]["mean_token_accuracy"].append(self.mean_or_zero(num_correct, num_valid))
+        store = trl_compat.metrics(self, mode)
+        store["entropy"].append(self.mean_or_zero(entropy_sum, num_valid))
+        store["mean_token_accuracy"].append(self.mean_or_zero(num_correct, num_valid))
 
         num_tokens_in_batch = None
         if mode == "train":
@@ -142,7 +146,7 @@ class ChunkedSFTTrainer(ChunkedTrainerSetup, DeferredMetrics, SFTTrainer):
                 raise ValueError("Expected 'attention_mask' or 'position_ids' in inputs.")
         self.record_tokens(mode, num_tokens_in_batch)
         if self.aux_loss_enabled:
-            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(out.aux_loss).mean())
+            self.record_aux_loss(mode, out.aux_loss)
 
         if return_outputs:
             # Asked for by compute_metrics / preprocess_logits_for_metrics: the user wants the logits.

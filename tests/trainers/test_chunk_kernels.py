@@ -14,7 +14,7 @@ import torch
 from chunkloss.data import tiny_dataset, tiny_model
 from chunkloss.models import SUPPORTED_MODEL_TYPES
 from chunkloss.models.layers import PatchedGatedMLP, PatchedRMSNorm
-from chunkloss.trainers._common import ChunkedArguments
+from chunkloss.trainers._arguments import ChunkedArguments
 from chunkloss.trainers.dpo import ChunkedDPOConfig, ChunkedDPOTrainer
 from chunkloss.trainers.orpo import ChunkedORPOConfig, ChunkedORPOTrainer
 from chunkloss.trainers.sft import ChunkedSFTConfig, ChunkedSFTTrainer

@@ -1,4 +1,4 @@
-"""``trainers._common``'s deferred metrics: the numbers the chunked trainers log equal TRL's ``.item()`` ones.
+"""``trainers._metrics``: the numbers the chunked trainers log equal TRL's ``.item()`` ones.
 
 The trainers' parity tests compare whole logged steps with TRL's; these pin the two helpers on the edge cases
 those batches may not reach (a zero count, float64 means, NaN, values already fetched by TRL's own code).
@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from chunkloss.trainers._common import fetch_metrics, mean_or_zero
+from chunkloss.trainers._metrics import fetch_metrics, mean_or_zero
 
 
 def test_mean_or_zero_is_trls_guarded_mean():

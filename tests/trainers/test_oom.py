@@ -14,7 +14,7 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from chunkloss.data import tiny_dataset, tiny_model
-from chunkloss.trainers._setup import STATE_FILE
+from chunkloss.trainers._resume import STATE_FILE
 from chunkloss.trainers.sft import ChunkedSFTConfig, ChunkedSFTTrainer
 from tests.trainers.helpers import common_args, tokenizer
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from chunkloss import cli
-from chunkloss.trainers._setup import STATE_FILE
+from chunkloss.trainers._resume import STATE_FILE
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TRAINERS = ["sft", "dpo", "orpo", "kto", "grpo", "rloo", "gkd", "distillation", "medusa"]

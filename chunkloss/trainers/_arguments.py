@@ -1,0 +1,144 @@
+"""The chunkloss fields of the chunked trainers' configs (:class:`ChunkedArguments`), and reading them: the
+engine options (:func:`chunk_options`) and the checks of a config that need nothing built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from chunkloss.engine.options import check_chunk_size
+
+__all__ = ["ChunkedArguments", "check_max_steps", "chunk_options"]
+
+_ACCUM = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "weight": None,
+    "none": None,
+}
+
+
+@dataclass
+class ChunkedArguments:
+    """chunkloss fields added to TRL's config classes (the defaults need no tuning).
+
+    Args:
+        chunk_size: rows of logits per chunk; ``None`` sizes chunks to a 448 MiB logits budget.
+        chunk_accum_dtype: dtype of the LM-head gradient accumulator across chunks: ``"float32"`` (default),
+            ``"bfloat16"``, ``"float16"`` or ``"weight"`` (the weight's own dtype).
+        chunk_compile: run the per-chunk math under ``torch.compile``.
+        chunk_kernels: run the model on chunkloss's Triton kernels (``chunkloss.models.patch(model,
+            loss=False)``: RMSNorms, rotary embedding, each layer's input norm, q/k/v projections and rotary
+            embedding as one fused call, the gated MLPs, and LoRA adapters inside those calls), and a
+            reference or teacher model too. ``None`` (the default): on when the model is on CUDA, of a
+            supported type and ``use_liger_kernel`` is off, else off with one log line saying why; ``True``:
+            required (the trainer is refused when it cannot be); ``False``: off. See
+            :func:`apply_chunk_kernels`.
+        chunk_kernels_mlp_recompute: with ``chunk_kernels``, the fused MLP saves only its input and replays
+            the gate/up GEMM in the backward (``patch(..., mlp_recompute=True)``): less activation memory, one
+            more GEMM per MLP. Off by default (the gate and up pre-activations are saved).
+        chunk_kernels_norm_recompute: with ``chunk_kernels``, the decoder layers keep no output of the norms
+            before attention and MLP for the backward, which runs those norms again
+            (``patch(..., norm_recompute=True)``): 2·H fewer elements per token and layer. Off by default.
+        chunk_kernels_mlp_tile: with ``chunk_kernels``, tokens per tile of the fused MLP
+            (``patch(..., mlp_tile=...)``): its (tokens, intermediate) tensors exist for one tile at a time.
+            None: one call over all tokens, or 8192-token tiles under ``chunk_long_context``.
+        chunk_long_context: train long sequences: checkpointing on, what it keeps (each layer's input)
+            offloaded to pinned host memory on a side stream by TRL's activation offloading, and with the
+            kernels the MLP recomputed and tiled (:mod:`chunkloss.trainers._long_context`). Off by default.
+
+    A config of TRL's own (what a trainer builds when given none) has none of these fields: :meth:`of`
+    reads them from any config, the defaults where it has none.
+    """
+
+    chunk_size: int | None = field(
+        default=None, metadata={"help": "Rows of logits per chunk (None: automatic)."}
+    )
+    chunk_accum_dtype: str = field(
+        default="float32",
+        metadata={"help": "LM-head gradient accumulator dtype: float32, bfloat16 or weight."},
+    )
+    chunk_compile: bool = field(
+        default=True, metadata={"help": "Compile the per-chunk loss with torch.compile."}
+    )
+    chunk_kernels: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Run the model's RMSNorm, rotary embedding, attention input (norm + q/k/v + rotary as "
+            "one call) and gated MLP on chunkloss's Triton kernels, LoRA adapters inside them "
+            "(chunkloss.models.patch(model, loss=False); a reference/teacher model of a supported type too): "
+            "less activation memory, faster steps. None (default): on when the model is on CUDA, of a "
+            "supported type (llama, mistral, qwen2, qwen3, gemma, gemma2: "
+            "chunkloss.models.SUPPORTED_MODEL_TYPES) and use_liger_kernel is off; otherwise off, with one "
+            "log line saying why. True: required (refused when impossible). False: off; results then equal "
+            "TRL's up to rounding."
+        },
+    )
+    chunk_kernels_mlp_recompute: bool = field(
+        default=False,
+        metadata={
+            "help": "With chunk_kernels: the fused MLP saves only its input and replays the gate/up GEMM in "
+            "the backward (chunkloss.models.patch(model, mlp_recompute=True)): less activation memory, one "
+            "more GEMM per MLP."
+        },
+    )
+    chunk_kernels_norm_recompute: bool = field(
+        default=False,
+        metadata={
+            "help": "With chunk_kernels: the decoder layers keep no output of the norms before attention and "
+            "MLP for the backward, which runs those norms again (chunkloss.models.patch(model, "
+            "norm_recompute=True)): 2*H fewer activation elements per token and layer."
+        },
+    )
+    chunk_kernels_mlp_tile: int | None = field(
+        default=None,
+        metadata={
+            "help": "With chunk_kernels: tokens per tile of the fused MLP (chunkloss.models.patch(model, "
+            "mlp_tile=N)); its (tokens, intermediate) tensors exist for one tile at a time. None: no tiles, "
+            "or 8192 under chunk_long_context."
+        },
+    )
+    chunk_long_context: bool = field(
+        default=False,
+        metadata={
+            "help": "Train long sequences: gradient checkpointing on, each checkpointed layer input "
+            "offloaded to pinned CPU memory on a side stream (TRL's activation offloading), and with "
+            "chunk_kernels the MLP recomputed and tiled."
+        },
+    )
+
+    @classmethod
+    def of(cls, args) -> ChunkedArguments:
+        """The chunkloss fields of ``args``: ``args`` itself when it has them, else the defaults (TRL's own
+        config)."""
+        return args if isinstance(args, ChunkedArguments) else cls()
+
+
+def chunk_options(args) -> dict:
+    """The engine options (``chunk_size``, ``accum_dtype``, ``compile``) from a config, TRL's own or ours."""
+    chunked = ChunkedArguments.of(args)
+    if chunked.chunk_accum_dtype not in _ACCUM:
+        raise ValueError(
+            f"chunk_accum_dtype must be one of {sorted(_ACCUM)}, got {chunked.chunk_accum_dtype!r}"
+        )
+    check_chunk_size(chunked.chunk_size)
+    return {
+        "chunk_size": chunked.chunk_size,
+        "accum_dtype": _ACCUM[chunked.chunk_accum_dtype],
+        "compile": bool(chunked.chunk_compile),
+    }
+
+
+def check_max_steps(args) -> None:
+    """``max_steps`` is a step count (at least 1) or negative (transformers' "train ``num_train_epochs``");
+    0, which transformers runs as one step, is refused."""
+    if args.max_steps == 0:
+        raise ValueError(
+            "max_steps=0 would train one step (transformers runs at least one): set max_steps to the number "
+            "of steps, or -1 (the default) to train num_train_epochs epochs"
+        )

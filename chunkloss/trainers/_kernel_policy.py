@@ -1,0 +1,133 @@
+"""Whether the chunked trainers run their models on chunkloss's kernels (``chunk_kernels``), and with what
+options: :func:`apply_chunk_kernels`."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ._arguments import ChunkedArguments
+from ._common import peft_base, refuse
+from ._long_context import mlp_options
+
+__all__ = ["apply_chunk_kernels"]
+
+
+def _model_type(model) -> str | None:
+    return getattr(getattr(model, "config", None), "model_type", None)
+
+
+def _why_not(model, args, *, auto: bool) -> tuple[str, str] | None:
+    """``(option, why)`` when the kernels cannot run ``model``; None when they can. In auto mode the CPU
+    is a reason even under ``TRITON_INTERPRET=1`` (the interpreter is for tests, which ask for the
+    kernels)."""
+    from chunkloss.models import SUPPORTED_MODEL_TYPES
+    from chunkloss.models.patch import devices_off_kernels
+
+    if args.use_liger_kernel:
+        why = "both replace the model's norms, rotary embedding and MLPs; choose one"
+        return "with use_liger_kernel=True", why
+    if args.torch_compile:
+        why = (
+            "compiling a patched model on CUDA fails in the kernels' custom ops (their fake-tensor calls "
+            "raise 'vector::reserve' under torch 2.11); TRL compiles transformers' modules"
+        )
+        return "with torch_compile=True", why
+    model_type = _model_type(model)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return f"on model type {model_type!r}", f"the kernels cover {', '.join(SUPPORTED_MODEL_TYPES)}"
+    off = devices_off_kernels(model, interpreter=not auto)
+    if off:
+        return (
+            f"with parameters on {sorted(off)}",
+            "the Triton kernels run on CUDA tensors only (or under TRITON_INTERPRET=1)",
+        )
+    return None
+
+
+def apply_chunk_kernels(trainer) -> None:
+    """Patch the trainer's models with ``chunkloss.models.patch(model, loss=False,
+    mlp_recompute=chunk_kernels_mlp_recompute, norm_recompute=chunk_kernels_norm_recompute)`` as
+    ``chunk_kernels`` says.
+
+    Called by every chunked trainer once TRL's constructor has built and placed its models. The trained model
+    is patched (a PEFT model's base model, its plain LoRA layers inside the fused calls) when:
+
+    * ``chunk_kernels=None`` (the default) and the model is on CUDA, of a type in ``SUPPORTED_MODEL_TYPES``,
+      and neither ``use_liger_kernel`` nor ``torch_compile`` is on; otherwise the model keeps transformers'
+      modules and one log line (``chunkloss.trainers``, WARNING) says why;
+    * ``chunk_kernels=True``, or the trainer is refused with a ``ValueError`` naming ``chunk_kernels`` when
+      the type is not supported, the parameters are not on CUDA (without ``TRITON_INTERPRET=1``),
+      ``use_liger_kernel`` is on too (Liger patches the same modules) or ``torch_compile`` is on.
+
+    The causal-LM loss is left alone: the trainer already computes it chunked. A reference model (DPO, GRPO)
+    or teacher (GKD, distillation) is patched too when the kernels can take it, since its no-grad forwards get
+    faster as well; one they cannot take keeps transformers' modules (named in the log line). What ``patch``
+    leaves to the separate modules (a DoRA adapter, an 8-bit layer, a hook) its own log line names. The
+    kernels' in-place choices (rotary on fresh q/k projections, MLP and norm backwards over buffers read by
+    nothing else) hold under gradient checkpointing: a recomputed forward builds the same fresh tensors.
+    """
+    from chunkloss.models import patch
+
+    name, args = type(trainer).__name__, trainer.args
+    chunked = ChunkedArguments.of(args)
+    setting = chunked.chunk_kernels
+    if setting not in (None, True, False):
+        raise ValueError(f"chunk_kernels must be None, True or False, got {setting!r}")
+    options = {**mlp_options(args), "norm_recompute": bool(chunked.chunk_kernels_norm_recompute)}
+    if setting is False:
+        kernel_options = {
+            "chunk_kernels_mlp_recompute": chunked.chunk_kernels_mlp_recompute,
+            "chunk_kernels_norm_recompute": chunked.chunk_kernels_norm_recompute,
+            "chunk_kernels_mlp_tile": chunked.chunk_kernels_mlp_tile,
+        }
+        for key, value in kernel_options.items():
+            if value:
+                refuse(
+                    name,
+                    f"{key}={value!r} with chunk_kernels=False",
+                    "it selects how the kernels compute and what they keep for the backward",
+                )
+        return
+    if options["norm_recompute"] and args.torch_compile:
+        refuse(
+            name,
+            "chunk_kernels_norm_recompute=True with torch_compile=True",
+            "its saved-tensor hooks are not traced by torch.compile",
+        )
+    log = logging.getLogger("chunkloss.trainers")
+    unwrap = trainer.accelerator.unwrap_model
+    model = peft_base(unwrap(trainer.model))
+    why = _why_not(model, args, auto=setting is None)
+    if why is not None:
+        if setting:
+            refuse(name, f"chunk_kernels=True {why[0]}", why[1])
+        log.warning(
+            "%s: chunk_kernels off: the model (type %r) %s keeps transformers' modules (%s); "
+            "chunk_kernels=False silences this",
+            name,
+            _model_type(model),
+            why[0],
+            why[1],
+        )
+        return
+    try:
+        patch(model, loss=False, **options)
+    except ValueError as e:  # e.g. a model class outside its family's modeling module
+        refuse(name, "chunk_kernels on this model", str(e))
+    kept = []
+    for attr in ("ref_model", "teacher_model"):
+        other = getattr(trainer, attr, None)
+        if not isinstance(other, torch.nn.Module):
+            continue
+        other = peft_base(unwrap(other))
+        if other is model:
+            continue
+        other_why = _why_not(other, args, auto=setting is None)
+        if other_why is None:
+            patch(other, loss=False, **options)
+        else:
+            kept.append(f"{attr} (type {_model_type(other)!r}) {other_why[0]} keeps transformers' modules")
+    line = f"{name}: chunk_kernels on for the model (type {_model_type(model)!r})"
+    log.log(logging.WARNING if kept else logging.INFO, "; ".join([line, *kept]))
