@@ -162,127 +162,83 @@ def longctx_summary(rows: list[dict]) -> dict:
     return out
 
 
+def _oom_or_error(r: dict) -> str | None:
+    return "OOM" if r.get("oom") else r.get("error")
+
+
+# A run's table rows, per benchmark kind (generators: a kernels run holds one row per implementation).
+def _losses_rows(r: dict):
+    extra = dict(floor=r.get("floor_ms"), loss=r.get("loss"))
+    yield _row(r["case"], r["impl"], r.get("ms"), _gib(r.get("peak_extra_bytes")), r.get("error"), **extra)
+
+
+def _kernels_rows(r: dict):
+    for impl, v in r.items():
+        if isinstance(v, dict):
+            memory = (v.get("peak_extra_mib") or 0) / 1024
+            yield _row(r["case"], impl, v.get("graph_ms"), memory, eager_ms=v.get("ms"), floor=r["floor_ms"])
+
+
+def _decoder_rows(r: dict):
+    max_err = max(r.get("err", {}).values(), default=None)
+    extra = dict(floor=r.get("floor_ms"), saved_mib=(r.get("saved_bytes") or 0) / 2**20, max_err=max_err)
+    yield _row(r["case"], r["impl"], r.get("ms"), _gib(r.get("peak_bytes")), r.get("error"), **extra)
+
+
+def _medusa_e2e_rows(r: dict):
+    case = f"stage {r['stage']} K={r['heads']} b={r['batch']}"
+    time, memory, error = r.get("step_time_s"), r.get("peak_mem_gib"), "OOM" if r["oom"] else None
+    yield _row(case, r["impl"], time, memory, error, tokens_per_s=r.get("tokens_per_s"))
+
+
+def _e2e_rows(r: dict):
+    time, memory, error = r.get("step_time_s"), r.get("peak_mem_gib"), _oom_or_error(r)
+    yield _row(e2e_case(r), r["impl"], time, memory, error, tokens_per_s=r.get("tokens_per_s"))
+
+
+def _longctx_rows(r: dict):
+    case = f"{r['shape']} {r['task']} {r['loss']} {r['tokens']} tok"
+    time, memory, error = r.get("step_time_s"), r.get("peak_mem_gib"), _oom_or_error(r)
+    yield _row(case, r["impl"], time, memory, error, host=r.get("host_peak_gib"))
+
+
+def _parts_rows(r: dict):
+    yield _row(r["case"], r["impl"], r.get("ms"), r.get("peak_mem_gib"), r.get("error"), **r.get("parts", {}))
+
+
+def _multigpu_rows(c: dict):
+    time, memory = c["multi"]["median_step_time_s"], fullest(c["multi"]["peak_memory_gib"])
+    extra = dict(one_gpu_s=c["single"]["median_step_time_s"], **_parity_cells(c))
+    yield _row(f"{c['trainer']} {c['backend']}", "chunked", time, memory, **extra)
+
+
+def _multigpu_scale_rows(r: dict):
+    gc = "on" if r["gradient_checkpointing"] else "off"
+    case = f"{r['model']} {r['trainer']} {r['backend']} gc {gc} b={r['batch']}"
+    off = r["impl"] == "chunked" and not r.get("kernels")  # runs before the switch had no kernels
+    impl = r["impl"] + (" (no kernels)" if off else "")
+    time, memory = r.get("median_step_time_s"), fullest(r.get("peak_memory_gib"))
+    error = None if r["status"] == "ok" else r["status"]
+    yield _row(case, impl, time, memory, error, tokens_per_s=r.get("tokens_per_s"))
+
+
+# Per benchmark kind: the key of its runs in a set, and a run's rows.
+RECORDS = {
+    "losses": ("rows", _losses_rows), "medusa": ("rows", _losses_rows), "kernels": ("rows", _kernels_rows),
+    "decoder": ("rows", _decoder_rows), "decoder_attn": ("rows", _decoder_rows),
+    "medusa_e2e": ("runs", _medusa_e2e_rows), "e2e": ("sweep", _e2e_rows), "longctx": ("rows", _longctx_rows),
+    "profile": ("rows", _parts_rows), "floor": ("rows", _parts_rows),
+    "multigpu": ("comparisons", _multigpu_rows), "multigpu_scale": ("runs", _multigpu_scale_rows),
+}  # fmt: skip
+
+
 def records(name: str, data: dict) -> list[dict]:
     """One row per (case, implementation) of a result set: ``time`` (the kind's unit), ``memory`` (GiB),
     ``error`` (None, ``OOM`` or a message) and extra columns."""
-    k = kind(name)
-    if k in ("losses", "medusa"):
-        return [
-            _row(
-                r["case"],
-                r["impl"],
-                r.get("ms"),
-                _gib(r.get("peak_extra_bytes")),
-                r.get("error"),
-                floor=r.get("floor_ms"),
-                loss=r.get("loss"),
-            )
-            for r in data["rows"]
-        ]
-    if k == "kernels":
-        return [
-            _row(
-                r["case"],
-                i,
-                r[i].get("graph_ms"),
-                (r[i].get("peak_extra_mib") or 0) / 1024,
-                None,
-                eager_ms=r[i].get("ms"),
-                floor=r["floor_ms"],
-            )
-            for r in data["rows"]
-            for i in r
-            if isinstance(r[i], dict)
-        ]
-    if k in ("decoder", "decoder_attn"):
-        return [
-            _row(
-                r["case"],
-                r["impl"],
-                r.get("ms"),
-                _gib(r.get("peak_bytes")),
-                r.get("error"),
-                floor=r.get("floor_ms"),
-                saved_mib=(r.get("saved_bytes") or 0) / 2**20,
-                max_err=max(r.get("err", {}).values(), default=None),
-            )
-            for r in data["rows"]
-        ]
-    if k == "medusa_e2e":
-        return [
-            _row(
-                f"stage {r['stage']} K={r['heads']} b={r['batch']}",
-                r["impl"],
-                r.get("step_time_s"),
-                r.get("peak_mem_gib"),
-                "OOM" if r["oom"] else None,
-                tokens_per_s=r.get("tokens_per_s"),
-            )
-            for r in data["runs"]
-        ]
-    if k == "e2e":
-        return [
-            _row(
-                e2e_case(r),
-                r["impl"],
-                r.get("step_time_s"),
-                r.get("peak_mem_gib"),
-                "OOM" if r.get("oom") else r.get("error"),
-                tokens_per_s=r.get("tokens_per_s"),
-            )
-            for r in data["sweep"]
-        ]
-    if k == "longctx":
-        return [
-            _row(
-                f"{r['shape']} {r['task']} {r['loss']} {r['tokens']} tok",
-                r["impl"],
-                r.get("step_time_s"),
-                r.get("peak_mem_gib"),
-                "OOM" if r.get("oom") else r.get("error"),
-                host=r.get("host_peak_gib"),
-            )
-            for r in data["rows"]
-        ]
-    if k in ("profile", "floor"):
-        return [
-            _row(
-                r["case"], r["impl"], r.get("ms"), r.get("peak_mem_gib"), r.get("error"), **r.get("parts", {})
-            )
-            for r in data["rows"]
-        ]
-    if k == "multigpu":
-        return [
-            _row(
-                f"{c['trainer']} {c['backend']}",
-                "chunked",
-                c["multi"]["median_step_time_s"],
-                fullest(c["multi"]["peak_memory_gib"]),
-                one_gpu_s=c["single"]["median_step_time_s"],
-                **_parity_cells(c),
-            )
-            for c in data["comparisons"]
-        ]
-    if k == "multigpu_scale":
-        out = []
-        for r in data["runs"]:
-            gc = "on" if r["gradient_checkpointing"] else "off"
-            case = f"{r['model']} {r['trainer']} {r['backend']} gc {gc} b={r['batch']}"
-            off = r["impl"] == "chunked" and not r.get("kernels")  # runs before the switch had no kernels
-            impl = r["impl"] + (" (no kernels)" if off else "")
-            err = None if r["status"] == "ok" else r["status"]
-            out.append(
-                _row(
-                    case,
-                    impl,
-                    r.get("median_step_time_s"),
-                    fullest(r.get("peak_memory_gib")),
-                    err,
-                    tokens_per_s=r.get("tokens_per_s"),
-                )
-            )
-        return out
-    raise ValueError(f"no renderer for result set {name!r}")
+    if kind(name) not in RECORDS:
+        raise ValueError(f"no renderer for result set {name!r}")
+    key, rows = RECORDS[kind(name)]
+    return [row for r in data[key] for row in rows(r)]
 
 
 def _parity_cells(c: dict) -> dict:
