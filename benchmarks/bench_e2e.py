@@ -39,9 +39,7 @@ import importlib.util
 import json
 import logging
 import os
-import pathlib
 import statistics
-import subprocess
 import sys
 import tempfile
 
@@ -49,8 +47,10 @@ import torch
 
 from benchmarks.harness import (
     LOSSES,
+    SHAPES,
     TRAINER_IMPLS,
     StepTimer,
+    command,
     counting_dataset,
     error_text,
     free_memory,
@@ -58,29 +58,19 @@ from benchmarks.harness import (
     kernel_time,
     kernels_available,
     make_trainer,
-    profile_window,
+    profile_steps,
     random_model,
+    run_worker,
+    split_choices,
     stamp,
     timed_ms,
 )
 from benchmarks.report import e2e_case, write_json
 
-LLAMA3 = dict(vocab=128256, kv=8, tied=True)
-SHAPES = {
-    "llama-3.2-1b": dict(LLAMA3, hidden=2048, inter=8192, layers=16, heads=32, head_dim=64),
-    "llama-3.2-3b": dict(LLAMA3, hidden=3072, inter=8192, layers=28, heads=24, head_dim=128),
-    "llama-3.1-8b": dict(LLAMA3, hidden=4096, inter=14336, layers=32, heads=32, head_dim=128, tied=False),
-    "qwen3-0.6b": dict(family="qwen3", vocab=151936, hidden=1024, inter=3072, layers=28, heads=16, kv=8,
-                       head_dim=128, tied=True),
-    "qwen3-4b": dict(family="qwen3", vocab=151936, hidden=2560, inter=9728, layers=36, heads=32, kv=8,
-                     head_dim=128, tied=True),
-    "qwen3-8b": dict(family="qwen3", vocab=151936, hidden=4096, inter=12288, layers=36, heads=32, kv=8,
-                     head_dim=128, tied=False),
-    "tiny": dict(vocab=4096, hidden=64, inter=128, layers=2, heads=4, kv=2, head_dim=16, tied=True),
-}  # fmt: skip
 TASKS = ("full", "lora", "qlora")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA_RANK = 16
+LORA = dict(r=LORA_RANK, lora_alpha=2 * LORA_RANK, lora_dropout=0.0, target_modules=LORA_TARGETS)
 # Sequences per example: DPO and ORPO train a chosen and a rejected sequence.
 ROWS_PER_EXAMPLE = {"dpo": 2, "orpo": 2}
 # Forward passes without grad per step: DPO's reference, GKD's teacher; KTO's reference on the completions
@@ -88,8 +78,6 @@ ROWS_PER_EXAMPLE = {"dpo": 2, "orpo": 2}
 NO_GRAD_FORWARDS = {"dpo": 1, "gkd": 1, "kto": 3, "rloo": 1}
 
 
-# Profile: kernel kinds by substrings of the kernel name, first match wins; torch's own kernels ("at::")
-# that match nothing are "other", any other unmatched kernel is a Triton kernel.
 def build_model(a, seed: int = 0):
     """``a.shape``'s model with random weights from ``seed`` (4-bit nf4 for ``qlora``), bf16 on CUDA."""
     s = SHAPES[a.shape]
@@ -104,7 +92,6 @@ def build_model(a, seed: int = 0):
         seed,
         tiny_tokenizer(),
         num_hidden_layers=a.layers or s["layers"],
-        tie_word_embeddings=s["tied"],
         max_position_embeddings=max(4096, a.seq),
     )
     if a.task != "qlora":
@@ -140,14 +127,7 @@ def unsloth_model(a, tokenizer):
         )
     if a.task == "full":
         return model
-    return FastLanguageModel.get_peft_model(
-        model,
-        r=LORA_RANK,
-        lora_alpha=2 * LORA_RANK,
-        lora_dropout=0.0,
-        target_modules=LORA_TARGETS,
-        use_gradient_checkpointing=gc,
-    )
+    return FastLanguageModel.get_peft_model(model, **LORA, use_gradient_checkpointing=gc)
 
 
 def peft_config(task: str):
@@ -155,13 +135,7 @@ def peft_config(task: str):
         return None
     from peft import LoraConfig
 
-    return LoraConfig(
-        r=LORA_RANK,
-        lora_alpha=2 * LORA_RANK,
-        lora_dropout=0.0,
-        target_modules=LORA_TARGETS,
-        task_type="CAUSAL_LM",
-    )
+    return LoraConfig(**LORA, task_type="CAUSAL_LM")
 
 
 def setting(a, impl: str) -> dict:
@@ -184,7 +158,7 @@ def setting(a, impl: str) -> dict:
 def train(a, batch: int, profile: bool = False) -> dict:
     """Train ``a.steps`` steps of ``a.impl`` at ``batch`` in this process; the run's measurements."""
     res = {**setting(a, a.impl), "batch": batch, "steps": a.steps, "oom": False}
-    model = ref = trainer = prof = None
+    model = ref = trainer = None
     try:
         if a.impl == "unsloth":  # imported first: it patches transformers, TRL and PEFT as they load
             for k in ("HF_HUB_OFFLINE", "UNSLOTH_DISABLE_STATISTICS"):  # nothing downloaded
@@ -226,10 +200,7 @@ def train(a, batch: int, profile: bool = False) -> dict:
             res["patch"] = lines[0]
         timer = StepTimer()
         trainer.add_callback(timer.callback())
-        if profile:
-            kind = torch.profiler.ProfilerActivity
-            prof = torch.profiler.profile(activities=[kind.CUDA if torch.cuda.is_available() else kind.CPU])
-            trainer.add_callback(profile_window(prof, a.warmup))
+        prof = profile_steps(trainer, a.warmup) if profile else None
         trainer.train()
         times = timer.times[a.warmup :]
         res.update(
@@ -384,32 +355,38 @@ def child_env(impl: str) -> dict | None:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [site, os.environ.get("PYTHONPATH")]))}
 
 
+def sweep_parser(
+    doc: str, *, task: str, steps: int, warmup: int, timeout_s: float
+) -> argparse.ArgumentParser:
+    """The arguments of bench_e2e and bench_longctx, with their defaults."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--shape", choices=tuple(SHAPES), default="llama-3.2-1b")
+    p.add_argument("--task", choices=TASKS, default=task)
+    p.add_argument("--steps", type=int, default=steps, help="training steps per run")
+    p.add_argument("--warmup", type=int, default=warmup, help="steps left out of the timing")
+    p.add_argument("--layers", type=int, default=0, help="decoder layers; 0: the shape's own")
+    p.add_argument("--timeout-s", type=float, default=timeout_s, help="per implementation's process")
+    p.add_argument("--out", required=True, help="result json file")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shape", choices=tuple(SHAPES), default="llama-3.2-1b")
-    p.add_argument("--task", choices=TASKS, default="full")
+    p = sweep_parser(__doc__, task="full", steps=10, warmup=3, timeout_s=300)
     p.add_argument("--loss", choices=LOSSES, default="sft")
     p.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
     p.add_argument("--gc", choices=("off", "on"), default="off", help="gradient checkpointing")
     p.add_argument("--impl", default="trl,liger,compile,chunkloss", help=f"comma-separated: {TRAINER_IMPLS}")
     p.add_argument("--batches", default="1,2,4,8,16,32,64,128", help="per-device, in turn until an OOM")
-    p.add_argument("--steps", type=int, default=10, help="training steps per batch")
-    p.add_argument("--warmup", type=int, default=3, help="steps left out of the timing")
-    p.add_argument("--layers", type=int, default=0, help="decoder layers; 0: the shape's own")
     p.add_argument("--medusa-heads", type=int, default=3, help="medusa: K heads")
     p.add_argument("--medusa-stage", type=int, choices=(1, 2), default=1, help="medusa: 1 heads, 2 joint")
     p.add_argument("--no-kernels", dest="kernels", action="store_false", help="chunkloss: no chunk_kernels")
     p.add_argument("--profile", action="store_true", help="torch.profiler's kernel time by kind, one impl")
     p.add_argument("--floor", action="store_true", help="the step's GEMMs and attention timed alone")
-    p.add_argument("--timeout-s", type=float, default=300, help="per implementation's process")
-    p.add_argument("--out", required=True, help="result json file")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     a.batches = [int(b) for b in a.batches.split(",") if b]
-    impls = [i for i in a.impl.split(",") if i]
-    if not impls or set(impls) - set(TRAINER_IMPLS):
-        p.error(f"--impl: choose from {', '.join(TRAINER_IMPLS)}, got {a.impl!r}")
+    impls = split_choices(p, "--impl", a.impl, TRAINER_IMPLS)
     if a.steps - a.warmup < 5 and not (a.shape == "tiny"):
         p.error("--steps must leave at least 5 timed steps after --warmup")
     if a.profile and (len(impls) != 1 or len(a.batches) != 1):
@@ -421,22 +398,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     mode = "floor" if a.floor else "profile" if a.profile else "e2e"
     key = "sweep" if mode == "e2e" else "rows"
-    data = {"stamp": stamp(command="python -m benchmarks.bench_e2e " + " ".join(argv)), "mode": mode, key: []}
+    data = {"stamp": stamp(command=command("bench_e2e", argv)), "mode": mode, key: []}
     for impl in ["floor"] if a.floor else impls:
-        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-            part = f.name
-        cmd = [sys.executable, "-m", "benchmarks.bench_e2e", *argv, "--worker", "--out", part]
-        if not a.floor:
-            cmd += ["--impl", impl]
-        try:
-            rc = subprocess.run(cmd, timeout=a.timeout_s, env=child_env(impl)).returncode
-            error = None if rc == 0 else f"process exited with status {rc}"
-        except subprocess.TimeoutExpired:
-            error = f"timed out after {a.timeout_s:.0f} s"
-        if error is None:
-            rows = json.loads(pathlib.Path(part).read_text())
-            pathlib.Path(part).unlink()
-        else:
+        one = [] if a.floor else ["--impl", impl]
+        rows, error = run_worker("bench_e2e", [*argv, *one], a.timeout_s, child_env(impl))
+        if error is not None:
             rows = [{**setting(a, impl), "batch": a.batches[0], "oom": False, "error": error}]
             rows[0] = {"case": e2e_case(rows[0]), **rows[0]} if mode != "e2e" else rows[0]
         data[key] += rows

@@ -19,6 +19,9 @@ import os
 import pathlib
 import re
 import statistics
+import subprocess
+import sys
+import tempfile
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,6 +48,52 @@ def stamp(command: str = "", gpus: int | None = None) -> dict:
     versions["torch"] = torch.__version__
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     return {"date": date, "gpu": gpu, "versions": versions, "command": command}
+
+
+LLAMA3 = dict(vocab=128256, kv=8, tied=True)
+# Real models' shapes, for random weights; tied: the LM head shares the input embedding's weight.
+SHAPES = {
+    "llama-3.2-1b": dict(LLAMA3, hidden=2048, inter=8192, layers=16, heads=32, head_dim=64),
+    "llama-3.2-3b": dict(LLAMA3, hidden=3072, inter=8192, layers=28, heads=24, head_dim=128),
+    "llama-3.1-8b": dict(LLAMA3, hidden=4096, inter=14336, layers=32, heads=32, head_dim=128, tied=False),
+    "qwen3-0.6b": dict(family="qwen3", vocab=151936, hidden=1024, inter=3072, layers=28, heads=16, kv=8,
+                       head_dim=128, tied=True),
+    "qwen3-4b": dict(family="qwen3", vocab=151936, hidden=2560, inter=9728, layers=36, heads=32, kv=8,
+                     head_dim=128, tied=True),
+    "qwen3-8b": dict(family="qwen3", vocab=151936, hidden=4096, inter=12288, layers=36, heads=32, kv=8,
+                     head_dim=128, tied=False),
+    "tiny": dict(vocab=4096, hidden=64, inter=128, layers=2, heads=4, kv=2, head_dim=16, tied=True),
+}  # fmt: skip
+
+
+def command(module: str, argv: list[str] | None) -> str:
+    """The command line ``python -m benchmarks.<module>`` with ``argv`` (``sys.argv[1:]`` if None)."""
+    return " ".join([f"python -m benchmarks.{module}", *(sys.argv[1:] if argv is None else argv)])
+
+
+def split_choices(parser, flag: str, text: str, allowed) -> list[str]:
+    """``flag``'s comma-separated ``text`` as a list, or ``parser``'s error when it names none or another than
+    ``allowed``."""
+    items = [i for i in text.split(",") if i]
+    if not items or set(items) - set(allowed):
+        parser.error(f"{flag}: choose from {', '.join(allowed)}, got {text!r}")
+    return items
+
+
+def run_worker(module: str, argv: list[str], timeout_s: float, env: dict | None = None):
+    """``python -m benchmarks.<module> <argv> --worker --out PART`` in a process of its own: the rows it wrote
+    to PART (none if it wrote nothing) and why it failed (None when it exited with status 0)."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        part = pathlib.Path(f.name)
+    cmd = [sys.executable, "-m", f"benchmarks.{module}", *argv, "--worker", "--out", str(part)]
+    try:
+        rc = subprocess.run(cmd, timeout=timeout_s, env=env).returncode
+        error = None if rc == 0 else f"process exited with status {rc}"
+    except subprocess.TimeoutExpired:
+        error = f"timed out after {timeout_s:.0f} s"
+    rows = json.loads(part.read_text()) if part.stat().st_size else []
+    part.unlink()
+    return rows, error
 
 
 @dataclass
@@ -97,10 +146,9 @@ def record_pid(run_dir) -> None:
 
 
 def random_model(shape: dict, device, dtype, seed: int, tokenizer=None, **config):
-    """A causal LM of ``shape`` (``family`` (default llama), ``vocab``, ``hidden``, ``inter``, ``layers``,
-    ``heads``, ``kv``, ``head_dim``) with random weights from ``seed``, built directly on ``device`` in
-    ``dtype``; the pad, EOS and BOS ids from ``tokenizer`` when given; ``config`` adds or overrides config
-    fields."""
+    """A causal LM of ``shape`` (a ``SHAPES`` entry) with random weights from ``seed``, built directly on
+    ``device`` in ``dtype``; the pad, EOS and BOS ids from ``tokenizer`` when given; ``config`` adds or
+    overrides config fields."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     fields = dict(
@@ -111,6 +159,7 @@ def random_model(shape: dict, device, dtype, seed: int, tokenizer=None, **config
         num_attention_heads=shape["heads"],
         num_key_value_heads=shape["kv"],
         head_dim=shape["head_dim"],
+        tie_word_embeddings=shape["tied"],
     )
     if tokenizer is not None:
         fields.update({f"{k}_token_id": getattr(tokenizer, f"{k}_token_id") for k in ("pad", "eos", "bos")})
@@ -527,9 +576,12 @@ def kernel_time(prof, wall_s: float, steps: int) -> dict:
     return out
 
 
-def profile_window(prof, warmup: int):
-    """A callback that profiles the steps after ``warmup``."""
+def profile_steps(trainer, warmup: int):
+    """A ``torch.profiler`` of CUDA kernels (CPU ops off CUDA) over ``trainer``'s steps after ``warmup``."""
     from transformers import TrainerCallback
+
+    activity = torch.profiler.ProfilerActivity
+    prof = torch.profiler.profile(activities=[activity.CUDA if torch.cuda.is_available() else activity.CPU])
 
     class Window(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
@@ -541,7 +593,8 @@ def profile_window(prof, warmup: int):
                 torch.cuda.synchronize()
             prof.stop()
 
-    return Window()
+    trainer.add_callback(Window())
+    return prof
 
 
 def peak_memory_gib(trainer) -> list[dict] | None:

@@ -193,19 +193,7 @@ def _real_trainer(a, batch: int):
 
     tok = tiny_tokenizer()
     model = build_model(a.model, tok, a.seq_len)
-    return build_trainer(
-        a.trainer,
-        "chunked",
-        model,
-        tok,
-        seq_len=a.seq_len,
-        batch=batch,
-        rows=256,
-        steps=a.steps,
-        out_dir=str(a.out / "trainer"),
-        gc=a.gradient_checkpointing,
-        accumulate=a.accumulate,
-    )
+    return build_trainer(a, "chunked", model, tok, batch, rows=256, accumulate=a.accumulate)
 
 
 def run(a, batch: int) -> None:

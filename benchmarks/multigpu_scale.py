@@ -39,10 +39,10 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from benchmarks.bench_e2e import SHAPES  # noqa: E402
 from benchmarks.harness import (  # noqa: E402
     MULTIGPU_TRAINERS,
     NUM_GENERATIONS,
+    SHAPES,
     StepTimer,
     counting_dataset,
     failure_reason,
@@ -52,14 +52,13 @@ from benchmarks.harness import (  # noqa: E402
     kernels_available,
     make_trainer,
     peak_memory_gib,
-    profile_window,
+    profile_steps,
     random_model,
     record_pid,
     stamp,
 )
 from benchmarks.report import fullest, write_json, write_set  # noqa: E402
 
-# Shapes of the models (random weights), bench_e2e's; tied: the LM head shares the input embedding's weight.
 MODELS = {
     "tiny": dict(family="qwen3", vocab=4096, hidden=64, inter=128, layers=2, heads=4, kv=2, head_dim=16,
                  tied=True),
@@ -72,6 +71,15 @@ DEFAULT_BATCHES = [1, 2, 4, 8, 16, 32, 64]
 SEED = 0
 RESULT, PROFILE = "multigpu_scale", "profile_multigpu"
 COMMAND = "bash benchmarks/multigpu_scale.sh OUT"
+# A run's fields in the summary, in this order.
+SUMMARY_KEYS = (
+    "trainer", "backend", "impl", "model", "seq_len", "world", "gradient_checkpointing", "dtype",
+    "chunk_compile", "kernels", "batch", "steps", "warmup", "status", "oom_ranks", "reason", "skipped",
+    "error",
+    "median_step_time_s", "step_times_s", "tokens_per_step", "tokens_per_s", "tokens_per_s_per_gpu",
+    "peak_memory_gib", "peak_memory_gib_at_oom", "allocated_before_gib", "train_begin_allocated_gib_rank0",
+    "distributed_type", "build_s", "setup_s", "train_s", "wall_s", "losses",
+)  # fmt: skip
 # Memory a batch may find still allocated from the earlier batches of its process before the summary names it.
 LEFTOVER_GIB = 0.5
 
@@ -120,48 +128,21 @@ def build_model(model: str, tokenizer, seq_len: int):
         dtype,
         SEED,
         tokenizer,
-        tie_word_embeddings=s["tied"],
         max_position_embeddings=max(4096, 2 * seq_len),
     )
 
 
-def build_trainer(
-    kind: str,
-    impl: str,
-    model,
-    tokenizer,
-    *,
-    seq_len: int,
-    batch: int,
-    rows: int,
-    steps: int,
-    out_dir: str,
-    gc: bool,
-    kernels: bool = True,
-    chunk_compile: bool = True,
-    accumulate: int = 1,
-):
-    """``kind``'s trainer of ``impl`` (``IMPLS``) on ``model``: ``rows`` counting examples of ``seq_len``
-    tokens, ``accumulate`` micro-batches of ``batch`` per step. DPO's reference is the initial policy, given:
-    TRL would load it from the policy's path, which a random model lacks."""
-    ds = counting_dataset(kind, rows, seq_len)
-    ref = copy.deepcopy(model).requires_grad_(False) if kind == "dpo" else None
-    return make_trainer(
-        kind,
-        HARNESS_IMPL[impl],
-        model,
-        tokenizer,
-        ds,
-        out_dir=out_dir,
-        batch=batch,
-        steps=steps,
-        seq=seq_len,
-        gc=gc,
-        ref=ref,
-        kernels=kernels,
-        chunk_compile=chunk_compile,
-        accumulate=accumulate,
+def build_trainer(a, impl: str, model, tokenizer, batch: int, rows: int, **options):
+    """``a.trainer``'s trainer of ``impl`` (``IMPLS``) on ``model``: ``rows`` counting examples of
+    ``a.seq_len`` tokens, ``a.steps`` steps at per-GPU ``batch``; ``options``: more of
+    ``harness.make_trainer``'s. DPO's reference is the initial policy, given: TRL would load it from the
+    policy's path, which a random model lacks."""
+    ds = counting_dataset(a.trainer, rows, a.seq_len)
+    ref = copy.deepcopy(model).requires_grad_(False) if a.trainer == "dpo" else None
+    run = dict(
+        out_dir=str(a.out / "trainer"), batch=batch, steps=a.steps, seq=a.seq_len, gc=a.gradient_checkpointing
     )
+    return make_trainer(a.trainer, HARNESS_IMPL[impl], model, tokenizer, ds, ref=ref, **run, **options)
 
 
 class TokenCount:
@@ -208,31 +189,14 @@ def _train(batch: int, a, tokenizer, t0: float) -> dict:
     """Build the model and the trainer, train ``a.steps`` steps at per-GPU ``batch`` and measure them (``t0``:
     when the batch started). What it builds is referenced from its frame only: ``run_batch`` collects it once
     it returns."""
-    cuda = torch.cuda.is_available()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     model = build_model(a.model, tokenizer, a.seq_len)
     t1 = time.perf_counter()
-    trainer = build_trainer(
-        a.trainer,
-        a.impl,
-        model,
-        tokenizer,
-        seq_len=a.seq_len,
-        batch=batch,
-        rows=max(2 * batch * world, 8),
-        steps=a.steps,
-        out_dir=str(a.out / "trainer"),
-        gc=a.gradient_checkpointing,
-        kernels=a.kernels == "on",
-        chunk_compile=a.chunk_compile,
-    )
+    rows, options = max(2 * batch * world, 8), dict(kernels=a.kernels == "on", chunk_compile=a.chunk_compile)
+    trainer = build_trainer(a, a.impl, model, tokenizer, batch, rows, **options)
     timer, tokens = StepTimer(), TokenCount(model)
     trainer.add_callback(timer.callback(after_step=tokens.end_step))
-    prof = None
-    if a.profile:
-        kind = torch.profiler.ProfilerActivity
-        prof = torch.profiler.profile(activities=[kind.CUDA if cuda else kind.CPU])
-        trainer.add_callback(profile_window(prof, a.warmup))
+    prof = profile_steps(trainer, a.warmup) if a.profile else None
     t2 = time.perf_counter()
     trainer.train()
     t3 = time.perf_counter()
@@ -449,41 +413,6 @@ def summary(folder: Path) -> dict:
     ok = [r for r in runs if r.get("stamp")]
     st = dict(ok[0]["stamp"]) if ok else stamp()
     st["command"] = COMMAND
-    keep = (
-        "trainer",
-        "backend",
-        "impl",
-        "model",
-        "seq_len",
-        "world",
-        "gradient_checkpointing",
-        "dtype",
-        "chunk_compile",
-        "kernels",
-        "batch",
-        "steps",
-        "warmup",
-        "status",
-        "oom_ranks",
-        "reason",
-        "skipped",
-        "error",
-        "median_step_time_s",
-        "step_times_s",
-        "tokens_per_step",
-        "tokens_per_s",
-        "tokens_per_s_per_gpu",
-        "peak_memory_gib",
-        "peak_memory_gib_at_oom",
-        "allocated_before_gib",
-        "train_begin_allocated_gib_rank0",
-        "distributed_type",
-        "build_s",
-        "setup_s",
-        "train_s",
-        "wall_s",
-        "losses",
-    )
     profiled = [r for r in runs if r.get("profile")]
     if profiled:
         prof_stamp = {**st, "command": f"CHUNKLOSS_PROFILE=1 {COMMAND}"}
@@ -492,7 +421,7 @@ def summary(folder: Path) -> dict:
             PROFILE,
             {"stamp": prof_stamp, "mode": "profile", "rows": [profile_row(r) for r in profiled]},
         )
-    rows = [{k: r[k] for k in keep if k in r} for r in runs if not r.get("profile")]
+    rows = [{k: r[k] for k in SUMMARY_KEYS if k in r} for r in runs if not r.get("profile")]
     models = sorted({r["model"] for r in rows if r.get("model") in MODELS})
     data = {
         "stamp": st,
