@@ -116,6 +116,23 @@ class Case:
         return self.floor_flops / (PEAK_TFLOPS * 1e12) * 1e3
 
 
+def optional(module: str, name: str):
+    """``module.name``, or None when it does not import: a peer is offered only where it is installed."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+
+
+def head_inputs(device, *rows: int, hidden: int, vocab: int):
+    """A generator seeded 0, then from it an LM head's bf16 leaves on ``device``: ``hidden`` (*rows, H) drawn
+    from N(0, 0.5²) and ``weight`` (V, H) from N(0, 0.02²)."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = (torch.randn(*rows, hidden, generator=g) * 0.5).to(device, torch.bfloat16).requires_grad_()
+    weight = (torch.randn(vocab, hidden, generator=g) * 0.02).to(device, torch.bfloat16).requires_grad_()
+    return g, x, weight
+
+
 def is_oom(e: BaseException) -> bool:
     """Whether ``e`` is the GPU running out of memory: PyTorch's error, or cuBLAS failing to allocate its
     workspace (reported as a RuntimeError of its own)."""
