@@ -1,19 +1,14 @@
 """End to end: one training step of TRL's trainers, the peers a user picks with one flag, and chunkloss's.
 
-Implementations (``--impl``, ``harness.make_trainer``), each in its own process (Liger patches transformers'
-classes process-wide): ``trl``, ``liger``, ``compile``, ``chunkloss`` (``--no-kernels``: no
-``chunk_kernels``) and ``unsloth`` (Unsloth's loader, 4-bit under ``qlora``, and its LoRA on the same weights
-and projections, then TRL's trainer as Unsloth patches it). Unsloth pins an older TRL and datasets:
-``CHUNKLOSS_UNSLOTH_SITE=DIR`` (a ``pip install --target DIR``) puts DIR first on the ``PYTHONPATH`` of the
-unsloth process only.
-
-Losses (``--loss``): ``sft``, ``dpo`` (the reference is the initial policy, or the adapter-free model under
-LoRA), ``grpo`` (fixed completions, nothing sampled), ``orpo``, ``gkd`` (off-policy, a teacher of the same
-shape), ``medusa`` (``--medusa-heads``, ``--medusa-stage``; its peer, ``--impl trl``, is Medusa's own loss
-on materialised fp32 logits), ``kto`` (the reference as DPO's, the KL batch TRL builds; batches of 2 or more)
-and ``rloo`` (fixed completions as GRPO's, β=0). Tasks (``--task``): ``full``, ``lora`` (PEFT LoRA r=16 on
-q/k/v/o/gate/up/down, bf16 base) and ``qlora`` (the same on a bitsandbytes 4-bit nf4 base). Shapes
-(``--shape``): real models' configs with random weights.
+Implementations (``--impl``), each in its own process (Liger patches transformers' classes process-wide):
+``trl``, ``liger``, ``compile``, ``chunkloss`` (``--no-kernels``: no ``chunk_kernels``) and ``unsloth``
+(Unsloth's loader, 4-bit under ``qlora``, and its LoRA on the same weights, then TRL's trainer as Unsloth
+patches it; ``CHUNKLOSS_UNSLOTH_SITE=DIR``, a ``pip install --target DIR`` of the older TRL and datasets it
+pins, leads that process's ``PYTHONPATH``). Losses (``--loss``): ``harness.LOSSES`` as
+``harness.make_trainer`` sets them up (Medusa: ``--medusa-heads``, ``--medusa-stage``; its peer, ``--impl
+trl``, is Medusa's own loss on materialised fp32 logits). Tasks (``--task``): ``full``, ``lora`` (PEFT LoRA
+r=16 on q/k/v/o/gate/up/down, bf16 base) and ``qlora`` (the same on a bitsandbytes 4-bit nf4 base). Shapes
+(``--shape``): ``harness.SHAPES`` with random weights.
 
 Per implementation, the batches of ``--batches`` run in turn until the first OOM, ``--steps`` steps each;
 step time is the median after ``--warmup``; peak memory is the highest CUDA memory allocated during training
@@ -25,8 +20,7 @@ minus what was allocated when it began. A chunkloss row with its kernels keeps t
         --steps 6 --warmup 1 --out /tmp/e2e/smoke.json                                   # CPU smoke run
 
 ``--profile`` (one implementation, one batch): CUDA kernel time per step by kind (``harness.kernel_time``).
-``--floor``: the step's GEMMs and attention timed alone (:func:`floor`), with ``--task qlora`` also the
-dequantisation of each 4-bit weight (:func:`dequant_ms`).
+``--floor``: the step's GEMMs and attention timed alone, with ``--task qlora`` the 4-bit dequantisation too.
 """
 
 from __future__ import annotations
@@ -85,15 +79,8 @@ def build_model(a, seed: int = 0):
     dtype = torch.bfloat16 if cuda else torch.float32
     from chunkloss.data import tiny_tokenizer
 
-    model = random_model(
-        s,
-        "cuda" if cuda else "cpu",
-        dtype,
-        seed,
-        tiny_tokenizer(),
-        num_hidden_layers=a.layers or s["layers"],
-        max_position_embeddings=max(4096, a.seq),
-    )
+    config = dict(num_hidden_layers=a.layers or s["layers"], max_position_embeddings=max(4096, a.seq))
+    model = random_model(s, "cuda" if cuda else "cpu", dtype, seed, tiny_tokenizer(), **config)
     if a.task != "qlora":
         return model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
@@ -116,14 +103,14 @@ def unsloth_model(a, tokenizer):
         build_model(argparse.Namespace(**{**vars(a), "task": "full"})).save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         free_memory()
+        task = dict(load_in_4bit=a.task == "qlora", full_finetuning=a.task == "full")
         model, _ = FastLanguageModel.from_pretrained(
             tmp,
             max_seq_length=a.seq,
             dtype=torch.bfloat16,
-            load_in_4bit=a.task == "qlora",
-            full_finetuning=a.task == "full",
             use_gradient_checkpointing=gc,
             offload_embedding=False,
+            **task,
         )
     if a.task == "full":
         return model
@@ -142,17 +129,8 @@ def setting(a, impl: str) -> dict:
     """What a run is, the keys of its case (``report.e2e_case``) first."""
     medusa = {"medusa": f"stage {a.medusa_stage} K={a.medusa_heads}"} if a.loss == "medusa" else {}
     kernels = impl == "chunkloss" and a.kernels and kernels_available()
-    return dict(
-        shape=a.shape,
-        task=a.task,
-        loss=a.loss,
-        **medusa,
-        seq=a.seq,
-        gc=a.gc == "on",
-        impl=impl,
-        layers=a.layers or SHAPES[a.shape]["layers"],
-        kernels=kernels,
-    )
+    case = dict(shape=a.shape, task=a.task, loss=a.loss, **medusa, seq=a.seq, gc=a.gc == "on", impl=impl)
+    return {**case, "layers": a.layers or SHAPES[a.shape]["layers"], "kernels": kernels}
 
 
 def train(a, batch: int, profile: bool = False) -> dict:
@@ -178,24 +156,12 @@ def train(a, batch: int, profile: bool = False) -> dict:
         ds = counting_dataset(a.loss, rows, a.seq // 2 if a.loss == "gkd" else a.seq)
         medusa = dict(num_heads=a.medusa_heads, stage=a.medusa_stage)
         peft = None if a.impl == "unsloth" else peft_config(a.task)  # Unsloth's model has its LoRA
+        run = dict(
+            out_dir=tempfile.mkdtemp(), batch=batch, steps=a.steps, seq=a.seq, gc=a.gc == "on", ref=ref
+        )
+        options = dict(kernels=a.kernels, peft_config=peft, medusa=medusa, config=getattr(a, "extra", None))
         with patch_lines() as lines:
-            trainer = make_trainer(
-                a.loss,
-                a.impl,
-                model,
-                tokenizer,
-                ds,
-                out_dir=tempfile.mkdtemp(),
-                batch=batch,
-                steps=a.steps,
-                seq=a.seq,
-                gc=a.gc == "on",
-                ref=ref,
-                kernels=a.kernels,
-                peft_config=peft,
-                medusa=medusa,
-                config=getattr(a, "extra", None),
-            )
+            trainer = make_trainer(a.loss, a.impl, model, tokenizer, ds, **run, **options)
         if lines:
             res["patch"] = lines[0]
         timer = StepTimer()

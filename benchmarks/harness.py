@@ -273,6 +273,9 @@ UNSLOTH_DEFAULTS = ("optim", "gradient_accumulation_steps", "weight_decay", "war
 MULTIGPU_TRAINERS = ("sft", "dpo", "grpo")
 LOSSES = ("sft", "dpo", "grpo", "orpo", "gkd", "medusa", "kto", "rloo")
 NUM_GENERATIONS = 2
+# The training arguments every implementation shares (besides batch, steps, precision and checkpointing).
+TRAINING = dict(report_to="none", learning_rate=1e-5, logging_steps=1, save_strategy="no", seed=0,
+                dataloader_num_workers=0)  # fmt: skip
 
 
 def kernels_available() -> bool:
@@ -424,32 +427,16 @@ def make_trainer(
     accumulate: int = 1,
     config: dict | None = None,
 ):
-    """``loss``'s trainer of ``impl`` on ``model``: TRL's (``trl``), with ``use_liger_kernel=True``
-    (``liger``), with ``torch_compile=True`` (``compile``), chunkloss's with ``chunk_kernels=kernels``
-    passed explicitly (``chunkloss``; False where the kernels cannot run: :func:`kernels_available`), or as
-    Unsloth patches TRL's (``unsloth``: ``UNSLOTH_DEFAULTS`` as the others have them). ``ref``:
-    DPO's or KTO's reference or GKD's teacher (None with a ``peft_config``: the adapter-free model is the
-    reference). Sequences are ``seq`` tokens; GRPO's and RLOO's fixed completions fill what the prompt leaves;
-    RLOO's β is 0 (TRL builds its reference from the policy's hub name, which a random model lacks).
-    ``medusa``: ``ChunkedMedusaConfig``'s ``medusa_*`` fields (any ``impl`` but chunkloss: Medusa's own loss).
-    ``accumulate``: gradient accumulation steps; ``config``: config fields set last. The same options
-    otherwise for every implementation."""
+    """``loss``'s trainer of ``impl`` (``TRAINER_IMPLS``) on ``model``, the same options for every ``impl``:
+    chunkloss's with ``chunk_kernels=kernels`` (False where they cannot run), the peers as they are picked
+    (Unsloth's with ``UNSLOTH_DEFAULTS`` as the others have them). ``ref``: DPO's or KTO's reference or
+    GKD's teacher (None under ``peft_config``: the adapter-free model is it). GRPO's and RLOO's fixed
+    completions fill what the prompt leaves of ``seq``; RLOO's β is 0 (TRL builds its reference from the
+    policy's hub name, which a random model lacks). ``medusa``: ``ChunkedMedusaConfig``'s ``medusa_*``
+    fields; ``config``: config fields set last."""
     cuda = torch.cuda.is_available()
-    cfg = dict(
-        output_dir=out_dir,
-        report_to="none",
-        per_device_train_batch_size=batch,
-        max_steps=steps,
-        learning_rate=1e-5,
-        logging_steps=1,
-        save_strategy="no",
-        seed=0,
-        bf16=cuda,
-        use_cpu=not cuda,
-        dataloader_num_workers=0,
-        gradient_accumulation_steps=accumulate,
-        **{_checkpointing_field(): gc},
-    )
+    cfg = dict(TRAINING, output_dir=out_dir, per_device_train_batch_size=batch, max_steps=steps, bf16=cuda)
+    cfg.update(use_cpu=not cuda, gradient_accumulation_steps=accumulate, **{_checkpointing_field(): gc})
     chunk = dict(chunk_kernels=kernels and kernels_available(), chunk_compile=chunk_compile and cuda)
     if loss == "medusa":  # both on the chunked trainer's config; the peer swaps in Medusa's own loss
         cfg.update({f"medusa_{k}": v for k, v in (medusa or {}).items()})
@@ -457,24 +444,15 @@ def make_trainer(
     else:
         from transformers import TrainingArguments
 
-        cfg.update(
-            {
-                "liger": dict(use_liger_kernel=True),
-                "compile": dict(torch_compile=True),
-                "unsloth": {k: getattr(TrainingArguments, k) for k in UNSLOTH_DEFAULTS},
-                "chunkloss": chunk,
-            }[impl]
-            if impl != "trl"
-            else {}
-        )
+        unsloth = {k: getattr(TrainingArguments, k) for k in UNSLOTH_DEFAULTS}
+        peers = {"trl": {}, "liger": dict(use_liger_kernel=True), "compile": dict(torch_compile=True)}
+        cfg.update({**peers, "unsloth": unsloth, "chunkloss": chunk}[impl])
     if loss in ("grpo", "rloo"):
         prompt = max(len(tokenizer(p)["input_ids"]) for p in ds["prompt"])
         cfg.update(
-            num_generations=NUM_GENERATIONS,
-            max_completion_length=max(seq - prompt, 1),
-            temperature=1.0,
-            **({"beta": 0.0} if loss == "rloo" else {}),
+            num_generations=NUM_GENERATIONS, max_completion_length=max(seq - prompt, 1), temperature=1.0
         )
+        cfg.update({"beta": 0.0} if loss == "rloo" else {})
     else:
         cfg["max_length"] = seq
     if loss in ("dpo", "kto"):

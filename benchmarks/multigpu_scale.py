@@ -105,13 +105,13 @@ def head_memory(model: str, weight_bytes: int = 2) -> dict:
     s = MODELS[model]
     v, h = s["vocab"], s["hidden"]
     out = {"vocab": v, "hidden": h, "tied": s["tied"], "weight_bytes": weight_bytes}
-    for key, nbytes in (
-        ("gathered_weight", v * h * weight_bytes),
-        ("fp32_accumulator", v * h * 4),
-        ("weight_grad", v * h * weight_bytes),
+    for key, per_entry in (
+        ("gathered_weight", weight_bytes),
+        ("fp32_accumulator", 4),
+        ("weight_grad", weight_bytes),
     ):
-        out[f"{key}_bytes"] = nbytes
-        out[f"{key}_gib"] = nbytes / 2**30
+        out[f"{key}_bytes"] = v * h * per_entry
+        out[f"{key}_gib"] = v * h * per_entry / 2**30
     out["one_chunk_max_rows"] = default_chunk_size(v, weight_bytes, v * h * 4 // 2**20, grad_in_place=True)
     return out
 
@@ -122,14 +122,7 @@ def build_model(model: str, tokenizer, seq_len: int):
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     s, dtype = MODELS[model], torch.bfloat16 if cuda else torch.float32
-    return random_model(
-        s,
-        device,
-        dtype,
-        SEED,
-        tokenizer,
-        max_position_embeddings=max(4096, 2 * seq_len),
-    )
+    return random_model(s, device, dtype, SEED, tokenizer, max_position_embeddings=max(4096, 2 * seq_len))
 
 
 def build_trainer(a, impl: str, model, tokenizer, batch: int, rows: int, **options):
@@ -139,10 +132,10 @@ def build_trainer(a, impl: str, model, tokenizer, batch: int, rows: int, **optio
     policy's path, which a random model lacks."""
     ds = counting_dataset(a.trainer, rows, a.seq_len)
     ref = copy.deepcopy(model).requires_grad_(False) if a.trainer == "dpo" else None
-    run = dict(
-        out_dir=str(a.out / "trainer"), batch=batch, steps=a.steps, seq=a.seq_len, gc=a.gradient_checkpointing
+    run = dict(batch=batch, steps=a.steps, seq=a.seq_len, gc=a.gradient_checkpointing, ref=ref)
+    return make_trainer(
+        a.trainer, HARNESS_IMPL[impl], model, tokenizer, ds, out_dir=str(a.out / "trainer"), **run, **options
     )
-    return make_trainer(a.trainer, HARNESS_IMPL[impl], model, tokenizer, ds, ref=ref, **run, **options)
 
 
 class TokenCount:
@@ -169,20 +162,17 @@ class TokenCount:
 
 
 def _setting(a, world: int) -> dict:
-    cuda = torch.cuda.is_available()
-    return dict(
-        trainer=a.trainer,
-        backend=backend_name(),
-        impl=a.impl,
-        model=a.model,
-        seq_len=a.seq_len,
-        world=world,
-        gradient_checkpointing=a.gradient_checkpointing,
-        chunk_compile=a.impl == "chunked" and a.chunk_compile and cuda,
-        kernels=a.impl == "chunked" and a.kernels == "on" and kernels_available(),
-        dtype="bfloat16" if cuda else "float32",
-        profile=a.profile,
+    cuda, chunked = torch.cuda.is_available(), a.impl == "chunked"
+    out = dict(
+        trainer=a.trainer, backend=backend_name(), impl=a.impl, model=a.model, seq_len=a.seq_len, world=world
     )
+    out.update(
+        gradient_checkpointing=a.gradient_checkpointing, chunk_compile=chunked and a.chunk_compile and cuda
+    )
+    out.update(
+        kernels=chunked and a.kernels == "on" and kernels_available(), dtype="bfloat16" if cuda else "float32"
+    )
+    return {**out, "profile": a.profile}
 
 
 def _train(batch: int, a, tokenizer, t0: float) -> dict:
@@ -210,24 +200,16 @@ def _train(batch: int, a, tokenizer, t0: float) -> dict:
     mine = torch.tensor([float(sum(tokens.per_step[skip:])), float(len(timed))], device=acc.device)
     total = acc.gather(mine[None]).reshape(-1, 2).sum(0).tolist()
     per_step = total[0] / max(total[1] / acc.num_processes, 1)
-    return dict(
-        backend=backend_name(),
-        distributed_type=str(acc.distributed_type),
-        world=acc.num_processes,
-        build_s=t1 - t0,
-        setup_s=t2 - t1,
-        train_s=t3 - t2,
-        steps_s=sum(timer.times),
-        step_times_s=timer.times,
-        median_step_time_s=median,
-        tokens_per_step=per_step,
-        tokens_per_s=per_step / median,
-        tokens_per_s_per_gpu=per_step / median / acc.num_processes,
-        peak_memory_gib=peak_memory_gib(trainer),
-        train_begin_allocated_gib_rank0=timer.allocated_before / 2**30,
-        losses=[h["loss"] for h in trainer.state.log_history if "loss" in h],
-        **parts,
+    n = acc.num_processes
+    out = dict(backend=backend_name(), distributed_type=str(acc.distributed_type), world=n)
+    out.update(
+        build_s=t1 - t0, setup_s=t2 - t1, train_s=t3 - t2, steps_s=sum(timer.times), step_times_s=timer.times
     )
+    out.update(median_step_time_s=median, tokens_per_step=per_step, tokens_per_s=per_step / median)
+    out.update(tokens_per_s_per_gpu=per_step / median / n, peak_memory_gib=peak_memory_gib(trainer))
+    out["train_begin_allocated_gib_rank0"] = timer.allocated_before / 2**30
+    out["losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return {**out, **parts}
 
 
 def run_batch(batch: int, a, tokenizer) -> dict:
@@ -321,11 +303,8 @@ def sweep(a) -> list[dict]:
         if rank == 0:
             write_json(a.out / f"batch_{batch}.json", r)
             peaks = [round(m["allocated"], 2) for m in r["peak_memory_gib"] or []] or "n/a"
-            print(
-                f"[multigpu_scale] batch {batch}: {r['median_step_time_s']:.3f} s/step, "
-                f"{r['tokens_per_s']:.0f} tokens/s, peak GiB per rank {peaks}",
-                flush=True,
-            )
+            speed = f"{r['median_step_time_s']:.3f} s/step, {r['tokens_per_s']:.0f} tokens/s"
+            print(f"[multigpu_scale] batch {batch}: {speed}, peak GiB per rank {peaks}", flush=True)
         prev = r
     return results
 
@@ -392,18 +371,13 @@ def collect(folder: Path) -> tuple[list[dict], list[str]]:
 def profile_row(r: dict) -> dict:
     """A profiled run as a row of the ``profile`` sets: rank 0's kernel time per step by kind."""
     gc = "on" if r["gradient_checkpointing"] else "off"
-    case = f"{r['model']} {r['trainer']} {r['backend']} x{r['world']} {r['seq_len']} tok gc {gc}"
-    case += f" b={r['batch']}"
+    case = (
+        f"{r['model']} {r['trainer']} {r['backend']} x{r['world']} {r['seq_len']} tok gc {gc} b={r['batch']}"
+    )
     error = None if r["status"] == "ok" else r["status"]
     time_ms = r["median_step_time_s"] * 1e3 if r.get("median_step_time_s") else None
-    return dict(
-        case=case,
-        impl=r["impl"],
-        ms=time_ms,
-        error=error,
-        parts=r.get("parts", {}),
-        peak_mem_gib=fullest(r.get("peak_memory_gib")),
-    )
+    parts, peak = r.get("parts", {}), fullest(r.get("peak_memory_gib"))
+    return dict(case=case, impl=r["impl"], ms=time_ms, error=error, parts=parts, peak_mem_gib=peak)
 
 
 def summary(folder: Path) -> dict:
@@ -419,7 +393,7 @@ def summary(folder: Path) -> dict:
         write_set(
             folder,
             PROFILE,
-            {"stamp": prof_stamp, "mode": "profile", "rows": [profile_row(r) for r in profiled]},
+            {"stamp": prof_stamp, "mode": "profile", "rows": list(map(profile_row, profiled))},
         )
     rows = [{k: r[k] for k in SUMMARY_KEYS if k in r} for r in runs if not r.get("profile")]
     models = sorted({r["model"] for r in rows if r.get("model") in MODELS})
@@ -427,9 +401,8 @@ def summary(folder: Path) -> dict:
         "stamp": st,
         "num_generations": NUM_GENERATIONS,
         "head_memory": {m: head_memory(m) for m in models},
-        "runs": rows,
-        "notes": notes,
     }
+    data.update(runs=rows, notes=notes)
     write_set(folder, RESULT, data)
     return data
 
@@ -441,21 +414,28 @@ def _batches(text: str) -> list[int]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def multigpu_parser(doc: str, model: str, out: str) -> argparse.ArgumentParser:
+    """The arguments of multigpu_scale and multigpu_parity: ``model``, ``--model``'s default; ``out``,
+    ``--out``'s help."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--trainer", choices=MULTIGPU_TRAINERS)
+    p.add_argument("--model", choices=tuple(MODELS), default=model)
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (a real shape)")
+    p.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false")
+    p.add_argument("--out", type=Path, help=out)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = multigpu_parser(__doc__, model="qwen3-4b", out="run folder")
     p.add_argument("--impl", choices=IMPLS, default="chunked")
     p.add_argument("--kernels", choices=("on", "off"), default="on", help="chunked: chunk_kernels")
-    p.add_argument("--model", choices=tuple(MODELS), default="qwen3-4b")
-    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
     p.add_argument("--batch-sizes", type=_batches, default=DEFAULT_BATCHES, help="per-GPU, e.g. 1,2,4")
     p.add_argument("--steps", type=int, default=7, help="training steps per batch")
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the median step time")
-    p.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false")
     p.add_argument("--no-chunk-compile", dest="chunk_compile", action="store_false", help="eager chunk step")
     p.add_argument("--profile", action="store_true", help="torch.profiler over the timed steps (rank 0's)")
     p.add_argument("--time-budget-s", type=float, default=0.0, help="from the process start; 0: none")
-    p.add_argument("--out", type=Path, help="run folder")
     p.add_argument("--remaining", type=Path, metavar="RUN_DIR", help="print the batches RUN_DIR still lacks")
     p.add_argument("--summary", type=Path, metavar="DIR", help=f"write DIR/{RESULT}.{{json,md,png}} from DIR")
     p.add_argument("--head-memory", action="store_true", help="print the head's memory per rank per shape")
