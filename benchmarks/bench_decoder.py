@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_apply_rotary_pos_emb
 
-from benchmarks.harness import PEAK_TFLOPS, error_text, peak_extra, stamp, timed_ms
+from benchmarks.harness import PEAK_TFLOPS, command, error_text, peak_extra, split_choices, stamp, timed_ms
 from benchmarks.report import write_set
 from chunkloss.kernels import (
     apply_rotary_pos_emb,
@@ -69,9 +69,6 @@ class Case:
     outputs: tuple[str, ...]  # names of the outputs, for the errors
     floor_ms: float
     reference: Callable  # the eager math, run on fp32 copies for the errors
-
-
-# --- the attention input ----------------------------------------------------------------------------------
 
 
 def attn_in_block(norm, rope):
@@ -117,11 +114,18 @@ def attn_in_norm_recompute(*args):
         return _attn_in_offered(*args)
 
 
-def attn_in_case(model, batch, seq, hidden, n_heads, n_kv, head_dim, device, dtype=torch.bfloat16) -> Case:
+def _leaves(device, dtype):
+    """A generator seeded 0, and ``rand(*shape, scale, shift)``: leaves drawn from it, needing grad."""
     gen = torch.Generator(device="cpu").manual_seed(0)
 
     def rand(*shape, scale=1.0, shift=0.0):
         return (torch.randn(*shape, generator=gen) * scale + shift).to(device, dtype).requires_grad_(True)
+
+    return gen, rand
+
+
+def attn_in_case(model, batch, seq, hidden, n_heads, n_kv, head_dim, device, dtype=torch.bfloat16) -> Case:
+    gen, rand = _leaves(device, dtype)
 
     leaves = {
         "x": rand(batch, seq, hidden),
@@ -140,17 +144,8 @@ def attn_in_case(model, batch, seq, hidden, n_heads, n_kv, head_dim, device, dty
 
     n = batch * seq
     width = (n_heads + 2 * n_kv) * head_dim  # the three projections' output columns together
-    row = {
-        "case": f"{model} B={batch} T={seq}",
-        "model": model,
-        "B": batch,
-        "T": seq,
-        "N": n,
-        "H": hidden,
-        "heads": n_heads,
-        "kv_heads": n_kv,
-        "head_dim": head_dim,
-    }
+    row = dict(case=f"{model} B={batch} T={seq}", model=model, B=batch, T=seq, N=n, H=hidden)
+    row.update(heads=n_heads, kv_heads=n_kv, head_dim=head_dim)
     return Case(
         row=row,
         leaves=leaves,
@@ -163,14 +158,8 @@ def attn_in_case(model, batch, seq, hidden, n_heads, n_kv, head_dim, device, dty
     )
 
 
-# --- the gated MLP ----------------------------------------------------------------------------------------
-
-
 def mlp_case(n, hidden, inter, device, dtype=torch.bfloat16) -> Case:
-    gen = torch.Generator(device="cpu").manual_seed(0)
-
-    def rand(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=gen) * scale).to(device, dtype).requires_grad_(True)
+    gen, rand = _leaves(device, dtype)
 
     leaves = {
         "x": rand(n, hidden),
@@ -189,9 +178,6 @@ def mlp_case(n, hidden, inter, device, dtype=torch.bfloat16) -> Case:
         floor_ms=18 * n * hidden * inter / (PEAK_TFLOPS * 1e12) * 1e3,  # 9 GEMMs of 2·N·H·I FLOPs
         reference=gated_mlp_ref,
     )
-
-
-# --- implementations --------------------------------------------------------------------------------------
 
 
 def _liger(block: str):
@@ -240,9 +226,6 @@ def implementations(block: str, smoke: bool) -> dict:
     if liger is not None:
         impls["liger"] = liger
     return impls
-
-
-# --- measurement ------------------------------------------------------------------------------------------
 
 
 def saved_bytes(fn, case: Case) -> int:
@@ -330,21 +313,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/results", help="folder of the result sets")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script (CPU works)")
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument(
-        "--blocks",
-        default=",".join(BLOCKS),
-        help=f"comma-separated blocks to measure, of {', '.join(BLOCKS)}",
-    )
+    parser.add_argument("--blocks", default=",".join(BLOCKS), help=f"comma-separated, of {', '.join(BLOCKS)}")
     args = parser.parse_args(argv)
-    blocks = [b for b in args.blocks.split(",") if b]
-    if not blocks or set(blocks) - set(BLOCKS):
-        parser.error(f"--blocks takes a comma-separated subset of {', '.join(BLOCKS)}; got {args.blocks!r}")
+    blocks = split_choices(parser, "--blocks", args.blocks, BLOCKS)
     if not torch.cuda.is_available() and not args.smoke:
         print("bench_decoder: no CUDA device; use --smoke to check the script on CPU.", file=sys.stderr)
         return 2
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     warmup, repeats = (1, 2) if args.smoke else (3, max(args.repeats, 5))
-    command = "python -m benchmarks.bench_decoder " + " ".join(argv if argv is not None else sys.argv[1:])
+    st = stamp(command=command("bench_decoder", argv))
     for block in blocks:
         start = time.time()
         impls = implementations(block, args.smoke)
@@ -353,14 +330,9 @@ def main(argv: list[str] | None = None) -> int:
             case = (mlp_case if block == "mlp" else attn_in_case)(*shape, device)
             rows += run_case(case, impls, device, warmup, repeats)
             del case
-        data = {
-            "stamp": stamp(command=command.strip()),
-            "dtype": "bfloat16",
-            "warmup": warmup,
-            "repeats": repeats,
-            "peak_tflops": PEAK_TFLOPS,
-            "rows": rows,
-        }
+        data = dict(
+            stamp=st, dtype="bfloat16", warmup=warmup, repeats=repeats, peak_tflops=PEAK_TFLOPS, rows=rows
+        )
         name = SET_NAMES[block]
         write_set(args.out, name, data)
         print(f"wrote {name}.json, .md and .png under {args.out} in {time.time() - start:.0f} s")

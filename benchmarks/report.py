@@ -246,13 +246,10 @@ def _parity_cells(c: dict) -> dict:
     cells = {}
     for prefix, e in (("", c), ("noise_", c.get("noise") or {})):
         if e:
-            norms = e.get("max_rel_norm_diff") or {}
+            cells[f"{prefix}rel_grad_err"] = e["max_rel_grad_error"]
+            cells[f"{prefix}rel_curve_diff"] = e["max_rel_curve_diff"]
             cells.update(
-                {
-                    f"{prefix}rel_grad_err": e["max_rel_grad_error"],
-                    f"{prefix}rel_curve_diff": e["max_rel_curve_diff"],
-                    **{f"{prefix}rel_norm_diff_{g}": v for g, v in norms.items()},
-                }
+                {f"{prefix}rel_norm_diff_{g}": v for g, v in (e.get("max_rel_norm_diff") or {}).items()}
             )
     return cells
 
@@ -268,17 +265,15 @@ def against_best_peer(rows: list[dict]) -> list[dict]:
         small = min((r for r in peers if r["memory"] is not None), key=lambda r: r["memory"], default=None)
         for r in (r for r in ran if is_ours(r["impl"])):
             mem = small and r["memory"] is not None and small["memory"] and r["memory"] / small["memory"]
-            out.append(
-                {
-                    "case": case,
-                    "impl": r["impl"],
-                    "best_time_peer": fast and fast["impl"],
-                    "time_ratio": fast and r["time"] / fast["time"],
-                    "memory_ratio": mem or None,
-                    "best_memory_peer": small and small["impl"],
-                }
-            )
+            time = dict(best_time_peer=fast and fast["impl"], time_ratio=fast and r["time"] / fast["time"])
+            memory = dict(memory_ratio=mem or None, best_memory_peer=small and small["impl"])
+            out.append(dict(case=case, impl=r["impl"], **time, **memory))
     return out
+
+
+def about(data: dict, meaning: str) -> str:
+    """A set's first line: the command that wrote it, its stamp and what it measures."""
+    return f"`{data['stamp'].get('command', '')}` ({stamp_line(data['stamp'])}). {meaning}"
 
 
 def stamp_line(stamp: dict) -> str:
@@ -297,9 +292,8 @@ def _num(v) -> str:
 
 def rows_table(name: str, rows: list[dict]) -> list[str]:
     unit, mem = KINDS[kind(name)][1], KINDS[kind(name)][2]
-    extra = list(
-        dict.fromkeys(k for r in rows for k in r if k not in ("case", "impl", "time", "memory", "error"))
-    )
+    fixed = ("case", "impl", "time", "memory", "error")
+    extra = list(dict.fromkeys(k for r in rows for k in r if k not in fixed))
     head = ["case", "implementation", f"time ({unit})", mem, *extra]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -322,13 +316,7 @@ def set_md(name: str, data: dict) -> str:
     title, _, _, meaning = KINDS[kind(name)]
     rows = records(name, data)
     summary = summary_table(rows)
-    lines = [
-        f"# {title}",
-        "",
-        f"`{data['stamp'].get('command', '')}` ({stamp_line(data['stamp'])}). {meaning}",
-        *(["", data["model"]] if data.get("model") else []),
-        "",
-    ]
+    lines = [f"# {title}", "", about(data, meaning), *(["", data["model"]] if data.get("model") else []), ""]
     if summary:
         lines += ["Chunkloss against the best peer in each case (below 1: faster / less):", "", *summary, ""]
     lines += rows_table(name, rows)
@@ -393,6 +381,10 @@ def render(out_dir: pathlib.Path, name: str, data: dict) -> None:
     set_png(name, data, out_dir / f"{name}.png")
 
 
+# The set a merged run goes into, by the mode of its file (any other mode: the set of that name).
+MERGED_SETS = {"e2e": "e2e_{task}_{loss}", "longctx": "longctx_{shape}_{task}_{loss}"}
+
+
 def merge(out: pathlib.Path, dirs: list[pathlib.Path]) -> list[str]:
     """Merge the files ``bench_e2e --out`` wrote under ``dirs`` into sets in ``out``: end-to-end runs into
     ``e2e_<task>_<loss>``, profiles into ``profile``, floors into ``floor``, added to the rows already there;
@@ -403,12 +395,7 @@ def merge(out: pathlib.Path, dirs: list[pathlib.Path]) -> list[str]:
         mode = data.get("mode") if isinstance(data, dict) else None
         key = "sweep" if mode == "e2e" else "rows"
         for r in data.get(key, []) if mode else []:
-            if mode == "e2e":
-                name = f"e2e_{r['task']}_{r['loss']}"
-            elif mode == "longctx":
-                name = f"longctx_{r['shape']}_{r['task']}_{r['loss']}"
-            else:
-                name = mode
+            name = MERGED_SETS[mode].format(**r) if mode in MERGED_SETS else mode
             if name not in merged:
                 old = out / f"{name}.json"
                 merged[name] = json.loads(old.read_text()) if old.exists() else {"mode": mode, key: []}
@@ -471,22 +458,13 @@ def docs_page(sets: dict) -> str:
     for name in sorted(sets, key=lambda n: (list(KINDS).index(kind(n)), n)):
         data, (title, _, _, meaning) = sets[name], KINDS[kind(name)]
         summary = summary_table(records(name, data))
-        lines += [
-            "",
-            f"## {title} (`{name}`)",
-            "",
-            f"`{data['stamp'].get('command', '')}` ({stamp_line(data['stamp'])}). {meaning}",
-            "",
-        ]
+        lines += ["", f"## {title} (`{name}`)", "", about(data, meaning), ""]
         if name == "losses":
             lines += [*peer_table(data, list(dict.fromkeys(r["case"] for r in data["rows"]))), ""]
         elif summary:
             lines += [*summary, ""]
-        lines += [
-            f"Every row: [`{name}.md`](../benchmarks/results/{name}.md).",
-            "",
-            f"![{name}](../benchmarks/results/{name}.png)",
-        ]
+        link = f"../benchmarks/results/{name}"
+        lines += [f"Every row: [`{name}.md`]({link}.md).", "", f"![{name}]({link}.png)"]
     return "\n".join(lines) + "\n"
 
 
@@ -505,13 +483,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results", type=pathlib.Path, default=RESULTS, help="folder of the result json files")
     p.add_argument("--docs", type=pathlib.Path, default=ROOT / "docs" / "benchmarks.md")
     p.add_argument("--readme", type=pathlib.Path, default=ROOT / "README.md")
-    p.add_argument(
-        "--merge",
-        type=pathlib.Path,
-        nargs="+",
-        metavar="DIR",
-        help="first merge the bench_e2e files under these folders into --results",
-    )
+    merge_help = "first merge the bench_e2e files under these folders into --results"
+    p.add_argument("--merge", type=pathlib.Path, nargs="+", metavar="DIR", help=merge_help)
     a = p.parse_args(argv)
     if a.merge:
         print("merged", ", ".join(merge(a.results, a.merge)))
