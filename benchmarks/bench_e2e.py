@@ -39,26 +39,8 @@ import tempfile
 
 import torch
 
-from benchmarks.harness import (
-    LOSSES,
-    SHAPES,
-    TRAINER_IMPLS,
-    StepTimer,
-    command,
-    counting_dataset,
-    error_text,
-    free_memory,
-    is_oom,
-    kernel_time,
-    kernels_available,
-    make_trainer,
-    profile_steps,
-    random_model,
-    run_worker,
-    split_choices,
-    stamp,
-    timed_ms,
-)
+from benchmarks import harness
+from benchmarks.harness import SHAPES
 from benchmarks.report import e2e_case, write_json
 
 TASKS = ("full", "lora", "qlora")
@@ -80,7 +62,7 @@ def build_model(a, seed: int = 0):
     from chunkloss.data import tiny_tokenizer
 
     config = dict(num_hidden_layers=a.layers or s["layers"], max_position_embeddings=max(4096, a.seq))
-    model = random_model(s, "cuda" if cuda else "cpu", dtype, seed, tiny_tokenizer(), **config)
+    model = harness.random_model(s, "cuda" if cuda else "cpu", dtype, seed, tiny_tokenizer(), **config)
     if a.task != "qlora":
         return model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
@@ -102,7 +84,7 @@ def unsloth_model(a, tokenizer):
     with tempfile.TemporaryDirectory() as tmp:
         build_model(argparse.Namespace(**{**vars(a), "task": "full"})).save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        free_memory()
+        harness.free_memory()
         task = dict(load_in_4bit=a.task == "qlora", full_finetuning=a.task == "full")
         model, _ = FastLanguageModel.from_pretrained(
             tmp,
@@ -128,7 +110,7 @@ def peft_config(task: str):
 def setting(a, impl: str) -> dict:
     """What a run is, the keys of its case (``report.e2e_case``) first."""
     medusa = {"medusa": f"stage {a.medusa_stage} K={a.medusa_heads}"} if a.loss == "medusa" else {}
-    kernels = impl == "chunkloss" and a.kernels and kernels_available()
+    kernels = impl == "chunkloss" and a.kernels and harness.kernels_available()
     case = dict(shape=a.shape, task=a.task, loss=a.loss, **medusa, seq=a.seq, gc=a.gc == "on", impl=impl)
     return {**case, "layers": a.layers or SHAPES[a.shape]["layers"], "kernels": kernels}
 
@@ -153,7 +135,7 @@ def train(a, batch: int, profile: bool = False) -> dict:
             ref.requires_grad_(False)
         # GKD's collator keeps the prompt whole, so its completions leave room for it (up to --seq tokens).
         rows = getattr(a, "rows", 0) or max(64, batch * a.steps)  # bench_longctx: only what the steps read
-        ds = counting_dataset(a.loss, rows, a.seq // 2 if a.loss == "gkd" else a.seq)
+        ds = harness.counting_dataset(a.loss, rows, a.seq // 2 if a.loss == "gkd" else a.seq)
         medusa = dict(num_heads=a.medusa_heads, stage=a.medusa_stage)
         peft = None if a.impl == "unsloth" else peft_config(a.task)  # Unsloth's model has its LoRA
         run = dict(
@@ -161,12 +143,12 @@ def train(a, batch: int, profile: bool = False) -> dict:
         )
         options = dict(kernels=a.kernels, peft_config=peft, medusa=medusa, config=getattr(a, "extra", None))
         with patch_lines() as lines:
-            trainer = make_trainer(a.loss, a.impl, model, tokenizer, ds, **run, **options)
+            trainer = harness.make_trainer(a.loss, a.impl, model, tokenizer, ds, **run, **options)
         if lines:
             res["patch"] = lines[0]
-        timer = StepTimer()
+        timer = harness.StepTimer()
         trainer.add_callback(timer.callback())
-        prof = profile_steps(trainer, a.warmup) if profile else None
+        prof = harness.profile_steps(trainer, a.warmup) if profile else None
         trainer.train()
         times = timer.times[a.warmup :]
         res.update(
@@ -177,12 +159,12 @@ def train(a, batch: int, profile: bool = False) -> dict:
         )
         res["tokens_per_s"] = batch * ROWS_PER_EXAMPLE.get(a.loss, 1) * a.seq / res["step_time_s"]
         if prof is not None:
-            res["parts"] = kernel_time(prof, sum(times), len(times))
+            res["parts"] = harness.kernel_time(prof, sum(times), len(times))
     except Exception as e:  # noqa: BLE001 - an OOM ends the sweep; another error is the run's result
-        res.update(oom=is_oom(e), error=error_text(e))
+        res.update(oom=harness.is_oom(e), error=harness.error_text(e))
     finally:
         del model, ref, trainer
-        free_memory()
+        harness.free_memory()
     return res
 
 
@@ -207,7 +189,7 @@ def _time_ms(fn, repeats: int = 10) -> float:
     for _ in range(3):
         fn()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return statistics.median(timed_ms(fn, device) for _ in range(repeats))
+    return statistics.median(harness.timed_ms(fn, device) for _ in range(repeats))
 
 
 def _linears(a) -> list[tuple[int, int]]:
@@ -340,10 +322,10 @@ def sweep_parser(
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = sweep_parser(__doc__, task="full", steps=10, warmup=3, timeout_s=300)
-    p.add_argument("--loss", choices=LOSSES, default="sft")
+    p.add_argument("--loss", choices=harness.LOSSES, default="sft")
     p.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
     p.add_argument("--gc", choices=("off", "on"), default="off", help="gradient checkpointing")
-    p.add_argument("--impl", default="trl,liger,compile,chunkloss", help=f"comma-separated: {TRAINER_IMPLS}")
+    p.add_argument("--impl", default="trl,liger,compile,chunkloss", help=f"of {harness.TRAINER_IMPLS}")
     p.add_argument("--batches", default="1,2,4,8,16,32,64,128", help="per-device, in turn until an OOM")
     p.add_argument("--medusa-heads", type=int, default=3, help="medusa: K heads")
     p.add_argument("--medusa-stage", type=int, choices=(1, 2), default=1, help="medusa: 1 heads, 2 joint")
@@ -352,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--floor", action="store_true", help="the step's GEMMs and attention timed alone")
     a = p.parse_args(argv)
     a.batches = [int(b) for b in a.batches.split(",") if b]
-    impls = split_choices(p, "--impl", a.impl, TRAINER_IMPLS)
+    impls = harness.split_choices(p, "--impl", a.impl, harness.TRAINER_IMPLS)
     if a.steps - a.warmup < 5 and not (a.shape == "tiny"):
         p.error("--steps must leave at least 5 timed steps after --warmup")
     if a.profile and (len(impls) != 1 or len(a.batches) != 1):
@@ -364,10 +346,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     mode = "floor" if a.floor else "profile" if a.profile else "e2e"
     key = "sweep" if mode == "e2e" else "rows"
-    data = {"stamp": stamp(command=command("bench_e2e", argv)), "mode": mode, key: []}
+    data = {"stamp": harness.stamp(command=harness.command("bench_e2e", argv)), "mode": mode, key: []}
     for impl in ["floor"] if a.floor else impls:
         one = [] if a.floor else ["--impl", impl]
-        rows, error = run_worker("bench_e2e", [*argv, *one], a.timeout_s, child_env(impl))
+        rows, error = harness.run_worker("bench_e2e", [*argv, *one], a.timeout_s, child_env(impl))
         if error is not None:
             rows = [{**setting(a, impl), "batch": a.batches[0], "oom": False, "error": error}]
             rows[0] = {"case": e2e_case(rows[0]), **rows[0]} if mode != "e2e" else rows[0]

@@ -162,22 +162,19 @@ def record_pid(run_dir) -> None:
     (pids / f"rank{os.environ.get('RANK', '0')}.pid").write_text(str(os.getpid()))
 
 
+# A shape's keys as transformers' config fields.
+CONFIG_FIELDS = dict(vocab="vocab_size", hidden="hidden_size", inter="intermediate_size",
+                     layers="num_hidden_layers", heads="num_attention_heads", kv="num_key_value_heads",
+                     head_dim="head_dim", tied="tie_word_embeddings")  # fmt: skip
+
+
 def random_model(shape: dict, device, dtype, seed: int, tokenizer=None, **config):
     """A causal LM of ``shape`` (a ``SHAPES`` entry) with random weights from ``seed``, built directly on
     ``device`` in ``dtype``; the pad, EOS and BOS ids from ``tokenizer`` when given; ``config`` adds or
     overrides config fields."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    fields = dict(
-        vocab_size=shape["vocab"],
-        hidden_size=shape["hidden"],
-        intermediate_size=shape["inter"],
-        num_hidden_layers=shape["layers"],
-        num_attention_heads=shape["heads"],
-        num_key_value_heads=shape["kv"],
-        head_dim=shape["head_dim"],
-        tie_word_embeddings=shape["tied"],
-    )
+    fields = {field: shape[key] for key, field in CONFIG_FIELDS.items()}
     if tokenizer is not None:
         fields.update({f"{k}_token_id": getattr(tokenizer, f"{k}_token_id") for k in ("pad", "eos", "bos")})
     cfg = AutoConfig.for_model(shape.get("family", "llama"), **{**fields, **config})
@@ -235,13 +232,10 @@ def measure(fn: Callable[[dict], torch.Tensor], inputs: dict, warmup: int = 2, r
     gc.collect()
     loss, peak = peak_extra(step)
     grad_bytes = sum(t.grad.numel() * t.grad.element_size() for t in leaves if t.grad is not None)
-    out = {
-        "ms": statistics.median(times),
-        "ms_all": times,
-        "peak_extra_bytes": peak - grad_bytes,
-        "grad_bytes": grad_bytes,
-        "loss": float(loss.detach().float()),
-    }
+    out = dict(
+        ms=statistics.median(times), ms_all=times, peak_extra_bytes=peak - grad_bytes, grad_bytes=grad_bytes
+    )
+    out["loss"] = float(loss.detach().float())
     for t in leaves:
         t.grad = None
     return out

@@ -30,16 +30,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from benchmarks.harness import (  # noqa: E402
-    MULTIGPU_TRAINERS,
-    StepTimer,
-    failure_reason,
-    fixed_completions,
-    peak_memory_gib,
-    record_pid,
-    stamp,
-    trainer_classes,
-)
+from benchmarks import harness  # noqa: E402
 from benchmarks.report import write_json, write_set  # noqa: E402
 
 STEPS, REAL_STEPS = 20, 30  # the tiny model's, a real shape's
@@ -153,7 +144,7 @@ def _trainer(kind: str, out: Path, steps: int, batch: int, bf16: bool, accumulat
     tok = tiny_tokenizer()
     torch.manual_seed(0)
     model = tiny_model(tok, hidden_size=64, num_layers=2)
-    Config, Trainer = trainer_classes(kind, "chunkloss")
+    Config, Trainer = harness.trainer_classes(kind, "chunkloss")
     run = dict(output_dir=str(out / "trainer"), per_device_train_batch_size=batch, max_steps=steps, bf16=bf16)
     args = Config(
         **TINY_CONFIG, **run, gradient_accumulation_steps=accumulate, **TINY_KIND_CONFIG.get(kind, {})
@@ -162,7 +153,7 @@ def _trainer(kind: str, out: Path, steps: int, batch: int, bf16: bool, accumulat
     if kind == "dpo":  # the reference is given: TRL would load it from the policy's path, which has none
         return Trainer(model, copy.deepcopy(model), args=args, **kw)
     if kind == "grpo":
-        return fixed_completions(Trainer, _short_completion)(model, count_reward, args, **kw)
+        return harness.fixed_completions(Trainer, _short_completion)(model, count_reward, args, **kw)
     return Trainer(model, args, **kw)
 
 
@@ -182,7 +173,7 @@ def run(a, batch: int) -> None:
     grads_step1.pt)."""
     bf16 = torch.cuda.is_available()
     out = a.out
-    record_pid(out)
+    harness.record_pid(out)
     if a.model == "tiny":
         tr, keep = _trainer(a.trainer, out, a.steps, batch, bf16, a.accumulate), lambda name: True
     else:
@@ -190,10 +181,10 @@ def run(a, batch: int) -> None:
         middle = f"layers.{tr.model.config.num_hidden_layers // 2}."
         keep = lambda name: middle in name  # noqa: E731 - the whole model's gradients would not fit
     tap = GradTap(tr, keep)
-    clock = StepTimer()
+    clock = harness.StepTimer()
     tr.add_callback(clock.callback())
     tr.train()
-    memory = peak_memory_gib(tr)
+    memory = harness.peak_memory_gib(tr)
     if tr.accelerator.is_main_process:
         curve = [h["loss"] for h in tr.state.log_history if "loss" in h]
         torch.save(tap.grads, out / "grads_step1.pt")
@@ -304,16 +295,15 @@ def summary(folder: Path, model: str = "tiny") -> dict:
     ``folder/multigpu[_<model>]`` (json, md, png); a run that left none is named in ``notes`` with the reason
     from its ``.error`` file or the backend's ``<backend>.error``."""
     comparisons, notes = [], []
-    for trainer in MULTIGPU_TRAINERS:
+    for trainer in harness.MULTIGPU_TRAINERS:
         for backend in BACKENDS:
             name = run_name(trainer, backend, model)
             f = folder / f"{name}.json"
             if not f.exists():
                 errs = (folder / f"{name}.error", folder / f"{backend}.error")
                 err = next((e for e in errs if e.exists()), None)
-                notes.append(
-                    f"{trainer} / {backend}: {failure_reason(err.read_text()) if err else 'no result'}"
-                )
+                why = harness.failure_reason(err.read_text()) if err else "no result"
+                notes.append(f"{trainer} / {backend}: {why}")
                 continue
             r = json.loads(f.read_text())
             comparisons.append(
@@ -322,7 +312,7 @@ def summary(folder: Path, model: str = "tiny") -> dict:
             if r["missing_grads"] or r["extra_grads"]:
                 notes.append(f"{trainer} / {backend}: missing {r['missing_grads']}, extra {r['extra_grads']}")
     env = "" if model == "tiny" else f"CHUNKLOSS_MODEL={model} "
-    st = stamp(command=f"{env}bash benchmarks/multigpu_run.sh OUT", gpus=torch.cuda.device_count())
+    st = harness.stamp(command=f"{env}bash benchmarks/multigpu_run.sh OUT", gpus=torch.cuda.device_count())
     data = {"stamp": st, "warmup_steps": WARMUP_STEPS, "comparisons": comparisons, "notes": notes}
     if model != "tiny" and comparisons:
         data["model"] = real_setting(comparisons[0])

@@ -39,31 +39,15 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from benchmarks.harness import (  # noqa: E402
-    MULTIGPU_TRAINERS,
-    NUM_GENERATIONS,
-    SHAPES,
-    StepTimer,
-    counting_dataset,
-    failure_reason,
-    free_memory,
-    is_oom,
-    kernel_time,
-    kernels_available,
-    make_trainer,
-    peak_memory_gib,
-    profile_steps,
-    random_model,
-    record_pid,
-    stamp,
-)
+from benchmarks import harness  # noqa: E402
+from benchmarks.harness import make_trainer  # noqa: E402
 from benchmarks.report import fullest, write_json, write_set  # noqa: E402
 
 MODELS = {
     "tiny": dict(family="qwen3", vocab=4096, hidden=64, inter=128, layers=2, heads=4, kv=2, head_dim=16,
                  tied=True),
-    "qwen3-4b": SHAPES["qwen3-4b"],
-    "llama3-8b": SHAPES["llama-3.1-8b"],
+    "qwen3-4b": harness.SHAPES["qwen3-4b"],
+    "llama3-8b": harness.SHAPES["llama-3.1-8b"],
 }  # fmt: skip
 IMPLS = ("chunked", "trl", "liger")
 HARNESS_IMPL = {"chunked": "chunkloss", "trl": "trl", "liger": "liger"}  # harness.make_trainer's names
@@ -122,7 +106,9 @@ def build_model(model: str, tokenizer, seq_len: int):
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     s, dtype = MODELS[model], torch.bfloat16 if cuda else torch.float32
-    return random_model(s, device, dtype, SEED, tokenizer, max_position_embeddings=max(4096, 2 * seq_len))
+    return harness.random_model(
+        s, device, dtype, SEED, tokenizer, max_position_embeddings=max(4096, 2 * seq_len)
+    )
 
 
 def build_trainer(a, impl: str, model, tokenizer, batch: int, rows: int, **options):
@@ -130,7 +116,7 @@ def build_trainer(a, impl: str, model, tokenizer, batch: int, rows: int, **optio
     ``a.seq_len`` tokens, ``a.steps`` steps at per-GPU ``batch``; ``options``: more of
     ``harness.make_trainer``'s. DPO's reference is the initial policy, given: TRL would load it from the
     policy's path, which a random model lacks."""
-    ds = counting_dataset(a.trainer, rows, a.seq_len)
+    ds = harness.counting_dataset(a.trainer, rows, a.seq_len)
     ref = copy.deepcopy(model).requires_grad_(False) if a.trainer == "dpo" else None
     run = dict(batch=batch, steps=a.steps, seq=a.seq_len, gc=a.gradient_checkpointing, ref=ref)
     return make_trainer(
@@ -170,7 +156,8 @@ def _setting(a, world: int) -> dict:
         gradient_checkpointing=a.gradient_checkpointing, chunk_compile=chunked and a.chunk_compile and cuda
     )
     out.update(
-        kernels=chunked and a.kernels == "on" and kernels_available(), dtype="bfloat16" if cuda else "float32"
+        kernels=chunked and a.kernels == "on" and harness.kernels_available(),
+        dtype="bfloat16" if cuda else "float32",
     )
     return {**out, "profile": a.profile}
 
@@ -184,16 +171,16 @@ def _train(batch: int, a, tokenizer, t0: float) -> dict:
     t1 = time.perf_counter()
     rows, options = max(2 * batch * world, 8), dict(kernels=a.kernels == "on", chunk_compile=a.chunk_compile)
     trainer = build_trainer(a, a.impl, model, tokenizer, batch, rows, **options)
-    timer, tokens = StepTimer(), TokenCount(model)
+    timer, tokens = harness.StepTimer(), TokenCount(model)
     trainer.add_callback(timer.callback(after_step=tokens.end_step))
-    prof = profile_steps(trainer, a.warmup) if a.profile else None
+    prof = harness.profile_steps(trainer, a.warmup) if a.profile else None
     t2 = time.perf_counter()
     trainer.train()
     t3 = time.perf_counter()
     tokens.remove()
     timed = timer.times[a.warmup :] if len(timer.times) > a.warmup else timer.times
     median = statistics.median(timed)
-    parts = {} if prof is None else {"parts": kernel_time(prof, sum(timed), len(timed))}
+    parts = {} if prof is None else {"parts": harness.kernel_time(prof, sum(timed), len(timed))}
     acc = trainer.accelerator
     # Collective (every rank calls both): the timed steps' tokens on all ranks, and peak memory per rank.
     skip = len(timer.times) - len(timed)
@@ -206,7 +193,7 @@ def _train(batch: int, a, tokenizer, t0: float) -> dict:
         build_s=t1 - t0, setup_s=t2 - t1, train_s=t3 - t2, steps_s=sum(timer.times), step_times_s=timer.times
     )
     out.update(median_step_time_s=median, tokens_per_step=per_step, tokens_per_s=per_step / median)
-    out.update(tokens_per_s_per_gpu=per_step / median / n, peak_memory_gib=peak_memory_gib(trainer))
+    out.update(tokens_per_s_per_gpu=per_step / median / n, peak_memory_gib=harness.peak_memory_gib(trainer))
     out["train_begin_allocated_gib_rank0"] = timer.allocated_before / 2**30
     out["losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return {**out, **parts}
@@ -225,7 +212,7 @@ def run_batch(batch: int, a, tokenizer) -> dict:
     try:
         res.update(_train(batch, a, tokenizer, t0))
     except Exception as e:  # noqa: BLE001 - an OOM ends the sweep; anything else is raised
-        if not is_oom(e):
+        if not harness.is_oom(e):
             raise
         res.update(oom=True, error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
         if cuda:
@@ -234,7 +221,7 @@ def run_batch(batch: int, a, tokenizer) -> dict:
         # After _train's frame (or the OOM's traceback) is gone, nothing outside the batch holds its model,
         # but the model refers to itself (TRL's and chunkloss's trainers set its forward to a method bound to
         # it): only a collection frees it, with the optimizer and accelerator that hold it.
-        free_memory()
+        harness.free_memory()
     res["wall_s"] = time.perf_counter() - t0
     return res
 
@@ -266,11 +253,11 @@ def sweep(a) -> list[dict]:
 
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    record_pid(a.out)
+    harness.record_pid(a.out)
     if rank == 0:
         write_json(a.out / "setting.json", {**_setting(a, world), "batch_sizes": a.batch_sizes})
     tokenizer = tiny_tokenizer()
-    st = stamp(gpus=world)
+    st = harness.stamp(gpus=world)
     results, prev = [], None
     for batch in a.batch_sizes:
         if a.time_budget_s and prev is not None:
@@ -348,7 +335,11 @@ def collect(folder: Path) -> tuple[list[dict], list[str]]:
             b = _batch_of(f)
             if b not in by_batch:
                 errors = sorted(folder.glob(f"{run_dir.name}*.error"), key=lambda e: e.stat().st_mtime)
-                why = failure_reason(errors[-1].read_text()) if errors else "no result and no error file"
+                why = (
+                    harness.failure_reason(errors[-1].read_text())
+                    if errors
+                    else "no result and no error file"
+                )
                 by_batch[b] = {**setting, "batch": b, "status": "failed", "reason": why}
                 notes.append(f"{run_dir.name}, batch {b}: {why}")
         runs += [{**by_batch[b], "run": run_dir.name} for b in sorted(by_batch)]
@@ -364,7 +355,7 @@ def collect(folder: Path) -> tuple[list[dict], list[str]]:
     for err in sorted(folder.glob("*.error")):
         name = err.name.split(".")[0]
         if name not in seen:
-            notes.append(f"{name}: {failure_reason(err.read_text())}")
+            notes.append(f"{name}: {harness.failure_reason(err.read_text())}")
     return runs, notes
 
 
@@ -385,7 +376,7 @@ def summary(folder: Path) -> dict:
     stamped with the first run's date, GPUs and versions; the profiled runs into ``folder/PROFILE``."""
     runs, notes = collect(folder)
     ok = [r for r in runs if r.get("stamp")]
-    st = dict(ok[0]["stamp"]) if ok else stamp()
+    st = dict(ok[0]["stamp"]) if ok else harness.stamp()
     st["command"] = COMMAND
     profiled = [r for r in runs if r.get("profile")]
     if profiled:
@@ -399,7 +390,7 @@ def summary(folder: Path) -> dict:
     models = sorted({r["model"] for r in rows if r.get("model") in MODELS})
     data = {
         "stamp": st,
-        "num_generations": NUM_GENERATIONS,
+        "num_generations": harness.NUM_GENERATIONS,
         "head_memory": {m: head_memory(m) for m in models},
     }
     data.update(runs=rows, notes=notes)
@@ -418,7 +409,7 @@ def multigpu_parser(doc: str, model: str, out: str) -> argparse.ArgumentParser:
     """The arguments of multigpu_scale and multigpu_parity: ``model``, ``--model``'s default; ``out``,
     ``--out``'s help."""
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
-    p.add_argument("--trainer", choices=MULTIGPU_TRAINERS)
+    p.add_argument("--trainer", choices=harness.MULTIGPU_TRAINERS)
     p.add_argument("--model", choices=tuple(MODELS), default=model)
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (a real shape)")
     p.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false")
