@@ -335,11 +335,9 @@ def collect(folder: Path) -> tuple[list[dict], list[str]]:
             b = _batch_of(f)
             if b not in by_batch:
                 errors = sorted(folder.glob(f"{run_dir.name}*.error"), key=lambda e: e.stat().st_mtime)
-                why = (
-                    harness.failure_reason(errors[-1].read_text())
-                    if errors
-                    else "no result and no error file"
-                )
+                why = "no result and no error file"
+                if errors:
+                    why = harness.failure_reason(errors[-1].read_text())
                 by_batch[b] = {**setting, "batch": b, "status": "failed", "reason": why}
                 notes.append(f"{run_dir.name}, batch {b}: {why}")
         runs += [{**by_batch[b], "run": run_dir.name} for b in sorted(by_batch)]
