@@ -32,15 +32,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_
 
 from benchmarks.harness import PEAK_TFLOPS, command, error_text, peak_extra, split_choices, stamp, timed_ms
 from benchmarks.report import write_set
-from chunkloss.kernels import (
-    apply_rotary_pos_emb,
-    attention_input,
-    gated_mlp,
-    gated_mlp_ref,
-    rms_norm,
-    rms_norm_ref,
-    swiglu,
-)
+from chunkloss import kernels as ck
 from chunkloss.models import saved_norms
 
 BLOCKS = ("mlp", "attn_in")
@@ -90,7 +82,7 @@ def attn_in_block(norm, rope):
 
 
 def _kernel_norm(x, w):  # patch's _norm_forward on an input_layernorm: in_place, its dy feeds nothing else
-    return rms_norm(x, w, EPS, 0.0, "llama", True)
+    return ck.rms_norm(x, w, EPS, 0.0, "llama", True)
 
 
 def _offered_norm(x, w):  # the same with offer=True, as patch(norm_recompute=True) runs the pre-norms
@@ -100,10 +92,10 @@ def _offered_norm(x, w):  # the same with offer=True, as patch(norm_recompute=Tr
 
 
 def _kernel_rope(q, k, cos, sin):  # as patch runs it: q and k are fresh projections, rotated in place
-    return apply_rotary_pos_emb(q, k, cos, sin, None, 1, in_place=True)
+    return ck.apply_rotary_pos_emb(q, k, cos, sin, None, 1, in_place=True)
 
 
-attn_in_ref = attn_in_block(lambda x, w: rms_norm_ref(x, w, EPS), hf_apply_rotary_pos_emb)
+attn_in_ref = attn_in_block(lambda x, w: ck.rms_norm_ref(x, w, EPS), hf_apply_rotary_pos_emb)
 attn_in_unfused = attn_in_block(_kernel_norm, _kernel_rope)
 _attn_in_offered = attn_in_block(_offered_norm, _kernel_rope)
 
@@ -176,7 +168,7 @@ def mlp_case(n, hidden, inter, device, dtype=torch.bfloat16) -> Case:
         uncounted=tuple(leaves[k] for k in GRADS[1:]),
         outputs=("y",),
         floor_ms=18 * n * hidden * inter / (PEAK_TFLOPS * 1e12) * 1e3,  # 9 GEMMs of 2·N·H·I FLOPs
-        reference=gated_mlp_ref,
+        reference=ck.gated_mlp_ref,
     )
 
 
@@ -205,19 +197,19 @@ def _liger(block: str):
 def implementations(block: str, smoke: bool) -> dict:
     if block == "mlp":
         impls = {
-            "eager": gated_mlp_ref,
-            "cublas_swiglu": lambda x, wg, wu, wd: F.linear(swiglu(x @ wg.t(), x @ wu.t(), True), wd),
-            "ours": gated_mlp,
-            "ours_saved": lambda x, wg, wu, wd: gated_mlp(x, wg, wu, wd, recompute=False),
+            "eager": ck.gated_mlp_ref,
+            "cublas_swiglu": lambda x, wg, wu, wd: F.linear(ck.swiglu(x @ wg.t(), x @ wu.t(), True), wd),
+            "ours": ck.gated_mlp,
+            "ours_saved": lambda x, wg, wu, wd: ck.gated_mlp(x, wg, wu, wd, recompute=False),
         }
-        eager = gated_mlp_ref
+        eager = ck.gated_mlp_ref
     else:
         impls = {
             "eager": attn_in_ref,
             "unfused": attn_in_unfused,
             "norm_recompute": attn_in_norm_recompute,
-            "fused": functools.partial(attention_input, eps=EPS),
-            "fused_norm_recompute": functools.partial(attention_input, eps=EPS, norm_recompute=True),
+            "fused": functools.partial(ck.attention_input, eps=EPS),
+            "fused_norm_recompute": functools.partial(ck.attention_input, eps=EPS, norm_recompute=True),
         }
         eager = attn_in_ref
     if not smoke:  # inductor on CPU needs a C++ toolchain and minutes; the smoke run checks the script only
@@ -298,11 +290,9 @@ def run_case(case: Case, impls, device, warmup, repeats) -> list[dict]:
         result["err"] = {k: max_rel_err(t, r) for k, t, r in zip(names, (*ys, *grads), ref, strict=True)}
         del ys, grads
         row.update(result)
-        print(
-            f"{case.row['case']:<28} {name:<14} {result['ms']:8.3f} ms  saved {result['saved_bytes']} B  "
-            f"max error {max(result['err'].values()):.1e}",
-            flush=True,
-        )
+        ms, saved, error = result["ms"], result["saved_bytes"], max(result["err"].values())
+        line = f"{case.row['case']:<28} {name:<14} {ms:8.3f} ms  saved {saved} B  max error {error:.1e}"
+        print(line, flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows

@@ -85,15 +85,11 @@ def unsloth_model(a, tokenizer):
         build_model(argparse.Namespace(**{**vars(a), "task": "full"})).save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         harness.free_memory()
-        task = dict(load_in_4bit=a.task == "qlora", full_finetuning=a.task == "full")
-        model, _ = FastLanguageModel.from_pretrained(
-            tmp,
-            max_seq_length=a.seq,
-            dtype=torch.bfloat16,
-            use_gradient_checkpointing=gc,
-            offload_embedding=False,
-            **task,
+        options = dict(max_seq_length=a.seq, dtype=torch.bfloat16, use_gradient_checkpointing=gc)
+        options.update(
+            offload_embedding=False, load_in_4bit=a.task == "qlora", full_finetuning=a.task == "full"
         )
+        model, _ = FastLanguageModel.from_pretrained(tmp, **options)
     if a.task == "full":
         return model
     return FastLanguageModel.get_peft_model(model, **LORA, use_gradient_checkpointing=gc)

@@ -39,9 +39,7 @@ else
   HAVE_DS=0
 fi
 
-# --- runs -------------------------------------------------------------------------------------------
 DEADLINE=$((BUDGET - RESERVE))
-
 
 # launch TRAINER BACKEND NPROC ACCUMULATE PORT NAME: benchmarks/multigpu_parity.py under accelerate, on 2
 # processes, or on 1 as the reference (the global batch, in ACCUMULATE micro-batches).
@@ -88,7 +86,6 @@ for b in $BACKENDS; do
   done
 done
 
-# --- comparisons, test, summary ----------------------------------------------------------------------
 for t in $TRAINERS; do
   for b in fsdp2 zero3; do
     r=${t}_$b$SFX

@@ -44,7 +44,6 @@ for b in $WANTED_BACKENDS; do
   BACKENDS="$BACKENDS $b"
 done
 
-# --- launches ---------------------------------------------------------------------------------------
 DEADLINE=$((BUDGET - RESERVE))
 combos=()
 for b in $BACKENDS; do for t in $TRAINERS; do for i in $IMPLS; do combos+=("$t $b $i"); done; done; done
@@ -83,7 +82,6 @@ for combo in "${combos[@]}"; do
   done
 done
 
-# --- summary ----------------------------------------------------------------------------------------
 timeout "$(left)" "$PY" -m benchmarks.multigpu_scale --summary "$OUT" > "$LOGS/summary.log" 2>&1
 SUMMARY_RC=$?
 report multigpu_scale "summary: exit $SUMMARY_RC (logs/summary.log)"
