@@ -217,14 +217,9 @@ def step_gemms(a, batch: int) -> list[tuple[int, int, int, int]]:
             out.append((fout, rows, fin, layers))
         else:  # x A^T, (x A^T) B^T; backward: dB, d(x A^T), dA, dx
             r = LORA_RANK
-            out += [
-                (rows, fin, r, layers * fwd_passes),
-                (rows, r, fout, layers * fwd_passes),
-                (fout, rows, r, layers),
-                (rows, fout, r, layers),
-                (r, rows, fin, layers),
-                (rows, r, fin, layers),
-            ]
+            out += [(rows, fin, r, layers * fwd_passes), (rows, r, fout, layers * fwd_passes)]
+            out += [(fout, rows, r, layers), (rows, fout, r, layers)]
+            out += [(r, rows, fin, layers), (rows, r, fin, layers)]
     out += [(rows, h, s["vocab"], 1 + NO_GRAD_FORWARDS.get(a.loss, 0)), (rows, s["vocab"], h, 1)]
     if full:
         out.append((s["vocab"], rows, h, 1))

@@ -33,14 +33,9 @@ from benchmarks.harness import command, run_worker, split_choices, stamp
 from benchmarks.report import longctx_summary, write_json
 
 # impl -> (bench_e2e's implementation, config fields on top of its own)
-IMPLS = {
-    "chunkloss": ("chunkloss", {"chunk_long_context": True}),
-    "chunkloss-gc": ("chunkloss", {}),
-    "trl": ("trl", {}),
-    "liger": ("liger", {}),
-    "liger-offload": ("liger", {"activation_offloading": True}),
-    "unsloth": ("unsloth", {}),
-}
+IMPLS = {"chunkloss": ("chunkloss", {"chunk_long_context": True}), "chunkloss-gc": ("chunkloss", {}),
+         "trl": ("trl", {}), "liger": ("liger", {}), "unsloth": ("unsloth", {}),
+         "liger-offload": ("liger", {"activation_offloading": True})}  # fmt: skip
 GRPO_GROUP = 8  # completions per prompt, all in one step
 
 
