@@ -30,17 +30,9 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as hf_apply_rotary_pos_emb
 
-from benchmarks.harness import PEAK_TFLOPS, error_text, peak_extra, stamp, timed_ms
+from benchmarks.harness import PEAK_TFLOPS, command, error_text, peak_extra, split_choices, stamp, timed_ms
 from benchmarks.report import write_set
-from chunkloss.kernels import (
-    apply_rotary_pos_emb,
-    attention_input,
-    gated_mlp,
-    gated_mlp_ref,
-    rms_norm,
-    rms_norm_ref,
-    swiglu,
-)
+from chunkloss import kernels as ck
 from chunkloss.models import saved_norms
 
 BLOCKS = ("mlp", "attn_in")
@@ -71,9 +63,6 @@ class Case:
     reference: Callable  # the eager math, run on fp32 copies for the errors
 
 
-# --- the attention input ----------------------------------------------------------------------------------
-
-
 def attn_in_block(norm, rope):
     """``(x, norm_w, w_q, w_k, w_v, cos, sin) -> (q, k, v)`` with the given norm and RoPE, split into heads
     as ``LlamaAttention.forward`` does before attention; q, k, v are (B, heads, T, head_dim)."""
@@ -93,7 +82,7 @@ def attn_in_block(norm, rope):
 
 
 def _kernel_norm(x, w):  # patch's _norm_forward on an input_layernorm: in_place, its dy feeds nothing else
-    return rms_norm(x, w, EPS, 0.0, "llama", True)
+    return ck.rms_norm(x, w, EPS, 0.0, "llama", True)
 
 
 def _offered_norm(x, w):  # the same with offer=True, as patch(norm_recompute=True) runs the pre-norms
@@ -103,10 +92,10 @@ def _offered_norm(x, w):  # the same with offer=True, as patch(norm_recompute=Tr
 
 
 def _kernel_rope(q, k, cos, sin):  # as patch runs it: q and k are fresh projections, rotated in place
-    return apply_rotary_pos_emb(q, k, cos, sin, None, 1, in_place=True)
+    return ck.apply_rotary_pos_emb(q, k, cos, sin, None, 1, in_place=True)
 
 
-attn_in_ref = attn_in_block(lambda x, w: rms_norm_ref(x, w, EPS), hf_apply_rotary_pos_emb)
+attn_in_ref = attn_in_block(lambda x, w: ck.rms_norm_ref(x, w, EPS), hf_apply_rotary_pos_emb)
 attn_in_unfused = attn_in_block(_kernel_norm, _kernel_rope)
 _attn_in_offered = attn_in_block(_offered_norm, _kernel_rope)
 
@@ -117,11 +106,18 @@ def attn_in_norm_recompute(*args):
         return _attn_in_offered(*args)
 
 
-def attn_in_case(model, batch, seq, hidden, n_heads, n_kv, head_dim, device, dtype=torch.bfloat16) -> Case:
+def _leaves(device, dtype):
+    """A generator seeded 0, and ``rand(*shape, scale, shift)``: leaves drawn from it, needing grad."""
     gen = torch.Generator(device="cpu").manual_seed(0)
 
     def rand(*shape, scale=1.0, shift=0.0):
         return (torch.randn(*shape, generator=gen) * scale + shift).to(device, dtype).requires_grad_(True)
+
+    return gen, rand
+
+
+def attn_in_case(model, batch, seq, hidden, n_heads, n_kv, head_dim, device, dtype=torch.bfloat16) -> Case:
+    gen, rand = _leaves(device, dtype)
 
     leaves = {
         "x": rand(batch, seq, hidden),
@@ -140,17 +136,8 @@ def attn_in_case(model, batch, seq, hidden, n_heads, n_kv, head_dim, device, dty
 
     n = batch * seq
     width = (n_heads + 2 * n_kv) * head_dim  # the three projections' output columns together
-    row = {
-        "case": f"{model} B={batch} T={seq}",
-        "model": model,
-        "B": batch,
-        "T": seq,
-        "N": n,
-        "H": hidden,
-        "heads": n_heads,
-        "kv_heads": n_kv,
-        "head_dim": head_dim,
-    }
+    row = dict(case=f"{model} B={batch} T={seq}", model=model, B=batch, T=seq, N=n, H=hidden)
+    row.update(heads=n_heads, kv_heads=n_kv, head_dim=head_dim)
     return Case(
         row=row,
         leaves=leaves,
@@ -163,14 +150,8 @@ def attn_in_case(model, batch, seq, hidden, n_heads, n_kv, head_dim, device, dty
     )
 
 
-# --- the gated MLP ----------------------------------------------------------------------------------------
-
-
 def mlp_case(n, hidden, inter, device, dtype=torch.bfloat16) -> Case:
-    gen = torch.Generator(device="cpu").manual_seed(0)
-
-    def rand(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=gen) * scale).to(device, dtype).requires_grad_(True)
+    gen, rand = _leaves(device, dtype)
 
     leaves = {
         "x": rand(n, hidden),
@@ -187,11 +168,8 @@ def mlp_case(n, hidden, inter, device, dtype=torch.bfloat16) -> Case:
         uncounted=tuple(leaves[k] for k in GRADS[1:]),
         outputs=("y",),
         floor_ms=18 * n * hidden * inter / (PEAK_TFLOPS * 1e12) * 1e3,  # 9 GEMMs of 2·N·H·I FLOPs
-        reference=gated_mlp_ref,
+        reference=ck.gated_mlp_ref,
     )
-
-
-# --- implementations --------------------------------------------------------------------------------------
 
 
 def _liger(block: str):
@@ -219,19 +197,19 @@ def _liger(block: str):
 def implementations(block: str, smoke: bool) -> dict:
     if block == "mlp":
         impls = {
-            "eager": gated_mlp_ref,
-            "cublas_swiglu": lambda x, wg, wu, wd: F.linear(swiglu(x @ wg.t(), x @ wu.t(), True), wd),
-            "ours": gated_mlp,
-            "ours_saved": lambda x, wg, wu, wd: gated_mlp(x, wg, wu, wd, recompute=False),
+            "eager": ck.gated_mlp_ref,
+            "cublas_swiglu": lambda x, wg, wu, wd: F.linear(ck.swiglu(x @ wg.t(), x @ wu.t(), True), wd),
+            "ours": ck.gated_mlp,
+            "ours_saved": lambda x, wg, wu, wd: ck.gated_mlp(x, wg, wu, wd, recompute=False),
         }
-        eager = gated_mlp_ref
+        eager = ck.gated_mlp_ref
     else:
         impls = {
             "eager": attn_in_ref,
             "unfused": attn_in_unfused,
             "norm_recompute": attn_in_norm_recompute,
-            "fused": functools.partial(attention_input, eps=EPS),
-            "fused_norm_recompute": functools.partial(attention_input, eps=EPS, norm_recompute=True),
+            "fused": functools.partial(ck.attention_input, eps=EPS),
+            "fused_norm_recompute": functools.partial(ck.attention_input, eps=EPS, norm_recompute=True),
         }
         eager = attn_in_ref
     if not smoke:  # inductor on CPU needs a C++ toolchain and minutes; the smoke run checks the script only
@@ -240,9 +218,6 @@ def implementations(block: str, smoke: bool) -> dict:
     if liger is not None:
         impls["liger"] = liger
     return impls
-
-
-# --- measurement ------------------------------------------------------------------------------------------
 
 
 def saved_bytes(fn, case: Case) -> int:
@@ -315,11 +290,9 @@ def run_case(case: Case, impls, device, warmup, repeats) -> list[dict]:
         result["err"] = {k: max_rel_err(t, r) for k, t, r in zip(names, (*ys, *grads), ref, strict=True)}
         del ys, grads
         row.update(result)
-        print(
-            f"{case.row['case']:<28} {name:<14} {result['ms']:8.3f} ms  saved {result['saved_bytes']} B  "
-            f"max error {max(result['err'].values()):.1e}",
-            flush=True,
-        )
+        ms, saved, error = result["ms"], result["saved_bytes"], max(result["err"].values())
+        line = f"{case.row['case']:<28} {name:<14} {ms:8.3f} ms  saved {saved} B  max error {error:.1e}"
+        print(line, flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
@@ -330,21 +303,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/results", help="folder of the result sets")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script (CPU works)")
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument(
-        "--blocks",
-        default=",".join(BLOCKS),
-        help=f"comma-separated blocks to measure, of {', '.join(BLOCKS)}",
-    )
+    parser.add_argument("--blocks", default=",".join(BLOCKS), help=f"comma-separated, of {', '.join(BLOCKS)}")
     args = parser.parse_args(argv)
-    blocks = [b for b in args.blocks.split(",") if b]
-    if not blocks or set(blocks) - set(BLOCKS):
-        parser.error(f"--blocks takes a comma-separated subset of {', '.join(BLOCKS)}; got {args.blocks!r}")
+    blocks = split_choices(parser, "--blocks", args.blocks, BLOCKS)
     if not torch.cuda.is_available() and not args.smoke:
         print("bench_decoder: no CUDA device; use --smoke to check the script on CPU.", file=sys.stderr)
         return 2
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     warmup, repeats = (1, 2) if args.smoke else (3, max(args.repeats, 5))
-    command = "python -m benchmarks.bench_decoder " + " ".join(argv if argv is not None else sys.argv[1:])
+    st = stamp(command=command("bench_decoder", argv))
     for block in blocks:
         start = time.time()
         impls = implementations(block, args.smoke)
@@ -353,14 +320,9 @@ def main(argv: list[str] | None = None) -> int:
             case = (mlp_case if block == "mlp" else attn_in_case)(*shape, device)
             rows += run_case(case, impls, device, warmup, repeats)
             del case
-        data = {
-            "stamp": stamp(command=command.strip()),
-            "dtype": "bfloat16",
-            "warmup": warmup,
-            "repeats": repeats,
-            "peak_tflops": PEAK_TFLOPS,
-            "rows": rows,
-        }
+        data = dict(
+            stamp=st, dtype="bfloat16", warmup=warmup, repeats=repeats, peak_tflops=PEAK_TFLOPS, rows=rows
+        )
         name = SET_NAMES[block]
         write_set(args.out, name, data)
         print(f"wrote {name}.json, .md and .png under {args.out} in {time.time() - start:.0f} s")

@@ -1,19 +1,14 @@
 """End to end: one training step of TRL's trainers, the peers a user picks with one flag, and chunkloss's.
 
-Implementations (``--impl``, ``harness.make_trainer``), each in its own process (Liger patches transformers'
-classes process-wide): ``trl``, ``liger``, ``compile``, ``chunkloss`` (``--no-kernels``: no
-``chunk_kernels``) and ``unsloth`` (Unsloth's loader, 4-bit under ``qlora``, and its LoRA on the same weights
-and projections, then TRL's trainer as Unsloth patches it). Unsloth pins an older TRL and datasets:
-``CHUNKLOSS_UNSLOTH_SITE=DIR`` (a ``pip install --target DIR``) puts DIR first on the ``PYTHONPATH`` of the
-unsloth process only.
-
-Losses (``--loss``): ``sft``, ``dpo`` (the reference is the initial policy, or the adapter-free model under
-LoRA), ``grpo`` (fixed completions, nothing sampled), ``orpo``, ``gkd`` (off-policy, a teacher of the same
-shape), ``medusa`` (``--medusa-heads``, ``--medusa-stage``; its peer, ``--impl trl``, is Medusa's own loss
-on materialised fp32 logits), ``kto`` (the reference as DPO's, the KL batch TRL builds; batches of 2 or more)
-and ``rloo`` (fixed completions as GRPO's, β=0). Tasks (``--task``): ``full``, ``lora`` (PEFT LoRA r=16 on
-q/k/v/o/gate/up/down, bf16 base) and ``qlora`` (the same on a bitsandbytes 4-bit nf4 base). Shapes
-(``--shape``): real models' configs with random weights.
+Implementations (``--impl``), each in its own process (Liger patches transformers' classes process-wide):
+``trl``, ``liger``, ``compile``, ``chunkloss`` (``--no-kernels``: no ``chunk_kernels``) and ``unsloth``
+(Unsloth's loader, 4-bit under ``qlora``, and its LoRA on the same weights, then TRL's trainer as Unsloth
+patches it; ``CHUNKLOSS_UNSLOTH_SITE=DIR``, a ``pip install --target DIR`` of the older TRL and datasets it
+pins, leads that process's ``PYTHONPATH``). Losses (``--loss``): ``harness.LOSSES`` as
+``harness.make_trainer`` sets them up (Medusa: ``--medusa-heads``, ``--medusa-stage``; its peer, ``--impl
+trl``, is Medusa's own loss on materialised fp32 logits). Tasks (``--task``): ``full``, ``lora`` (PEFT LoRA
+r=16 on q/k/v/o/gate/up/down, bf16 base) and ``qlora`` (the same on a bitsandbytes 4-bit nf4 base). Shapes
+(``--shape``): ``harness.SHAPES`` with random weights.
 
 Per implementation, the batches of ``--batches`` run in turn until the first OOM, ``--steps`` steps each;
 step time is the median after ``--warmup``; peak memory is the highest CUDA memory allocated during training
@@ -25,8 +20,7 @@ minus what was allocated when it began. A chunkloss row with its kernels keeps t
         --steps 6 --warmup 1 --out /tmp/e2e/smoke.json                                   # CPU smoke run
 
 ``--profile`` (one implementation, one batch): CUDA kernel time per step by kind (``harness.kernel_time``).
-``--floor``: the step's GEMMs and attention timed alone (:func:`floor`), with ``--task qlora`` also the
-dequantisation of each 4-bit weight (:func:`dequant_ms`).
+``--floor``: the step's GEMMs and attention timed alone, with ``--task qlora`` the 4-bit dequantisation too.
 """
 
 from __future__ import annotations
@@ -39,48 +33,20 @@ import importlib.util
 import json
 import logging
 import os
-import pathlib
 import statistics
-import subprocess
 import sys
 import tempfile
 
 import torch
 
-from benchmarks.harness import (
-    LOSSES,
-    TRAINER_IMPLS,
-    StepTimer,
-    counting_dataset,
-    error_text,
-    free_memory,
-    is_oom,
-    kernel_time,
-    kernels_available,
-    make_trainer,
-    profile_window,
-    random_model,
-    stamp,
-    timed_ms,
-)
+from benchmarks import harness
+from benchmarks.harness import SHAPES
 from benchmarks.report import e2e_case, write_json
 
-LLAMA3 = dict(vocab=128256, kv=8, tied=True)
-SHAPES = {
-    "llama-3.2-1b": dict(LLAMA3, hidden=2048, inter=8192, layers=16, heads=32, head_dim=64),
-    "llama-3.2-3b": dict(LLAMA3, hidden=3072, inter=8192, layers=28, heads=24, head_dim=128),
-    "llama-3.1-8b": dict(LLAMA3, hidden=4096, inter=14336, layers=32, heads=32, head_dim=128, tied=False),
-    "qwen3-0.6b": dict(family="qwen3", vocab=151936, hidden=1024, inter=3072, layers=28, heads=16, kv=8,
-                       head_dim=128, tied=True),
-    "qwen3-4b": dict(family="qwen3", vocab=151936, hidden=2560, inter=9728, layers=36, heads=32, kv=8,
-                     head_dim=128, tied=True),
-    "qwen3-8b": dict(family="qwen3", vocab=151936, hidden=4096, inter=12288, layers=36, heads=32, kv=8,
-                     head_dim=128, tied=False),
-    "tiny": dict(vocab=4096, hidden=64, inter=128, layers=2, heads=4, kv=2, head_dim=16, tied=True),
-}  # fmt: skip
 TASKS = ("full", "lora", "qlora")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA_RANK = 16
+LORA = dict(r=LORA_RANK, lora_alpha=2 * LORA_RANK, lora_dropout=0.0, target_modules=LORA_TARGETS)
 # Sequences per example: DPO and ORPO train a chosen and a rejected sequence.
 ROWS_PER_EXAMPLE = {"dpo": 2, "orpo": 2}
 # Forward passes without grad per step: DPO's reference, GKD's teacher; KTO's reference on the completions
@@ -88,8 +54,6 @@ ROWS_PER_EXAMPLE = {"dpo": 2, "orpo": 2}
 NO_GRAD_FORWARDS = {"dpo": 1, "gkd": 1, "kto": 3, "rloo": 1}
 
 
-# Profile: kernel kinds by substrings of the kernel name, first match wins; torch's own kernels ("at::")
-# that match nothing are "other", any other unmatched kernel is a Triton kernel.
 def build_model(a, seed: int = 0):
     """``a.shape``'s model with random weights from ``seed`` (4-bit nf4 for ``qlora``), bf16 on CUDA."""
     s = SHAPES[a.shape]
@@ -97,16 +61,8 @@ def build_model(a, seed: int = 0):
     dtype = torch.bfloat16 if cuda else torch.float32
     from chunkloss.data import tiny_tokenizer
 
-    model = random_model(
-        s,
-        "cuda" if cuda else "cpu",
-        dtype,
-        seed,
-        tiny_tokenizer(),
-        num_hidden_layers=a.layers or s["layers"],
-        tie_word_embeddings=s["tied"],
-        max_position_embeddings=max(4096, a.seq),
-    )
+    config = dict(num_hidden_layers=a.layers or s["layers"], max_position_embeddings=max(4096, a.seq))
+    model = harness.random_model(s, "cuda" if cuda else "cpu", dtype, seed, tiny_tokenizer(), **config)
     if a.task != "qlora":
         return model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
@@ -128,26 +84,15 @@ def unsloth_model(a, tokenizer):
     with tempfile.TemporaryDirectory() as tmp:
         build_model(argparse.Namespace(**{**vars(a), "task": "full"})).save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        free_memory()
-        model, _ = FastLanguageModel.from_pretrained(
-            tmp,
-            max_seq_length=a.seq,
-            dtype=torch.bfloat16,
-            load_in_4bit=a.task == "qlora",
-            full_finetuning=a.task == "full",
-            use_gradient_checkpointing=gc,
-            offload_embedding=False,
+        harness.free_memory()
+        options = dict(max_seq_length=a.seq, dtype=torch.bfloat16, use_gradient_checkpointing=gc)
+        options.update(
+            offload_embedding=False, load_in_4bit=a.task == "qlora", full_finetuning=a.task == "full"
         )
+        model, _ = FastLanguageModel.from_pretrained(tmp, **options)
     if a.task == "full":
         return model
-    return FastLanguageModel.get_peft_model(
-        model,
-        r=LORA_RANK,
-        lora_alpha=2 * LORA_RANK,
-        lora_dropout=0.0,
-        target_modules=LORA_TARGETS,
-        use_gradient_checkpointing=gc,
-    )
+    return FastLanguageModel.get_peft_model(model, **LORA, use_gradient_checkpointing=gc)
 
 
 def peft_config(task: str):
@@ -155,36 +100,21 @@ def peft_config(task: str):
         return None
     from peft import LoraConfig
 
-    return LoraConfig(
-        r=LORA_RANK,
-        lora_alpha=2 * LORA_RANK,
-        lora_dropout=0.0,
-        target_modules=LORA_TARGETS,
-        task_type="CAUSAL_LM",
-    )
+    return LoraConfig(**LORA, task_type="CAUSAL_LM")
 
 
 def setting(a, impl: str) -> dict:
     """What a run is, the keys of its case (``report.e2e_case``) first."""
     medusa = {"medusa": f"stage {a.medusa_stage} K={a.medusa_heads}"} if a.loss == "medusa" else {}
-    kernels = impl == "chunkloss" and a.kernels and kernels_available()
-    return dict(
-        shape=a.shape,
-        task=a.task,
-        loss=a.loss,
-        **medusa,
-        seq=a.seq,
-        gc=a.gc == "on",
-        impl=impl,
-        layers=a.layers or SHAPES[a.shape]["layers"],
-        kernels=kernels,
-    )
+    kernels = impl == "chunkloss" and a.kernels and harness.kernels_available()
+    case = dict(shape=a.shape, task=a.task, loss=a.loss, **medusa, seq=a.seq, gc=a.gc == "on", impl=impl)
+    return {**case, "layers": a.layers or SHAPES[a.shape]["layers"], "kernels": kernels}
 
 
 def train(a, batch: int, profile: bool = False) -> dict:
     """Train ``a.steps`` steps of ``a.impl`` at ``batch`` in this process; the run's measurements."""
     res = {**setting(a, a.impl), "batch": batch, "steps": a.steps, "oom": False}
-    model = ref = trainer = prof = None
+    model = ref = trainer = None
     try:
         if a.impl == "unsloth":  # imported first: it patches transformers, TRL and PEFT as they load
             for k in ("HF_HUB_OFFLINE", "UNSLOTH_DISABLE_STATISTICS"):  # nothing downloaded
@@ -201,35 +131,20 @@ def train(a, batch: int, profile: bool = False) -> dict:
             ref.requires_grad_(False)
         # GKD's collator keeps the prompt whole, so its completions leave room for it (up to --seq tokens).
         rows = getattr(a, "rows", 0) or max(64, batch * a.steps)  # bench_longctx: only what the steps read
-        ds = counting_dataset(a.loss, rows, a.seq // 2 if a.loss == "gkd" else a.seq)
+        ds = harness.counting_dataset(a.loss, rows, a.seq // 2 if a.loss == "gkd" else a.seq)
         medusa = dict(num_heads=a.medusa_heads, stage=a.medusa_stage)
         peft = None if a.impl == "unsloth" else peft_config(a.task)  # Unsloth's model has its LoRA
+        run = dict(
+            out_dir=tempfile.mkdtemp(), batch=batch, steps=a.steps, seq=a.seq, gc=a.gc == "on", ref=ref
+        )
+        options = dict(kernels=a.kernels, peft_config=peft, medusa=medusa, config=getattr(a, "extra", None))
         with patch_lines() as lines:
-            trainer = make_trainer(
-                a.loss,
-                a.impl,
-                model,
-                tokenizer,
-                ds,
-                out_dir=tempfile.mkdtemp(),
-                batch=batch,
-                steps=a.steps,
-                seq=a.seq,
-                gc=a.gc == "on",
-                ref=ref,
-                kernels=a.kernels,
-                peft_config=peft,
-                medusa=medusa,
-                config=getattr(a, "extra", None),
-            )
+            trainer = harness.make_trainer(a.loss, a.impl, model, tokenizer, ds, **run, **options)
         if lines:
             res["patch"] = lines[0]
-        timer = StepTimer()
+        timer = harness.StepTimer()
         trainer.add_callback(timer.callback())
-        if profile:
-            kind = torch.profiler.ProfilerActivity
-            prof = torch.profiler.profile(activities=[kind.CUDA if torch.cuda.is_available() else kind.CPU])
-            trainer.add_callback(profile_window(prof, a.warmup))
+        prof = harness.profile_steps(trainer, a.warmup) if profile else None
         trainer.train()
         times = timer.times[a.warmup :]
         res.update(
@@ -240,12 +155,12 @@ def train(a, batch: int, profile: bool = False) -> dict:
         )
         res["tokens_per_s"] = batch * ROWS_PER_EXAMPLE.get(a.loss, 1) * a.seq / res["step_time_s"]
         if prof is not None:
-            res["parts"] = kernel_time(prof, sum(times), len(times))
+            res["parts"] = harness.kernel_time(prof, sum(times), len(times))
     except Exception as e:  # noqa: BLE001 - an OOM ends the sweep; another error is the run's result
-        res.update(oom=is_oom(e), error=error_text(e))
+        res.update(oom=harness.is_oom(e), error=harness.error_text(e))
     finally:
         del model, ref, trainer
-        free_memory()
+        harness.free_memory()
     return res
 
 
@@ -270,7 +185,7 @@ def _time_ms(fn, repeats: int = 10) -> float:
     for _ in range(3):
         fn()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return statistics.median(timed_ms(fn, device) for _ in range(repeats))
+    return statistics.median(harness.timed_ms(fn, device) for _ in range(repeats))
 
 
 def _linears(a) -> list[tuple[int, int]]:
@@ -302,14 +217,9 @@ def step_gemms(a, batch: int) -> list[tuple[int, int, int, int]]:
             out.append((fout, rows, fin, layers))
         else:  # x A^T, (x A^T) B^T; backward: dB, d(x A^T), dA, dx
             r = LORA_RANK
-            out += [
-                (rows, fin, r, layers * fwd_passes),
-                (rows, r, fout, layers * fwd_passes),
-                (fout, rows, r, layers),
-                (rows, fout, r, layers),
-                (r, rows, fin, layers),
-                (rows, r, fin, layers),
-            ]
+            out += [(rows, fin, r, layers * fwd_passes), (rows, r, fout, layers * fwd_passes)]
+            out += [(fout, rows, r, layers), (rows, fout, r, layers)]
+            out += [(r, rows, fin, layers), (rows, r, fin, layers)]
     out += [(rows, h, s["vocab"], 1 + NO_GRAD_FORWARDS.get(a.loss, 0)), (rows, s["vocab"], h, 1)]
     if full:
         out.append((s["vocab"], rows, h, 1))
@@ -384,32 +294,38 @@ def child_env(impl: str) -> dict | None:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [site, os.environ.get("PYTHONPATH")]))}
 
 
+def sweep_parser(
+    doc: str, *, task: str, steps: int, warmup: int, timeout_s: float
+) -> argparse.ArgumentParser:
+    """The arguments of bench_e2e and bench_longctx, with their defaults."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--shape", choices=tuple(SHAPES), default="llama-3.2-1b")
+    p.add_argument("--task", choices=TASKS, default=task)
+    p.add_argument("--steps", type=int, default=steps, help="training steps per run")
+    p.add_argument("--warmup", type=int, default=warmup, help="steps left out of the timing")
+    p.add_argument("--layers", type=int, default=0, help="decoder layers; 0: the shape's own")
+    p.add_argument("--timeout-s", type=float, default=timeout_s, help="per implementation's process")
+    p.add_argument("--out", required=True, help="result json file")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shape", choices=tuple(SHAPES), default="llama-3.2-1b")
-    p.add_argument("--task", choices=TASKS, default="full")
-    p.add_argument("--loss", choices=LOSSES, default="sft")
+    p = sweep_parser(__doc__, task="full", steps=10, warmup=3, timeout_s=300)
+    p.add_argument("--loss", choices=harness.LOSSES, default="sft")
     p.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
     p.add_argument("--gc", choices=("off", "on"), default="off", help="gradient checkpointing")
-    p.add_argument("--impl", default="trl,liger,compile,chunkloss", help=f"comma-separated: {TRAINER_IMPLS}")
+    p.add_argument("--impl", default="trl,liger,compile,chunkloss", help=f"of {harness.TRAINER_IMPLS}")
     p.add_argument("--batches", default="1,2,4,8,16,32,64,128", help="per-device, in turn until an OOM")
-    p.add_argument("--steps", type=int, default=10, help="training steps per batch")
-    p.add_argument("--warmup", type=int, default=3, help="steps left out of the timing")
-    p.add_argument("--layers", type=int, default=0, help="decoder layers; 0: the shape's own")
     p.add_argument("--medusa-heads", type=int, default=3, help="medusa: K heads")
     p.add_argument("--medusa-stage", type=int, choices=(1, 2), default=1, help="medusa: 1 heads, 2 joint")
     p.add_argument("--no-kernels", dest="kernels", action="store_false", help="chunkloss: no chunk_kernels")
     p.add_argument("--profile", action="store_true", help="torch.profiler's kernel time by kind, one impl")
     p.add_argument("--floor", action="store_true", help="the step's GEMMs and attention timed alone")
-    p.add_argument("--timeout-s", type=float, default=300, help="per implementation's process")
-    p.add_argument("--out", required=True, help="result json file")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     a.batches = [int(b) for b in a.batches.split(",") if b]
-    impls = [i for i in a.impl.split(",") if i]
-    if not impls or set(impls) - set(TRAINER_IMPLS):
-        p.error(f"--impl: choose from {', '.join(TRAINER_IMPLS)}, got {a.impl!r}")
+    impls = harness.split_choices(p, "--impl", a.impl, harness.TRAINER_IMPLS)
     if a.steps - a.warmup < 5 and not (a.shape == "tiny"):
         p.error("--steps must leave at least 5 timed steps after --warmup")
     if a.profile and (len(impls) != 1 or len(a.batches) != 1):
@@ -421,22 +337,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     mode = "floor" if a.floor else "profile" if a.profile else "e2e"
     key = "sweep" if mode == "e2e" else "rows"
-    data = {"stamp": stamp(command="python -m benchmarks.bench_e2e " + " ".join(argv)), "mode": mode, key: []}
+    data = {"stamp": harness.stamp(command=harness.command("bench_e2e", argv)), "mode": mode, key: []}
     for impl in ["floor"] if a.floor else impls:
-        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-            part = f.name
-        cmd = [sys.executable, "-m", "benchmarks.bench_e2e", *argv, "--worker", "--out", part]
-        if not a.floor:
-            cmd += ["--impl", impl]
-        try:
-            rc = subprocess.run(cmd, timeout=a.timeout_s, env=child_env(impl)).returncode
-            error = None if rc == 0 else f"process exited with status {rc}"
-        except subprocess.TimeoutExpired:
-            error = f"timed out after {a.timeout_s:.0f} s"
-        if error is None:
-            rows = json.loads(pathlib.Path(part).read_text())
-            pathlib.Path(part).unlink()
-        else:
+        one = [] if a.floor else ["--impl", impl]
+        rows, error = harness.run_worker("bench_e2e", [*argv, *one], a.timeout_s, child_env(impl))
+        if error is not None:
             rows = [{**setting(a, impl), "batch": a.batches[0], "oom": False, "error": error}]
             rows[0] = {"case": e2e_case(rows[0]), **rows[0]} if mode != "e2e" else rows[0]
         data[key] += rows

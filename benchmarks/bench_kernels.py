@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import peak_extra, stamp
+from benchmarks.harness import command, peak_extra, stamp
 from benchmarks.report import write_set
 
 PEAK_BW = 3.0e12  # bytes/s, H100 SXM HBM3
@@ -204,8 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         timings = [f"{i} {row[i]['ms']:6.3f}/{_fmt(row[i]['graph_ms'])} ms" for i in IMPLS if i in row]
         print(" | ".join([f"{name:<34}", f"floor {floor_ms:6.3f} ms", *timings]), flush=True)
-    command = "python -m benchmarks.bench_kernels " + " ".join(argv if argv is not None else sys.argv[1:])
-    data = {"stamp": stamp(command=command.strip()), "peak_bw": PEAK_BW, "dtype": "bfloat16", "rows": rows}
+    st = stamp(command=command("bench_kernels", argv))
+    data = {"stamp": st, "peak_bw": PEAK_BW, "dtype": "bfloat16", "rows": rows}
     write_set(args.out, "kernels", data)
     print(f"wrote {Path(args.out) / 'kernels'}.json, .md and .png in {time.time() - start:.0f} s")
     return 0

@@ -25,53 +25,31 @@ from __future__ import annotations
 
 import argparse
 import json
-import pathlib
 import resource
-import subprocess
 import sys
-import tempfile
 
-from benchmarks.bench_e2e import SHAPES, TASKS, child_env, train
-from benchmarks.harness import stamp
+from benchmarks.bench_e2e import child_env, sweep_parser, train
+from benchmarks.harness import command, run_worker, split_choices, stamp
 from benchmarks.report import longctx_summary, write_json
 
 # impl -> (bench_e2e's implementation, config fields on top of its own)
-IMPLS = {
-    "chunkloss": ("chunkloss", {"chunk_long_context": True}),
-    "chunkloss-gc": ("chunkloss", {}),
-    "trl": ("trl", {}),
-    "liger": ("liger", {}),
-    "liger-offload": ("liger", {"activation_offloading": True}),
-    "unsloth": ("unsloth", {}),
-}
+IMPLS = {"chunkloss": ("chunkloss", {"chunk_long_context": True}), "chunkloss-gc": ("chunkloss", {}),
+         "trl": ("trl", {}), "liger": ("liger", {}), "unsloth": ("unsloth", {}),
+         "liger-offload": ("liger", {"activation_offloading": True})}  # fmt: skip
 GRPO_GROUP = 8  # completions per prompt, all in one step
 
 
 def run_length(a, seq: int) -> dict:
+    """``a.impl`` trained at ``seq`` tokens per sequence (bench_e2e's ``train``, checkpointing on)."""
     impl, extra = IMPLS[a.impl]
-    grpo = a.loss == "grpo"
-    if grpo:
+    group = GRPO_GROUP if a.loss == "grpo" else 1
+    if a.loss == "grpo":
         extra = {**extra, "num_generations": GRPO_GROUP}
-    e2e = argparse.Namespace(
-        shape=a.shape,
-        task=a.task,
-        loss=a.loss,
-        seq=seq,
-        gc="on",
-        impl=impl,
-        steps=a.steps,
-        warmup=a.warmup,
-        layers=a.layers,
-        kernels=True,
-        medusa_heads=0,
-        medusa_stage=1,
-        extra=extra,
-        rows=a.steps * (GRPO_GROUP if grpo else 1),
-    )
-    r = train(e2e, GRPO_GROUP if grpo else 1)
+    fields = dict(seq=seq, gc="on", impl=impl, kernels=True, medusa_heads=0, medusa_stage=1, extra=extra)
+    r = train(argparse.Namespace(**{**vars(a), **fields, "rows": a.steps * group}), group)
     r.update(
         impl=a.impl,
-        tokens=seq * (GRPO_GROUP if grpo else 1),
+        tokens=seq * group,
         host_peak_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
     )
     return r
@@ -96,55 +74,27 @@ def worker(a) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shape", choices=tuple(SHAPES), default="llama-3.2-1b")
-    p.add_argument("--task", choices=TASKS, default="lora")
+    p = sweep_parser(__doc__, task="lora", steps=3, warmup=1, timeout_s=540)
     p.add_argument("--loss", choices=("sft", "grpo"), default="sft")
     p.add_argument("--seqs", default="32768,65536,131072", help="tokens per sequence, in turn until an OOM")
     p.add_argument("--impl", default="chunkloss,chunkloss-gc,liger,liger-offload", help=f"of {tuple(IMPLS)}")
-    p.add_argument("--steps", type=int, default=3, help="training steps per length")
-    p.add_argument("--warmup", type=int, default=1, help="steps left out of the timing")
-    p.add_argument("--layers", type=int, default=0, help="decoder layers; 0: the shape's own")
     p.add_argument("--gpu-gib", type=float, default=0, help="cap the GPU memory the process may allocate")
-    p.add_argument("--timeout-s", type=float, default=540, help="per implementation's process")
-    p.add_argument("--out", required=True, help="result json file")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     a.seqs = [int(s) for s in a.seqs.split(",") if s]
-    impls = [i for i in a.impl.split(",") if i]
-    if not impls or set(impls) - set(IMPLS):
-        p.error(f"--impl: choose from {', '.join(IMPLS)}, got {a.impl!r}")
+    impls = split_choices(p, "--impl", a.impl, IMPLS)
     if a.steps <= a.warmup:
         p.error("--steps must leave a timed step after --warmup")
     if a.worker:
         worker(a)
         return 0
-    data = {
-        "stamp": stamp(command="python -m benchmarks.bench_longctx " + " ".join(argv)),
-        "mode": "longctx",
-        "gpu_gib_cap": a.gpu_gib or None,
-        "rows": [],
-    }
+    st = stamp(command=command("bench_longctx", argv))
+    data = {"stamp": st, "mode": "longctx", "gpu_gib_cap": a.gpu_gib or None, "rows": []}
     for impl in impls:
-        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-            part = pathlib.Path(f.name)
-        cmd = [
-            sys.executable,
-            "-m",
-            "benchmarks.bench_longctx",
-            *argv,
-            "--worker",
-            "--out",
-            str(part),
-            "--impl",
-            impl,
-        ]
-        try:
-            subprocess.run(cmd, timeout=a.timeout_s, env=child_env(IMPLS[impl][0]))
-        except subprocess.TimeoutExpired:
-            print(f"[bench_longctx] {impl} timed out after {a.timeout_s:.0f} s", flush=True)
-        rows = json.loads(part.read_text()) if part.stat().st_size else []
-        part.unlink()
+        rows, error = run_worker(
+            "bench_longctx", [*argv, "--impl", impl], a.timeout_s, child_env(IMPLS[impl][0])
+        )
+        if error:
+            print(f"[bench_longctx] {impl}: {error}", flush=True)
         data["rows"] += rows
         data["summary"] = longctx_summary(data["rows"])
         write_json(a.out, data)

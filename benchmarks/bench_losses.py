@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from benchmarks.harness import PEAK_TFLOPS, free_memory, measure_or_error, stamp
+from benchmarks.harness import PEAK_TFLOPS, command, free_memory, measure_or_error, stamp
 from benchmarks.report import GiB, write_set
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -41,15 +41,10 @@ def run(only=None, repeats=7) -> list[dict]:
             inputs = case.make_inputs(device)
             for impl, fn in case.impls.items():
                 t0 = time.time()
-                row = {
-                    "case": case.name,
-                    "group": case.group,
-                    "tokens": case.tokens,
-                    "impl": impl,
-                    "floor_ms": case.floor_ms,
-                    **case.meta,
-                }
-                row.update(measure_or_error(fn, inputs, repeats))
+                row = dict(
+                    case=case.name, group=case.group, tokens=case.tokens, impl=impl, floor_ms=case.floor_ms
+                )
+                row = {**row, **case.meta, **measure_or_error(fn, inputs, repeats)}
                 for t in inputs.values():
                     if isinstance(t, torch.Tensor):
                         t.grad = None
@@ -85,8 +80,7 @@ def main(argv=None) -> int:
     out = pathlib.Path(args.out)
     only = args.only.split(",") if args.only else None
     rows = run(only, args.repeats)
-    command = "python -m benchmarks.bench_losses " + " ".join(argv if argv is not None else sys.argv[1:])
-    data = {"stamp": stamp(command=command.strip()), "peak_tflops": PEAK_TFLOPS, "rows": rows}
+    data = {"stamp": stamp(command=command("bench_losses", argv)), "peak_tflops": PEAK_TFLOPS, "rows": rows}
     write_set(out, args.name, data)
     print((out / f"{args.name}.md").read_text())
     return 0

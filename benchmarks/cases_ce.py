@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 
-from benchmarks.harness import Case
+from benchmarks.harness import Case, head_inputs, optional
 from chunkloss import FusedLinearCrossEntropyLoss
 
 H, V = 4096, 128256
@@ -15,9 +13,7 @@ H, V = 4096, 128256
 
 def _inputs(n: int):
     def make(device):
-        g = torch.Generator(device="cpu").manual_seed(0)
-        hidden = (torch.randn(n, H, generator=g) * 0.5).to(device, torch.bfloat16).requires_grad_()
-        weight = (torch.randn(V, H, generator=g) * 0.02).to(device, torch.bfloat16).requires_grad_()
+        g, hidden, weight = head_inputs(device, n, hidden=H, vocab=V)
         labels = torch.randint(0, V, (n,), generator=g)
         labels[torch.arange(n) % 7 == 0] = -100
         return {"hidden": hidden, "weight": weight, "labels": labels.to(device)}
@@ -39,35 +35,25 @@ def impls() -> dict:
         "torch": _torch,
         "torch.compile": torch.compile(_torch),
     }
-    with contextlib.suppress(ImportError):
-        from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+    if trl_head := optional("trl.kernels.chunked_logprob", "ChunkedLogProbFunction"):
 
-        def trl_head(i):
+        def trl_loss(i):
             mask = i["labels"] != -100
-            logps = ChunkedLogProbFunction.apply(
-                i["hidden"][mask], i["weight"], None, i["labels"][mask], 1.0, 4096, None, 1.0, ()
-            )[0]
-            return -logps.sum() / mask.sum().clamp(min=1)
+            args = (i["hidden"][mask], i["weight"], None, i["labels"][mask], 1.0, 4096, None, 1.0, ())
+            return -trl_head.apply(*args)[0].sum() / mask.sum().clamp(min=1)
 
-        out["trl 1.16 head"] = trl_head
-    with contextlib.suppress(ImportError):
-        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-
-        liger = LigerFusedLinearCrossEntropyLoss()
-        out["liger"] = lambda i: liger(i["weight"], i["hidden"], i["labels"])
-    with contextlib.suppress(ImportError):
-        from cut_cross_entropy import linear_cross_entropy
-
-        out["cce"] = lambda i: linear_cross_entropy(i["hidden"], i["weight"], i["labels"])
+        out["trl 1.16 head"] = trl_loss
+    if liger := optional("liger_kernel.transformers", "LigerFusedLinearCrossEntropyLoss"):
+        liger_ce = liger()
+        out["liger"] = lambda i: liger_ce(i["weight"], i["hidden"], i["labels"])
+    if cce := optional("cut_cross_entropy", "linear_cross_entropy"):
+        out["cce"] = lambda i: cce(i["hidden"], i["weight"], i["labels"])
     return out
 
 
 def cases() -> list[Case]:
-    fns = impls()
-    out = []
-    for n in (8192, 32768):
-        n_valid = n - (n + 6) // 7
-        out.append(
-            Case(f"ce N={n}", "cross_entropy", n, 6 * n_valid * H * V, _inputs(n), fns, {"H": H, "V": V})
-        )
-    return out
+    fns, meta = impls(), {"H": H, "V": V}
+    return [
+        Case(f"ce N={n}", "cross_entropy", n, 6 * (n - (n + 6) // 7) * H * V, _inputs(n), fns, meta)
+        for n in (8192, 32768)
+    ]

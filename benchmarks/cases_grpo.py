@@ -7,11 +7,9 @@ Floor FLOPs: 6·N_valid·H·V (the policy head's forward and its two gradient GE
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-from benchmarks.harness import Case
+from benchmarks.harness import Case, head_inputs, optional
 from chunkloss.losses.grpo import FusedLinearGRPOLoss
 from chunkloss.reference import grpo_loss_from_logps_ref
 
@@ -28,11 +26,12 @@ MODES = (
 )
 
 
+TENSORS = ("hidden", "weight", "ids", "mask", "adv")  # the losses' tensor arguments, in order
+
+
 def inputs(b: int, t: int):
     def make(device):
-        g = torch.Generator(device="cpu").manual_seed(0)
-        hidden = (torch.randn(b, t, H, generator=g) * 0.5).to(device, torch.bfloat16).requires_grad_()
-        weight = (torch.randn(V, H, generator=g) * 0.02).to(device, torch.bfloat16).requires_grad_()
+        g, hidden, weight = head_inputs(device, b, t, hidden=H, vocab=V)
         ids = torch.randint(0, V, (b, t), generator=g).to(device)
         mask = torch.ones(b, t, dtype=torch.long)
         mask[:, t - t // 8 :] = 0
@@ -86,39 +85,19 @@ def impls(**mode) -> dict:
     entropy = mode.get("top_entropy_quantile", 1.0) < 1.0  # the mask needs the materialised entropies
     out = {
         "chunkloss": lambda i: ours(
-            i["hidden"],
-            i["weight"],
-            i["ids"],
-            i["mask"],
-            i["adv"],
-            old_logps=i["old"],
-            ref_logps=i["ref"] if with_ref else None,
+            *(i[k] for k in TENSORS), old_logps=i["old"], ref_logps=i["ref"] if with_ref else None
         ),
         "torch": lambda i: _trl_loss(i, *materialised_logps(i, entropy), **mode),
     }
-    with contextlib.suppress(ImportError):
-        from trl.kernels.chunked_logprob import ChunkedLogProbFunction  # noqa: F401
-
+    if optional("trl.kernels.chunked_logprob", "ChunkedLogProbFunction"):
         out["trl 1.16 head"] = lambda i: _trl_loss(i, *trl_head_logps(i), **mode)
     if mode:  # Liger's GRPO has no entropy masking; its sequence level is not TRL 1.16's GSPO transcription
         return out
-    with contextlib.suppress(ImportError):
-        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
-
-        liger = LigerFusedLinearGRPOLoss(beta=BETA, use_ref_model=True, loss_type="dapo")
-
-        def liger_fn(i):
-            return liger(
-                i["hidden"],
-                i["weight"],
-                i["ids"],
-                i["mask"],
-                i["adv"],
-                ref_per_token_logps=i["ref"],
-                old_per_token_logps=i["old"],
-            )[0]
-
-        out["liger"] = liger_fn
+    if liger := optional("liger_kernel.chunked_loss", "LigerFusedLinearGRPOLoss"):
+        liger_grpo = liger(beta=BETA, use_ref_model=True, loss_type="dapo")
+        out["liger"] = lambda i: liger_grpo(
+            *(i[k] for k in TENSORS), ref_per_token_logps=i["ref"], old_per_token_logps=i["old"]
+        )[0]
     return out
 
 

@@ -7,34 +7,30 @@ GEMM floor: the student's 3 GEMMs (forward, grad_hidden, grad_weight) and the te
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.harness import Case
+from benchmarks.harness import Case, head_inputs, optional
 from chunkloss.losses.jsd import FusedLinearJSDLoss
 
 H, V = 4096, 128256
 BETA = 0.5
 
 
+# The losses' tensor arguments, in order.
+TENSORS = ("student_hidden", "student_weight", "teacher_hidden", "teacher_weight", "labels")
+
+
 def _inputs(n: int):
     def make(device):
-        g = torch.Generator(device="cpu").manual_seed(0)
-
-        def randn(*shape, scale):
-            return (torch.randn(*shape, generator=g) * scale).to(device, torch.bfloat16)
-
-        return {
-            "student_hidden": randn(n, H, scale=0.5).requires_grad_(),
-            "student_weight": randn(V, H, scale=0.02).requires_grad_(),
-            "teacher_hidden": randn(n, H, scale=0.5),
-            "teacher_weight": randn(V, H, scale=0.02),
-            "labels": torch.randint(0, V, (n,), generator=g).to(device),
-        }
+        g, hidden, weight = head_inputs(device, n, hidden=H, vocab=V)
+        teacher_hidden = (torch.randn(n, H, generator=g) * 0.5).to(device, torch.bfloat16)
+        teacher_weight = (torch.randn(V, H, generator=g) * 0.02).to(device, torch.bfloat16)
+        labels = torch.randint(0, V, (n,), generator=g).to(device)
+        return dict(zip(TENSORS, (hidden, weight, teacher_hidden, teacher_weight, labels), strict=True))
 
     return make
 
@@ -55,42 +51,30 @@ def _torch(inp):
 
 def impls() -> dict:
     ours = FusedLinearJSDLoss(beta=BETA)
-
-    def chunkloss(i):
-        return ours(
-            i["student_hidden"], i["student_weight"], i["teacher_hidden"], i["teacher_weight"], i["labels"]
-        )
-
-    out = {"chunkloss": chunkloss, "torch": _torch, "torch.compile": torch.compile(_torch)}
-    with contextlib.suppress(ImportError):
-        from trl.trainer.distillation_trainer import _chunked_divergence_loss
+    out = {
+        "chunkloss": lambda i: ours(*(i[k] for k in TENSORS)),
+        "torch": _torch,
+        "torch.compile": torch.compile(_torch),
+    }
+    if trl_divergence := optional("trl.trainer.distillation_trainer", "_chunked_divergence_loss"):
 
         def trl_distill(i):
-            mask = i["labels"] != -100
-            return _chunked_divergence_loss(
-                i["student_hidden"], i["teacher_hidden"], i["student_weight"], i["teacher_weight"], mask, BETA
-            )[0]
+            hidden, weight = (
+                (i["student_hidden"], i["teacher_hidden"]),
+                (i["student_weight"], i["teacher_weight"]),
+            )
+            return trl_divergence(*hidden, *weight, i["labels"] != -100, BETA)[0]
 
         out["trl 1.16 chunked divergence"] = trl_distill
-    with contextlib.suppress(ImportError):
-        from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
-
+    if liger := optional("liger_kernel.chunked_loss", "LigerFusedLinearJSDLoss"):
         # Liger's mixture is β·S + (1-β)·T (the mirror of TRL's), identical at β=0.5.
-        liger = LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=BETA)
+        liger_jsd = liger(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=BETA)
 
-        def liger_jsd(i):
-            loss = liger(
-                i["student_hidden"],
-                i["student_weight"],
-                i["teacher_hidden"],
-                i["teacher_weight"],
-                i["labels"],
-                None,
-                None,
-            )
+        def liger_loss(i):
+            loss = liger_jsd(*(i[k] for k in TENSORS), None, None)
             return loss[0] if isinstance(loss, tuple) else loss
 
-        out["liger"] = liger_jsd
+        out["liger"] = liger_loss
     return out
 
 

@@ -12,12 +12,10 @@ log-softmax, KTOTrainer's loss.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from benchmarks.cases_preference import H, V, inputs, nograd_logps, seq_logps, trl_seq_logps
-from benchmarks.harness import Case
+from benchmarks.harness import Case, optional
 from chunkloss import FusedLinearCrossEntropyLoss
 from chunkloss.losses.kto import FusedLinearKTOLoss
 
@@ -79,45 +77,31 @@ def impls(ref_head: bool) -> dict:
             i, seq_logps(i["hidden"], i["weight"], i["labels"])[0], lambda *a: seq_logps(*a)[0]
         ),
     }
-    with contextlib.suppress(ImportError):
-        from trl.kernels.chunked_logprob import ChunkedLogProbFunction  # noqa: F401
-
+    if optional("trl.kernels.chunked_logprob", "ChunkedLogProbFunction"):
         # KTOTrainer asks the policy's head for the entropy and mean logits too, the reference's for none.
         out["trl 1.16 head"] = lambda i: kto_loss(
             i, trl_seq_logps(i["hidden"], i["weight"], i["labels"], ("entropy", "mean_logits")), trl_seq_logps
         )
     if not ref_head:
         return out
-    with contextlib.suppress(ImportError):
-        from liger_kernel.chunked_loss import LigerFusedLinearKTOLoss
+    if liger := optional("liger_kernel.chunked_loss", "LigerFusedLinearKTOLoss"):
+        liger_kto = liger(beta=BETA, use_ref_model=True)
 
-        liger = LigerFusedLinearKTOLoss(beta=BETA, use_ref_model=True)
-        out["liger"] = lambda i: liger(
-            i["hidden"],
-            i["weight"],
-            i["labels"],
-            None,
-            i["desirable"],
-            i["ref_hidden"],
-            i["ref_weight"],
-            None,
-            kl_term(i),
-        )[0]
+        def liger_loss(i):
+            policy, ref = (i["hidden"], i["weight"], i["labels"]), (i["ref_hidden"], i["ref_weight"])
+            return liger_kto(*policy, None, i["desirable"], *ref, None, kl_term(i))[0]
+
+        out["liger"] = liger_loss
     return out
 
 
 def cases() -> list[Case]:
     n_valid = 2 * PAIRS * (T - T // 4)
     meta = {"H": H, "V": V, "B": 2 * PAIRS, "T": T, "prompt": T // 4, "desirable": PAIRS, "beta": BETA}
-    return [
-        Case(
-            f"{name} {2 * PAIRS}x{T}",
-            "kto",
-            2 * PAIRS * T,
-            (8 if ref else 6) * n_valid * H * V,
-            _inputs(ref),
-            impls(ref),
-            meta,
+    out = []
+    for name, ref in (("kto", False), ("kto+ref", True)):
+        flops = (8 if ref else 6) * n_valid * H * V
+        out.append(
+            Case(f"{name} {2 * PAIRS}x{T}", "kto", 2 * PAIRS * T, flops, _inputs(ref), impls(ref), meta)
         )
-        for name, ref in (("kto", False), ("kto+ref", True))
-    ]
+    return out

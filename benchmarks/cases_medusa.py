@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from benchmarks.harness import Case
+from benchmarks.harness import Case, optional
 from chunkloss import FusedLinearCrossEntropyLoss, FusedLinearMultiTokenLoss
 
 B, T, H, V = 8, 1024, 4096, 128256
@@ -79,11 +79,10 @@ def impls(k: int) -> dict:
         "chunkloss_bf16_accum_liger_chunks": lambda i: small(*lists(i)),
         "torch": materialised,
     }
-    try:
-        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-    except ImportError:
+    liger_ce = optional("liger_kernel.transformers", "LigerFusedLinearCrossEntropyLoss")
+    if liger_ce is None:
         return out
-    liger = LigerFusedLinearCrossEntropyLoss()
+    liger = liger_ce()
 
     def per_head(inp):
         loss = 0.0
@@ -103,29 +102,11 @@ def cases() -> list[Case]:
         inputs = _inputs(1, "shared")(device)
         return {"hidden": inputs.pop("hidden0"), **inputs}
 
-    out = [
-        Case(
-            f"single head N={N}",
-            "medusa",
-            N,
-            6 * N * H * V,
-            single,
-            {"chunkloss_single_head": lambda i: ce(i["hidden"], i["weight"], i["labels"])},
-            {"heads": 1},
-        )
-    ]
+    one = {"chunkloss_single_head": lambda i: ce(i["hidden"], i["weight"], i["labels"])}
+    out = [Case(f"single head N={N}", "medusa", N, 6 * N * H * V, single, one, {"heads": 1})]
     for k in (3, 5):
         for form in ("shared", "per_head"):
-            valid = sum(N - B * i for i in range(k))
-            out.append(
-                Case(
-                    f"K={k} {form} N={N}",
-                    "medusa",
-                    N,
-                    6 * valid * H * V,
-                    _inputs(k, form),
-                    impls(k),
-                    {"heads": k, "form": form},
-                )
-            )
+            flops = 6 * sum(N - B * i for i in range(k)) * H * V
+            meta = {"heads": k, "form": form}
+            out.append(Case(f"K={k} {form} N={N}", "medusa", N, flops, _inputs(k, form), impls(k), meta))
     return out

@@ -8,12 +8,10 @@ chunking over pairs (Liger) grows with T and chunking over tokens (ours, two pas
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 
-from benchmarks.harness import Case
+from benchmarks.harness import Case, head_inputs, optional
 from chunkloss.losses.dpo import FusedLinearDPOLoss
 from chunkloss.losses.orpo import FusedLinearORPOLoss
 
@@ -22,9 +20,7 @@ H, V = 4096, 128256
 
 def inputs(pairs: int, t: int, ref: bool):
     def make(device):
-        g = torch.Generator(device="cpu").manual_seed(0)
-        hidden = (torch.randn(2 * pairs, t, H, generator=g) * 0.5).to(device, torch.bfloat16).requires_grad_()
-        weight = (torch.randn(V, H, generator=g) * 0.02).to(device, torch.bfloat16).requires_grad_()
+        g, hidden, weight = head_inputs(device, 2 * pairs, t, hidden=H, vocab=V)
         labels = torch.randint(0, V, (2 * pairs, t), generator=g)
         labels[:, : t // 4] = -100
         out = {"hidden": hidden, "weight": weight, "labels": labels.to(device), "pairs": pairs}
@@ -90,11 +86,9 @@ def _orpo_impls() -> dict:
         "chunkloss": lambda i: ours(i["hidden"], i["weight"], i["labels"][: b(i)], i["labels"][b(i) :]),
         "torch": _torch_orpo,
     }
-    with contextlib.suppress(ImportError):
-        from liger_kernel.chunked_loss import LigerFusedLinearORPOLoss
-
-        liger = LigerFusedLinearORPOLoss()
-        out["liger"] = lambda i: liger(i["weight"], i["hidden"], i["labels"])[0]
+    if liger := optional("liger_kernel.chunked_loss", "LigerFusedLinearORPOLoss"):
+        liger_orpo = liger()
+        out["liger"] = lambda i: liger_orpo(i["weight"], i["hidden"], i["labels"])[0]
     return out
 
 
@@ -109,15 +103,12 @@ def _dpo_impls() -> dict:
         )
 
     out = {"chunkloss": chunkloss, "torch": _torch_dpo}
-    with contextlib.suppress(ImportError):
-        from liger_kernel.chunked_loss import LigerFusedLinearDPOLoss
-
-        liger = LigerFusedLinearDPOLoss(use_ref_model=True)
-        out["liger"] = lambda i: liger(
+    if liger := optional("liger_kernel.chunked_loss", "LigerFusedLinearDPOLoss"):
+        liger_dpo = liger(use_ref_model=True)
+        out["liger"] = lambda i: liger_dpo(
             i["weight"], i["hidden"], i["labels"], None, i["ref_hidden"], i["ref_weight"]
         )[0]
-    with contextlib.suppress(ImportError):
-        from trl.kernels.chunked_logprob import ChunkedLogProbFunction  # noqa: F401
+    if optional("trl.kernels.chunked_logprob", "ChunkedLogProbFunction"):
 
         def trl_head(i, beta=0.1):
             """TRL 1.16's fused head on the completion tokens, then DPOTrainer's sigmoid loss."""

@@ -6,13 +6,11 @@ the entropy RLOOTrainer asks it for) feed the loss's fp32 transcription. Floor 6
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-from benchmarks.cases_grpo import H, V, inputs, materialised_logps, trl_head_logps
+from benchmarks.cases_grpo import TENSORS, H, V, inputs, materialised_logps, trl_head_logps
 from benchmarks.cases_preference import nograd_logps
-from benchmarks.harness import Case
+from benchmarks.harness import Case, optional
 from chunkloss.losses.rloo import FusedLinearRLOOLoss
 from chunkloss.reference import rloo_loss_from_logps_ref
 
@@ -36,14 +34,10 @@ def _trl_loss(i, logps, entropies=None):
 def impls() -> dict:
     ours = FusedLinearRLOOLoss()
     out = {
-        "chunkloss": lambda i: ours(
-            i["hidden"], i["weight"], i["ids"], i["mask"], i["adv"], old_logps=i["old_logps"]
-        ),
+        "chunkloss": lambda i: ours(*(i[k] for k in TENSORS), old_logps=i["old_logps"]),
         "torch": lambda i: _trl_loss(i, *materialised_logps(i)),
     }
-    with contextlib.suppress(ImportError):
-        from trl.kernels.chunked_logprob import ChunkedLogProbFunction  # noqa: F401
-
+    if optional("trl.kernels.chunked_logprob", "ChunkedLogProbFunction"):
         out["trl 1.16 head"] = lambda i: _trl_loss(i, *trl_head_logps(i))
     return out
 

@@ -19,6 +19,9 @@ import os
 import pathlib
 import re
 import statistics
+import subprocess
+import sys
+import tempfile
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,6 +50,52 @@ def stamp(command: str = "", gpus: int | None = None) -> dict:
     return {"date": date, "gpu": gpu, "versions": versions, "command": command}
 
 
+LLAMA3 = dict(vocab=128256, kv=8, tied=True)
+# Real models' shapes, for random weights; tied: the LM head shares the input embedding's weight.
+SHAPES = {
+    "llama-3.2-1b": dict(LLAMA3, hidden=2048, inter=8192, layers=16, heads=32, head_dim=64),
+    "llama-3.2-3b": dict(LLAMA3, hidden=3072, inter=8192, layers=28, heads=24, head_dim=128),
+    "llama-3.1-8b": dict(LLAMA3, hidden=4096, inter=14336, layers=32, heads=32, head_dim=128, tied=False),
+    "qwen3-0.6b": dict(family="qwen3", vocab=151936, hidden=1024, inter=3072, layers=28, heads=16, kv=8,
+                       head_dim=128, tied=True),
+    "qwen3-4b": dict(family="qwen3", vocab=151936, hidden=2560, inter=9728, layers=36, heads=32, kv=8,
+                     head_dim=128, tied=True),
+    "qwen3-8b": dict(family="qwen3", vocab=151936, hidden=4096, inter=12288, layers=36, heads=32, kv=8,
+                     head_dim=128, tied=False),
+    "tiny": dict(vocab=4096, hidden=64, inter=128, layers=2, heads=4, kv=2, head_dim=16, tied=True),
+}  # fmt: skip
+
+
+def command(module: str, argv: list[str] | None) -> str:
+    """The command line ``python -m benchmarks.<module>`` with ``argv`` (``sys.argv[1:]`` if None)."""
+    return " ".join([f"python -m benchmarks.{module}", *(sys.argv[1:] if argv is None else argv)])
+
+
+def split_choices(parser, flag: str, text: str, allowed) -> list[str]:
+    """``flag``'s comma-separated ``text`` as a list, or ``parser``'s error when it names none or another than
+    ``allowed``."""
+    items = [i for i in text.split(",") if i]
+    if not items or set(items) - set(allowed):
+        parser.error(f"{flag}: choose from {', '.join(allowed)}, got {text!r}")
+    return items
+
+
+def run_worker(module: str, argv: list[str], timeout_s: float, env: dict | None = None):
+    """``python -m benchmarks.<module> <argv> --worker --out PART`` in a process of its own: the rows it wrote
+    to PART (none if it wrote nothing) and why it failed (None when it exited with status 0)."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        part = pathlib.Path(f.name)
+    cmd = [sys.executable, "-m", f"benchmarks.{module}", *argv, "--worker", "--out", str(part)]
+    try:
+        rc = subprocess.run(cmd, timeout=timeout_s, env=env).returncode
+        error = None if rc == 0 else f"process exited with status {rc}"
+    except subprocess.TimeoutExpired:
+        error = f"timed out after {timeout_s:.0f} s"
+    rows = json.loads(part.read_text()) if part.stat().st_size else []
+    part.unlink()
+    return rows, error
+
+
 @dataclass
 class Case:
     """One loss case: ``name`` (the row, e.g. "ce N=8192"), ``group`` (the loss family), ``tokens`` in the
@@ -65,6 +114,23 @@ class Case:
     @property
     def floor_ms(self) -> float:
         return self.floor_flops / (PEAK_TFLOPS * 1e12) * 1e3
+
+
+def optional(module: str, name: str):
+    """``module.name``, or None when it does not import: a peer is offered only where it is installed."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+
+
+def head_inputs(device, *rows: int, hidden: int, vocab: int):
+    """A generator seeded 0, then from it an LM head's bf16 leaves on ``device``: ``hidden`` (*rows, H) drawn
+    from N(0, 0.5²) and ``weight`` (V, H) from N(0, 0.02²)."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = (torch.randn(*rows, hidden, generator=g) * 0.5).to(device, torch.bfloat16).requires_grad_()
+    weight = (torch.randn(vocab, hidden, generator=g) * 0.02).to(device, torch.bfloat16).requires_grad_()
+    return g, x, weight
 
 
 def is_oom(e: BaseException) -> bool:
@@ -96,22 +162,19 @@ def record_pid(run_dir) -> None:
     (pids / f"rank{os.environ.get('RANK', '0')}.pid").write_text(str(os.getpid()))
 
 
+# A shape's keys as transformers' config fields.
+CONFIG_FIELDS = dict(vocab="vocab_size", hidden="hidden_size", inter="intermediate_size",
+                     layers="num_hidden_layers", heads="num_attention_heads", kv="num_key_value_heads",
+                     head_dim="head_dim", tied="tie_word_embeddings")  # fmt: skip
+
+
 def random_model(shape: dict, device, dtype, seed: int, tokenizer=None, **config):
-    """A causal LM of ``shape`` (``family`` (default llama), ``vocab``, ``hidden``, ``inter``, ``layers``,
-    ``heads``, ``kv``, ``head_dim``) with random weights from ``seed``, built directly on ``device`` in
-    ``dtype``; the pad, EOS and BOS ids from ``tokenizer`` when given; ``config`` adds or overrides config
-    fields."""
+    """A causal LM of ``shape`` (a ``SHAPES`` entry) with random weights from ``seed``, built directly on
+    ``device`` in ``dtype``; the pad, EOS and BOS ids from ``tokenizer`` when given; ``config`` adds or
+    overrides config fields."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    fields = dict(
-        vocab_size=shape["vocab"],
-        hidden_size=shape["hidden"],
-        intermediate_size=shape["inter"],
-        num_hidden_layers=shape["layers"],
-        num_attention_heads=shape["heads"],
-        num_key_value_heads=shape["kv"],
-        head_dim=shape["head_dim"],
-    )
+    fields = {field: shape[key] for key, field in CONFIG_FIELDS.items()}
     if tokenizer is not None:
         fields.update({f"{k}_token_id": getattr(tokenizer, f"{k}_token_id") for k in ("pad", "eos", "bos")})
     cfg = AutoConfig.for_model(shape.get("family", "llama"), **{**fields, **config})
@@ -169,13 +232,10 @@ def measure(fn: Callable[[dict], torch.Tensor], inputs: dict, warmup: int = 2, r
     gc.collect()
     loss, peak = peak_extra(step)
     grad_bytes = sum(t.grad.numel() * t.grad.element_size() for t in leaves if t.grad is not None)
-    out = {
-        "ms": statistics.median(times),
-        "ms_all": times,
-        "peak_extra_bytes": peak - grad_bytes,
-        "grad_bytes": grad_bytes,
-        "loss": float(loss.detach().float()),
-    }
+    out = dict(
+        ms=statistics.median(times), ms_all=times, peak_extra_bytes=peak - grad_bytes, grad_bytes=grad_bytes
+    )
+    out["loss"] = float(loss.detach().float())
     for t in leaves:
         t.grad = None
     return out
@@ -207,6 +267,9 @@ UNSLOTH_DEFAULTS = ("optim", "gradient_accumulation_steps", "weight_decay", "war
 MULTIGPU_TRAINERS = ("sft", "dpo", "grpo")
 LOSSES = ("sft", "dpo", "grpo", "orpo", "gkd", "medusa", "kto", "rloo")
 NUM_GENERATIONS = 2
+# The training arguments every implementation shares (besides batch, steps, precision and checkpointing).
+TRAINING = dict(report_to="none", learning_rate=1e-5, logging_steps=1, save_strategy="no", seed=0,
+                dataloader_num_workers=0)  # fmt: skip
 
 
 def kernels_available() -> bool:
@@ -358,32 +421,16 @@ def make_trainer(
     accumulate: int = 1,
     config: dict | None = None,
 ):
-    """``loss``'s trainer of ``impl`` on ``model``: TRL's (``trl``), with ``use_liger_kernel=True``
-    (``liger``), with ``torch_compile=True`` (``compile``), chunkloss's with ``chunk_kernels=kernels``
-    passed explicitly (``chunkloss``; False where the kernels cannot run: :func:`kernels_available`), or as
-    Unsloth patches TRL's (``unsloth``: ``UNSLOTH_DEFAULTS`` as the others have them). ``ref``:
-    DPO's or KTO's reference or GKD's teacher (None with a ``peft_config``: the adapter-free model is the
-    reference). Sequences are ``seq`` tokens; GRPO's and RLOO's fixed completions fill what the prompt leaves;
-    RLOO's β is 0 (TRL builds its reference from the policy's hub name, which a random model lacks).
-    ``medusa``: ``ChunkedMedusaConfig``'s ``medusa_*`` fields (any ``impl`` but chunkloss: Medusa's own loss).
-    ``accumulate``: gradient accumulation steps; ``config``: config fields set last. The same options
-    otherwise for every implementation."""
+    """``loss``'s trainer of ``impl`` (``TRAINER_IMPLS``) on ``model``, the same options for every ``impl``:
+    chunkloss's with ``chunk_kernels=kernels`` (False where they cannot run), the peers as they are picked
+    (Unsloth's with ``UNSLOTH_DEFAULTS`` as the others have them). ``ref``: DPO's or KTO's reference or
+    GKD's teacher (None under ``peft_config``: the adapter-free model is it). GRPO's and RLOO's fixed
+    completions fill what the prompt leaves of ``seq``; RLOO's β is 0 (TRL builds its reference from the
+    policy's hub name, which a random model lacks). ``medusa``: ``ChunkedMedusaConfig``'s ``medusa_*``
+    fields; ``config``: config fields set last."""
     cuda = torch.cuda.is_available()
-    cfg = dict(
-        output_dir=out_dir,
-        report_to="none",
-        per_device_train_batch_size=batch,
-        max_steps=steps,
-        learning_rate=1e-5,
-        logging_steps=1,
-        save_strategy="no",
-        seed=0,
-        bf16=cuda,
-        use_cpu=not cuda,
-        dataloader_num_workers=0,
-        gradient_accumulation_steps=accumulate,
-        **{_checkpointing_field(): gc},
-    )
+    cfg = dict(TRAINING, output_dir=out_dir, per_device_train_batch_size=batch, max_steps=steps, bf16=cuda)
+    cfg.update(use_cpu=not cuda, gradient_accumulation_steps=accumulate, **{_checkpointing_field(): gc})
     chunk = dict(chunk_kernels=kernels and kernels_available(), chunk_compile=chunk_compile and cuda)
     if loss == "medusa":  # both on the chunked trainer's config; the peer swaps in Medusa's own loss
         cfg.update({f"medusa_{k}": v for k, v in (medusa or {}).items()})
@@ -391,24 +438,15 @@ def make_trainer(
     else:
         from transformers import TrainingArguments
 
-        cfg.update(
-            {
-                "liger": dict(use_liger_kernel=True),
-                "compile": dict(torch_compile=True),
-                "unsloth": {k: getattr(TrainingArguments, k) for k in UNSLOTH_DEFAULTS},
-                "chunkloss": chunk,
-            }[impl]
-            if impl != "trl"
-            else {}
-        )
+        unsloth = {k: getattr(TrainingArguments, k) for k in UNSLOTH_DEFAULTS}
+        peers = {"trl": {}, "liger": dict(use_liger_kernel=True), "compile": dict(torch_compile=True)}
+        cfg.update({**peers, "unsloth": unsloth, "chunkloss": chunk}[impl])
     if loss in ("grpo", "rloo"):
         prompt = max(len(tokenizer(p)["input_ids"]) for p in ds["prompt"])
         cfg.update(
-            num_generations=NUM_GENERATIONS,
-            max_completion_length=max(seq - prompt, 1),
-            temperature=1.0,
-            **({"beta": 0.0} if loss == "rloo" else {}),
+            num_generations=NUM_GENERATIONS, max_completion_length=max(seq - prompt, 1), temperature=1.0
         )
+        cfg.update({"beta": 0.0} if loss == "rloo" else {})
     else:
         cfg["max_length"] = seq
     if loss in ("dpo", "kto"):
@@ -527,9 +565,12 @@ def kernel_time(prof, wall_s: float, steps: int) -> dict:
     return out
 
 
-def profile_window(prof, warmup: int):
-    """A callback that profiles the steps after ``warmup``."""
+def profile_steps(trainer, warmup: int):
+    """A ``torch.profiler`` of CUDA kernels (CPU ops off CUDA) over ``trainer``'s steps after ``warmup``."""
     from transformers import TrainerCallback
+
+    activity = torch.profiler.ProfilerActivity
+    prof = torch.profiler.profile(activities=[activity.CUDA if torch.cuda.is_available() else activity.CPU])
 
     class Window(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
@@ -541,7 +582,8 @@ def profile_window(prof, warmup: int):
                 torch.cuda.synchronize()
             prof.stop()
 
-    return Window()
+    trainer.add_callback(Window())
+    return prof
 
 
 def peak_memory_gib(trainer) -> list[dict] | None:

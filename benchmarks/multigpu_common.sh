@@ -31,7 +31,6 @@ export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-${TMPDIR:-/tmp}/chunkloss_to
 : > "$OUT/runs.tsv"
 note() { echo "[$(basename "$0" .sh) $(date +%T) +${SECONDS}s] $*" | tee -a "$LOGS/driver.log"; }
 
-# --- environment -------------------------------------------------------------------------------------
 SITE=${CHUNKLOSS_SITE:-/tmp/site}
 if [ "${CHUNKLOSS_SKIP_INSTALL:-0}" != 1 ]; then
   wheels=$(ls .whl/*.whl .whl-ds/*.whl 2>/dev/null)

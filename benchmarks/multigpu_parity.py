@@ -22,7 +22,6 @@ import os
 # Before anything can initialise NCCL: NVLink multicast (NVLS) stays off on the shared H200 hosts.
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
-import argparse  # noqa: E402
 import copy  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
@@ -31,15 +30,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from benchmarks.harness import (  # noqa: E402
-    MULTIGPU_TRAINERS,
-    StepTimer,
-    failure_reason,
-    fixed_completions,
-    peak_memory_gib,
-    record_pid,
-    stamp,
-)
+from benchmarks import harness  # noqa: E402
 from benchmarks.report import write_json, write_set  # noqa: E402
 
 STEPS, REAL_STEPS = 20, 30  # the tiny model's, a real shape's
@@ -47,7 +38,19 @@ PER_DEVICE_BATCH, REAL_BATCH = 4, 2
 NUM_GENERATIONS = 2
 MAX_COMPLETION_LENGTH = 12
 BACKENDS = ("fsdp2", "zero3")
+# What --compare prints.
+SHOWN = ("trainer", "max_abs_grad_error", "max_rel_grad_error", "max_abs_curve_diff", "max_rel_curve_diff",
+         "max_rel_norm_diff", "noise")  # fmt: skip
 RUN_KEYS = ("distributed_type", "num_processes", "accumulate", "median_step_time_s", "peak_memory_gib")
+# The tiny model's training arguments (chunkloss's trainers, eager chunk steps), and per trainer.
+TINY_CONFIG = dict(report_to="none", logging_steps=1, save_strategy="no", learning_rate=1e-3, seed=0,
+                   dataloader_num_workers=0, chunk_compile=False)  # fmt: skip
+TINY_KIND_CONFIG = {
+    "dpo": dict(max_length=48),
+    "grpo": dict(
+        num_generations=NUM_GENERATIONS, max_completion_length=MAX_COMPLETION_LENGTH, num_iterations=2
+    ),
+}
 WARMUP_STEPS = 3  # step times before this are compilation and allocator warm-up, left out of the median
 
 
@@ -135,54 +138,23 @@ def _short_completion(trainer, seed: int) -> list[int]:
 
 
 def _trainer(kind: str, out: Path, steps: int, batch: int, bf16: bool, accumulate: int = 1):
-    """The tiny model's trainer, ``accumulate`` micro-batches of ``batch`` per step."""
+    """The tiny model's chunked trainer, ``accumulate`` micro-batches of ``batch`` per step."""
     from chunkloss.data import count_reward, tiny_dataset, tiny_model, tiny_tokenizer
 
     tok = tiny_tokenizer()
     torch.manual_seed(0)
     model = tiny_model(tok, hidden_size=64, num_layers=2)
-    common = dict(
-        output_dir=str(out / "trainer"),
-        report_to="none",
-        per_device_train_batch_size=batch,
-        max_steps=steps,
-        logging_steps=1,
-        save_strategy="no",
-        learning_rate=1e-3,
-        seed=0,
-        bf16=bf16,
-        dataloader_num_workers=0,
-        chunk_compile=False,
-        gradient_accumulation_steps=accumulate,
+    Config, Trainer = harness.trainer_classes(kind, "chunkloss")
+    run = dict(output_dir=str(out / "trainer"), per_device_train_batch_size=batch, max_steps=steps, bf16=bf16)
+    args = Config(
+        **TINY_CONFIG, **run, gradient_accumulation_steps=accumulate, **TINY_KIND_CONFIG.get(kind, {})
     )
-    ds = tiny_dataset(kind, n=256)
-    if kind == "sft":
-        from chunkloss.trainers.sft import ChunkedSFTConfig, ChunkedSFTTrainer
-
-        return ChunkedSFTTrainer(model, ChunkedSFTConfig(**common), train_dataset=ds, processing_class=tok)
-    if kind == "dpo":
-        from chunkloss.trainers.dpo import ChunkedDPOConfig, ChunkedDPOTrainer
-
-        # The reference is given: TRL would load it from the policy's path, and this random model has none.
-        return ChunkedDPOTrainer(
-            model,
-            copy.deepcopy(model),
-            args=ChunkedDPOConfig(**common, max_length=48),
-            train_dataset=ds,
-            processing_class=tok,
-        )
+    kw = dict(train_dataset=tiny_dataset(kind, n=256), processing_class=tok)
+    if kind == "dpo":  # the reference is given: TRL would load it from the policy's path, which has none
+        return Trainer(model, copy.deepcopy(model), args=args, **kw)
     if kind == "grpo":
-        from chunkloss.trainers.grpo import ChunkedGRPOConfig, ChunkedGRPOTrainer
-
-        cfg = ChunkedGRPOConfig(
-            **common,
-            num_generations=NUM_GENERATIONS,
-            max_completion_length=MAX_COMPLETION_LENGTH,
-            num_iterations=2,
-        )
-        trainer = fixed_completions(ChunkedGRPOTrainer, _short_completion)
-        return trainer(model, count_reward, cfg, train_dataset=ds, processing_class=tok)
-    raise ValueError(f"--trainer must be one of {MULTIGPU_TRAINERS}, got {kind!r}")
+        return harness.fixed_completions(Trainer, _short_completion)(model, count_reward, args, **kw)
+    return Trainer(model, args, **kw)
 
 
 def _real_trainer(a, batch: int):
@@ -193,19 +165,7 @@ def _real_trainer(a, batch: int):
 
     tok = tiny_tokenizer()
     model = build_model(a.model, tok, a.seq_len)
-    return build_trainer(
-        a.trainer,
-        "chunked",
-        model,
-        tok,
-        seq_len=a.seq_len,
-        batch=batch,
-        rows=256,
-        steps=a.steps,
-        out_dir=str(a.out / "trainer"),
-        gc=a.gradient_checkpointing,
-        accumulate=a.accumulate,
-    )
+    return build_trainer(a, "chunked", model, tok, batch, rows=256, accumulate=a.accumulate)
 
 
 def run(a, batch: int) -> None:
@@ -213,7 +173,7 @@ def run(a, batch: int) -> None:
     grads_step1.pt)."""
     bf16 = torch.cuda.is_available()
     out = a.out
-    record_pid(out)
+    harness.record_pid(out)
     if a.model == "tiny":
         tr, keep = _trainer(a.trainer, out, a.steps, batch, bf16, a.accumulate), lambda name: True
     else:
@@ -221,35 +181,25 @@ def run(a, batch: int) -> None:
         middle = f"layers.{tr.model.config.num_hidden_layers // 2}."
         keep = lambda name: middle in name  # noqa: E731 - the whole model's gradients would not fit
     tap = GradTap(tr, keep)
-    clock = StepTimer()
+    clock = harness.StepTimer()
     tr.add_callback(clock.callback())
     tr.train()
-    memory = peak_memory_gib(tr)
+    memory = harness.peak_memory_gib(tr)
     if tr.accelerator.is_main_process:
         curve = [h["loss"] for h in tr.state.log_history if "loss" in h]
         torch.save(tap.grads, out / "grads_step1.pt")
         timed = clock.times[WARMUP_STEPS:] or clock.times
-        acc, logs = tr.accelerator, tr.state.log_history
-        real = a.model != "tiny"
-        meta = dict(
-            trainer=a.trainer,
-            model=a.model,
-            seq_len=a.seq_len if real else None,
-            gradient_checkpointing=a.gradient_checkpointing if real else None,
-            num_processes=acc.num_processes,
-            distributed_type=str(acc.distributed_type),
-            per_device_batch=batch,
-            accumulate=a.accumulate,
-            bf16=bf16,
-            loss_curve=curve,
-            grad_norms=[h["grad_norm"] for h in logs if "grad_norm" in h],
-            norms=tap.norms,
-            step_times_s=clock.times,
-            median_step_time_s=statistics.median(timed) if timed else None,
-            peak_memory_gib=memory,
-            device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"),
-            torch=torch.__version__,
+        acc, logs, real = tr.accelerator, tr.state.log_history, a.model != "tiny"
+        meta = dict(trainer=a.trainer, model=a.model, seq_len=a.seq_len if real else None)
+        meta.update(gradient_checkpointing=a.gradient_checkpointing if real else None)
+        meta.update(num_processes=acc.num_processes, distributed_type=str(acc.distributed_type))
+        meta.update(per_device_batch=batch, accumulate=a.accumulate, bf16=bf16, loss_curve=curve)
+        meta.update(grad_norms=[h["grad_norm"] for h in logs if "grad_norm" in h], norms=tap.norms)
+        median = statistics.median(timed) if timed else None
+        meta.update(step_times_s=clock.times, median_step_time_s=median, peak_memory_gib=memory)
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        meta.update(
+            device=device, nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"), torch=torch.__version__
         )
         write_json(out / "run.json", meta)
 
@@ -345,16 +295,15 @@ def summary(folder: Path, model: str = "tiny") -> dict:
     ``folder/multigpu[_<model>]`` (json, md, png); a run that left none is named in ``notes`` with the reason
     from its ``.error`` file or the backend's ``<backend>.error``."""
     comparisons, notes = [], []
-    for trainer in MULTIGPU_TRAINERS:
+    for trainer in harness.MULTIGPU_TRAINERS:
         for backend in BACKENDS:
             name = run_name(trainer, backend, model)
             f = folder / f"{name}.json"
             if not f.exists():
                 errs = (folder / f"{name}.error", folder / f"{backend}.error")
                 err = next((e for e in errs if e.exists()), None)
-                notes.append(
-                    f"{trainer} / {backend}: {failure_reason(err.read_text()) if err else 'no result'}"
-                )
+                why = harness.failure_reason(err.read_text()) if err else "no result"
+                notes.append(f"{trainer} / {backend}: {why}")
                 continue
             r = json.loads(f.read_text())
             comparisons.append(
@@ -363,7 +312,7 @@ def summary(folder: Path, model: str = "tiny") -> dict:
             if r["missing_grads"] or r["extra_grads"]:
                 notes.append(f"{trainer} / {backend}: missing {r['missing_grads']}, extra {r['extra_grads']}")
     env = "" if model == "tiny" else f"CHUNKLOSS_MODEL={model} "
-    st = stamp(command=f"{env}bash benchmarks/multigpu_run.sh OUT", gpus=torch.cuda.device_count())
+    st = harness.stamp(command=f"{env}bash benchmarks/multigpu_run.sh OUT", gpus=torch.cuda.device_count())
     data = {"stamp": st, "warmup_steps": WARMUP_STEPS, "comparisons": comparisons, "notes": notes}
     if model != "tiny" and comparisons:
         data["model"] = real_setting(comparisons[0])
@@ -372,20 +321,10 @@ def summary(folder: Path, model: str = "tiny") -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from benchmarks.multigpu_scale import MODELS
+    from benchmarks.multigpu_scale import multigpu_parser
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--trainer", choices=MULTIGPU_TRAINERS)
-    p.add_argument("--model", choices=tuple(MODELS), default="tiny")
-    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (a real shape)")
+    p = multigpu_parser(__doc__, model="tiny", out="run folder, or the json file with --compare")
     p.add_argument("--steps", type=int, help=f"default {STEPS}, a real shape {REAL_STEPS}")
-    p.add_argument(
-        "--no-gradient-checkpointing",
-        dest="gradient_checkpointing",
-        action="store_false",
-        help="a real shape: checkpointing off",
-    )
-    p.add_argument("--out", type=Path, help="run folder, or the json file with --compare")
     p.add_argument("--single", action="store_true", help="the reference: one process on the global batch")
     p.add_argument("--world", type=int, default=2, help="with --single: the multi-process world size")
     p.add_argument("--accumulate", type=int, default=1, help="with --single: micro-batches per step")
@@ -401,16 +340,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--trainer and --out are required (except with --summary)")
     if a.compare:
         r = compare(*a.compare, a.out, a.noise)
-        keys = (
-            "trainer",
-            "max_abs_grad_error",
-            "max_rel_grad_error",
-            "max_abs_curve_diff",
-            "max_rel_curve_diff",
-            "max_rel_norm_diff",
-            "noise",
-        )
-        print(json.dumps({k: r.get(k) for k in keys}))
+        print(json.dumps({k: r.get(k) for k in SHOWN}))
         return
     if a.accumulate < 1 or (a.accumulate > 1 and not a.single) or a.world % a.accumulate:
         p.error("--accumulate: a divisor of --world, with --single")

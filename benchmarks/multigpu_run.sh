@@ -3,23 +3,20 @@
 #
 #     bash benchmarks/multigpu_run.sh OUT_DIR
 #
-# For sft, dpo and grpo ($CHUNKLOSS_TRAINERS) under FSDP2 and DeepSpeed ZeRO-3 (configs/accelerate/*.yaml):
-# benchmarks/multigpu_parity.py on 2 GPUs, and its reference with the same config on 1 GPU, global batch;
-# then the comparisons (OUT_DIR/<trainer>_<backend>.json), the multigpu pytest on them, and the result set
-# OUT_DIR/multigpu.{json,md,png}. Logs and a run report: OUT_DIR/logs/. Wheels in .whl/ and .whl-ds/ are
-# installed into $CHUNKLOSS_SITE first (multigpu_common.sh). If DeepSpeed does not import, its error goes to
-# OUT_DIR/zero3.error and the rest runs. Every run is killed at its limit, cut to a deadline of
-# $CHUNKLOSS_BUDGET_S seconds (default 480). .whl-ds/ holds DeepSpeed 0.19.8 built with DS_BUILD_OPS=0 and
-# DS_ACCELERATOR=cuda (ops JIT-build on the host's nvcc) and the runtime dependencies the host lacks, for
-# CPython 3.12 (hjson, py-cpuinfo, msgpack, ninja, einops, nvidia-ml-py, pydantic with pydantic-core,
-# annotated-types, typing-inspection and typing-extensions).
+# For sft, dpo and grpo ($CHUNKLOSS_TRAINERS) under $CHUNKLOSS_BACKENDS (default "fsdp2 zero3",
+# configs/accelerate/*.yaml): benchmarks/multigpu_parity.py on 2 GPUs and its 1-GPU reference (same config,
+# global batch), their comparisons (OUT_DIR/<trainer>_<backend>.json), the multigpu pytest on them and the
+# result set OUT_DIR/multigpu.{json,md,png}; logs and a run report in OUT_DIR/logs/. Every run is killed at its
+# limit, cut to a deadline of $CHUNKLOSS_BUDGET_S seconds (default 480). A DeepSpeed that does not import
+# leaves OUT_DIR/zero3.error and the rest runs. Wheels in .whl/ and .whl-ds/ are installed first
+# (multigpu_common.sh); .whl-ds/ holds DeepSpeed 0.19.8 (DS_BUILD_OPS=0, DS_ACCELERATOR=cuda: its ops JIT-build
+# on the host's nvcc) and the runtime dependencies the host lacks, for CPython 3.12.
 #
 # $CHUNKLOSS_MODEL (default tiny) names a real shape of benchmarks/multigpu_scale.py instead (qwen3-4b,
 # llama3-8b): 30 steps of $CHUNKLOSS_SEQ_LEN-token sequences (default 2048), checkpointing on unless
-# CHUNKLOSS_GRADIENT_CHECKPOINTING=0, each run limited to $CHUNKLOSS_RUN_S seconds (default 240); its files
-# and result set carry the model's name, and a third run per backend, the reference's global batch in two
-# micro-batches, measures the bf16 noise the real-size test allows. $CHUNKLOSS_BACKENDS: default
-# "fsdp2 zero3".
+# CHUNKLOSS_GRADIENT_CHECKPOINTING=0, each run limited to $CHUNKLOSS_RUN_S seconds (default 240), files and set
+# named after the model, and per backend a third run, the reference's batch in two micro-batches, that
+# measures the bf16 noise the real-size test allows.
 set -u
 
 BUDGET=${CHUNKLOSS_BUDGET_S:-480}
@@ -42,9 +39,7 @@ else
   HAVE_DS=0
 fi
 
-# --- runs -------------------------------------------------------------------------------------------
 DEADLINE=$((BUDGET - RESERVE))
-
 
 # launch TRAINER BACKEND NPROC ACCUMULATE PORT NAME: benchmarks/multigpu_parity.py under accelerate, on 2
 # processes, or on 1 as the reference (the global batch, in ACCUMULATE micro-batches).
@@ -91,7 +86,6 @@ for b in $BACKENDS; do
   done
 done
 
-# --- comparisons, test, summary ----------------------------------------------------------------------
 for t in $TRAINERS; do
   for b in fsdp2 zero3; do
     r=${t}_$b$SFX

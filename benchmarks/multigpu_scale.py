@@ -39,32 +39,15 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from benchmarks.bench_e2e import SHAPES  # noqa: E402
-from benchmarks.harness import (  # noqa: E402
-    MULTIGPU_TRAINERS,
-    NUM_GENERATIONS,
-    StepTimer,
-    counting_dataset,
-    failure_reason,
-    free_memory,
-    is_oom,
-    kernel_time,
-    kernels_available,
-    make_trainer,
-    peak_memory_gib,
-    profile_window,
-    random_model,
-    record_pid,
-    stamp,
-)
+from benchmarks import harness  # noqa: E402
+from benchmarks.harness import make_trainer  # noqa: E402
 from benchmarks.report import fullest, write_json, write_set  # noqa: E402
 
-# Shapes of the models (random weights), bench_e2e's; tied: the LM head shares the input embedding's weight.
 MODELS = {
     "tiny": dict(family="qwen3", vocab=4096, hidden=64, inter=128, layers=2, heads=4, kv=2, head_dim=16,
                  tied=True),
-    "qwen3-4b": SHAPES["qwen3-4b"],
-    "llama3-8b": SHAPES["llama-3.1-8b"],
+    "qwen3-4b": harness.SHAPES["qwen3-4b"],
+    "llama3-8b": harness.SHAPES["llama-3.1-8b"],
 }  # fmt: skip
 IMPLS = ("chunked", "trl", "liger")
 HARNESS_IMPL = {"chunked": "chunkloss", "trl": "trl", "liger": "liger"}  # harness.make_trainer's names
@@ -72,6 +55,15 @@ DEFAULT_BATCHES = [1, 2, 4, 8, 16, 32, 64]
 SEED = 0
 RESULT, PROFILE = "multigpu_scale", "profile_multigpu"
 COMMAND = "bash benchmarks/multigpu_scale.sh OUT"
+# A run's fields in the summary, in this order.
+SUMMARY_KEYS = (
+    "trainer", "backend", "impl", "model", "seq_len", "world", "gradient_checkpointing", "dtype",
+    "chunk_compile", "kernels", "batch", "steps", "warmup", "status", "oom_ranks", "reason", "skipped",
+    "error",
+    "median_step_time_s", "step_times_s", "tokens_per_step", "tokens_per_s", "tokens_per_s_per_gpu",
+    "peak_memory_gib", "peak_memory_gib_at_oom", "allocated_before_gib", "train_begin_allocated_gib_rank0",
+    "distributed_type", "build_s", "setup_s", "train_s", "wall_s", "losses",
+)  # fmt: skip
 # Memory a batch may find still allocated from the earlier batches of its process before the summary names it.
 LEFTOVER_GIB = 0.5
 
@@ -97,13 +89,13 @@ def head_memory(model: str, weight_bytes: int = 2) -> dict:
     s = MODELS[model]
     v, h = s["vocab"], s["hidden"]
     out = {"vocab": v, "hidden": h, "tied": s["tied"], "weight_bytes": weight_bytes}
-    for key, nbytes in (
-        ("gathered_weight", v * h * weight_bytes),
-        ("fp32_accumulator", v * h * 4),
-        ("weight_grad", v * h * weight_bytes),
+    for key, per_entry in (
+        ("gathered_weight", weight_bytes),
+        ("fp32_accumulator", 4),
+        ("weight_grad", weight_bytes),
     ):
-        out[f"{key}_bytes"] = nbytes
-        out[f"{key}_gib"] = nbytes / 2**30
+        out[f"{key}_bytes"] = v * h * per_entry
+        out[f"{key}_gib"] = v * h * per_entry / 2**30
     out["one_chunk_max_rows"] = default_chunk_size(v, weight_bytes, v * h * 4 // 2**20, grad_in_place=True)
     return out
 
@@ -114,53 +106,21 @@ def build_model(model: str, tokenizer, seq_len: int):
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     s, dtype = MODELS[model], torch.bfloat16 if cuda else torch.float32
-    return random_model(
-        s,
-        device,
-        dtype,
-        SEED,
-        tokenizer,
-        tie_word_embeddings=s["tied"],
-        max_position_embeddings=max(4096, 2 * seq_len),
+    return harness.random_model(
+        s, device, dtype, SEED, tokenizer, max_position_embeddings=max(4096, 2 * seq_len)
     )
 
 
-def build_trainer(
-    kind: str,
-    impl: str,
-    model,
-    tokenizer,
-    *,
-    seq_len: int,
-    batch: int,
-    rows: int,
-    steps: int,
-    out_dir: str,
-    gc: bool,
-    kernels: bool = True,
-    chunk_compile: bool = True,
-    accumulate: int = 1,
-):
-    """``kind``'s trainer of ``impl`` (``IMPLS``) on ``model``: ``rows`` counting examples of ``seq_len``
-    tokens, ``accumulate`` micro-batches of ``batch`` per step. DPO's reference is the initial policy, given:
-    TRL would load it from the policy's path, which a random model lacks."""
-    ds = counting_dataset(kind, rows, seq_len)
-    ref = copy.deepcopy(model).requires_grad_(False) if kind == "dpo" else None
+def build_trainer(a, impl: str, model, tokenizer, batch: int, rows: int, **options):
+    """``a.trainer``'s trainer of ``impl`` (``IMPLS``) on ``model``: ``rows`` counting examples of
+    ``a.seq_len`` tokens, ``a.steps`` steps at per-GPU ``batch``; ``options``: more of
+    ``harness.make_trainer``'s. DPO's reference is the initial policy, given: TRL would load it from the
+    policy's path, which a random model lacks."""
+    ds = harness.counting_dataset(a.trainer, rows, a.seq_len)
+    ref = copy.deepcopy(model).requires_grad_(False) if a.trainer == "dpo" else None
+    run = dict(batch=batch, steps=a.steps, seq=a.seq_len, gc=a.gradient_checkpointing, ref=ref)
     return make_trainer(
-        kind,
-        HARNESS_IMPL[impl],
-        model,
-        tokenizer,
-        ds,
-        out_dir=out_dir,
-        batch=batch,
-        steps=steps,
-        seq=seq_len,
-        gc=gc,
-        ref=ref,
-        kernels=kernels,
-        chunk_compile=chunk_compile,
-        accumulate=accumulate,
+        a.trainer, HARNESS_IMPL[impl], model, tokenizer, ds, out_dir=str(a.out / "trainer"), **run, **options
     )
 
 
@@ -188,82 +148,55 @@ class TokenCount:
 
 
 def _setting(a, world: int) -> dict:
-    cuda = torch.cuda.is_available()
-    return dict(
-        trainer=a.trainer,
-        backend=backend_name(),
-        impl=a.impl,
-        model=a.model,
-        seq_len=a.seq_len,
-        world=world,
-        gradient_checkpointing=a.gradient_checkpointing,
-        chunk_compile=a.impl == "chunked" and a.chunk_compile and cuda,
-        kernels=a.impl == "chunked" and a.kernels == "on" and kernels_available(),
-        dtype="bfloat16" if cuda else "float32",
-        profile=a.profile,
+    cuda, chunked = torch.cuda.is_available(), a.impl == "chunked"
+    out = dict(
+        trainer=a.trainer, backend=backend_name(), impl=a.impl, model=a.model, seq_len=a.seq_len, world=world
     )
+    out.update(
+        gradient_checkpointing=a.gradient_checkpointing, chunk_compile=chunked and a.chunk_compile and cuda
+    )
+    out.update(
+        kernels=chunked and a.kernels == "on" and harness.kernels_available(),
+        dtype="bfloat16" if cuda else "float32",
+    )
+    return {**out, "profile": a.profile}
 
 
 def _train(batch: int, a, tokenizer, t0: float) -> dict:
     """Build the model and the trainer, train ``a.steps`` steps at per-GPU ``batch`` and measure them (``t0``:
     when the batch started). What it builds is referenced from its frame only: ``run_batch`` collects it once
     it returns."""
-    cuda = torch.cuda.is_available()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     model = build_model(a.model, tokenizer, a.seq_len)
     t1 = time.perf_counter()
-    trainer = build_trainer(
-        a.trainer,
-        a.impl,
-        model,
-        tokenizer,
-        seq_len=a.seq_len,
-        batch=batch,
-        rows=max(2 * batch * world, 8),
-        steps=a.steps,
-        out_dir=str(a.out / "trainer"),
-        gc=a.gradient_checkpointing,
-        kernels=a.kernels == "on",
-        chunk_compile=a.chunk_compile,
-    )
-    timer, tokens = StepTimer(), TokenCount(model)
+    rows, options = max(2 * batch * world, 8), dict(kernels=a.kernels == "on", chunk_compile=a.chunk_compile)
+    trainer = build_trainer(a, a.impl, model, tokenizer, batch, rows, **options)
+    timer, tokens = harness.StepTimer(), TokenCount(model)
     trainer.add_callback(timer.callback(after_step=tokens.end_step))
-    prof = None
-    if a.profile:
-        kind = torch.profiler.ProfilerActivity
-        prof = torch.profiler.profile(activities=[kind.CUDA if cuda else kind.CPU])
-        trainer.add_callback(profile_window(prof, a.warmup))
+    prof = harness.profile_steps(trainer, a.warmup) if a.profile else None
     t2 = time.perf_counter()
     trainer.train()
     t3 = time.perf_counter()
     tokens.remove()
     timed = timer.times[a.warmup :] if len(timer.times) > a.warmup else timer.times
     median = statistics.median(timed)
-    parts = {} if prof is None else {"parts": kernel_time(prof, sum(timed), len(timed))}
+    parts = {} if prof is None else {"parts": harness.kernel_time(prof, sum(timed), len(timed))}
     acc = trainer.accelerator
     # Collective (every rank calls both): the timed steps' tokens on all ranks, and peak memory per rank.
     skip = len(timer.times) - len(timed)
     mine = torch.tensor([float(sum(tokens.per_step[skip:])), float(len(timed))], device=acc.device)
     total = acc.gather(mine[None]).reshape(-1, 2).sum(0).tolist()
     per_step = total[0] / max(total[1] / acc.num_processes, 1)
-    return dict(
-        backend=backend_name(),
-        distributed_type=str(acc.distributed_type),
-        world=acc.num_processes,
-        build_s=t1 - t0,
-        setup_s=t2 - t1,
-        train_s=t3 - t2,
-        steps_s=sum(timer.times),
-        step_times_s=timer.times,
-        median_step_time_s=median,
-        tokens_per_step=per_step,
-        tokens_per_s=per_step / median,
-        tokens_per_s_per_gpu=per_step / median / acc.num_processes,
-        peak_memory_gib=peak_memory_gib(trainer),
-        train_begin_allocated_gib_rank0=timer.allocated_before / 2**30,
-        losses=[h["loss"] for h in trainer.state.log_history if "loss" in h],
-        **parts,
+    n = acc.num_processes
+    out = dict(backend=backend_name(), distributed_type=str(acc.distributed_type), world=n)
+    out.update(
+        build_s=t1 - t0, setup_s=t2 - t1, train_s=t3 - t2, steps_s=sum(timer.times), step_times_s=timer.times
     )
+    out.update(median_step_time_s=median, tokens_per_step=per_step, tokens_per_s=per_step / median)
+    out.update(tokens_per_s_per_gpu=per_step / median / n, peak_memory_gib=harness.peak_memory_gib(trainer))
+    out["train_begin_allocated_gib_rank0"] = timer.allocated_before / 2**30
+    out["losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return {**out, **parts}
 
 
 def run_batch(batch: int, a, tokenizer) -> dict:
@@ -279,7 +212,7 @@ def run_batch(batch: int, a, tokenizer) -> dict:
     try:
         res.update(_train(batch, a, tokenizer, t0))
     except Exception as e:  # noqa: BLE001 - an OOM ends the sweep; anything else is raised
-        if not is_oom(e):
+        if not harness.is_oom(e):
             raise
         res.update(oom=True, error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
         if cuda:
@@ -288,7 +221,7 @@ def run_batch(batch: int, a, tokenizer) -> dict:
         # After _train's frame (or the OOM's traceback) is gone, nothing outside the batch holds its model,
         # but the model refers to itself (TRL's and chunkloss's trainers set its forward to a method bound to
         # it): only a collection frees it, with the optimizer and accelerator that hold it.
-        free_memory()
+        harness.free_memory()
     res["wall_s"] = time.perf_counter() - t0
     return res
 
@@ -320,11 +253,11 @@ def sweep(a) -> list[dict]:
 
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    record_pid(a.out)
+    harness.record_pid(a.out)
     if rank == 0:
         write_json(a.out / "setting.json", {**_setting(a, world), "batch_sizes": a.batch_sizes})
     tokenizer = tiny_tokenizer()
-    st = stamp(gpus=world)
+    st = harness.stamp(gpus=world)
     results, prev = [], None
     for batch in a.batch_sizes:
         if a.time_budget_s and prev is not None:
@@ -357,11 +290,8 @@ def sweep(a) -> list[dict]:
         if rank == 0:
             write_json(a.out / f"batch_{batch}.json", r)
             peaks = [round(m["allocated"], 2) for m in r["peak_memory_gib"] or []] or "n/a"
-            print(
-                f"[multigpu_scale] batch {batch}: {r['median_step_time_s']:.3f} s/step, "
-                f"{r['tokens_per_s']:.0f} tokens/s, peak GiB per rank {peaks}",
-                flush=True,
-            )
+            speed = f"{r['median_step_time_s']:.3f} s/step, {r['tokens_per_s']:.0f} tokens/s"
+            print(f"[multigpu_scale] batch {batch}: {speed}, peak GiB per rank {peaks}", flush=True)
         prev = r
     return results
 
@@ -405,7 +335,9 @@ def collect(folder: Path) -> tuple[list[dict], list[str]]:
             b = _batch_of(f)
             if b not in by_batch:
                 errors = sorted(folder.glob(f"{run_dir.name}*.error"), key=lambda e: e.stat().st_mtime)
-                why = failure_reason(errors[-1].read_text()) if errors else "no result and no error file"
+                why = "no result and no error file"
+                if errors:
+                    why = harness.failure_reason(errors[-1].read_text())
                 by_batch[b] = {**setting, "batch": b, "status": "failed", "reason": why}
                 notes.append(f"{run_dir.name}, batch {b}: {why}")
         runs += [{**by_batch[b], "run": run_dir.name} for b in sorted(by_batch)]
@@ -421,25 +353,20 @@ def collect(folder: Path) -> tuple[list[dict], list[str]]:
     for err in sorted(folder.glob("*.error")):
         name = err.name.split(".")[0]
         if name not in seen:
-            notes.append(f"{name}: {failure_reason(err.read_text())}")
+            notes.append(f"{name}: {harness.failure_reason(err.read_text())}")
     return runs, notes
 
 
 def profile_row(r: dict) -> dict:
     """A profiled run as a row of the ``profile`` sets: rank 0's kernel time per step by kind."""
     gc = "on" if r["gradient_checkpointing"] else "off"
-    case = f"{r['model']} {r['trainer']} {r['backend']} x{r['world']} {r['seq_len']} tok gc {gc}"
-    case += f" b={r['batch']}"
+    case = (
+        f"{r['model']} {r['trainer']} {r['backend']} x{r['world']} {r['seq_len']} tok gc {gc} b={r['batch']}"
+    )
     error = None if r["status"] == "ok" else r["status"]
     time_ms = r["median_step_time_s"] * 1e3 if r.get("median_step_time_s") else None
-    return dict(
-        case=case,
-        impl=r["impl"],
-        ms=time_ms,
-        error=error,
-        parts=r.get("parts", {}),
-        peak_mem_gib=fullest(r.get("peak_memory_gib")),
-    )
+    parts, peak = r.get("parts", {}), fullest(r.get("peak_memory_gib"))
+    return dict(case=case, impl=r["impl"], ms=time_ms, error=error, parts=parts, peak_mem_gib=peak)
 
 
 def summary(folder: Path) -> dict:
@@ -447,60 +374,24 @@ def summary(folder: Path) -> dict:
     stamped with the first run's date, GPUs and versions; the profiled runs into ``folder/PROFILE``."""
     runs, notes = collect(folder)
     ok = [r for r in runs if r.get("stamp")]
-    st = dict(ok[0]["stamp"]) if ok else stamp()
+    st = dict(ok[0]["stamp"]) if ok else harness.stamp()
     st["command"] = COMMAND
-    keep = (
-        "trainer",
-        "backend",
-        "impl",
-        "model",
-        "seq_len",
-        "world",
-        "gradient_checkpointing",
-        "dtype",
-        "chunk_compile",
-        "kernels",
-        "batch",
-        "steps",
-        "warmup",
-        "status",
-        "oom_ranks",
-        "reason",
-        "skipped",
-        "error",
-        "median_step_time_s",
-        "step_times_s",
-        "tokens_per_step",
-        "tokens_per_s",
-        "tokens_per_s_per_gpu",
-        "peak_memory_gib",
-        "peak_memory_gib_at_oom",
-        "allocated_before_gib",
-        "train_begin_allocated_gib_rank0",
-        "distributed_type",
-        "build_s",
-        "setup_s",
-        "train_s",
-        "wall_s",
-        "losses",
-    )
     profiled = [r for r in runs if r.get("profile")]
     if profiled:
         prof_stamp = {**st, "command": f"CHUNKLOSS_PROFILE=1 {COMMAND}"}
         write_set(
             folder,
             PROFILE,
-            {"stamp": prof_stamp, "mode": "profile", "rows": [profile_row(r) for r in profiled]},
+            {"stamp": prof_stamp, "mode": "profile", "rows": list(map(profile_row, profiled))},
         )
-    rows = [{k: r[k] for k in keep if k in r} for r in runs if not r.get("profile")]
+    rows = [{k: r[k] for k in SUMMARY_KEYS if k in r} for r in runs if not r.get("profile")]
     models = sorted({r["model"] for r in rows if r.get("model") in MODELS})
     data = {
         "stamp": st,
-        "num_generations": NUM_GENERATIONS,
+        "num_generations": harness.NUM_GENERATIONS,
         "head_memory": {m: head_memory(m) for m in models},
-        "runs": rows,
-        "notes": notes,
     }
+    data.update(runs=rows, notes=notes)
     write_set(folder, RESULT, data)
     return data
 
@@ -512,21 +403,28 @@ def _batches(text: str) -> list[int]:
     return out
 
 
+def multigpu_parser(doc: str, model: str, out: str) -> argparse.ArgumentParser:
+    """The arguments of multigpu_scale and multigpu_parity: ``model``, ``--model``'s default; ``out``,
+    ``--out``'s help."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--trainer", choices=harness.MULTIGPU_TRAINERS)
+    p.add_argument("--model", choices=tuple(MODELS), default=model)
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (a real shape)")
+    p.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false")
+    p.add_argument("--out", type=Path, help=out)
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--trainer", choices=MULTIGPU_TRAINERS)
+    p = multigpu_parser(__doc__, model="qwen3-4b", out="run folder")
     p.add_argument("--impl", choices=IMPLS, default="chunked")
     p.add_argument("--kernels", choices=("on", "off"), default="on", help="chunked: chunk_kernels")
-    p.add_argument("--model", choices=tuple(MODELS), default="qwen3-4b")
-    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
     p.add_argument("--batch-sizes", type=_batches, default=DEFAULT_BATCHES, help="per-GPU, e.g. 1,2,4")
     p.add_argument("--steps", type=int, default=7, help="training steps per batch")
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the median step time")
-    p.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false")
     p.add_argument("--no-chunk-compile", dest="chunk_compile", action="store_false", help="eager chunk step")
     p.add_argument("--profile", action="store_true", help="torch.profiler over the timed steps (rank 0's)")
     p.add_argument("--time-budget-s", type=float, default=0.0, help="from the process start; 0: none")
-    p.add_argument("--out", type=Path, help="run folder")
     p.add_argument("--remaining", type=Path, metavar="RUN_DIR", help="print the batches RUN_DIR still lacks")
     p.add_argument("--summary", type=Path, metavar="DIR", help=f"write DIR/{RESULT}.{{json,md,png}} from DIR")
     p.add_argument("--head-memory", action="store_true", help="print the head's memory per rank per shape")

@@ -8,16 +8,13 @@
 # implementation ($CHUNKLOSS_IMPLS, default "chunked trl liger"; chunked runs its kernels unless
 # CHUNKLOSS_KERNELS=0), on $CHUNKLOSS_MODEL (default qwen3-4b; llama3-8b) with $CHUNKLOSS_SEQ_LEN-token
 # sequences (default 2048), per-GPU batches $CHUNKLOSS_BATCHES (default 1,2,...,64), $CHUNKLOSS_STEPS steps
-# each (default 7, $CHUNKLOSS_WARMUP = 2 untimed), checkpointing on unless CHUNKLOSS_GRADIENT_CHECKPOINTING=0;
-# CHUNKLOSS_PROFILE=1: torch.profiler over the timed steps instead (rank 0's kernel time by kind).
-# Results: OUT_DIR/<model>_<trainer>_<backend>_<impl>_gc<0|1>[_nokernels][_profile]/batch_<B>.json, then the
-# sets OUT_DIR/multigpu_scale.{json,md,png} of every run found under OUT_DIR (so a sweep split over several
-# calls into one OUT_DIR is summarised whole) and OUT_DIR/profile_multigpu.{json,md,png} of the profiled
-# ones. A launch failing after some batches is launched again for the rest. The budget, $CHUNKLOSS_BUDGET_S
-# seconds (default 540), is shared evenly by the launches still to run, each given at least
-# $CHUNKLOSS_MIN_RUN_S (default 90) in their order: a launch that would have less before the deadline is
-# skipped, so the first launches run and the last are dropped when the budget is short. Wheels and the
-# environment: multigpu_common.sh.
+# each (default 7, $CHUNKLOSS_WARMUP = 2 untimed), checkpointing on unless CHUNKLOSS_GRADIENT_CHECKPOINTING=0,
+# compiled chunk steps unless CHUNKLOSS_CHUNK_COMPILE=0; CHUNKLOSS_PROFILE=1: torch.profiler over the timed
+# steps instead. Results: OUT_DIR/<model>_<trainer>_<backend>_<impl>_gc<0|1>[_nokernels][_profile]/, then the
+# sets multigpu_scale and profile_multigpu of every run under OUT_DIR (a sweep split over several calls into
+# one OUT_DIR is summarised whole). A launch failing after some batches is launched again for the rest. The
+# launches still to run share the budget ($CHUNKLOSS_BUDGET_S, default 540 s) evenly, each given at least
+# $CHUNKLOSS_MIN_RUN_S (default 90): when it is short the last launches are skipped.
 set -u
 
 BUDGET=${CHUNKLOSS_BUDGET_S:-540}
@@ -47,7 +44,6 @@ for b in $WANTED_BACKENDS; do
   BACKENDS="$BACKENDS $b"
 done
 
-# --- launches ---------------------------------------------------------------------------------------
 DEADLINE=$((BUDGET - RESERVE))
 combos=()
 for b in $BACKENDS; do for t in $TRAINERS; do for i in $IMPLS; do combos+=("$t $b $i"); done; done; done
@@ -86,7 +82,6 @@ for combo in "${combos[@]}"; do
   done
 done
 
-# --- summary ----------------------------------------------------------------------------------------
 timeout "$(left)" "$PY" -m benchmarks.multigpu_scale --summary "$OUT" > "$LOGS/summary.log" 2>&1
 SUMMARY_RC=$?
 report multigpu_scale "summary: exit $SUMMARY_RC (logs/summary.log)"

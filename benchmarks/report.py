@@ -162,127 +162,83 @@ def longctx_summary(rows: list[dict]) -> dict:
     return out
 
 
+def _oom_or_error(r: dict) -> str | None:
+    return "OOM" if r.get("oom") else r.get("error")
+
+
+# A run's table rows, per benchmark kind (generators: a kernels run holds one row per implementation).
+def _losses_rows(r: dict):
+    extra = dict(floor=r.get("floor_ms"), loss=r.get("loss"))
+    yield _row(r["case"], r["impl"], r.get("ms"), _gib(r.get("peak_extra_bytes")), r.get("error"), **extra)
+
+
+def _kernels_rows(r: dict):
+    for impl, v in r.items():
+        if isinstance(v, dict):
+            memory = (v.get("peak_extra_mib") or 0) / 1024
+            yield _row(r["case"], impl, v.get("graph_ms"), memory, eager_ms=v.get("ms"), floor=r["floor_ms"])
+
+
+def _decoder_rows(r: dict):
+    max_err = max(r.get("err", {}).values(), default=None)
+    extra = dict(floor=r.get("floor_ms"), saved_mib=(r.get("saved_bytes") or 0) / 2**20, max_err=max_err)
+    yield _row(r["case"], r["impl"], r.get("ms"), _gib(r.get("peak_bytes")), r.get("error"), **extra)
+
+
+def _medusa_e2e_rows(r: dict):
+    case = f"stage {r['stage']} K={r['heads']} b={r['batch']}"
+    time, memory, error = r.get("step_time_s"), r.get("peak_mem_gib"), "OOM" if r["oom"] else None
+    yield _row(case, r["impl"], time, memory, error, tokens_per_s=r.get("tokens_per_s"))
+
+
+def _e2e_rows(r: dict):
+    time, memory, error = r.get("step_time_s"), r.get("peak_mem_gib"), _oom_or_error(r)
+    yield _row(e2e_case(r), r["impl"], time, memory, error, tokens_per_s=r.get("tokens_per_s"))
+
+
+def _longctx_rows(r: dict):
+    case = f"{r['shape']} {r['task']} {r['loss']} {r['tokens']} tok"
+    time, memory, error = r.get("step_time_s"), r.get("peak_mem_gib"), _oom_or_error(r)
+    yield _row(case, r["impl"], time, memory, error, host=r.get("host_peak_gib"))
+
+
+def _parts_rows(r: dict):
+    yield _row(r["case"], r["impl"], r.get("ms"), r.get("peak_mem_gib"), r.get("error"), **r.get("parts", {}))
+
+
+def _multigpu_rows(c: dict):
+    time, memory = c["multi"]["median_step_time_s"], fullest(c["multi"]["peak_memory_gib"])
+    extra = dict(one_gpu_s=c["single"]["median_step_time_s"], **_parity_cells(c))
+    yield _row(f"{c['trainer']} {c['backend']}", "chunked", time, memory, **extra)
+
+
+def _multigpu_scale_rows(r: dict):
+    gc = "on" if r["gradient_checkpointing"] else "off"
+    case = f"{r['model']} {r['trainer']} {r['backend']} gc {gc} b={r['batch']}"
+    off = r["impl"] == "chunked" and not r.get("kernels")  # runs before the switch had no kernels
+    impl = r["impl"] + (" (no kernels)" if off else "")
+    time, memory = r.get("median_step_time_s"), fullest(r.get("peak_memory_gib"))
+    error = None if r["status"] == "ok" else r["status"]
+    yield _row(case, impl, time, memory, error, tokens_per_s=r.get("tokens_per_s"))
+
+
+# Per benchmark kind: the key of its runs in a set, and a run's rows.
+RECORDS = {
+    "losses": ("rows", _losses_rows), "medusa": ("rows", _losses_rows), "kernels": ("rows", _kernels_rows),
+    "decoder": ("rows", _decoder_rows), "decoder_attn": ("rows", _decoder_rows),
+    "medusa_e2e": ("runs", _medusa_e2e_rows), "e2e": ("sweep", _e2e_rows), "longctx": ("rows", _longctx_rows),
+    "profile": ("rows", _parts_rows), "floor": ("rows", _parts_rows),
+    "multigpu": ("comparisons", _multigpu_rows), "multigpu_scale": ("runs", _multigpu_scale_rows),
+}  # fmt: skip
+
+
 def records(name: str, data: dict) -> list[dict]:
     """One row per (case, implementation) of a result set: ``time`` (the kind's unit), ``memory`` (GiB),
     ``error`` (None, ``OOM`` or a message) and extra columns."""
-    k = kind(name)
-    if k in ("losses", "medusa"):
-        return [
-            _row(
-                r["case"],
-                r["impl"],
-                r.get("ms"),
-                _gib(r.get("peak_extra_bytes")),
-                r.get("error"),
-                floor=r.get("floor_ms"),
-                loss=r.get("loss"),
-            )
-            for r in data["rows"]
-        ]
-    if k == "kernels":
-        return [
-            _row(
-                r["case"],
-                i,
-                r[i].get("graph_ms"),
-                (r[i].get("peak_extra_mib") or 0) / 1024,
-                None,
-                eager_ms=r[i].get("ms"),
-                floor=r["floor_ms"],
-            )
-            for r in data["rows"]
-            for i in r
-            if isinstance(r[i], dict)
-        ]
-    if k in ("decoder", "decoder_attn"):
-        return [
-            _row(
-                r["case"],
-                r["impl"],
-                r.get("ms"),
-                _gib(r.get("peak_bytes")),
-                r.get("error"),
-                floor=r.get("floor_ms"),
-                saved_mib=(r.get("saved_bytes") or 0) / 2**20,
-                max_err=max(r.get("err", {}).values(), default=None),
-            )
-            for r in data["rows"]
-        ]
-    if k == "medusa_e2e":
-        return [
-            _row(
-                f"stage {r['stage']} K={r['heads']} b={r['batch']}",
-                r["impl"],
-                r.get("step_time_s"),
-                r.get("peak_mem_gib"),
-                "OOM" if r["oom"] else None,
-                tokens_per_s=r.get("tokens_per_s"),
-            )
-            for r in data["runs"]
-        ]
-    if k == "e2e":
-        return [
-            _row(
-                e2e_case(r),
-                r["impl"],
-                r.get("step_time_s"),
-                r.get("peak_mem_gib"),
-                "OOM" if r.get("oom") else r.get("error"),
-                tokens_per_s=r.get("tokens_per_s"),
-            )
-            for r in data["sweep"]
-        ]
-    if k == "longctx":
-        return [
-            _row(
-                f"{r['shape']} {r['task']} {r['loss']} {r['tokens']} tok",
-                r["impl"],
-                r.get("step_time_s"),
-                r.get("peak_mem_gib"),
-                "OOM" if r.get("oom") else r.get("error"),
-                host=r.get("host_peak_gib"),
-            )
-            for r in data["rows"]
-        ]
-    if k in ("profile", "floor"):
-        return [
-            _row(
-                r["case"], r["impl"], r.get("ms"), r.get("peak_mem_gib"), r.get("error"), **r.get("parts", {})
-            )
-            for r in data["rows"]
-        ]
-    if k == "multigpu":
-        return [
-            _row(
-                f"{c['trainer']} {c['backend']}",
-                "chunked",
-                c["multi"]["median_step_time_s"],
-                fullest(c["multi"]["peak_memory_gib"]),
-                one_gpu_s=c["single"]["median_step_time_s"],
-                **_parity_cells(c),
-            )
-            for c in data["comparisons"]
-        ]
-    if k == "multigpu_scale":
-        out = []
-        for r in data["runs"]:
-            gc = "on" if r["gradient_checkpointing"] else "off"
-            case = f"{r['model']} {r['trainer']} {r['backend']} gc {gc} b={r['batch']}"
-            off = r["impl"] == "chunked" and not r.get("kernels")  # runs before the switch had no kernels
-            impl = r["impl"] + (" (no kernels)" if off else "")
-            err = None if r["status"] == "ok" else r["status"]
-            out.append(
-                _row(
-                    case,
-                    impl,
-                    r.get("median_step_time_s"),
-                    fullest(r.get("peak_memory_gib")),
-                    err,
-                    tokens_per_s=r.get("tokens_per_s"),
-                )
-            )
-        return out
-    raise ValueError(f"no renderer for result set {name!r}")
+    if kind(name) not in RECORDS:
+        raise ValueError(f"no renderer for result set {name!r}")
+    key, rows = RECORDS[kind(name)]
+    return [row for r in data[key] for row in rows(r)]
 
 
 def _parity_cells(c: dict) -> dict:
@@ -290,13 +246,10 @@ def _parity_cells(c: dict) -> dict:
     cells = {}
     for prefix, e in (("", c), ("noise_", c.get("noise") or {})):
         if e:
-            norms = e.get("max_rel_norm_diff") or {}
+            cells[f"{prefix}rel_grad_err"] = e["max_rel_grad_error"]
+            cells[f"{prefix}rel_curve_diff"] = e["max_rel_curve_diff"]
             cells.update(
-                {
-                    f"{prefix}rel_grad_err": e["max_rel_grad_error"],
-                    f"{prefix}rel_curve_diff": e["max_rel_curve_diff"],
-                    **{f"{prefix}rel_norm_diff_{g}": v for g, v in norms.items()},
-                }
+                {f"{prefix}rel_norm_diff_{g}": v for g, v in (e.get("max_rel_norm_diff") or {}).items()}
             )
     return cells
 
@@ -312,17 +265,15 @@ def against_best_peer(rows: list[dict]) -> list[dict]:
         small = min((r for r in peers if r["memory"] is not None), key=lambda r: r["memory"], default=None)
         for r in (r for r in ran if is_ours(r["impl"])):
             mem = small and r["memory"] is not None and small["memory"] and r["memory"] / small["memory"]
-            out.append(
-                {
-                    "case": case,
-                    "impl": r["impl"],
-                    "best_time_peer": fast and fast["impl"],
-                    "time_ratio": fast and r["time"] / fast["time"],
-                    "memory_ratio": mem or None,
-                    "best_memory_peer": small and small["impl"],
-                }
-            )
+            time = dict(best_time_peer=fast and fast["impl"], time_ratio=fast and r["time"] / fast["time"])
+            memory = dict(memory_ratio=mem or None, best_memory_peer=small and small["impl"])
+            out.append(dict(case=case, impl=r["impl"], **time, **memory))
     return out
+
+
+def about(data: dict, meaning: str) -> str:
+    """A set's first line: the command that wrote it, its stamp and what it measures."""
+    return f"`{data['stamp'].get('command', '')}` ({stamp_line(data['stamp'])}). {meaning}"
 
 
 def stamp_line(stamp: dict) -> str:
@@ -341,9 +292,8 @@ def _num(v) -> str:
 
 def rows_table(name: str, rows: list[dict]) -> list[str]:
     unit, mem = KINDS[kind(name)][1], KINDS[kind(name)][2]
-    extra = list(
-        dict.fromkeys(k for r in rows for k in r if k not in ("case", "impl", "time", "memory", "error"))
-    )
+    fixed = ("case", "impl", "time", "memory", "error")
+    extra = list(dict.fromkeys(k for r in rows for k in r if k not in fixed))
     head = ["case", "implementation", f"time ({unit})", mem, *extra]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -366,13 +316,7 @@ def set_md(name: str, data: dict) -> str:
     title, _, _, meaning = KINDS[kind(name)]
     rows = records(name, data)
     summary = summary_table(rows)
-    lines = [
-        f"# {title}",
-        "",
-        f"`{data['stamp'].get('command', '')}` ({stamp_line(data['stamp'])}). {meaning}",
-        *(["", data["model"]] if data.get("model") else []),
-        "",
-    ]
+    lines = [f"# {title}", "", about(data, meaning), *(["", data["model"]] if data.get("model") else []), ""]
     if summary:
         lines += ["Chunkloss against the best peer in each case (below 1: faster / less):", "", *summary, ""]
     lines += rows_table(name, rows)
@@ -437,6 +381,10 @@ def render(out_dir: pathlib.Path, name: str, data: dict) -> None:
     set_png(name, data, out_dir / f"{name}.png")
 
 
+# The set a merged run goes into, by the mode of its file (any other mode: the set of that name).
+MERGED_SETS = {"e2e": "e2e_{task}_{loss}", "longctx": "longctx_{shape}_{task}_{loss}"}
+
+
 def merge(out: pathlib.Path, dirs: list[pathlib.Path]) -> list[str]:
     """Merge the files ``bench_e2e --out`` wrote under ``dirs`` into sets in ``out``: end-to-end runs into
     ``e2e_<task>_<loss>``, profiles into ``profile``, floors into ``floor``, added to the rows already there;
@@ -447,12 +395,7 @@ def merge(out: pathlib.Path, dirs: list[pathlib.Path]) -> list[str]:
         mode = data.get("mode") if isinstance(data, dict) else None
         key = "sweep" if mode == "e2e" else "rows"
         for r in data.get(key, []) if mode else []:
-            if mode == "e2e":
-                name = f"e2e_{r['task']}_{r['loss']}"
-            elif mode == "longctx":
-                name = f"longctx_{r['shape']}_{r['task']}_{r['loss']}"
-            else:
-                name = mode
+            name = MERGED_SETS[mode].format(**r) if mode in MERGED_SETS else mode
             if name not in merged:
                 old = out / f"{name}.json"
                 merged[name] = json.loads(old.read_text()) if old.exists() else {"mode": mode, key: []}
@@ -515,22 +458,13 @@ def docs_page(sets: dict) -> str:
     for name in sorted(sets, key=lambda n: (list(KINDS).index(kind(n)), n)):
         data, (title, _, _, meaning) = sets[name], KINDS[kind(name)]
         summary = summary_table(records(name, data))
-        lines += [
-            "",
-            f"## {title} (`{name}`)",
-            "",
-            f"`{data['stamp'].get('command', '')}` ({stamp_line(data['stamp'])}). {meaning}",
-            "",
-        ]
+        lines += ["", f"## {title} (`{name}`)", "", about(data, meaning), ""]
         if name == "losses":
             lines += [*peer_table(data, list(dict.fromkeys(r["case"] for r in data["rows"]))), ""]
         elif summary:
             lines += [*summary, ""]
-        lines += [
-            f"Every row: [`{name}.md`](../benchmarks/results/{name}.md).",
-            "",
-            f"![{name}](../benchmarks/results/{name}.png)",
-        ]
+        link = f"../benchmarks/results/{name}"
+        lines += [f"Every row: [`{name}.md`]({link}.md).", "", f"![{name}]({link}.png)"]
     return "\n".join(lines) + "\n"
 
 
@@ -549,13 +483,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results", type=pathlib.Path, default=RESULTS, help="folder of the result json files")
     p.add_argument("--docs", type=pathlib.Path, default=ROOT / "docs" / "benchmarks.md")
     p.add_argument("--readme", type=pathlib.Path, default=ROOT / "README.md")
-    p.add_argument(
-        "--merge",
-        type=pathlib.Path,
-        nargs="+",
-        metavar="DIR",
-        help="first merge the bench_e2e files under these folders into --results",
-    )
+    merge_help = "first merge the bench_e2e files under these folders into --results"
+    p.add_argument("--merge", type=pathlib.Path, nargs="+", metavar="DIR", help=merge_help)
     a = p.parse_args(argv)
     if a.merge:
         print("merged", ", ".join(merge(a.results, a.merge)))
