@@ -264,7 +264,7 @@ TRAINER_IMPLS = ("trl", "liger", "compile", "chunkloss", "unsloth")
 # The fields whose defaults Unsloth's configs change (to 8-bit AdamW, accumulation, ...): the others' given.
 UNSLOTH_DEFAULTS = ("optim", "gradient_accumulation_steps", "weight_decay", "warmup_steps")
 # The trainers the multi-GPU benchmarks run (multigpu_parity, multigpu_scale).
-MULTIGPU_TRAINERS = ("sft", "dpo", "grpo")
+MULTIGPU_TRAINERS = ("sft", "dpo", "grpo", "kto", "rloo")
 LOSSES = ("sft", "dpo", "grpo", "orpo", "gkd", "medusa", "kto", "rloo")
 NUM_GENERATIONS = 2
 # The training arguments every implementation shares (besides batch, steps, precision and checkpointing).

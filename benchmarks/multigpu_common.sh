@@ -16,7 +16,7 @@ OUT=$(cd "$1" && pwd)
 LOGS=$OUT/logs
 PY=${PYTHON:-python3}
 CONFIGS=${CHUNKLOSS_ACCELERATE_CONFIGS:-configs/accelerate}
-TRAINERS=${CHUNKLOSS_TRAINERS:-sft dpo grpo}
+TRAINERS=${CHUNKLOSS_TRAINERS:-sft dpo grpo kto rloo}
 # The time left for one step after the runs: the budget plus a 25 s grace, at least 10 s.
 left() { local t=$((BUDGET + 25 - SECONDS)); [ "$t" -lt 10 ] && t=10; echo "$t"; }
 

@@ -45,12 +45,14 @@ RUN_KEYS = ("distributed_type", "num_processes", "accumulate", "median_step_time
 # The tiny model's training arguments (chunkloss's trainers, eager chunk steps), and per trainer.
 TINY_CONFIG = dict(report_to="none", logging_steps=1, save_strategy="no", learning_rate=1e-3, seed=0,
                    dataloader_num_workers=0, chunk_compile=False)  # fmt: skip
+ONLINE = dict(num_generations=NUM_GENERATIONS, max_completion_length=MAX_COMPLETION_LENGTH, num_iterations=2)
 TINY_KIND_CONFIG = {
     "dpo": dict(max_length=48),
-    "grpo": dict(
-        num_generations=NUM_GENERATIONS, max_completion_length=MAX_COMPLETION_LENGTH, num_iterations=2
-    ),
+    "kto": dict(max_length=48),
+    "grpo": ONLINE,
+    "rloo": {**ONLINE, "beta": 0.0},
 }
+# (RLOO with β > 0 loads its reference from the policy's path, which the tiny model has none of.)
 WARMUP_STEPS = 3  # step times before this are compilation and allocator warm-up, left out of the median
 
 
@@ -149,10 +151,14 @@ def _trainer(kind: str, out: Path, steps: int, batch: int, bf16: bool, accumulat
     args = Config(
         **TINY_CONFIG, **run, gradient_accumulation_steps=accumulate, **TINY_KIND_CONFIG.get(kind, {})
     )
-    kw = dict(train_dataset=tiny_dataset(kind, n=256), processing_class=tok)
-    if kind == "dpo":  # the reference is given: TRL would load it from the policy's path, which has none
+    data = tiny_dataset("grpo" if kind == "rloo" else kind, n=256)  # RLOO takes GRPO's prompts
+    kw = dict(train_dataset=data, processing_class=tok)
+    if kind in (
+        "dpo",
+        "kto",
+    ):  # the reference is given: TRL would load it from the policy's path, which has none
         return Trainer(model, copy.deepcopy(model), args=args, **kw)
-    if kind == "grpo":
+    if kind in ("grpo", "rloo"):
         return harness.fixed_completions(Trainer, _short_completion)(model, count_reward, args, **kw)
     return Trainer(model, args, **kw)
 

@@ -3,7 +3,7 @@
 #
 #     bash benchmarks/multigpu_run.sh OUT_DIR
 #
-# For sft, dpo and grpo ($CHUNKLOSS_TRAINERS) under $CHUNKLOSS_BACKENDS (default "fsdp2 zero3",
+# For sft, dpo, grpo, kto and rloo ($CHUNKLOSS_TRAINERS) under $CHUNKLOSS_BACKENDS (default "fsdp2 zero3",
 # configs/accelerate/*.yaml): benchmarks/multigpu_parity.py on 2 GPUs and its 1-GPU reference (same config,
 # global batch), their comparisons (OUT_DIR/<trainer>_<backend>.json), the multigpu pytest on them and the
 # result set OUT_DIR/multigpu.{json,md,png}; logs and a run report in OUT_DIR/logs/. Every run is killed at its

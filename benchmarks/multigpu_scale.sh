@@ -4,7 +4,7 @@
 #     bash benchmarks/multigpu_scale.sh OUT_DIR
 #
 # One accelerate launch of benchmarks/multigpu_scale.py on $CHUNKLOSS_GPUS GPUs (default 2) per backend
-# ($CHUNKLOSS_BACKENDS, default "fsdp2 zero3"), trainer ($CHUNKLOSS_TRAINERS, default "sft dpo grpo") and
+# ($CHUNKLOSS_BACKENDS, default "fsdp2 zero3"), trainer ($CHUNKLOSS_TRAINERS, default "sft dpo grpo kto rloo") and
 # implementation ($CHUNKLOSS_IMPLS, default "chunked trl liger"; chunked runs its kernels unless
 # CHUNKLOSS_KERNELS=0), on $CHUNKLOSS_MODEL (default qwen3-4b; llama3-8b) with $CHUNKLOSS_SEQ_LEN-token
 # sequences (default 2048), per-GPU batches $CHUNKLOSS_BATCHES (default 1,2,...,64), $CHUNKLOSS_STEPS steps

@@ -77,7 +77,7 @@ def _recorded(backend: str, trainer: str) -> dict:
 
 @pytest.mark.multigpu
 @pytest.mark.parametrize("backend", ["fsdp2", "zero3"])
-@pytest.mark.parametrize("trainer", ["sft", "dpo", "grpo"])
+@pytest.mark.parametrize("trainer", ["sft", "dpo", "grpo", "kto", "rloo"])
 def test_parity_with_single_process(backend, trainer, tmp_path):
     if RESULTS:
         r = _recorded(backend, trainer)
