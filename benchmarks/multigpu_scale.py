@@ -114,10 +114,10 @@ def build_model(model: str, tokenizer, seq_len: int):
 def build_trainer(a, impl: str, model, tokenizer, batch: int, rows: int, **options):
     """``a.trainer``'s trainer of ``impl`` (``IMPLS``) on ``model``: ``rows`` counting examples of
     ``a.seq_len`` tokens, ``a.steps`` steps at per-GPU ``batch``; ``options``: more of
-    ``harness.make_trainer``'s. DPO's reference is the initial policy, given: TRL would load it from the
-    policy's path, which a random model lacks."""
+    ``harness.make_trainer``'s. DPO's and KTO's reference is the initial policy, given: TRL would load it
+    from the policy's path, which a random model lacks."""
     ds = harness.counting_dataset(a.trainer, rows, a.seq_len)
-    ref = copy.deepcopy(model).requires_grad_(False) if a.trainer == "dpo" else None
+    ref = copy.deepcopy(model).requires_grad_(False) if a.trainer in ("dpo", "kto") else None
     run = dict(batch=batch, steps=a.steps, seq=a.seq_len, gc=a.gradient_checkpointing, ref=ref)
     return make_trainer(
         a.trainer, HARNESS_IMPL[impl], model, tokenizer, ds, out_dir=str(a.out / "trainer"), **run, **options
