@@ -64,9 +64,11 @@ from torch import Tensor
 from chunkloss.engine import FusedLinearBase, StepKind, register_gpu_steps, segment_sum, sequence_batch
 from chunkloss.losses.common import (
     check_head,
+    kernel_row_statistics,
     nograd_label_logprob,
     quantile,
     row_statistics,
+    saved_statistics,
     to_scalar,
 )
 from chunkloss.losses.grpo_batch import (
@@ -109,7 +111,8 @@ __all__ = [
 # Per-row math shared by both paths. Every row is a completion token with mask 1.
 def _row_logprobs(logits, extra_logits, token, opts: GRPOOptions, stats_fn=row_statistics):
     """(logp, entropy, ref_logp or None, the rows' statistics) of the chunk's rows from its logits;
-    ``stats_fn`` is ``common.row_statistics`` (differentiable) or the CUDA steps' Triton ``row_stats``."""
+    ``stats_fn`` is ``common.row_statistics`` (differentiable) or, for the CUDA steps,
+    ``common.kernel_row_statistics``."""
     rows = stats_fn(
         logits,
         token.ids,
@@ -120,12 +123,12 @@ def _row_logprobs(logits, extra_logits, token, opts: GRPOOptions, stats_fn=row_s
         entropy=True,
     )
     # The entropy only needs a gradient for the entropy bonus.
-    ent = rows["entropy"] if opts.entropy_coef != 0 else rows["entropy"].detach()
+    ent = rows.entropy if opts.entropy_coef != 0 else rows.entropy.detach()
     ref = None
     if opts.beta != 0.0:
         # A reference head arrives reduced (grpo_ref_stats); otherwise precomputed log-probs.
         ref = token.extra_stats[:, 0] if token.extra_stats is not None else token.ref_logps
-    return rows["logp"], ent, ref, rows
+    return rows.logp, ent, ref, rows
 
 
 def grpo_ref_stats(extra_logits, token, opts: GRPOOptions):
@@ -538,9 +541,9 @@ def _grpo_scalings(opts: GRPOOptions) -> dict:
 
 def grpo_token(opts: GRPOOptions, logits, extra_logits, token, scalars, grad: bool = True):
     """``TOKEN`` (``grad``) or ``TOKEN_VALUE``: ``grad_and_value(grpo_chunk)``."""
-    from chunkloss.kernels.logprob import row_grad_from_loss_, row_stats
+    from chunkloss.kernels.logprob import row_grad_from_loss_
 
-    logp, ent, ref, rows = _row_logprobs(logits, extra_logits, token, opts, row_stats)
+    logp, ent, ref, rows = _row_logprobs(logits, extra_logits, token, opts, kernel_row_statistics)
     with torch.enable_grad():
         logp.requires_grad_(grad)
         ent.requires_grad_(grad and opts.entropy_coef != 0)
@@ -549,15 +552,15 @@ def grpo_token(opts: GRPOOptions, logits, extra_logits, token, scalars, grad: bo
     metrics = _add_clip_metrics(m, clip, token, scalars)
     if not grad:
         return None, loss, metrics
-    row_grad_from_loss_(logits, token.ids, rows, loss, **_grpo_scalings(opts))
+    row_grad_from_loss_(
+        logits, token.ids, loss, rows.logp, lse=rows.lse, entropy=rows.entropy, **_grpo_scalings(opts)
+    )
     return logits, loss.detach(), metrics
 
 
 def grpo_stats(opts: GRPOOptions, logits, extra_logits, token):
     """``STATS``: ``grpo_token_stats``, and the rows' statistics for ``SEQ_PASS2`` on these logits."""
-    from chunkloss.kernels.logprob import row_stats
-
-    logp, ent, ref, rows = _row_logprobs(logits, extra_logits, token, opts, row_stats)
+    logp, ent, ref, rows = _row_logprobs(logits, extra_logits, token, opts, kernel_row_statistics)
     return torch.stack([logp, ent] if ref is None else [logp, ent, ref], dim=1), rows
 
 
@@ -568,7 +571,8 @@ def grpo_pass2(opts: GRPOOptions, logits, extra_logits, token, coef, rows=None):
 
     coef_ent = coef[:, 1].contiguous() if opts.entropy_coef != 0 else None
     a = coef[:, 0].contiguous()
-    return row_grad_(logits, token.ids, a, coef_entropy=coef_ent, stats=rows, **_grpo_scalings(opts))
+    saved = saved_statistics(rows)
+    return row_grad_(logits, token.ids, a, coef_entropy=coef_ent, **saved, **_grpo_scalings(opts))
 
 
 register_gpu_steps(

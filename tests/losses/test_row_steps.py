@@ -290,9 +290,9 @@ def test_one_pass_hands_statistics_to_pass_2(loss, cuda_steps, monkeypatch):
     handed = []
     real = lp.row_grad_
 
-    def row_grad_(*args, stats=None, **kwargs):
-        handed.append(stats is not None)
-        return real(*args, stats=stats, **kwargs)
+    def row_grad_(*args, lse=None, **kwargs):
+        handed.append(lse is not None)
+        return real(*args, lse=lse, **kwargs)
 
     monkeypatch.setattr(lp, "row_grad_", row_grad_)
     for chunk, one_pass in ((1000, True), (4, False)):
