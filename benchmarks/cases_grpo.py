@@ -11,7 +11,7 @@ import torch
 
 from benchmarks.harness import Case, head_inputs, optional
 from chunkloss.losses.grpo import FusedLinearGRPOLoss
-from chunkloss.reference import grpo_loss_from_logps_ref
+from chunkloss.testing.reference import grpo_loss_from_logps_ref
 
 H, V = 4096, 128256
 BETA = 0.04

@@ -12,7 +12,7 @@ from benchmarks.cases_grpo import TENSORS, H, V, inputs, materialised_logps, trl
 from benchmarks.cases_preference import nograd_logps
 from benchmarks.harness import Case, optional
 from chunkloss.losses.rloo import FusedLinearRLOOLoss
-from chunkloss.reference import rloo_loss_from_logps_ref
+from chunkloss.testing.reference import rloo_loss_from_logps_ref
 
 B, T = 16, 1024
 

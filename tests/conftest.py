@@ -75,8 +75,8 @@ def _seed():
 def cuda_steps():
     """Every loss builds the per-chunk steps it builds on CUDA (Triton kernels where it registered them)
     whatever device its tensors are on, so CPU tests run them through TRITON_INTERPRET=1; no step built by an
-    earlier test is reused. Yields the ``StepSelection`` (the steps built)."""
-    from chunkloss.engine.steps import select_steps
+    earlier test is reused. Yields the ``StepCache`` (the steps built)."""
+    from chunkloss.testing import select_steps
 
     with select_steps("cuda") as selection:
         yield selection
@@ -85,7 +85,7 @@ def cuda_steps():
 @pytest.fixture
 def fresh_steps():
     """Every loss builds its per-chunk steps afresh (none built by an earlier test is reused)."""
-    from chunkloss.engine.steps import select_steps
+    from chunkloss.testing import select_steps
 
     with select_steps() as selection:
         yield selection

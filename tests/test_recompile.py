@@ -29,7 +29,7 @@ from chunkloss import (
     FusedLinearSimPOLoss,
 )
 from chunkloss.engine import compiled, loop
-from chunkloss.engine.steps import steps_of
+from chunkloss.testing import steps_of
 from tests.child_process import in_child_process
 
 H, V = 16, 64  # a tiny head: the test is about graphs, not numerics

@@ -24,7 +24,7 @@ __all__ = [
     "TRAINERS",
     "ConfigError",
     "RunArguments",
-    "TrainerSpec",
+    "TrainerEntry",
     "load_config",
     "make_parser",
     "read_yaml",
@@ -34,7 +34,7 @@ __all__ = [
 
 
 @dataclass(frozen=True)
-class TrainerSpec:
+class TrainerEntry:
     """Where the trainer of one ``trainer:`` value lives and what data it trains on."""
 
     module: str  # module under chunkloss.trainers
@@ -44,27 +44,27 @@ class TrainerSpec:
     about: str  # one line for --help
 
     @classmethod
-    def of(cls, name: str, stem: str, about: str, data: str | None = None) -> TrainerSpec:
+    def of(cls, name: str, stem: str, about: str, data: str | None = None) -> TrainerEntry:
         """``Chunked<stem>Trainer`` and ``Chunked<stem>Config`` of ``chunkloss.trainers.<name>``, trained on
         data of kind ``data`` (default: ``name``)."""
         trainer, config = f"Chunked{stem}Trainer", f"Chunked{stem}Config"
         return cls(f"chunkloss.trainers.{name}", trainer, config, data or name, about)
 
 
-TRAINERS: dict[str, TrainerSpec] = {
-    "sft": TrainerSpec.of("sft", "SFT", "supervised fine-tuning (chunked cross-entropy / DFT)"),
-    "grpo": TrainerSpec.of("grpo", "GRPO", "online RL with group-relative advantages (needs reward_funcs)"),
-    "rloo": TrainerSpec.of(
+TRAINERS: dict[str, TrainerEntry] = {
+    "sft": TrainerEntry.of("sft", "SFT", "supervised fine-tuning (chunked cross-entropy / DFT)"),
+    "grpo": TrainerEntry.of("grpo", "GRPO", "online RL with group-relative advantages (needs reward_funcs)"),
+    "rloo": TrainerEntry.of(
         "rloo", "RLOO", "online RL with leave-one-out advantages (needs reward_funcs)", data="grpo"
     ),
-    "dpo": TrainerSpec.of("dpo", "DPO", "direct preference optimisation (prompt/chosen/rejected)"),
-    "orpo": TrainerSpec.of("orpo", "ORPO", "odds-ratio preference optimisation, no reference model"),
-    "kto": TrainerSpec.of("kto", "KTO", "Kahneman-Tversky optimisation (prompt/completion/label, unpaired)"),
-    "gkd": TrainerSpec.of("gkd", "GKD", "generalised knowledge distillation (needs a teacher)"),
-    "distillation": TrainerSpec.of(
+    "dpo": TrainerEntry.of("dpo", "DPO", "direct preference optimisation (prompt/chosen/rejected)"),
+    "orpo": TrainerEntry.of("orpo", "ORPO", "odds-ratio preference optimisation, no reference model"),
+    "kto": TrainerEntry.of("kto", "KTO", "Kahneman-Tversky optimisation (prompt/completion/label, unpaired)"),
+    "gkd": TrainerEntry.of("gkd", "GKD", "generalised knowledge distillation (needs a teacher)"),
+    "distillation": TrainerEntry.of(
         "distillation", "Distillation", "on-policy distillation (needs a teacher)"
     ),
-    "medusa": TrainerSpec.of(
+    "medusa": TrainerEntry.of(
         "medusa", "Medusa", "Medusa heads: extra heads predicting tokens further ahead (SFT data)", data="sft"
     ),
 }

@@ -21,11 +21,10 @@ chunk). ``out_i`` of ``TOKEN_ROWS`` is the loss's per-row output ``metrics[token
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import weakref
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Mapping
 from enum import Enum
 
 import torch
@@ -35,15 +34,15 @@ from chunkloss.engine.contract import LossContract, loss_and_metrics
 from chunkloss.engine.options import FusedOptions
 
 __all__ = [
+    "StepCache",
     "StepKind",
-    "StepSelection",
     "build_step",
     "gpu_step",
     "register_gpu_steps",
-    "select_steps",
+    "step_cache",
     "step_for",
     "step_upcasts_extra",
-    "steps_of",
+    "use_step_cache",
 ]
 
 
@@ -182,24 +181,33 @@ def step_upcasts_extra(loss: LossContract, device_type: str) -> bool:
 
 
 # --------------------------------------------------------------------------------------------------
-# Which steps are built: as for the tensors' device, or as a selection asks.
-class StepSelection:
-    """The steps built inside one :func:`select_steps` block.
+# Built steps, and which steps are built.
+class StepCache:
+    """The steps built so far, and how steps are built: as for their tensors' device (the process's cache,
+    :func:`step_cache`), or as a cache made with other settings asks while it is current
+    (:func:`use_step_cache`; ``chunkloss.testing.select_steps`` makes one for a ``with`` block).
 
     Attributes:
         device_type: the device type the steps are built for, whatever their tensors' device (``None``: the
             tensors' own).
         kinds: the step kinds ``device_type`` applies to (``None``: every kind).
         eager_seq_coef: ``SEQ_COEF`` runs :func:`sequence_coef_eager`, never a compiled graph.
-        built: the steps built inside the block, by the key :func:`step_for` shares them under (its first
-            item is the step kind).
+        built: the built steps, by (kind, device type, loss class, per-row outputs, options), shared by every
+            loss instance with those (a compiled graph is built once).
+        by_loss: each loss instance's steps by (kind, device type): skips the options' hashing on later calls.
     """
 
-    def __init__(self, device_type, kinds, eager_seq_coef):
+    def __init__(
+        self,
+        device_type: str | None = None,
+        kinds: Collection[StepKind | str] | None = None,
+        eager_seq_coef: bool = False,
+    ):
         self.device_type = device_type
         self.kinds = None if kinds is None else frozenset(StepKind(k) for k in kinds)
         self.eager_seq_coef = eager_seq_coef
         self.built: dict[tuple, object] = {}
+        self.by_loss: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def device_for(self, kind: StepKind, device_type: str) -> str:
         if self.device_type is None or (self.kinds is not None and kind not in self.kinds):
@@ -207,33 +215,19 @@ class StepSelection:
         return self.device_type
 
 
-_DEFAULT = StepSelection(None, None, False)
-_selection = _DEFAULT
+_cache = StepCache()
 
 
-@contextlib.contextmanager
-def select_steps(
-    device_type: str | None = None, *, kinds: Collection[StepKind | str] | None = None, eager_seq_coef=False
-) -> Iterator[StepSelection]:
-    """Inside the block every loss builds its steps afresh, in a cache of the block's own, and builds them as
-    for ``device_type`` (e.g. ``"cuda"``: the Triton steps a loss registered, which CPU tensors run through
-    ``TRITON_INTERPRET=1``), for the step ``kinds`` given or all of them; with ``eager_seq_coef`` the
-    ``SEQ_COEF`` step runs eagerly. Steps built before the block are not reused inside it, and steps built
-    inside are dropped at its end. Yields the :class:`StepSelection` (its ``built`` steps)."""
-    global _selection
-    outer = _selection
-    _selection = StepSelection(device_type, kinds, eager_seq_coef)
-    try:
-        yield _selection
-    finally:
-        _selection = outer
+def step_cache() -> StepCache:
+    """The current :class:`StepCache`: the one steps are looked up in and built into."""
+    return _cache
 
 
-# --------------------------------------------------------------------------------------------------
-# Built steps, by (kind, device type, loss class, per-row outputs, options); see ``step_for``.
-_SHARED_STEPS: dict[tuple, object] = {}
-#: Each loss instance's steps by (kind, device type, selection): skips the options' hashing on later calls.
-_BY_LOSS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+def use_step_cache(cache: StepCache) -> StepCache:
+    """Make ``cache`` the current one and return the one it replaces (to be put back)."""
+    global _cache
+    outer, _cache = _cache, cache
+    return outer
 
 
 def step_for(loss: LossContract, kind: StepKind | str, device_type: str):
@@ -241,11 +235,10 @@ def step_for(loss: LossContract, kind: StepKind | str, device_type: str):
     (those the step reads) and device type, and shared by every instance with those (a compiled graph is built
     once)."""
     kind = StepKind(kind)
-    selection = _selection
-    device_type = selection.device_for(kind, device_type)
-    own = _BY_LOSS.setdefault(loss, {})
-    key = (kind, device_type, selection)
-    fn = own.get(key)
+    cache = _cache
+    device_type = cache.device_for(kind, device_type)
+    own = cache.by_loss.setdefault(loss, {})
+    fn = own.get((kind, device_type))
     if fn is not None:
         return fn
     # The engine's own fields do not enter the step: losses differing only there share it.
@@ -256,26 +249,20 @@ def step_for(loss: LossContract, kind: StepKind | str, device_type: str):
         logits_budget_mb=base.logits_budget_mb,
         accum_dtype=base.accum_dtype,
     )
-    shared = _SHARED_STEPS if selection is _DEFAULT else selection.built
     shared_key = (kind, device_type, type(loss), loss.token_outputs, opts)
     try:
-        fn = shared.get(shared_key)
+        fn = cache.built.get(shared_key)
     except TypeError:  # options with unhashable fields: this instance builds its own
         shared_key = None
     if fn is None:
-        if kind is StepKind.SEQ_COEF and selection.eager_seq_coef:
+        if kind is StepKind.SEQ_COEF and cache.eager_seq_coef:
             fn = functools.partial(sequence_coef_eager, type(loss).sequence_loss, opts)
         else:
             fn = build_step(loss, kind, opts, device_type)
         if shared_key is not None:
-            shared[shared_key] = fn
-    own[key] = fn
+            cache.built[shared_key] = fn
+    own[(kind, device_type)] = fn
     return fn
-
-
-def steps_of(loss: LossContract) -> dict[tuple[StepKind, str], object]:
-    """The steps ``loss`` has run under the current selection, by (kind, device type)."""
-    return {(k, d): fn for (k, d, sel), fn in _BY_LOSS.get(loss, {}).items() if sel is _selection}
 
 
 def build_step(loss: LossContract, kind: StepKind, opts: FusedOptions, device_type: str):

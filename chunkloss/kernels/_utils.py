@@ -78,7 +78,7 @@ def arguments_of(fn, *args, **kwargs) -> dict:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # eq=False: hashed by identity, a cheap lru_cache key
-class NormKnobs:
+class NormLaunchOptions:
     """Launch parameters of RMSNorm and LayerNorm (swept on an H100; docs/design.md, "Triton kernels").
 
     Rows up to ``max_fused_cols`` wide are normalised from one register tile per program ("fused"); wider rows
@@ -114,11 +114,11 @@ def capability(device: torch.device) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(index)
 
 
-Knobs = TypeVar("Knobs")
+LaunchOptionsT = TypeVar("LaunchOptionsT")
 
 
-class LaunchSettings(Generic[Knobs]):
-    """One kernel family's launch settings per GPU architecture, with an explicit override.
+class LaunchTable(Generic[LaunchOptionsT]):
+    """One kernel family's launch options per GPU architecture, with an explicit override.
 
     Launchers call :meth:`get` with their input's device: the setting of that device's compute capability
     if the table has one, else ``default``. :meth:`use` selects other settings for the code inside a
@@ -126,16 +126,23 @@ class LaunchSettings(Generic[Knobs]):
     task-local (a ``ContextVar``), and restored on the way out of an error too.
     """
 
-    def __init__(self, name: str, default: Knobs, by_capability: dict[tuple[int, int], Knobs] | None = None):
+    def __init__(
+        self,
+        name: str,
+        default: LaunchOptionsT,
+        by_capability: dict[tuple[int, int], LaunchOptionsT] | None = None,
+    ):
         self.default = default
         self.by_capability = dict(by_capability or {})
-        self._forced: contextvars.ContextVar[Knobs | None] = contextvars.ContextVar(name, default=None)
+        self._forced: contextvars.ContextVar[LaunchOptionsT | None] = contextvars.ContextVar(
+            name, default=None
+        )
 
-    def for_capability(self, cap: tuple[int, int] | None) -> Knobs:
+    def for_capability(self, cap: tuple[int, int] | None) -> LaunchOptionsT:
         """The table's setting for compute capability ``cap`` (``default`` when it has none)."""
         return self.by_capability.get(cap, self.default)
 
-    def get(self, device: torch.device) -> Knobs:
+    def get(self, device: torch.device) -> LaunchOptionsT:
         """The setting a launch on ``device`` uses: the one :meth:`use` selected, else the table's."""
         forced = self._forced.get()
         return forced if forced is not None else self.for_capability(capability(device))
@@ -152,24 +159,26 @@ class LaunchSettings(Generic[Knobs]):
             self._forced.reset(token)
 
 
-# sm90 (H100, H200): the sweep behind NormKnobs' defaults. Other architectures take the defaults until a sweep
-# on them gives a row here.
-NORM_SETTINGS: LaunchSettings[NormKnobs] = LaunchSettings("norm", NormKnobs(), {(9, 0): NormKnobs()})
+# sm90 (H100, H200): the sweep behind NormLaunchOptions' defaults. Other architectures take the defaults until
+# a sweep on them gives a row here.
+NORM_LAUNCH: LaunchTable[NormLaunchOptions] = LaunchTable(
+    "norm", NormLaunchOptions(), {(9, 0): NormLaunchOptions()}
+)
 
 
-def norm_knobs(device: torch.device | None = None, **changes):
-    """``NORM_SETTINGS.use(device, **changes)``, a forced ``max_fused_cols`` applying to both norms unless
+def norm_launch_options(device: torch.device | None = None, **changes):
+    """``NORM_LAUNCH.use(device, **changes)``, a forced ``max_fused_cols`` applying to both norms unless
     RMSNorm's own is given (tests force the looped path at small widths with
-    ``norm_knobs(max_fused_cols=16, loop_block_n=16)``)."""
+    ``norm_launch_options(max_fused_cols=16, loop_block_n=16)``)."""
     if "max_fused_cols" in changes:
         changes.setdefault("rms_max_fused_cols", changes["max_fused_cols"])
-    return NORM_SETTINGS.use(device, **changes)
+    return NORM_LAUNCH.use(device, **changes)
 
 
 @functools.lru_cache(maxsize=16)
-def rms_knobs(knobs: NormKnobs) -> NormKnobs:
-    """``knobs`` with RMSNorm's own fused-row threshold."""
-    return dataclasses.replace(knobs, max_fused_cols=knobs.rms_max_fused_cols)
+def rms_launch_options(launch: NormLaunchOptions) -> NormLaunchOptions:
+    """``launch`` with RMSNorm's own fused-row threshold."""
+    return dataclasses.replace(launch, max_fused_cols=launch.rms_max_fused_cols)
 
 
 def row_warps(block: int) -> int:
@@ -206,38 +215,38 @@ class BwdPlan(NamedTuple):
         return {"LOOPED": self.looped, "STAGES": 0 if self.looped else self.stages}
 
 
-def _fused_tile(n_cols: int, knobs: NormKnobs) -> tuple[int, int, int]:
+def _fused_tile(n_cols: int, launch: NormLaunchOptions) -> tuple[int, int, int]:
     block_n = next_power_of_2(n_cols)
-    block_m = max(1, min(64, knobs.tile_elems // block_n))
-    num_warps = max(1, min(32, int(row_warps(block_m * block_n) * knobs.warp_scale)))
+    block_m = max(1, min(64, launch.tile_elems // block_n))
+    num_warps = max(1, min(32, int(row_warps(block_m * block_n) * launch.warp_scale)))
     return block_m, block_n, num_warps
 
 
 @functools.lru_cache(maxsize=512)
-def norm_fwd_plan(n_rows: int, n_cols: int, knobs: NormKnobs) -> FwdPlan:
+def norm_fwd_plan(n_rows: int, n_cols: int, launch: NormLaunchOptions) -> FwdPlan:
     """One program per ``block_m`` rows (fused) or per row (looped)."""
-    if n_cols > knobs.max_fused_cols:
-        block_n = min(knobs.loop_block_n, next_power_of_2(n_cols))
-        return FwdPlan(n_rows, 1, block_n, knobs.loop_warps, True)
-    block_m, block_n, num_warps = _fused_tile(n_cols, knobs)
+    if n_cols > launch.max_fused_cols:
+        block_n = min(launch.loop_block_n, next_power_of_2(n_cols))
+        return FwdPlan(n_rows, 1, block_n, launch.loop_warps, True)
+    block_m, block_n, num_warps = _fused_tile(n_cols, launch)
     return FwdPlan(cdiv(n_rows, block_m), block_m, block_n, num_warps, False)
 
 
 @functools.lru_cache(maxsize=512)
-def norm_bwd_plan(n_rows: int, n_cols: int, device: torch.device, knobs: NormKnobs) -> BwdPlan:
+def norm_bwd_plan(n_rows: int, n_cols: int, device: torch.device, launch: NormLaunchOptions) -> BwdPlan:
     """Persistent backward: each program takes a contiguous block of rows and writes one row of partial dW
     (and dB) sums, which the launcher adds up."""
-    if n_cols > knobs.max_fused_cols:
+    if n_cols > launch.max_fused_cols:
         looped = True
-        block_m, block_n = knobs.loop_block_m, min(knobs.loop_block_n, next_power_of_2(n_cols))
-        num_warps, per_sm = knobs.loop_warps, knobs.loop_bwd_programs_per_sm
+        block_m, block_n = launch.loop_block_m, min(launch.loop_block_n, next_power_of_2(n_cols))
+        num_warps, per_sm = launch.loop_warps, launch.loop_bwd_programs_per_sm
     else:
         looped = False
-        block_m, block_n, num_warps = _fused_tile(n_cols, knobs)
-        per_sm = knobs.bwd_programs_per_sm if block_n <= 4096 else knobs.bwd_programs_per_sm_wide
+        block_m, block_n, num_warps = _fused_tile(n_cols, launch)
+        per_sm = launch.bwd_programs_per_sm if block_n <= 4096 else launch.bwd_programs_per_sm_wide
     n_programs = max(1, min(num_sms(device) * per_sm, cdiv(n_rows, block_m)))
     rows_per_program = max(1, cdiv(cdiv(n_rows, n_programs), block_m)) * block_m  # >= 1 step, even for 0 rows
-    stages = knobs.bwd_stages if block_n <= 4096 else knobs.bwd_stages_wide if block_n <= 8192 else 0
+    stages = launch.bwd_stages if block_n <= 4096 else launch.bwd_stages_wide if block_n <= 8192 else 0
     stages = stages if device.type == "cuda" else 0
     n_programs = cdiv(n_rows, rows_per_program)
     return BwdPlan(n_programs, rows_per_program, block_m, block_n, num_warps, looped, stages)

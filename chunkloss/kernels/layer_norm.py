@@ -48,8 +48,8 @@ _options = functools.lru_cache(maxsize=64)(LayerNormOptions)  # one instance per
 # Forward, per row:  mean = sum(x) / D,  rstd = 1 / sqrt(sum((x - mean)^2) / D + eps),
 #   xhat = (x - mean) * rstd,  y = xhat * w + b.
 # Fused (rows of one register tile): BLOCK_M rows per program. Looped (LOOPED, rows wider than one register
-# tile, ``NormKnobs.max_fused_cols``): one row per program. Pass 1 reads the row in column blocks of BLOCK_N
-# and merges each block's exact statistics into the running ones (Chan et al.'s parallel variance; no
+# tile, ``NormLaunchOptions.max_fused_cols``): one row per program. Pass 1 reads the row in column blocks of
+# BLOCK_N and merges each block's exact statistics into the running ones (Chan et al.'s parallel variance; no
 # E[x^2] - mean^2 cancellation when |mean| >> std): a block of n_b columns with mean m_b and
 # M2_b = sum((x - m_b)^2), after n_a columns with mean m and M2, gives
 #   delta = m_b - m,  m += delta * n_b / (n_a + n_b),  M2 += M2_b + delta^2 * n_a * n_b / (n_a + n_b).
@@ -328,7 +328,7 @@ def _layer_norm_fwd(x, weight, bias, opts: LayerNormOptions):
     n_rows, n_cols = x.shape
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     stats = torch.empty((n_rows, 2), dtype=torch.float32, device=x.device)  # mean, rstd: one allocation
-    plan = norm_fwd_plan(n_rows, n_cols, _utils.NORM_SETTINGS.get(x.device))
+    plan = norm_fwd_plan(n_rows, n_cols, _utils.NORM_LAUNCH.get(x.device))
     _layer_norm_fwd_kernel[(plan.n_programs,)](
         x,
         y,
@@ -355,7 +355,7 @@ def _layer_norm_bwd(
     n_rows, n_cols = x.shape
     dy = lastdim_contiguous(dy)
     dx = norm_dx_buffer(dy, x, needs_dx, opts.in_place)
-    plan = norm_bwd_plan(n_rows, n_cols, x.device, _utils.NORM_SETTINGS.get(x.device))
+    plan = norm_bwd_plan(n_rows, n_cols, x.device, _utils.NORM_LAUNCH.get(x.device))
     # dW and dB partials in one buffer, so one reduction and one cast serve both.
     n_partials = needs_dw + needs_db
     partials = None

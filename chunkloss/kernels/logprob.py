@@ -345,7 +345,8 @@ def row_grad_(
     coef2: Tensor | None = None,  # (C,) dL/dlog p_y2
     coef_entropy: Tensor | None = None,  # (C,) dL/dH
     *,
-    stats: dict[str, Tensor] | None = None,
+    lse: Tensor | None = None,  # (C,)
+    entropy: Tensor | None = None,  # (C,)
     logit_scale: float = 1.0,
     softcap: float | None = None,
     temperature: float = 1.0,
@@ -353,8 +354,8 @@ def row_grad_(
     """``dL/dlogits`` of a loss that sees each row through ``log p_y``, ``log p_y2`` and ``H`` (formula in the
     module docstring), written over ``logits`` in their dtype and returned.
 
-    ``stats``: :func:`row_stats`'s output on these same logits with ``lse=True`` (and ``entropy=True`` when
-    ``coef_entropy`` is given); the row's max/sum-exp are then not read again. Without it they are.
+    ``lse`` (and ``entropy`` when ``coef_entropy`` is given): :func:`row_stats`'s ``"lse"`` (``"entropy"``) of
+    these same logits; the row's max/sum-exp are then not read again. Without them they are.
     The coefficients are fp32 (C,) tensors, already holding every normaliser.
     """
     _check(logits, labels, labels2)
@@ -368,9 +369,11 @@ def row_grad_(
             )
     if logits.stride(1) != 1:
         raise ValueError("logits must have unit column stride (the gradient is written over them)")
-    has_stats = stats is not None
-    if has_stats and ("lse" not in stats or (coef_entropy is not None and "entropy" not in stats)):
-        raise ValueError("stats must hold 'lse' (and 'entropy' with coef_entropy): row_stats(..., lse=True)")
+    has_stats = lse is not None
+    if (entropy is not None and not has_stats) or (
+        has_stats and coef_entropy is not None and entropy is None
+    ):
+        raise ValueError("the row statistics go together: lse, and entropy with coef_entropy (or neither)")
     c, v = logits.shape
     if c == 0:
         return logits
@@ -381,8 +384,8 @@ def row_grad_(
         coef,
         coef2 if coef2 is not None else coef,
         coef_entropy if coef_entropy is not None else coef,
-        stats["lse"] if has_stats else coef,
-        stats.get("entropy", coef) if has_stats else coef,
+        lse if has_stats else coef,
+        entropy if has_stats and entropy is not None else coef,
         v,
         logits.stride(0),
         **_scalings(logit_scale, softcap, temperature),
@@ -398,18 +401,20 @@ def row_grad_(
 def row_grad_from_loss_(
     logits: Tensor,
     labels: Tensor,
-    rows: dict[str, Tensor],
     loss: Tensor,
+    logp: Tensor,
     *,
+    lse: Tensor,
+    entropy: Tensor | None = None,
     logit_scale: float = 1.0,
     softcap: float | None = None,
     temperature: float = 1.0,
 ) -> Tensor:
-    """:func:`row_grad_` for a loss evaluated with autograd on :func:`row_stats`'s output ``rows`` for these
-    logits: its leaves ``rows["logp"]`` and, when it requires grad, ``rows["entropy"]`` give the
+    """:func:`row_grad_` for a loss evaluated with autograd on :func:`row_stats`'s ``logp``, ``lse`` and
+    ``entropy`` for these logits: the leaves ``logp`` and, when it requires grad, ``entropy`` give the
     coefficients."""
-    ent = rows.get("entropy")
-    leaves = [rows["logp"]] + ([ent] if ent is not None and ent.requires_grad else [])
+    ent = entropy
+    leaves = [logp] + ([ent] if ent is not None and ent.requires_grad else [])
     coef = torch.autograd.grad(loss, leaves, allow_unused=True)
     # Contiguous: the gradient of a sum reaches each row as a stride-0 expansion.
     coef = [torch.zeros_like(leaves[0]) if c is None else c.contiguous() for c in coef]
@@ -418,7 +423,8 @@ def row_grad_from_loss_(
         labels,
         coef[0],
         coef_entropy=coef[1] if len(coef) > 1 else None,
-        stats=rows,
+        lse=lse,
+        entropy=entropy,
         logit_scale=logit_scale,
         softcap=softcap,
         temperature=temperature,
@@ -433,13 +439,14 @@ def row_grad_ref(
     coef2: Tensor | None = None,
     coef_entropy: Tensor | None = None,
     *,
-    stats: dict[str, Tensor] | None = None,
+    lse: Tensor | None = None,
+    entropy: Tensor | None = None,
     logit_scale: float = 1.0,
     softcap: float | None = None,
     temperature: float = 1.0,
 ) -> Tensor:
     """:func:`row_grad_` by fp32 autograd of ``Σ coef·log p_y + coef2·log p_y2 + coef_entropy·H``, rounded
-    once to the logits' dtype and copied over them (``stats`` is accepted and not needed)."""
+    once to the logits' dtype and copied over them (``lse`` and ``entropy`` are accepted and not needed)."""
     with torch.enable_grad():
         x = logits.detach().to(torch.float32, copy=True).requires_grad_(True)
         got = row_stats_ref(

@@ -89,9 +89,9 @@ _options = functools.lru_cache(maxsize=64)(RMSNormOptions)  # one instance per o
 # Forward, per row:  rstd = 1 / sqrt(sum(x^2) / D + eps),  xhat = x * rstd,  wt = w + offset,
 #   y = cast(xhat) * wt   ("llama", cast = round to x's dtype)   or   y = xhat * wt   ("gemma").
 # Fused (rows of one register tile): BLOCK_M rows per program. Looped (LOOPED, rows wider than one register
-# tile, ``NormKnobs.max_fused_cols``): one row per program; pass 1 accumulates x^2 over column blocks of
-# BLOCK_N in an fp32 vector and reduces it once; pass 2 computes xhat and y as above, block by block. Pass 2
-# re-reads x, which pass 1 has just brought into L2.
+# tile, ``NormLaunchOptions.max_fused_cols``): one row per program; pass 1 accumulates x^2 over column blocks
+# of BLOCK_N in an fp32 vector and reduces it once; pass 2 computes xhat and y as above, block by block. Pass
+# 2 re-reads x, which pass 1 has just brought into L2.
 @triton.jit
 def _rms_norm_fwd_kernel(
     X,  # (N, D) input, rows stride_x apart
@@ -329,7 +329,7 @@ def _rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, opts: RMSNormOptions):
     out_dtype = torch.promote_types(x.dtype, weight.dtype) if cast_llama else x.dtype
     y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-    plan = norm_fwd_plan(n_rows, n_cols, _utils.rms_knobs(_utils.NORM_SETTINGS.get(x.device)))
+    plan = norm_fwd_plan(n_rows, n_cols, _utils.rms_launch_options(_utils.NORM_LAUNCH.get(x.device)))
     _rms_norm_fwd_kernel[(plan.n_programs,)](
         x,
         y,
@@ -354,7 +354,9 @@ def _rms_norm_bwd(dy, x, weight, rstd, opts: RMSNormOptions, needs_dx: bool, nee
     n_rows, n_cols = x.shape
     dy = lastdim_contiguous(dy)
     dx = norm_dx_buffer(dy, x, needs_dx, opts.in_place)
-    plan = norm_bwd_plan(n_rows, n_cols, x.device, _utils.rms_knobs(_utils.NORM_SETTINGS.get(x.device)))
+    plan = norm_bwd_plan(
+        n_rows, n_cols, x.device, _utils.rms_launch_options(_utils.NORM_LAUNCH.get(x.device))
+    )
     dw_partial = None
     if needs_dw:
         dw_partial = torch.empty((plan.n_programs, n_cols), dtype=torch.float32, device=x.device)

@@ -3,9 +3,9 @@
 Equals ``transformers``' ``apply_rotary_pos_emb``: ``q * cos + rotate_half(q) * sin`` with
 ``rotate_half(x) = cat(-x[..., R/2:R], x[..., :R/2])``, where ``cos``/``sin`` are what the model's rotary
 embedding returns, ``(B, T, R)`` or ``(T, R)``. With ``R < head_dim`` (partial rotary) only the first ``R``
-dims rotate and the rest pass through. One program handles ``RopeKnobs.tokens`` consecutive tokens, each
-with all its q heads and all its k heads (grouped-query attention has fewer k heads), reading that token's
-``cos``/``sin`` row once; every head row is read once, as its two rotary halves.
+dims rotate and the rest pass through. One program handles ``RoPELaunchOptions.tokens`` consecutive tokens,
+each with all its q heads and all its k heads (grouped-query attention has fewer k heads), reading that
+token's ``cos``/``sin`` row once; every head row is read once, as its two rotary halves.
 """
 
 import functools
@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from ._utils import LaunchSettings, cdiv, custom_op, next_power_of_2
+from ._utils import LaunchTable, cdiv, custom_op, next_power_of_2
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -68,7 +68,7 @@ class RoPEOptions:
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: hashed by identity, a cheap lru_cache key
-class RopeKnobs:
+class RoPELaunchOptions:
     """Launch parameters of the RoPE kernel (the sweep behind the defaults: docs/design.md, "Kernel launch
     parameters"). More tokens per program do not help: the static loop cannot issue a token's loads before
     the previous token's stores (the compiler must assume they alias).
@@ -80,13 +80,15 @@ class RopeKnobs:
     evict_first: bool = False  # load q, k (or their gradients) with evict_first: each byte is read once
 
 
-# sm90 (H100, H200): the sweep behind RopeKnobs' defaults; other architectures take the defaults.
-ROPE_SETTINGS: LaunchSettings[RopeKnobs] = LaunchSettings("rope", RopeKnobs(), {(9, 0): RopeKnobs()})
+# sm90 (H100, H200): the sweep behind RoPELaunchOptions' defaults; other architectures take the defaults.
+ROPE_LAUNCH: LaunchTable[RoPELaunchOptions] = LaunchTable(
+    "rope", RoPELaunchOptions(), {(9, 0): RoPELaunchOptions()}
+)
 
 
-def rope_knobs(device: torch.device | None = None, **changes):
-    """``ROPE_SETTINGS.use(device, **changes)`` (tests force ``tokens=3, block_h=2`` at small shapes)."""
-    return ROPE_SETTINGS.use(device, **changes)
+def rope_launch_options(device: torch.device | None = None, **changes):
+    """``ROPE_LAUNCH.use(device, **changes)`` (tests force ``tokens=3, block_h=2`` at small shapes)."""
+    return ROPE_LAUNCH.use(device, **changes)
 
 
 # Per head row, the rotary dims split into halves x1 = x[:R/2], x2 = x[R/2:R], and likewise the table rows
@@ -262,25 +264,27 @@ def _bht_strides(x: torch.Tensor | None, head_axis: int):
 
 
 @functools.lru_cache(maxsize=256)
-def _rope_plan(n_rows: int, n_q: int, n_k: int, head_dim: int, rot: int, copy_pass: bool, knobs: RopeKnobs):
+def _rope_plan(
+    n_rows: int, n_q: int, n_k: int, head_dim: int, rot: int, copy_pass: bool, launch: RoPELaunchOptions
+):
     """(grid, constexprs and num_warps) of one launch; cached, so a call costs a dict lookup."""
-    assert knobs.tokens >= 1 and knobs.block_h >= 0 and knobs.block_h & (knobs.block_h - 1) == 0, knobs
-    cap = knobs.block_h or 1 << 30
+    assert launch.tokens >= 1 and launch.block_h >= 0 and launch.block_h & (launch.block_h - 1) == 0, launch
+    cap = launch.block_h or 1 << 30
     n_pass = head_dim - rot if copy_pass else 0
     meta = dict(
         N_Q=n_q,
         N_K=n_k,
         HALF=rot // 2,
         N_PASS=n_pass,
-        TOKENS=knobs.tokens,
+        TOKENS=launch.tokens,
         BLOCK_HQ=min(cap, next_power_of_2(n_q)),
         BLOCK_HK=min(cap, next_power_of_2(n_k)),
         BLOCK_R=next_power_of_2(rot // 2),
         BLOCK_P=next_power_of_2(n_pass),
-        EVICT="evict_first" if knobs.evict_first else "",
-        num_warps=knobs.num_warps,
+        EVICT="evict_first" if launch.evict_first else "",
+        num_warps=launch.num_warps,
     )
-    return (cdiv(n_rows, knobs.tokens),), meta
+    return (cdiv(n_rows, launch.tokens),), meta
 
 
 def _rope_launch(q, k, cos, sin, opts: RoPEOptions, backward: bool, out=None):
@@ -308,7 +312,7 @@ def _rope_launch(q, k, cos, sin, opts: RoPEOptions, backward: bool, out=None):
     if n_rows == 0:
         return qo, ko, in_place
     grid, meta = _rope_plan(
-        n_rows, n_q, n_k, head_dim, rot, not in_place and rot < head_dim, ROPE_SETTINGS.get(first.device)
+        n_rows, n_q, n_k, head_dim, rot, not in_place and rot < head_dim, ROPE_LAUNCH.get(first.device)
     )
     _rope_kernel[grid](
         first if q is None else q,

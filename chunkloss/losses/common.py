@@ -53,6 +53,21 @@ def pick(z: Tensor, labels: Tensor) -> Tensor:
     return z.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
 
 
+@dataclass
+class RowStats:
+    """Per-row statistics of a chunk's scaled logits ``z`` (C, V), each (C,) fp32 (``argmax`` int64); the
+    ones not asked for are ``None``. :func:`row_statistics` computes them with autograd,
+    :func:`kernel_row_statistics` in one read of the logits."""
+
+    logp: Tensor  # log_softmax(z)[i, labels[i]]
+    logp2: Tensor | None = None  # the same at labels2
+    lse: Tensor | None = None  # logsumexp(z)
+    entropy: Tensor | None = None  # -Σ_j p_ij·log p_ij
+    mean: Tensor | None = None  # z.mean(-1)
+    argmax: Tensor | None = None  # the first maximum
+    lse2: Tensor | None = None  # logsumexp(2z)
+
+
 def row_statistics(
     logits: Tensor,
     labels: Tensor,
@@ -66,28 +81,38 @@ def row_statistics(
     mean: bool = False,
     argmax: bool = False,
     lse2: bool = False,
-) -> dict[str, Tensor]:
-    """Per-row statistics of ``z = scale_logits(logits.float())`` (C, V), differentiable, by name:
-    ``"logp"`` (``log_softmax(z)[i, labels[i]]``), ``"logp2"`` (the same at ``labels2``, if given), and if
-    asked ``"lse"``, ``"entropy"``, ``"mean"`` (``z.mean(-1)``), ``"argmax"`` (the first maximum) and
-    ``"lse2"`` (``logsumexp(2z)``). The losses' formula off CUDA and the reference of
-    ``chunkloss.kernels.logprob.row_stats``, which computes the same in one read of the logits."""
+) -> RowStats:
+    """The :class:`RowStats` of ``z = scale_logits(logits.float())`` (C, V), differentiable: ``logp``,
+    ``logp2`` if ``labels2`` is given, and the others the flags ask for. The losses' formula off CUDA and the
+    reference of ``chunkloss.kernels.logprob.row_stats``, which computes the same in one read of the
+    logits (:func:`kernel_row_statistics`)."""
     z = scale_logits(logits.float(), logit_scale, softcap, temperature)
     lse_ = nan_if_inf(torch.logsumexp(z, dim=-1))
-    out = {"logp": pick(z, labels.long()) - lse_}
-    if labels2 is not None:
-        out["logp2"] = pick(z, labels2.long()) - lse_
-    if lse:
-        out["lse"] = lse_
-    if entropy:
-        out["entropy"] = entropy_from_logits(z, lse_)
-    if mean:
-        out["mean"] = z.mean(-1)
-    if argmax:
-        out["argmax"] = z.argmax(-1)
-    if lse2:
-        out["lse2"] = torch.logsumexp(2 * z, dim=-1)
-    return out
+    return RowStats(
+        logp=pick(z, labels.long()) - lse_,
+        logp2=pick(z, labels2.long()) - lse_ if labels2 is not None else None,
+        lse=lse_ if lse else None,
+        entropy=entropy_from_logits(z, lse_) if entropy else None,
+        mean=z.mean(-1) if mean else None,
+        argmax=z.argmax(-1) if argmax else None,
+        lse2=torch.logsumexp(2 * z, dim=-1) if lse2 else None,
+    )
+
+
+def kernel_row_statistics(
+    logits: Tensor, labels: Tensor, labels2: Tensor | None = None, **request
+) -> RowStats:
+    """:func:`row_statistics` (same arguments) by the Triton kernel ``chunkloss.kernels.logprob.row_stats``:
+    one read of the logits, no autograd graph; CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``."""
+    from chunkloss.kernels.logprob import row_stats  # Triton is imported only here
+
+    return RowStats(**row_stats(logits, labels, labels2, **request))
+
+
+def saved_statistics(rows: RowStats | None) -> dict:
+    """The keywords ``lse`` and ``entropy`` of ``chunkloss.kernels.logprob.row_grad_`` from the statistics a
+    ``STATS`` step computed on the same logits (``{}`` for none: the kernel reads the rows again)."""
+    return {} if rows is None else dict(lse=rows.lse, entropy=rows.entropy)
 
 
 #: fp32 elements of the row blocks ``nograd_label_logprob`` reduces at a time off CUDA (64 MiB).
@@ -112,7 +137,7 @@ def nograd_label_logprob(
     rows = max(1, NOGRAD_BLOCK_ELEMS // max(logits.shape[-1], 1))
     scales = dict(logit_scale=logit_scale, softcap=softcap, temperature=temperature)
     parts = [
-        row_statistics(logits[a : a + rows], labels[a : a + rows], **scales)["logp"]
+        row_statistics(logits[a : a + rows], labels[a : a + rows], **scales).logp
         for a in range(0, logits.shape[0], rows)
     ]
     return torch.cat(parts) if parts else logits.new_zeros(0, dtype=torch.float32)

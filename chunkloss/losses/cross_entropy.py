@@ -87,19 +87,19 @@ def cross_entropy_rows(logits: Tensor, labels: Tensor, opts: CrossEntropyOptions
         entropy=opts.return_entropy,
         argmax=opts.return_token_accuracy,
     )
-    lse = r["lse"]
-    per_row = -r["logp"]
+    lse = r.lse
+    per_row = -r.logp
     if opts.label_smoothing > 0:
-        per_row = (1 - opts.label_smoothing) * per_row + opts.label_smoothing * (lse - r["mean"])
+        per_row = (1 - opts.label_smoothing) * per_row + opts.label_smoothing * (lse - r.mean)
     rows = {}
     if opts.lse_square_scale > 0:
         rows["z_loss"] = opts.lse_square_scale * lse.square()
         per_row = per_row + rows["z_loss"]
     rows["loss"] = per_row
     if opts.return_token_accuracy:
-        rows["correct"] = (r["argmax"] == labels).float()
+        rows["correct"] = (r.argmax == labels).float()
     if opts.return_entropy:
-        rows["entropy"] = r["entropy"]
+        rows["entropy"] = r.entropy
     return rows
 
 

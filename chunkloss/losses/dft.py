@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from chunkloss.engine import StepKind, register_gpu_steps
-from chunkloss.losses.common import LabelRows, Normalisers, row_statistics
+from chunkloss.losses.common import LabelRows, Normalisers, RowStats, kernel_row_statistics, row_statistics
 from chunkloss.losses.cross_entropy import CrossEntropyOptions, FusedLinearCrossEntropyLoss
 
 __all__ = ["DFTOptions", "FusedLinearDFTLoss"]
@@ -28,15 +28,15 @@ def row_kw(opts: CrossEntropyOptions) -> dict:
     )
 
 
-def dft_sums(rows: dict, token: LabelRows, scalars: Normalisers, opts: CrossEntropyOptions):
-    """The chunk's DFT loss and metric sums from its rows' statistics (``row_statistics`` names)."""
-    logp = rows["logp"]
+def dft_sums(rows: RowStats, token: LabelRows, scalars: Normalisers, opts: CrossEntropyOptions):
+    """The chunk's DFT loss and metric sums from its rows' statistics."""
+    logp = rows.logp
     loss = -(logp * logp.detach().exp()).sum() / scalars.normaliser
     metrics = {}
     if opts.return_token_accuracy:
-        metrics["mean_token_accuracy"] = (rows["argmax"] == token.labels).float().sum() / scalars.n_valid
+        metrics["mean_token_accuracy"] = (rows.argmax == token.labels).float().sum() / scalars.n_valid
     if opts.return_entropy:
-        metrics["entropy"] = rows["entropy"].sum() / scalars.n_valid
+        metrics["entropy"] = rows.entropy.sum() / scalars.n_valid
     return loss, metrics
 
 
@@ -76,14 +76,14 @@ class FusedLinearDFTLoss(FusedLinearCrossEntropyLoss):
 def dft_token(opts, logits, extra_logits, token, scalars):
     """``TOKEN``: the rows' statistics from ``chunkloss.kernels.logprob`` (one read of the logits), the loss
     on them, and ``dL/dlogits = -sg(p_y)/n · (onehot - p)`` written in place (one more read)."""
-    from chunkloss.kernels.logprob import row_grad_from_loss_, row_stats  # Triton is imported only on CUDA
+    from chunkloss.kernels.logprob import row_grad_from_loss_  # Triton is imported only on CUDA
 
-    rows = row_stats(logits, token.labels, **row_kw(opts))
+    rows = kernel_row_statistics(logits, token.labels, **row_kw(opts))
     with torch.enable_grad():
-        rows["logp"].requires_grad_(True)
+        rows.logp.requires_grad_(True)
         loss, metrics = dft_sums(rows, token, scalars, opts)
     scalings = dict(logit_scale=opts.logit_scale, softcap=opts.softcap, temperature=opts.temperature)
-    row_grad_from_loss_(logits, token.labels, rows, loss, **scalings)
+    row_grad_from_loss_(logits, token.labels, loss, rows.logp, lse=rows.lse, entropy=rows.entropy, **scalings)
     return logits, loss.detach(), metrics
 
 

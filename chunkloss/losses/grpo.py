@@ -56,6 +56,7 @@ evaluated on those (C,) statistics in between; elsewhere the compiled or eager `
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -63,9 +64,11 @@ from torch import Tensor
 from chunkloss.engine import FusedLinearBase, StepKind, register_gpu_steps, segment_sum, sequence_batch
 from chunkloss.losses.common import (
     check_head,
+    kernel_row_statistics,
     nograd_label_logprob,
     quantile,
     row_statistics,
+    saved_statistics,
     to_scalar,
 )
 from chunkloss.losses.grpo_batch import (
@@ -108,7 +111,8 @@ __all__ = [
 # Per-row math shared by both paths. Every row is a completion token with mask 1.
 def _row_logprobs(logits, extra_logits, token, opts: GRPOOptions, stats_fn=row_statistics):
     """(logp, entropy, ref_logp or None, the rows' statistics) of the chunk's rows from its logits;
-    ``stats_fn`` is ``common.row_statistics`` (differentiable) or the CUDA steps' Triton ``row_stats``."""
+    ``stats_fn`` is ``common.row_statistics`` (differentiable) or, for the CUDA steps,
+    ``common.kernel_row_statistics``."""
     rows = stats_fn(
         logits,
         token.ids,
@@ -119,12 +123,12 @@ def _row_logprobs(logits, extra_logits, token, opts: GRPOOptions, stats_fn=row_s
         entropy=True,
     )
     # The entropy only needs a gradient for the entropy bonus.
-    ent = rows["entropy"] if opts.entropy_coef != 0 else rows["entropy"].detach()
+    ent = rows.entropy if opts.entropy_coef != 0 else rows.entropy.detach()
     ref = None
     if opts.beta != 0.0:
         # A reference head arrives reduced (grpo_ref_stats); otherwise precomputed log-probs.
         ref = token.extra_stats[:, 0] if token.extra_stats is not None else token.ref_logps
-    return rows["logp"], ent, ref, rows
+    return rows.logp, ent, ref, rows
 
 
 def grpo_ref_stats(extra_logits, token, opts: GRPOOptions):
@@ -142,6 +146,16 @@ def _gamma_weight(adv, log_w_seq, opts: GRPOOptions):
     return torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
+@dataclass
+class ClipRows:
+    """Per-row values of ``_row_loss`` that :func:`_add_clip_metrics` turns into metrics; ``None`` where the
+    loss type has none (or the metric is taken per sequence instead)."""
+
+    low: Tensor | None = None  # (C,) 1.0 where the ratio is clipped below with a negative advantage
+    high: Tensor | None = None  # (C,) 1.0 where the ratio is clipped above with a positive advantage
+    phi: Tensor | None = None  # (C,) VESPO's φ(W) of the row's sequence
+
+
 def _row_loss(
     logp,
     ent,
@@ -155,7 +169,8 @@ def _row_loss(
     n_bonus=None,
     emask=None,
 ):
-    """Σ over the rows of the normalised TRL per-token loss, and token-shaped metric sums."""
+    """Σ over the rows of the normalised TRL per-token loss, its token-shaped metric sums, and the per-row
+    values the clip metrics are made of (:class:`ClipRows`)."""
     adv = token.adv
     coef_1 = torch.exp(log_w)
     metrics = {}
@@ -196,41 +211,31 @@ def _row_loss(
     metrics["entropy"] = ent.detach().sum() / scalars.n_valid
     c = coef_1.detach()
     clip_metrics = opts.loss_type.clip_metrics
+    clip = ClipRows()
     if clip_metrics is ClipMetrics.CLIP_RATIO:
-        low = ((c < 1 - opts.epsilon_low) & (adv < 0)).float()
-        high = ((c > 1 + eps_hi) & (adv > 0)).float()
-        metrics["low_flags"], metrics["high_flags"] = low, high
-        metrics["region_flags"] = torch.maximum(low, high)
+        clip.low = ((c < 1 - opts.epsilon_low) & (adv < 0)).float()
+        clip.high = ((c > 1 + eps_hi) & (adv > 0)).float()
     elif clip_metrics is ClipMetrics.CISPO:
         metrics["cispo_clip_ratio"] = ((c > eps_hi) & (adv > 0)).float().sum() / scalars.n_valid
     elif clip_metrics is ClipMetrics.VESPO_PHI:
-        metrics["phi_rows"] = phi
-    return loss, metrics
+        clip.phi = phi
+    return loss, metrics, clip
 
 
-#: Per-row values of ``_row_loss`` that ``_token_shaped_metrics`` turns into metrics.
-_ROW_VALUES = ("low_flags", "high_flags", "region_flags", "phi_rows")
-
-
-def _token_shaped_metrics(m: dict, token: GRPORows, scalars: GRPOScalars) -> dict:
-    """Token means of the per-row flags, and their per-sequence means scattered into (B,) vectors
-    (``low_per_seq``, ``high_per_seq``: chunk sums that ``forward`` reduces to ``clip_ratio/low_min`` and
-    ``clip_ratio/high_max``)."""
-    out = {k: v for k, v in m.items() if k not in _ROW_VALUES}
-    names = {
-        "low_flags": "clip_ratio/low_mean",
-        "high_flags": "clip_ratio/high_mean",
-        "region_flags": "clip_ratio/region_mean",
-    }
-    for k, name in names.items():
-        if k in m:
-            out[name] = m[k].sum() / scalars.n_valid
-    if "low_flags" in m:
+def _add_clip_metrics(metrics: dict, clip: ClipRows, token: GRPORows, scalars: GRPOScalars) -> dict:
+    """``metrics`` with the token means of the per-row clip flags and their per-sequence means scattered into
+    (B,) vectors (``low_per_seq``, ``high_per_seq``: chunk sums that ``forward`` reduces to
+    ``clip_ratio/low_min`` and ``clip_ratio/high_max``), and VESPO's token mean of φ."""
+    out = dict(metrics)
+    if clip.low is not None:
+        out["clip_ratio/low_mean"] = clip.low.sum() / scalars.n_valid
+        out["clip_ratio/high_mean"] = clip.high.sum() / scalars.n_valid
+        out["clip_ratio/region_mean"] = torch.maximum(clip.low, clip.high).sum() / scalars.n_valid
         zeros = scalars.seq_zeros
-        out["low_per_seq"] = zeros.index_add(0, token.seq, m["low_flags"] * token.inv_len)
-        out["high_per_seq"] = zeros.index_add(0, token.seq, m["high_flags"] * token.inv_len)
-    if "phi_rows" in m:
-        out["vespo/phi_seq_mean"] = m["phi_rows"].sum() / scalars.n_valid
+        out["low_per_seq"] = zeros.index_add(0, token.seq, clip.low * token.inv_len)
+        out["high_per_seq"] = zeros.index_add(0, token.seq, clip.high * token.inv_len)
+    if clip.phi is not None:
+        out["vespo/phi_seq_mean"] = clip.phi.sum() / scalars.n_valid
     return out
 
 
@@ -238,8 +243,8 @@ def grpo_chunk(logits, extra_logits, token: GRPORows, scalars: GRPOScalars, opts
     """Token path: token-level weights, nothing per sequence but the normaliser."""
     logp, ent, ref, _ = _row_logprobs(logits, extra_logits, token, opts)
     old = logp.detach() if token.old_logps is None else token.old_logps
-    loss, m = _row_loss(logp, ent, ref, logp - old, token, scalars, opts)
-    return loss, _token_shaped_metrics(m, token, scalars)
+    loss, m, clip = _row_loss(logp, ent, ref, logp - old, token, scalars, opts)
+    return loss, _add_clip_metrics(m, clip, token, scalars)
 
 
 def grpo_token_stats(logits, extra_logits, token: GRPORows, opts: GRPOOptions):
@@ -299,14 +304,15 @@ def grpo_sequence_loss(
             phi = _gamma_weight(adv, lw_v[seq_id], opts)
             if sequence.adv is not None:
                 phi_seq = _gamma_weight(sequence.adv, lw_v, opts)
-    loss, m = _row_loss(
+    loss, m, clip = _row_loss(
         logp, ent, ref, log_w, token, scalars, opts, keep=keep, phi=phi, n_bonus=n_bonus, emask=emask
     )
     seq_clip = opts.importance_sampling_level == "sequence" and sequence.adv is not None
     if phi_seq is not None:
-        m.pop("phi_rows")
-    flags = ("low_flags", "high_flags", "region_flags")
-    out = _token_shaped_metrics({k: v for k, v in m.items() if not (seq_clip and k in flags)}, token, scalars)
+        clip.phi = None
+    if seq_clip:
+        clip.low = clip.high = None
+    out = _add_clip_metrics(m, clip, token, scalars)
     if phi_seq is not None:
         out["vespo/phi_seq_mean"] = phi_seq.sum() / scalars.n_seqs
     clip_metrics = opts.loss_type.clip_metrics
@@ -535,26 +541,26 @@ def _grpo_scalings(opts: GRPOOptions) -> dict:
 
 def grpo_token(opts: GRPOOptions, logits, extra_logits, token, scalars, grad: bool = True):
     """``TOKEN`` (``grad``) or ``TOKEN_VALUE``: ``grad_and_value(grpo_chunk)``."""
-    from chunkloss.kernels.logprob import row_grad_from_loss_, row_stats
+    from chunkloss.kernels.logprob import row_grad_from_loss_
 
-    logp, ent, ref, rows = _row_logprobs(logits, extra_logits, token, opts, row_stats)
+    logp, ent, ref, rows = _row_logprobs(logits, extra_logits, token, opts, kernel_row_statistics)
     with torch.enable_grad():
         logp.requires_grad_(grad)
         ent.requires_grad_(grad and opts.entropy_coef != 0)
         old = logp.detach() if token.old_logps is None else token.old_logps
-        loss, m = _row_loss(logp, ent, ref, logp - old, token, scalars, opts)
-    metrics = _token_shaped_metrics(m, token, scalars)
+        loss, m, clip = _row_loss(logp, ent, ref, logp - old, token, scalars, opts)
+    metrics = _add_clip_metrics(m, clip, token, scalars)
     if not grad:
         return None, loss, metrics
-    row_grad_from_loss_(logits, token.ids, rows, loss, **_grpo_scalings(opts))
+    row_grad_from_loss_(
+        logits, token.ids, loss, rows.logp, lse=rows.lse, entropy=rows.entropy, **_grpo_scalings(opts)
+    )
     return logits, loss.detach(), metrics
 
 
 def grpo_stats(opts: GRPOOptions, logits, extra_logits, token):
     """``STATS``: ``grpo_token_stats``, and the rows' statistics for ``SEQ_PASS2`` on these logits."""
-    from chunkloss.kernels.logprob import row_stats
-
-    logp, ent, ref, rows = _row_logprobs(logits, extra_logits, token, opts, row_stats)
+    logp, ent, ref, rows = _row_logprobs(logits, extra_logits, token, opts, kernel_row_statistics)
     return torch.stack([logp, ent] if ref is None else [logp, ent, ref], dim=1), rows
 
 
@@ -565,7 +571,8 @@ def grpo_pass2(opts: GRPOOptions, logits, extra_logits, token, coef, rows=None):
 
     coef_ent = coef[:, 1].contiguous() if opts.entropy_coef != 0 else None
     a = coef[:, 0].contiguous()
-    return row_grad_(logits, token.ids, a, coef_entropy=coef_ent, stats=rows, **_grpo_scalings(opts))
+    saved = saved_statistics(rows)
+    return row_grad_(logits, token.ids, a, coef_entropy=coef_ent, **saved, **_grpo_scalings(opts))
 
 
 register_gpu_steps(

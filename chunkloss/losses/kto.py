@@ -48,12 +48,15 @@ from chunkloss.engine import (
     sequence_batch,
 )
 from chunkloss.losses.common import (
+    RowStats,
     check_choice,
     check_head,
     check_head_transforms,
     check_labels,
     check_positive,
+    kernel_row_statistics,
     row_statistics,
+    saved_statistics,
     to_scalar,
 )
 
@@ -128,7 +131,7 @@ class KTOScalars:
 
 
 def _row_request(opts: KTOOptions) -> dict:
-    """What the statistics read of a row (``row_statistics`` / ``row_stats`` arguments)."""
+    """What the statistics read of a row (``row_statistics`` arguments)."""
     return dict(
         logit_scale=opts.logit_scale,
         softcap=opts.softcap,
@@ -138,11 +141,11 @@ def _row_request(opts: KTOOptions) -> dict:
     )
 
 
-def _columns(rows: dict[str, Tensor], opts: KTOOptions) -> Tensor:
+def _columns(rows: RowStats, opts: KTOOptions) -> Tensor:
     """The (C, 3) statistics: label log-prob, mean logit and entropy (the last two without grad)."""
-    lp = rows["logp"]
-    entropy = rows["entropy"].detach() if opts.return_token_metrics else torch.zeros_like(lp)
-    return torch.stack([lp, rows["mean"].detach(), entropy], dim=1)
+    lp = rows.logp
+    entropy = rows.entropy.detach() if opts.return_token_metrics else torch.zeros_like(lp)
+    return torch.stack([lp, rows.mean.detach(), entropy], dim=1)
 
 
 def kto_token_stats(logits, extra_logits, token: KTORows, opts: KTOOptions) -> Tensor:
@@ -319,9 +322,7 @@ def _per_completion(name: str, value, n: int, device) -> Tensor:
 # read and a write.
 def kto_stats(opts: KTOOptions, logits, extra_logits, token):
     """``STATS``: ``kto_token_stats``, and the rows' statistics for ``SEQ_PASS2`` on these logits."""
-    from chunkloss.kernels.logprob import row_stats
-
-    rows = row_stats(logits, token.labels, **_row_request(opts))
+    rows = kernel_row_statistics(logits, token.labels, **_row_request(opts))
     return _columns(rows, opts), rows
 
 
@@ -331,7 +332,8 @@ def kto_pass2(opts: KTOOptions, logits, extra_logits, token, coef, rows=None):
     from chunkloss.kernels.logprob import row_grad_
 
     a = coef[:, LOGP].float().contiguous()
-    return row_grad_(logits, token.labels, a, stats=rows, logit_scale=opts.logit_scale, softcap=opts.softcap)
+    saved = saved_statistics(rows)
+    return row_grad_(logits, token.labels, a, **saved, logit_scale=opts.logit_scale, softcap=opts.softcap)
 
 
 register_gpu_steps(

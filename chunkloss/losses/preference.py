@@ -50,12 +50,15 @@ from chunkloss.engine import (
     sequence_batch,
 )
 from chunkloss.losses.common import (
+    RowStats,
     check_head,
     check_head_transforms,
     check_labels,
     check_positive,
+    kernel_row_statistics,
     nograd_label_logprob,
     row_statistics,
+    saved_statistics,
     to_scalar,
 )
 
@@ -169,7 +172,7 @@ def preference_ref_stats(extra_logits, token, opts: PreferenceOptions) -> Tensor
 
 
 def _row_request(token, opts: PreferenceOptions) -> dict:
-    """What the statistics below read of a row (``row_statistics`` / ``row_stats`` arguments)."""
+    """What the statistics below read of a row (``row_statistics`` arguments)."""
     return dict(
         labels2=token.nll_labels,
         logit_scale=opts.logit_scale,
@@ -182,20 +185,20 @@ def _row_request(token, opts: PreferenceOptions) -> dict:
     )
 
 
-def _columns(rows: dict[str, Tensor], token, opts: PreferenceOptions) -> Tensor:
+def _columns(rows: RowStats, token, opts: PreferenceOptions) -> Tensor:
     """The (C, 8) statistics of the module docstring from the rows' ``row_statistics``."""
-    lp = rows["logp"]
+    lp = rows.logp
     m, w = token.pref_mask, token.pref_weight
     zero = torch.zeros_like(lp)
-    nll = rows["logp2"] * token.nll_mask if token.nll_labels is not None else zero
+    nll = rows.logp2 * token.nll_mask if token.nll_labels is not None else zero
     ref = token.extra_stats[:, 0] if token.extra_stats is not None else zero
-    mean_logit = (rows["mean"] * token.logit_mask).detach()
+    mean_logit = (rows.mean * token.logit_mask).detach()
     # log Σ_v p_v² = logsumexp(2z) - 2·lse
-    wpo = ((lp - (rows["lse2"] - 2 * rows["lse"])) * m).detach() if opts.wpo else zero
+    wpo = ((lp - (rows.lse2 - 2 * rows.lse)) * m).detach() if opts.wpo else zero
     if opts.return_token_metrics:
-        ent = rows["entropy"].detach() * m
+        ent = rows.entropy.detach() * m
         # argmax takes the first maximum: TRL's is_top1 (the label is the first maximal logit).
-        top1 = (rows["argmax"] == token.labels).float() * m
+        top1 = (rows.argmax == token.labels).float() * m
     else:
         ent = top1 = zero
     return torch.stack([lp * w, lp * m, nll, ref, mean_logit, wpo, ent, top1], dim=1)
@@ -501,9 +504,7 @@ def _reference_logps(hidden, ref_chosen_logps, ref_rejected_logps) -> Tensor:
 # read and a write.
 def preference_stats(opts: PreferenceOptions, logits, extra_logits, token):
     """``STATS``: ``preference_token_stats``, and the rows' statistics for ``SEQ_PASS2`` on these logits."""
-    from chunkloss.kernels.logprob import row_stats
-
-    rows = row_stats(logits, token.labels, **_row_request(token, opts))
+    rows = kernel_row_statistics(logits, token.labels, **_row_request(token, opts))
     return _columns(rows, token, opts), rows
 
 
@@ -522,7 +523,7 @@ def preference_pass2(opts: PreferenceOptions, logits, extra_logits, token, coef,
         token.labels,
         a.float().contiguous(),
         **nll,
-        stats=rows,
+        **saved_statistics(rows),
         logit_scale=opts.logit_scale,
         softcap=opts.softcap,
     )

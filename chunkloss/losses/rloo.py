@@ -52,7 +52,9 @@ from chunkloss.losses.common import (
     check_head,
     check_head_transforms,
     check_positive,
+    kernel_row_statistics,
     row_statistics,
+    saved_statistics,
     to_scalar,
 )
 from chunkloss.losses.grpo import nanmax, nanmin
@@ -125,7 +127,7 @@ class RLOOScalars:
 def rloo_token_stats(logits, extra_logits, token: RLOORows, opts: RLOOOptions) -> Tensor:
     """(logp, entropy) per row (C, 2); the entropy is a metric only (no gradient)."""
     rows = row_statistics(logits, token.ids, **opts.scalings, entropy=True)
-    return torch.stack([rows["logp"], rows["entropy"].detach()], dim=1)
+    return torch.stack([rows.logp, rows.entropy.detach()], dim=1)
 
 
 def rloo_sequence_loss(
@@ -250,10 +252,8 @@ def _check_per_sequence(x, b: int, name: str, device) -> None:
 # in one more read and a write.
 def rloo_stats(opts: RLOOOptions, logits, extra_logits, token):
     """``STATS``: ``rloo_token_stats``, and the rows' statistics for ``SEQ_PASS2`` on these logits."""
-    from chunkloss.kernels.logprob import row_stats
-
-    rows = row_stats(logits, token.ids, **opts.scalings, lse=True, entropy=True)
-    return torch.stack([rows["logp"], rows["entropy"]], dim=1), rows
+    rows = kernel_row_statistics(logits, token.ids, **opts.scalings, lse=True, entropy=True)
+    return torch.stack([rows.logp, rows.entropy], dim=1), rows
 
 
 def rloo_pass2(opts: RLOOOptions, logits, extra_logits, token, coef, rows=None):
@@ -261,7 +261,7 @@ def rloo_pass2(opts: RLOOOptions, logits, extra_logits, token, coef, rows=None):
     gradient). ``rows``: the stats step's statistics of these logits in one pass, else read again."""
     from chunkloss.kernels.logprob import row_grad_
 
-    return row_grad_(logits, token.ids, coef[:, 0].contiguous(), stats=rows, **opts.scalings)
+    return row_grad_(logits, token.ids, coef[:, 0].contiguous(), **saved_statistics(rows), **opts.scalings)
 
 
 register_gpu_steps(

@@ -37,9 +37,9 @@ from .hooks import gathering_hooks_only, hooked_owners, run_inside
 from .lora import Projection, computes_as_is, projection
 
 __all__ = [
-    "NormSpec",
-    "MLPSpec",
-    "LayerSpec",
+    "PatchedNormOptions",
+    "PatchedMLPOptions",
+    "PatchedLayerOptions",
     "PatchedRMSNorm",
     "PatchedGatedMLP",
     "PatchedAttention",
@@ -53,7 +53,7 @@ __all__ = [
 
 
 @dataclass(frozen=True)
-class NormSpec:
+class PatchedNormOptions:
     eps: float
     offset: float  # 1.0 for Gemma (the weight scales by 1 + w)
     casting: str  # "llama" or "gemma"
@@ -62,14 +62,14 @@ class NormSpec:
 
 
 @dataclass(frozen=True)
-class MLPSpec:
+class PatchedMLPOptions:
     activation: str  # "silu", "gelu_tanh" or "gelu"
     recompute: bool  # the fused MLP replays the gate/up GEMM in the backward
     tile: int | None = None  # tokens per call of the fused MLP (None: all)
 
 
 @dataclass(frozen=True)
-class LayerSpec:
+class PatchedLayerOptions:
     fuse_attention_input: bool  # the input norm, q/k/v and RoPE as one attention_input call
     norm_recompute: bool  # keep no pre-norm output for the backward (chunkloss.models.saved_norms)
 
@@ -113,14 +113,14 @@ def _adapters(parts: tuple[Projection, ...]):
 class PatchedRMSNorm:
     """``XRMSNorm.forward`` on :func:`~chunkloss.kernels.rms_norm`."""
 
-    chunkloss_norm: NormSpec
+    chunkloss_norm: PatchedNormOptions
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        spec = self.chunkloss_norm
-        out = rms_norm(x, self.weight, spec.eps, spec.offset, spec.casting, spec.in_place)
-        if spec.offer:
+        opts = self.chunkloss_norm
+        out = rms_norm(x, self.weight, opts.eps, opts.offset, opts.casting, opts.in_place)
+        if opts.offer:
             saved_norms.offer(
-                out, lambda: rms_norm(x, self.weight, spec.eps, spec.offset, spec.casting, spec.in_place)
+                out, lambda: rms_norm(x, self.weight, opts.eps, opts.offset, opts.casting, opts.in_place)
             )
         return out
 
@@ -131,19 +131,19 @@ class PatchedGatedMLP:
     run there, each runs on its own (a plain LoRA one as :func:`~chunkloss.kernels.lora.lora_linear`) and the
     gating on the GLU kernel."""
 
-    chunkloss_mlp: MLPSpec
+    chunkloss_mlp: PatchedMLPOptions
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        spec = self.chunkloss_mlp
+        opts = self.chunkloss_mlp
         projections = (self.gate_proj, self.up_proj, self.down_proj)
         if _fusable(projections, x) is not None:
             return run_inside(hooked_owners(projections), self._fused, x)
         # gate_proj / up_proj outputs are read only here, so the backward may overwrite them with their grads.
-        gated = _glu._glu(_linear(self.gate_proj, x), _linear(self.up_proj, x), spec.activation, True)
+        gated = _glu._glu(_linear(self.gate_proj, x), _linear(self.up_proj, x), opts.activation, True)
         return _linear(self.down_proj, gated)
 
     def _fused(self, x: torch.Tensor) -> torch.Tensor:
-        spec = self.chunkloss_mlp
+        opts = self.chunkloss_mlp
         parts = gate, up, down = _fusable((self.gate_proj, self.up_proj, self.down_proj), x)
         return gated_mlp(
             x,
@@ -153,10 +153,10 @@ class PatchedGatedMLP:
             b_gate=gate.bias,
             b_up=up.bias,
             b_down=down.bias,
-            activation=spec.activation,
-            recompute=spec.recompute,
+            activation=opts.activation,
+            recompute=opts.recompute,
             adapters=_adapters(parts),
-            tile=spec.tile,
+            tile=opts.tile,
         )
 
 
@@ -233,7 +233,7 @@ class PatchedAttention:
         def qkv(y):
             parts = _fusable(projections, y)
             cos, sin = position_embeddings
-            spec = norm.chunkloss_norm
+            opts = norm.chunkloss_norm
             return attention_input(
                 y,
                 norm.weight,
@@ -244,9 +244,9 @@ class PatchedAttention:
                 b_k=parts[1].bias,
                 b_v=parts[2].bias,
                 head_dim=self.head_dim,
-                eps=spec.eps,
-                offset=spec.offset,
-                casting=spec.casting,
+                eps=opts.eps,
+                offset=opts.offset,
+                casting=opts.casting,
                 norm_recompute=norm_recompute,
                 adapters=_adapters(parts),
             )
@@ -285,7 +285,7 @@ class Gemma2Attention(SlidingWindowAttention):
 
 
 class _Layer:
-    chunkloss_layer: LayerSpec
+    chunkloss_layer: PatchedLayerOptions
 
     def saved_norms(self):
         """:class:`~chunkloss.models.saved_norms.SavedNorms` around a layer's forward with
@@ -298,9 +298,9 @@ class _Layer:
     def attention(self, x, position_embeddings, attention_mask, **kwargs):
         """``self_attn(input_layernorm(x))``'s output, the norm, q/k/v and RoPE fused where they can be."""
         attn, norm = self.self_attn, self.input_layernorm
-        spec = self.chunkloss_layer
+        opts = self.chunkloss_layer
         if (
-            spec.fuse_attention_input
+            opts.fuse_attention_input
             and isinstance(attn, PatchedAttention)
             and attn.takes_attention_input
             and isinstance(norm, PatchedRMSNorm)
@@ -311,7 +311,7 @@ class _Layer:
 
             def fused(y):
                 return attn.attend_from_residual(
-                    y, norm, position_embeddings, attention_mask, norm_recompute=spec.norm_recompute, **kwargs
+                    y, norm, position_embeddings, attention_mask, norm_recompute=opts.norm_recompute, **kwargs
                 )
 
             # Inside the attention module's forward too, as the separate path calls it.

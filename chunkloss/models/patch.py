@@ -49,12 +49,12 @@ from chunkloss._compat import transformers as transformers_compat
 
 from .layers import (
     Gemma2Attention,
-    LayerSpec,
     MistralAttention,
-    MLPSpec,
-    NormSpec,
     PatchedAttention,
     PatchedGatedMLP,
+    PatchedLayerOptions,
+    PatchedMLPOptions,
+    PatchedNormOptions,
     PatchedRMSNorm,
     PreNormLayer,
     Qwen3Attention,
@@ -109,9 +109,9 @@ def _base_class(module: nn.Module) -> type:
 _CLASSES: dict[tuple[type, type], type] = {}
 
 
-def _install(module: nn.Module, forward: type | None, attr: str | None = None, spec=None) -> None:
+def _install(module: nn.Module, forward: type | None, attr: str | None = None, options=None) -> None:
     """Make ``module`` an instance of ``forward`` + its own class (same name and module), or of its own class
-    again when ``forward`` is None; ``spec`` becomes the attribute ``attr`` the forward reads."""
+    again when ``forward`` is None; ``options`` becomes the attribute ``attr`` the forward reads."""
     base = _base_class(module)
     if forward is None:
         module.__class__ = base
@@ -132,7 +132,7 @@ def _install(module: nn.Module, forward: type | None, attr: str | None = None, s
         if forward is None:
             module.__dict__.pop(attr, None)
         else:
-            setattr(module, attr, spec)
+            setattr(module, attr, options)
 
 
 def devices_off_kernels(model: nn.Module, *, interpreter: bool = True) -> set[str]:
@@ -334,14 +334,14 @@ def patch(
     for name, module in model.named_modules():
         cls = _base_class(module).__name__
         if cls == f"{family}RMSNorm":
-            spec = NormSpec(
+            options = PatchedNormOptions(
                 eps=getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6)),
                 offset=1.0 if gemma else 0.0,
                 casting="gemma" if gemma else "llama",
                 in_place=_norm_in_place_safe(name, model_type),
                 offer=norm_recompute and name.rsplit(".", 1)[-1] in _PRE_NORMS,
             )
-            _install(module, PatchedRMSNorm if rms_norm else None, "chunkloss_norm", spec)
+            _install(module, PatchedRMSNorm if rms_norm else None, "chunkloss_norm", options)
             fused["norms"] += rms_norm
         elif cls == f"{family}MLP":
             activation = _mlp_activation(module) if mlp else None
@@ -353,7 +353,7 @@ def patch(
                 module,
                 PatchedGatedMLP if activation else None,
                 "chunkloss_mlp",
-                MLPSpec(activation, mlp_recompute, mlp_tile),
+                PatchedMLPOptions(activation, mlp_recompute, mlp_tile),
             )
             fused["MLPs"] += activation is not None
         elif cls == f"{family}Attention":
@@ -364,7 +364,7 @@ def patch(
                 module,
                 layer_forward if fuse or norm_recompute else None,
                 "chunkloss_layer",
-                LayerSpec(fuse, norm_recompute),
+                PatchedLayerOptions(fuse, norm_recompute),
             )
             fused["attention inputs"] += fuse
     if loss and hasattr(model, "lm_head") and hasattr(model, "model"):

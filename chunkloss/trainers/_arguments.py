@@ -9,18 +9,35 @@ import torch
 
 from chunkloss.engine.options import check_chunk_size
 
-__all__ = ["ChunkedArguments", "check_max_steps", "chunk_options"]
+__all__ = ["ACCUM_DTYPES", "ChunkedArguments", "check_max_steps", "chunk_options", "parse_accum_dtype"]
 
-_ACCUM = {
+#: ``chunk_accum_dtype``'s accepted names, by canonical name first; None: the weight's own dtype.
+ACCUM_DTYPES: dict[str, torch.dtype | None] = {
     "float32": torch.float32,
-    "fp32": torch.float32,
     "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
     "float16": torch.float16,
-    "fp16": torch.float16,
     "weight": None,
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
     "none": None,
 }
+#: The canonical name of each accumulator dtype (the first name of ``ACCUM_DTYPES`` that maps to it).
+_ACCUM_NAMES = {dtype: name for name, dtype in reversed(ACCUM_DTYPES.items())}
+
+
+def parse_accum_dtype(value: str | torch.dtype | None) -> str:
+    """The canonical name (``"float32"``, ``"bfloat16"``, ``"float16"`` or ``"weight"``) of a
+    ``chunk_accum_dtype`` given as one of :data:`ACCUM_DTYPES`' names (YAML and the command line give
+    strings), a ``torch.dtype`` among them, or None (the weight's dtype); ``ValueError`` otherwise."""
+    if isinstance(value, str) and value in ACCUM_DTYPES:
+        return _ACCUM_NAMES[ACCUM_DTYPES[value]]
+    if (value is None or isinstance(value, torch.dtype)) and value in _ACCUM_NAMES:
+        return _ACCUM_NAMES[value]
+    raise ValueError(
+        f"chunk_accum_dtype must be one of {list(ACCUM_DTYPES)} or torch.float32, torch.bfloat16, "
+        f"torch.float16 or None, got {value!r}"
+    )
 
 
 @dataclass
@@ -30,7 +47,9 @@ class ChunkedArguments:
     Args:
         chunk_size: rows of logits per chunk; ``None`` sizes chunks to a 448 MiB logits budget.
         chunk_accum_dtype: dtype of the LM-head gradient accumulator across chunks: ``"float32"`` (default),
-            ``"bfloat16"``, ``"float16"`` or ``"weight"`` (the weight's own dtype).
+            ``"bfloat16"``, ``"float16"`` or ``"weight"`` (the weight's own dtype), their short names
+            (``"fp32"``, ``"bf16"``, ``"fp16"``, ``"none"``), or the ``torch.dtype`` (None for the weight's);
+            kept as its canonical name, read as a ``torch.dtype`` from :attr:`accum_dtype`.
         chunk_compile: run the per-chunk math under ``torch.compile``.
         chunk_kernels: run the model on chunkloss's Triton kernels (``chunkloss.models.patch(model,
             loss=False)``: RMSNorms, rotary embedding, each layer's input norm, q/k/v projections and rotary
@@ -53,7 +72,9 @@ class ChunkedArguments:
             kernels the MLP recomputed and tiled (:mod:`chunkloss.trainers._long_context`). Off by default.
 
     A config of TRL's own (what a trainer builds when given none) has none of these fields: :meth:`of`
-    reads them from any config, the defaults where it has none.
+    reads them from any config, the defaults where it has none. A chunked config checks them when it is
+    built (``CheckpointingDefault.__post_init__`` calls :meth:`__post_init__`: TrainingArguments' does not
+    call its bases').
     """
 
     chunk_size: int | None = field(
@@ -61,7 +82,10 @@ class ChunkedArguments:
     )
     chunk_accum_dtype: str = field(
         default="float32",
-        metadata={"help": "LM-head gradient accumulator dtype: float32, bfloat16 or weight."},
+        metadata={
+            "help": "LM-head gradient accumulator dtype: float32, bfloat16, float16 or weight (the weight's "
+            "own dtype)."
+        },
     )
     chunk_compile: bool = field(
         default=True, metadata={"help": "Compile the per-chunk loss with torch.compile."}
@@ -112,6 +136,15 @@ class ChunkedArguments:
         },
     )
 
+    def __post_init__(self):
+        self.chunk_accum_dtype = parse_accum_dtype(self.chunk_accum_dtype)
+        check_chunk_size(self.chunk_size)
+
+    @property
+    def accum_dtype(self) -> torch.dtype | None:
+        """``chunk_accum_dtype`` as the engine's ``accum_dtype``: a ``torch.dtype``, None for the weight's."""
+        return ACCUM_DTYPES[self.chunk_accum_dtype]
+
     @classmethod
     def of(cls, args) -> ChunkedArguments:
         """The chunkloss fields of ``args``: ``args`` itself when it has them, else the defaults (TRL's own
@@ -122,14 +155,10 @@ class ChunkedArguments:
 def chunk_options(args) -> dict:
     """The engine options (``chunk_size``, ``accum_dtype``, ``compile``) from a config, TRL's own or ours."""
     chunked = ChunkedArguments.of(args)
-    if chunked.chunk_accum_dtype not in _ACCUM:
-        raise ValueError(
-            f"chunk_accum_dtype must be one of {sorted(_ACCUM)}, got {chunked.chunk_accum_dtype!r}"
-        )
-    check_chunk_size(chunked.chunk_size)
+    check_chunk_size(chunked.chunk_size)  # a value set after the config was built
     return {
         "chunk_size": chunked.chunk_size,
-        "accum_dtype": _ACCUM[chunked.chunk_accum_dtype],
+        "accum_dtype": chunked.accum_dtype,
         "compile": bool(chunked.chunk_compile),
     }
 

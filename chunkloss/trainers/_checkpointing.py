@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 from chunkloss._compat.transformers import CHECKPOINTING_RENAMED
 
+from ._arguments import ChunkedArguments
+
 __all__ = ["CheckpointingDefault"]
 
 
@@ -21,7 +23,8 @@ class CheckpointingDefault:
     """Mixin placed first in a chunked config's bases: TRL's default of activation checkpointing (on), given
     to ``activation_checkpointing`` when neither name is set. ``gradient_checkpointing`` defaults to None, as
     in transformers, so that only a value passed under the old name warns (and is used, as transformers uses
-    it). Without the rename (transformers before 5.23) it changes nothing."""
+    it). Without the rename (transformers before 5.23) it changes nothing. Being first, it also runs
+    :class:`~chunkloss.trainers._arguments.ChunkedArguments`' checks when the config is built."""
 
     if CHECKPOINTING_RENAMED:
         gradient_checkpointing: bool | None = field(
@@ -35,6 +38,9 @@ class CheckpointingDefault:
         )
 
     def __post_init__(self):
+        # TrainingArguments.__post_init__ calls no base's: the chunkloss fields are checked from here.
+        if isinstance(self, ChunkedArguments):
+            ChunkedArguments.__post_init__(self)
         if (
             CHECKPOINTING_RENAMED
             and self.activation_checkpointing is None

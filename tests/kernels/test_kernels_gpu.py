@@ -18,7 +18,7 @@ from chunkloss.kernels import (
     swiglu,
     swiglu_ref,
 )
-from chunkloss.kernels._utils import norm_knobs
+from chunkloss.kernels._utils import norm_launch_options
 from tests.kernels.test_kernels import assert_close3, rope_tables
 from tests.tolerances import assert_close_to_ref
 
@@ -75,7 +75,9 @@ def test_norms_looped_configs(width, block_n, block_m, dtype):
     x = torch.randn(2048, width, device="cuda") + 0.5
     w = torch.randn(width, device="cuda") * 0.3 + 1.0
     b = torch.randn(width, device="cuda") * 0.3
-    with norm_knobs(max_fused_cols=0, loop_block_n=block_n, loop_block_m=block_m, loop_bwd_programs_per_sm=1):
+    with norm_launch_options(
+        max_fused_cols=0, loop_block_n=block_n, loop_block_m=block_m, loop_bwd_programs_per_sm=1
+    ):
         three_way(
             lambda x, w: rms_norm(x, w, 1e-6, 0.0, "llama", in_place=True),
             lambda x, w: rms_norm_ref(x, w, 1e-6, 0.0, "llama"),
@@ -104,7 +106,7 @@ def test_norms_pipelined_backward_equals_plain(width, stages):
     for fn, params in ((lambda x, w, b: rms_norm(x, w, 1e-6), (x, w)), (layer_norm, (x, w, b))):
         grads = []
         for knobs in (dict(bwd_stages=0, bwd_stages_wide=0), dict(bwd_stages=stages, bwd_stages_wide=stages)):
-            with norm_knobs(**knobs):
+            with norm_launch_options(**knobs):
                 inputs = [p.clone().requires_grad_() for p in (x, w, b)]
                 out = fn(*inputs)
                 grads.append(torch.autograd.grad(out, inputs[: len(params)], dy))

@@ -48,7 +48,7 @@ def test_nograd_label_logprob_blocks_off_cuda(scales, monkeypatch):
     z, y = torch.randn(9, 50).bfloat16(), torch.randint(0, 50, (9,))
     monkeypatch.setattr(common, "NOGRAD_BLOCK_ELEMS", 200)  # 4 rows per block: blocks of 4, 4, 1
     blocks = common.nograd_label_logprob(z, y, **scales)
-    assert torch.equal(blocks, common.row_statistics(z, y, **scales)["logp"])
+    assert torch.equal(blocks, common.row_statistics(z, y, **scales).logp)
     assert_close_to_ref(blocks, lp.label_logprob_ref(z, y, **scales))
 
 
@@ -142,8 +142,9 @@ def test_row_stats_and_grad(c, v, dtype, scales, monkeypatch):
     ):
         expect = _grad_fp64(z, y, a, **kw, **scales)
         # (The fp32 reference row_grad_ref, the eager steps' math, is 2.9e-5 off fp64 on the max|z| = 60 row.)
-        for stats in (None, got):  # the row's lse and entropy read again, or handed over
-            out = lp.row_grad_(z.clone(), y, a, **kw, stats=stats, **scales)
+        saved = dict(lse=got["lse"], entropy=got["entropy"])
+        for stats in ({}, saved):  # the row's lse and entropy read again, or handed over
+            out = lp.row_grad_(z.clone(), y, a, **kw, **stats, **scales)
             assert out.dtype == dtype
             if dtype == torch.float32:
                 assert_close_to_ref(out.double(), expect)
@@ -159,8 +160,10 @@ def test_row_kernels_bad_input():
         lp.row_grad_(z, y, torch.ones(4), coef_entropy=torch.ones(8)[::2])
     with pytest.raises(ValueError, match="labels2 and coef2"):
         lp.row_grad_(z, y, torch.ones(4), labels2=y)
-    with pytest.raises(ValueError, match="stats must hold 'lse'"):
-        lp.row_grad_(z, y, torch.ones(4), stats=lp.row_stats(z, y))
+    with pytest.raises(ValueError, match="statistics go together"):
+        lp.row_grad_(z, y, torch.ones(4), lse=lp.row_stats(z, y, lse=True)["lse"], coef_entropy=torch.ones(4))
+    with pytest.raises(ValueError, match="statistics go together"):
+        lp.row_grad_(z, y, torch.ones(4), entropy=lp.row_stats(z, y, entropy=True)["entropy"])
     with pytest.raises(TypeError, match="logits must be float32"):
         lp.row_stats(z.double(), y)
     with pytest.raises(ValueError, match="labels2"):
@@ -185,13 +188,15 @@ def test_row_kernels_real_vocab():
     for k in ref:
         assert_close_to_ref(got[k], ref[k], name=k)
     expect = lp.row_grad_ref(z.clone(), y, a, coef_entropy=b)
-    out = lp.row_grad_(z.clone(), y, a, coef_entropy=b, stats=got)
+    out = lp.row_grad_(z.clone(), y, a, coef_entropy=b, lse=got["lse"], entropy=got["entropy"])
     # Both round an fp32 value to bf16 and the two fp32 values differ in their last bits, so a value near a
     # rounding boundary may land one bf16 ulp apart (half an ulp each way failed on an H100).
     assert ((out.float() - expect.float()).abs() <= _ulp(expect) + 1e-9).all()
     zz = z.clone()
     t_stats = triton.testing.do_bench(lambda: lp.row_stats(z, y, lse=True, entropy=True))
-    t_grad = triton.testing.do_bench(lambda: lp.row_grad_(zz, y, a, coef_entropy=b, stats=got))
+    t_grad = triton.testing.do_bench(
+        lambda: lp.row_grad_(zz, y, a, coef_entropy=b, lse=got["lse"], entropy=got["entropy"])
+    )
     t_grad2 = triton.testing.do_bench(lambda: lp.row_grad_(zz, y, a, coef_entropy=b))
 
     def compiled_step(z):

@@ -1,10 +1,10 @@
 """RMSNorm / LayerNorm on the looped path (rows wider than one register tile, two passes over column blocks).
 
-The path normally starts above 8192 columns; ``norm_knobs`` moves the threshold and the column block down to
-16 so the interpreter runs it at small shapes. Same three-way check against the fp32 reference as the fused
-path (tests/kernels/test_kernels.py). On CPU, one backward program per "SM" (4 of them) gives every program
-several row steps, so the dW/dB partial rows are added to, not only stored (on a GPU, 13 rows leave one row
-per program: tests/kernels/test_kernels_gpu.py covers that case at real shapes).
+The path normally starts above 8192 columns; ``norm_launch_options`` moves the threshold and the column block
+down to 16 so the interpreter runs it at small shapes. Same three-way check against the fp32 reference as the
+fused path (tests/kernels/test_kernels.py). On CPU, one backward program per "SM" (4 of them) gives every
+program several row steps, so the dW/dB partial rows are added to, not only stored (on a GPU, 13 rows leave
+one row per program: tests/kernels/test_kernels_gpu.py covers that case at real shapes).
 """
 
 import pytest
@@ -13,14 +13,14 @@ import torch.nn.functional as F
 
 from chunkloss.kernels import layer_norm, layer_norm_ref, rms_norm, rms_norm_ref
 from chunkloss.kernels._utils import (
-    NORM_SETTINGS,
-    LaunchSettings,
-    NormKnobs,
+    NORM_LAUNCH,
+    LaunchTable,
+    NormLaunchOptions,
     cdiv,
     next_power_of_2,
     norm_bwd_plan,
     norm_fwd_plan,
-    norm_knobs,
+    norm_launch_options,
 )
 from tests.kernels.test_kernels import DTYPES, check3, run3
 from tests.tolerances import assert_close_to_ref
@@ -35,7 +35,7 @@ SHAPES = [(31, "strided_rows"), (64, "contiguous")]
 def looped(request):
     """Knobs that send rows wider than 16 columns down the looped path, 16 columns and block_m rows a step."""
     knobs = dict(max_fused_cols=16, loop_block_n=16, loop_block_m=request.param, loop_bwd_programs_per_sm=1)
-    with norm_knobs(**knobs) as current:
+    with norm_launch_options(**knobs) as current:
         yield current
 
 
@@ -130,7 +130,7 @@ def test_looped_matches_fused():
     w, b, g = torch.randn(100) + 1, torch.randn(100), torch.randn(ROWS, 100)
     outs = []
     for changes in ({}, {"max_fused_cols": 16, "loop_block_n": 32}):
-        with norm_knobs(**changes):
+        with norm_launch_options(**changes):
             xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
             y_rms = rms_norm(xs, ws, 1e-6, 1.0, "gemma")
             y_ln = layer_norm(xs, ws, bs)
@@ -140,12 +140,12 @@ def test_looped_matches_fused():
 
 def test_plans_follow_knobs_and_are_cached():
     cpu = torch.device("cpu")
-    KNOBS = NORM_SETTINGS.get(cpu)
-    assert KNOBS is NORM_SETTINGS.default  # off CUDA: the default row
+    KNOBS = NORM_LAUNCH.get(cpu)
+    assert KNOBS is NORM_LAUNCH.default  # off CUDA: the default row
     default = norm_fwd_plan(8, 20000, KNOBS)
     assert default.looped and default.block_n == KNOBS.loop_block_n
     assert norm_fwd_plan(8, 20000, KNOBS) is default  # cached: the same object back
-    with norm_knobs(max_fused_cols=1 << 15) as knobs:
+    with norm_launch_options(max_fused_cols=1 << 15) as knobs:
         fused = norm_fwd_plan(8, 20000, knobs)
         assert not fused.looped and fused.block_n == 32768
     plan = norm_bwd_plan(1000, 300, cpu, KNOBS)
@@ -166,7 +166,7 @@ def test_host_integer_helpers_match_triton():
 def test_norms_zero_rows(max_fused_cols):
     """An empty batch gives empty outputs and zero weight/bias gradients (the plan used to divide by zero)."""
     x, w, b = (torch.randn(*s, requires_grad=True) for s in ((0, 33), (33,), (33,)))
-    with norm_knobs(max_fused_cols=max_fused_cols, loop_block_n=16):
+    with norm_launch_options(max_fused_cols=max_fused_cols, loop_block_n=16):
         dx, dw = torch.autograd.grad(rms_norm(x, w), (x, w), torch.randn(0, 33))
         assert dx.shape == (0, 33) and torch.equal(dw, torch.zeros(33))
         dx, dw, db = torch.autograd.grad(layer_norm(x, w, b), (x, w, b), torch.randn(0, 33))
@@ -176,8 +176,8 @@ def test_norms_zero_rows(max_fused_cols):
 def test_settings_by_capability_and_override():
     """The table picks a row by compute capability (default for any other); ``use`` overrides it inside the
     block only, nests on the setting in force, and is undone by an error too."""
-    sm80 = NormKnobs(loop_warps=8)
-    settings = LaunchSettings("test", NormKnobs(), {(8, 0): sm80})
+    sm80 = NormLaunchOptions(loop_warps=8)
+    settings = LaunchTable("test", NormLaunchOptions(), {(8, 0): sm80})
     assert settings.for_capability((8, 0)) is sm80
     assert settings.for_capability((9, 0)) is settings.default
     assert settings.for_capability(None) is settings.default
@@ -189,6 +189,6 @@ def test_settings_by_capability_and_override():
         assert settings.get(cpu) is outer
         raise RuntimeError
     assert settings.get(cpu) is settings.default
-    with norm_knobs(max_fused_cols=16) as forced:  # the norms' helper: one threshold for both norms
-        assert NORM_SETTINGS.get(cpu) is forced and forced.rms_max_fused_cols == 16
-    assert NORM_SETTINGS.get(cpu) is NORM_SETTINGS.default
+    with norm_launch_options(max_fused_cols=16) as forced:  # the norms' helper: one threshold for both norms
+        assert NORM_LAUNCH.get(cpu) is forced and forced.rms_max_fused_cols == 16
+    assert NORM_LAUNCH.get(cpu) is NORM_LAUNCH.default

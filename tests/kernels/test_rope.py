@@ -1,9 +1,9 @@
-"""RoPE's launch knobs (``RopeKnobs``): paths the defaults do not take, against the fp32 reference.
+"""RoPE's launch options (``RoPELaunchOptions``): paths the defaults do not take, against the fp32 reference.
 
 The default launch is covered by tests/kernels/test_kernels.py (three-way, fp32 and bf16). Here non-default
-knobs are forced through ``rope_knobs`` at shapes that make their masks bite: 10 tokens with 3 or 4 tokens per
-program (the last program runs past the end), 6 q heads and 2 k heads with 2 or 4 heads per tile (the last q
-tile is half empty with 4), partial rotary dims copied out of place and left alone in place.
+launch options are forced through ``rope_launch_options`` at shapes that make their masks bite: 10 tokens with
+3 or 4 tokens per program (the last program runs past the end), 6 q heads and 2 k heads with 2 or 4 heads per
+tile (the last q tile is half empty with 4), partial rotary dims copied out of place and left alone in place.
 
 fp32 tolerance: the kernel computes ``x1 * c1 - x2 * s1`` in one fp32 pass like the reference; on a GPU the
 compiler may fuse a product into an FMA, one rounding of a product fewer, at most 2^-24 * |x| * (|c| + |s|)
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from chunkloss.kernels import apply_rotary_pos_emb, apply_rotary_pos_emb_ref
-from chunkloss.kernels.rope import ROPE_SETTINGS, rope_knobs
+from chunkloss.kernels.rope import ROPE_LAUNCH, rope_launch_options
 from tests.kernels.test_kernels import assert_close3, rope_tables
 from tests.tolerances import assert_close_to_ref
 
@@ -57,7 +57,7 @@ def test_rope_knobs_fp32(knobs, tables, unsqueeze_dim, head_dim, rot, in_place):
     """Partial (20, 12): 6 halves of 6 dims (a masked 8-wide tile) and 8 pass-through dims."""
     cos, sin, position_ids = rope_tables(BATCH, SEQ, rot, tables)
     ref = rope_grads(apply_rotary_pos_emb_ref, torch.float32, head_dim, cos, sin, position_ids, unsqueeze_dim)
-    with rope_knobs(**KNOB_SETS[knobs]):
+    with rope_launch_options(**KNOB_SETS[knobs]):
         ours = rope_grads(
             apply_rotary_pos_emb,
             torch.float32,
@@ -78,7 +78,7 @@ def test_rope_knobs_bf16(in_place):
     cos, sin, _ = rope_tables(BATCH, SEQ, 12, "batched")
     ref = rope_grads(apply_rotary_pos_emb_ref, torch.float32, 20, cos, sin, None, 1)
     tch = rope_grads(apply_rotary_pos_emb_ref, torch.bfloat16, 20, cos, sin, None, 1)
-    with rope_knobs(tokens=3, block_h=4):
+    with rope_launch_options(tokens=3, block_h=4):
         ours = rope_grads(apply_rotary_pos_emb, torch.bfloat16, 20, cos, sin, None, 1, in_place=in_place)
     for name, a, b, c in zip(["q_embed", "k_embed", "dq", "dk"], ours, tch, ref):
         assert_close3(a, b, c, torch.bfloat16, name)
@@ -126,12 +126,12 @@ def test_rope_unused_output_gets_zero_gradient():
 
 def test_rope_knobs_context_restores():
     cpu = torch.device("cpu")
-    before = ROPE_SETTINGS.get(cpu)
-    assert before is ROPE_SETTINGS.default
-    with pytest.raises(RuntimeError), rope_knobs(tokens=5) as knobs:
-        assert ROPE_SETTINGS.get(cpu) is knobs and knobs.tokens == 5 and knobs.num_warps == before.num_warps
+    before = ROPE_LAUNCH.get(cpu)
+    assert before is ROPE_LAUNCH.default
+    with pytest.raises(RuntimeError), rope_launch_options(tokens=5) as knobs:
+        assert ROPE_LAUNCH.get(cpu) is knobs and knobs.tokens == 5 and knobs.num_warps == before.num_warps
         raise RuntimeError  # restored on the way out of an error too
-    assert ROPE_SETTINGS.get(cpu) is before
+    assert ROPE_LAUNCH.get(cpu) is before
 
 
 @pytest.mark.gpu
@@ -156,7 +156,7 @@ def test_rope_knobs_llama_shape_gpu(knobs):
     ):
         q, k = q_master.to(dt).requires_grad_(), k_master.to(dt).requires_grad_()
         kwargs = {"in_place": True} if fn is apply_rotary_pos_emb else {}
-        with rope_knobs(**knobs):
+        with rope_launch_options(**knobs):
             qe, ke = fn(
                 (q * 1).transpose(1, 2),
                 (k * 1).transpose(1, 2),

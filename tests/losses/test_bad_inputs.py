@@ -25,7 +25,7 @@ from chunkloss import (
     FusedLinearORPOLoss,
     FusedLinearSimPOLoss,
 )
-from chunkloss.reference import cpo_ref, cross_entropy_ref, dpo_ref, grpo_ref, jsd_ref, orpo_ref
+from chunkloss.testing.reference import cpo_ref, cross_entropy_ref, dpo_ref, grpo_ref, jsd_ref, orpo_ref
 from tests.tolerances import assert_close_to_ref
 
 # fp32, ours against the reference or one layout against another: the same math in another summation order;

@@ -9,8 +9,9 @@ import torch.nn.functional as F
 
 from chunkloss import FusedLinearCrossEntropyLoss
 from chunkloss.engine.plan import chunk_rows
-from chunkloss.engine.steps import StepKind, select_steps, step_upcasts_extra
-from chunkloss.reference import cross_entropy_ref
+from chunkloss.engine.steps import StepKind, step_upcasts_extra
+from chunkloss.testing import select_steps
+from chunkloss.testing.reference import cross_entropy_ref
 from tests.tolerances import assert_close_to_ref
 
 # Odd shapes: N = 3·47 rows is no multiple of any chunk size used, H and V are odd.

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from chunkloss import FusedLinearCrossEntropyLoss
-from chunkloss.reference import cross_entropy_ref
+from chunkloss.testing.reference import cross_entropy_ref
 from tests.cuda_memory import beyond_grads
 from tests.tolerances import rel_err
 

@@ -1,4 +1,4 @@
-"""FusedLinearGRPOLoss against the fp32 reference (chunkloss.reference.grpo_ref) and TRL 1.16's own
+"""FusedLinearGRPOLoss against the fp32 reference (chunkloss.testing.reference.grpo_ref) and TRL 1.16's own
 ``GRPOTrainer._compute_loss`` (called unbound on a stub trainer whose model returns given log-probs)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from trl.trainer.grpo_trainer import GRPOTrainer
 
 from chunkloss.losses.common import scale_logits
 from chunkloss.losses.grpo import LOSS_TYPES, FusedLinearGRPOLoss
-from chunkloss.reference import grpo_loss_from_logps_ref, grpo_ref
+from chunkloss.testing.reference import grpo_loss_from_logps_ref, grpo_ref
 from tests.tolerances import assert_close_to_ref
 
 B, T, H, V = 3, 11, 16, 37  # odd shapes; sequence 2 is an empty completion

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from chunkloss.losses.grpo import FusedLinearGRPOLoss
-from chunkloss.reference import grpo_loss_from_logps_ref, grpo_ref
+from chunkloss.testing.reference import grpo_loss_from_logps_ref, grpo_ref
 
 B, T, H, V = 4, 1024, 1024, 32000
 # err(ours) ≤ K·err(torch bf16) + ATOL vs fp32; same reasoning as tests/losses/test_grpo.py (loss math

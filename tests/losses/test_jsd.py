@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from chunkloss.losses.jsd import FusedLinearJSDLoss
-from chunkloss.reference import jsd_ref
+from chunkloss.testing.reference import jsd_ref
 from tests.tolerances import assert_close_to_ref
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")

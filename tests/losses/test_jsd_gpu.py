@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from chunkloss.losses.jsd import FusedLinearJSDLoss
-from chunkloss.reference import jsd_ref
+from chunkloss.testing.reference import jsd_ref
 from tests.cuda_memory import beyond_grads
 from tests.tolerances import rel_err
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from chunkloss.losses.kto import KTO_LOSS_TYPES, FusedLinearKTOLoss
-from chunkloss.reference import kto_ref
+from chunkloss.testing.reference import kto_ref
 from tests.child_process import in_child_process
 from tests.tolerances import assert_close_to_ref
 

@@ -14,7 +14,7 @@ from chunkloss.losses.cpo import FusedLinearCPOLoss
 from chunkloss.losses.dpo import DPO_LOSS_TYPES, FusedLinearDPOLoss
 from chunkloss.losses.orpo import FusedLinearORPOLoss
 from chunkloss.losses.simpo import FusedLinearSimPOLoss
-from chunkloss.reference import cpo_ref, dpo_ref, orpo_ref
+from chunkloss.testing.reference import cpo_ref, dpo_ref, orpo_ref
 from tests.tolerances import assert_close_to_ref
 
 B, T, H, V = 3, 13, 31, 123  # odd shapes: 3 pairs of 13 tokens, H=31, V=123

@@ -8,7 +8,7 @@ import torch
 from chunkloss.losses.dpo import FusedLinearDPOLoss
 from chunkloss.losses.orpo import FusedLinearORPOLoss
 from chunkloss.losses.simpo import FusedLinearSimPOLoss
-from chunkloss.reference import cpo_ref, dpo_ref, orpo_ref
+from chunkloss.testing.reference import cpo_ref, dpo_ref, orpo_ref
 from tests.cuda_memory import beyond_grads
 from tests.tolerances import rel_err
 

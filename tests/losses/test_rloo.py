@@ -1,4 +1,4 @@
-"""FusedLinearRLOOLoss against the fp32 reference (chunkloss.reference.rloo_ref) and TRL 1.16's own
+"""FusedLinearRLOOLoss against the fp32 reference (chunkloss.testing.reference.rloo_ref) and TRL 1.16's own
 ``RLOOTrainer._compute_loss`` (called unbound on a stub trainer whose model returns given log-probs)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from chunkloss.engine.steps import step_for
 from chunkloss.losses import rloo
 from chunkloss.losses.common import scale_logits
 from chunkloss.losses.rloo import FusedLinearRLOOLoss
-from chunkloss.reference import grpo_logps_ref, rloo_loss_from_logps_ref, rloo_ref
+from chunkloss.testing.reference import grpo_logps_ref, rloo_loss_from_logps_ref, rloo_ref
 from tests.child_process import in_child_process
 from tests.losses.test_grpo import leaves, run_loss
 from tests.tolerances import assert_close_to_ref

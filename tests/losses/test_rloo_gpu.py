@@ -11,7 +11,7 @@ from chunkloss.engine import StepKind
 from chunkloss.engine.steps import step_for
 from chunkloss.losses import rloo
 from chunkloss.losses.rloo import FusedLinearRLOOLoss
-from chunkloss.reference import rloo_loss_from_logps_ref, rloo_ref
+from chunkloss.testing.reference import rloo_loss_from_logps_ref, rloo_ref
 from tests.tolerances import assert_close_to_ref
 
 B, T, H, V = 4, 1024, 1024, 32000

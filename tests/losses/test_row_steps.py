@@ -22,14 +22,15 @@ import torch
 from torch._dynamo.utils import counters
 
 from chunkloss.engine import StepKind, compiled
-from chunkloss.engine.steps import select_steps, step_for
+from chunkloss.engine.steps import step_for
 from chunkloss.losses import cross_entropy, grpo, jsd
 from chunkloss.losses.cpo import FusedLinearCPOLoss
 from chunkloss.losses.dpo import FusedLinearDPOLoss
 from chunkloss.losses.grpo import LOSS_TYPES, FusedLinearGRPOLoss
 from chunkloss.losses.orpo import FusedLinearORPOLoss
 from chunkloss.losses.simpo import FusedLinearSimPOLoss
-from chunkloss.reference import cpo_ref, dpo_ref, orpo_ref
+from chunkloss.testing import select_steps
+from chunkloss.testing.reference import cpo_ref, dpo_ref, orpo_ref
 from tests.child_process import in_child_process
 from tests.losses import test_grpo as tg
 from tests.losses import test_jsd as tj
@@ -290,9 +291,9 @@ def test_one_pass_hands_statistics_to_pass_2(loss, cuda_steps, monkeypatch):
     handed = []
     real = lp.row_grad_
 
-    def row_grad_(*args, stats=None, **kwargs):
-        handed.append(stats is not None)
-        return real(*args, stats=stats, **kwargs)
+    def row_grad_(*args, lse=None, **kwargs):
+        handed.append(lse is not None)
+        return real(*args, lse=lse, **kwargs)
 
     monkeypatch.setattr(lp, "row_grad_", row_grad_)
     for chunk, one_pass in ((1000, True), (4, False)):

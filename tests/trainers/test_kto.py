@@ -10,7 +10,7 @@ import torch
 from trl import KTOConfig, KTOTrainer
 
 from chunkloss.data import tiny_dataset
-from chunkloss.reference import kto_ref
+from chunkloss.testing.reference import kto_ref
 from chunkloss.trainers.kto import ChunkedKTOConfig, ChunkedKTOTrainer
 from tests.tolerances import assert_close_to_ref
 from tests.trainers.helpers import (

@@ -14,7 +14,7 @@ import transformers
 from trl import RLOOConfig, RLOOTrainer
 
 from chunkloss.data import count_reward, tiny_dataset
-from chunkloss.reference import rloo_loss_from_logps_ref
+from chunkloss.testing.reference import rloo_loss_from_logps_ref
 from chunkloss.trainers import ChunkedRLOOConfig, ChunkedRLOOTrainer
 from tests.tolerances import assert_close_to_ref
 from tests.trainers.helpers import (
