@@ -61,9 +61,8 @@ def impls(k: int) -> dict:
 
     ours = FusedLinearMultiTokenLoss(head_weights(k))
     bf16 = FusedLinearMultiTokenLoss(head_weights(k), accum_dtype=torch.bfloat16)
-    small = FusedLinearMultiTokenLoss(
-        head_weights(k), accum_dtype=torch.bfloat16, chunk_size=liger_chunk_rows(N, H, V)
-    )
+    liger_rows = liger_chunk_rows(N, H, V)
+    small = FusedLinearMultiTokenLoss(head_weights(k), accum_dtype=torch.bfloat16, chunk_size=liger_rows)
 
     def materialised(inp):
         loss = 0.0

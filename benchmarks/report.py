@@ -23,6 +23,7 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
+RUNNING = ROOT / "benchmarks" / "running.md"  # how to produce each set: the docs page's first section
 MARK = "<!-- PERF -->"
 GiB = 2**30
 MEMORY_LABEL = "peak extra memory (GiB)"
@@ -90,27 +91,6 @@ KINDS = {
 }  # fmt: skip
 
 
-RUNNING = [  # how to produce each set
-    "## Running the benchmarks", "",
-    "Each command fits a 10-minute call on one H100 (the end-to-end ones as a slice: one shape, task, "
-    "loss, length and checkpointing setting per call); `python -m benchmarks.report --merge DIR...` "
-    "gathers the end-to-end files into the sets and rewrites this page.", "", "```",
-    "python -m benchmarks.bench_losses                                 # losses",
-    "python -m benchmarks.bench_losses --only medusa --name medusa     # medusa",
-    "python -m benchmarks.bench_kernels                                # kernels",
-    "python -m benchmarks.bench_decoder                                # decoder, decoder_attn",
-    "python -m benchmarks.bench_e2e --shape llama-3.2-1b --task full --loss sft --seq 1024 --gc off \\",
-    "    --impl trl,liger,compile,chunkloss --batches 8,16 --out OUT/sft_full.json  # e2e_<task>_<loss>",
-    "python -m benchmarks.bench_e2e --profile --impl chunkloss --batches 16 --out OUT/profile.json",
-    "python -m benchmarks.bench_e2e --floor --batches 16 --out OUT/floor.json",
-    "python -m benchmarks.bench_longctx --shape llama-3.2-1b --task lora --out OUT/longctx.json",
-    "bash benchmarks/multigpu_run.sh OUT                               # multigpu (2 GPUs)",
-    "bash benchmarks/multigpu_scale.sh OUT                             # multigpu_scale (2 GPUs)",
-    "python -m benchmarks.report --merge OUT                          # into benchmarks/results",
-    "```",
-]  # fmt: skip
-
-
 def kind(name: str) -> str:
     """The benchmark of a result set: its name where that is a kind, else the part before the first ``_``."""
     return name if name in KINDS else name.split("_", 1)[0]
@@ -162,10 +142,6 @@ def longctx_summary(rows: list[dict]) -> dict:
     return out
 
 
-def _oom_or_error(r: dict) -> str | None:
-    return "OOM" if r.get("oom") else r.get("error")
-
-
 # A run's table rows, per benchmark kind (generators: a kernels run holds one row per implementation).
 def _losses_rows(r: dict):
     extra = dict(floor=r.get("floor_ms"), loss=r.get("loss"))
@@ -185,21 +161,24 @@ def _decoder_rows(r: dict):
     yield _row(r["case"], r["impl"], r.get("ms"), _gib(r.get("peak_bytes")), r.get("error"), **extra)
 
 
+def _training_row(case: str, r: dict, **extra) -> dict:
+    """A training run's row: its median step time (s), its peak memory (GiB), and OOM or its error."""
+    error = "OOM" if r.get("oom") else r.get("error")
+    return _row(case, r["impl"], r.get("step_time_s"), r.get("peak_mem_gib"), error, **extra)
+
+
 def _medusa_e2e_rows(r: dict):
     case = f"stage {r['stage']} K={r['heads']} b={r['batch']}"
-    time, memory, error = r.get("step_time_s"), r.get("peak_mem_gib"), "OOM" if r["oom"] else None
-    yield _row(case, r["impl"], time, memory, error, tokens_per_s=r.get("tokens_per_s"))
+    yield _training_row(case, r, tokens_per_s=r.get("tokens_per_s"))
 
 
 def _e2e_rows(r: dict):
-    time, memory, error = r.get("step_time_s"), r.get("peak_mem_gib"), _oom_or_error(r)
-    yield _row(e2e_case(r), r["impl"], time, memory, error, tokens_per_s=r.get("tokens_per_s"))
+    yield _training_row(e2e_case(r), r, tokens_per_s=r.get("tokens_per_s"))
 
 
 def _longctx_rows(r: dict):
     case = f"{r['shape']} {r['task']} {r['loss']} {r['tokens']} tok"
-    time, memory, error = r.get("step_time_s"), r.get("peak_mem_gib"), _oom_or_error(r)
-    yield _row(case, r["impl"], time, memory, error, host=r.get("host_peak_gib"))
+    yield _training_row(case, r, host=r.get("host_peak_gib"))
 
 
 def _parts_rows(r: dict):
@@ -272,14 +251,11 @@ def against_best_peer(rows: list[dict]) -> list[dict]:
 
 
 def about(data: dict, meaning: str) -> str:
-    """A set's first line: the command that wrote it, its stamp and what it measures."""
-    return f"`{data['stamp'].get('command', '')}` ({stamp_line(data['stamp'])}). {meaning}"
-
-
-def stamp_line(stamp: dict) -> str:
-    """One line naming a result's date, GPU and library versions."""
-    versions = ", ".join(f"{k} {v}" for k, v in stamp.get("versions", {}).items() if v and v != "unknown")
-    return f"{stamp.get('gpu', 'unknown GPU')}, {stamp.get('date', 'unknown date')}; {versions}"
+    """A set's first line: the command that wrote it, the GPU, date and library versions, what it measures."""
+    st = data["stamp"]
+    versions = ", ".join(f"{k} {v}" for k, v in st.get("versions", {}).items() if v and v != "unknown")
+    where = f"{st.get('gpu', 'unknown GPU')}, {st.get('date', 'unknown date')}; {versions}"
+    return f"`{st.get('command', '')}` ({where}). {meaning}"
 
 
 def _num(v) -> str:
@@ -325,12 +301,8 @@ def set_md(name: str, data: dict) -> str:
         for impl, v in (data.get("summary") or {}).items()
     ]
     if growth:
-        lines += [
-            "",
-            "| implementation | GPU GiB per 1k tokens | longest run (tokens) |",
-            "|---|---|---|",
-            *growth,
-        ]
+        lines += ["", "| implementation | GPU GiB per 1k tokens | longest run (tokens) |", "|---|---|---|"]
+        lines += growth
     notes = data.get("notes") or []
     return "\n".join(lines + ([""] + [f"- {n}" for n in notes] if notes else [])) + "\n"
 
@@ -401,8 +373,7 @@ def merge(out: pathlib.Path, dirs: list[pathlib.Path]) -> list[str]:
                 merged[name] = json.loads(old.read_text()) if old.exists() else {"mode": mode, key: []}
             into = merged[name]
             into["stamp"] = data["stamp"]
-            case = r.get("case") or e2e_case(r)
-            same = (case, r["impl"])
+            same = (r.get("case") or e2e_case(r), r["impl"])
             into[key] = [o for o in into[key] if (o.get("case") or e2e_case(o), o["impl"]) != same]
             into[key].append(r)
     for name, data in merged.items():
@@ -453,7 +424,7 @@ def docs_page(sets: dict) -> str:
         "the GPU, the date and the library versions. Ratios: chunkloss over the fastest peer's time and "
         "over the smallest peer memory in the same case (below 1: better).",
         "",
-        *RUNNING,
+        RUNNING.read_text().rstrip("\n"),
     ]
     for name in sorted(sets, key=lambda n: (list(KINDS).index(kind(n)), n)):
         data, (title, _, _, meaning) = sets[name], KINDS[kind(name)]
