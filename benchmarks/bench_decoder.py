@@ -155,12 +155,11 @@ def mlp_case(n, hidden, inter, device, dtype=torch.bfloat16) -> Case:
         "w_up": rand(inter, hidden, scale=hidden**-0.5),
         "w_down": rand(hidden, inter, scale=inter**-0.5),
     }
-    dy = (torch.randn(n, hidden, generator=gen)).to(device, dtype)
     return Case(
         row={"case": f"N={n} H={hidden} I={inter}", "N": n, "H": hidden, "I": inter},
         leaves=leaves,
         consts=(),
-        dys=(dy,),
+        dys=(torch.randn(n, hidden, generator=gen).to(device, dtype),),
         outputs=("y",),
         floor_ms=18 * n * hidden * inter / (PEAK_TFLOPS * 1e12) * 1e3,  # 9 GEMMs of 2·N·H·I FLOPs
         reference=ck.gated_mlp_ref,

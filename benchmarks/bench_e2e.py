@@ -94,14 +94,6 @@ def unsloth_model(a, tokenizer):
     return FastLanguageModel.get_peft_model(model, **LORA, use_gradient_checkpointing=gc)
 
 
-def peft_config(task: str):
-    if task == "full":
-        return None
-    from peft import LoraConfig
-
-    return LoraConfig(**LORA, task_type="CAUSAL_LM")
-
-
 def setting(a, impl: str) -> dict:
     """What a run is, the keys of its case (``report.e2e_case``) first."""
     medusa = {"medusa": f"stage {a.medusa_stage} K={a.medusa_heads}"} if a.loss == "medusa" else {}
@@ -126,13 +118,16 @@ def train(a, batch: int, profile: bool = False) -> dict:
         tokenizer = tiny_tokenizer()
         model = unsloth_model(a, tokenizer) if a.impl == "unsloth" else build_model(a)
         if a.loss == "gkd" or (a.loss in ("dpo", "kto") and a.task == "full"):  # GKD's teacher: another seed
-            ref = copy.deepcopy(model) if a.loss != "gkd" else build_model(a, seed=1)
-            ref.requires_grad_(False)
+            ref = (copy.deepcopy(model) if a.loss != "gkd" else build_model(a, seed=1)).requires_grad_(False)
         # GKD's collator keeps the prompt whole, so its completions leave room for it (up to --seq tokens).
         rows = getattr(a, "rows", 0) or max(64, batch * a.steps)  # bench_longctx: only what the steps read
         ds = harness.counting_dataset(a.loss, rows, a.seq // 2 if a.loss == "gkd" else a.seq)
         medusa = dict(num_heads=a.medusa_heads, stage=a.medusa_stage)
-        peft = None if a.impl == "unsloth" else peft_config(a.task)  # Unsloth's model has its LoRA
+        peft = None  # full fine-tuning; Unsloth's model has its LoRA
+        if a.task != "full" and a.impl != "unsloth":
+            from peft import LoraConfig
+
+            peft = LoraConfig(**LORA, task_type="CAUSAL_LM")
         run = dict(out_dir=tempfile.mkdtemp(), batch=batch, steps=a.steps, seq=a.seq, gc=a.gc == "on")
         options = dict(kernels=a.kernels, peft_config=peft, medusa=medusa, config=getattr(a, "extra", None))
         with patch_lines() as lines:

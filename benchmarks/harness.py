@@ -97,18 +97,15 @@ def run_worker(module: str, argv: list[str], timeout_s: float, env: dict | None 
 
 @dataclass
 class Case:
-    """One loss case: ``name`` (the row, e.g. "ce N=8192"), ``group`` (the loss family), ``tokens`` in the
-    batch, ``floor_flops`` (the GEMMs the step cannot avoid: 6·N_valid·H·V, + 2·N_valid·H·V per no-grad
-    head), ``make_inputs`` (``device -> dict`` of tensors, leaves needing grad marked), ``impls`` (name ->
-    ``inputs -> scalar loss``) and ``meta`` (recorded alongside)."""
+    """One loss case: its inputs, built once, and one callable per implementation on them."""
 
-    name: str
-    group: str
-    tokens: int
-    floor_flops: float
-    make_inputs: Callable[[torch.device], dict]
-    impls: dict[str, Callable[[dict], torch.Tensor]]
-    meta: dict = field(default_factory=dict)
+    name: str  # the row, e.g. "ce N=8192"
+    group: str  # the loss family
+    tokens: int  # in the batch
+    floor_flops: float  # the GEMMs the step cannot avoid: 6·N_valid·H·V, + 2·N_valid·H·V per no-grad head
+    make_inputs: Callable[[torch.device], dict]  # device -> tensors, the leaves needing grad marked
+    impls: dict[str, Callable[[dict], torch.Tensor]]  # name -> (inputs -> scalar loss)
+    meta: dict = field(default_factory=dict)  # recorded alongside
 
     @property
     def floor_ms(self) -> float:

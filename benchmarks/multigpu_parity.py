@@ -50,10 +50,6 @@ TINY_KIND_CONFIG = {"dpo": SHORT, "kto": SHORT, "grpo": ONLINE, "rloo": {**ONLIN
 WARMUP_STEPS = 3  # step times before this are compilation and allocator warm-up, left out of the median
 
 
-def _is_deepspeed(trainer) -> bool:
-    return str(trainer.accelerator.distributed_type).endswith("DEEPSPEED")
-
-
 def _full_grad(param, deepspeed: bool, cpu: bool = True) -> torch.Tensor | None:
     """The full gradient of a parameter under ZeRO-3 (partitioned), FSDP2 (a DTensor) or one process, as an
     fp32 copy on the CPU (``cpu``) or on the device. Collective under ZeRO-3 and FSDP2: every rank calls it
@@ -79,6 +75,7 @@ class GradTap:
 
     def __init__(self, trainer, whole: bool = True):
         self.trainer, self.whole = trainer, whole
+        self.deepspeed = str(trainer.accelerator.distributed_type).endswith("DEEPSPEED")
         self.grads: dict[str, torch.Tensor] | None = None
         self.norms: list[dict[str, float]] = []
         self._inner = trainer.training_step
@@ -86,7 +83,7 @@ class GradTap:
         trainer.training_step = self._training_step
 
     def _read(self) -> None:
-        ds, model = _is_deepspeed(self.trainer), self.trainer.model
+        ds, model = self.deepspeed, self.trainer.model
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         head = getattr(model, "module", model).get_output_embeddings().weight
         middle = [(n, p) for n, p in named if f"layers.{model.config.num_hidden_layers // 2}." in n]
@@ -101,7 +98,7 @@ class GradTap:
         self.norms.append(norms)
 
     def _training_step(self, *args, **kwargs):
-        if self._engine is None and _is_deepspeed(self.trainer):
+        if self._engine is None and self.deepspeed:
             self._engine = self.trainer.accelerator.deepspeed_engine_wrapped.engine
             step = self._engine.step
 
@@ -111,7 +108,7 @@ class GradTap:
 
             self._engine.step = tapped_step
         loss = self._inner(*args, **kwargs)
-        if not _is_deepspeed(self.trainer) and self.trainer.accelerator.sync_gradients:
+        if not self.deepspeed and self.trainer.accelerator.sync_gradients:
             self._read()
         return loss
 

@@ -48,8 +48,7 @@ MODELS = {
     "qwen3-4b": harness.SHAPES["qwen3-4b"],
     "llama3-8b": harness.SHAPES["llama-3.1-8b"],
 }  # fmt: skip
-IMPLS = ("chunked", "trl", "liger")
-HARNESS_IMPL = {"chunked": "chunkloss", "trl": "trl", "liger": "liger"}  # harness.make_trainer's names
+IMPLS = {"chunked": "chunkloss", "trl": "trl", "liger": "liger"}  # --impl -> harness.make_trainer's name
 DEFAULT_BATCHES = [1, 2, 4, 8, 16, 32, 64]
 SEED = 0
 RESULT, PROFILE = "multigpu_scale", "profile_multigpu"
@@ -79,10 +78,9 @@ def backend_name() -> str:
 
 def head_memory(model: str, weight_bytes: int = 2) -> dict:
     """What the chunked LM head holds on every rank for ``model``'s shape, in bytes and GiB: the gathered
-    (V, H) weight in the compute dtype, the fp32 weight-gradient accumulator (V·H·4 bytes), the weight-dtype
-    gradient handed to autograd, and the most rows one call may hold in a single chunk, which needs no
-    accumulator (a compiled step on CUDA without an extra head, as ``chunkloss.engine.plan.chunk_rows``
-    decides)."""
+    (V, H) weight, the fp32 weight-gradient accumulator, the weight-dtype gradient handed to autograd, and
+    the most rows one call may hold in a single chunk, which needs no accumulator (a compiled step on CUDA
+    without an extra head, as ``chunkloss.engine.plan.chunk_rows`` decides)."""
     from chunkloss.engine.options import default_chunk_size
 
     s = MODELS[model]
@@ -106,13 +104,13 @@ def build_model(model: str, tokenizer, seq_len: int):
 def build_trainer(a, impl: str, model, tokenizer, batch: int, rows: int, **options):
     """``a.trainer``'s trainer of ``impl`` (``IMPLS``) on ``model``: ``rows`` counting examples of
     ``a.seq_len`` tokens, ``a.steps`` steps at per-GPU ``batch``; ``options``: more of
-    ``harness.make_trainer``'s. DPO's and KTO's reference is the initial policy, given: TRL would load it
-    from the policy's path, which a random model lacks."""
+    ``harness.make_trainer``'s. DPO's and KTO's reference is the initial policy, given: TRL would load it from
+    the policy's path, which a random model lacks."""
     ds = harness.counting_dataset(a.trainer, rows, a.seq_len)
     ref = copy.deepcopy(model).requires_grad_(False) if a.trainer in ("dpo", "kto") else None
     run = dict(batch=batch, steps=a.steps, seq=a.seq_len, gc=a.gradient_checkpointing, ref=ref)
     return make_trainer(
-        a.trainer, HARNESS_IMPL[impl], model, tokenizer, ds, out_dir=str(a.out / "trainer"), **run, **options
+        a.trainer, IMPLS[impl], model, tokenizer, ds, out_dir=str(a.out / "trainer"), **run, **options
     )
 
 
@@ -166,7 +164,7 @@ def _train(batch: int, a, tokenizer, t0: float) -> dict:
     trainer.train()
     t3 = time.perf_counter()
     tokens.remove()
-    timed = timer.times[a.warmup :] if len(timer.times) > a.warmup else timer.times
+    timed = timer.times[a.warmup :] or timer.times
     median = statistics.median(timed)
     parts = {} if prof is None else {"parts": harness.kernel_time(prof, sum(timed), len(timed))}
     acc, n = trainer.accelerator, trainer.accelerator.num_processes
@@ -225,7 +223,7 @@ def _rank0_says(flag: bool) -> bool:
     return bool(t.item())
 
 
-def sweep(a) -> list[dict]:
+def sweep(a) -> None:
     """Every batch of ``a.batch_sizes`` in turn until an OOM or the time budget; each result is written to
     ``a.out`` as soon as it is known, beside ``setting.json`` (what the run is)."""
     from chunkloss.data import tiny_tokenizer
@@ -236,8 +234,8 @@ def sweep(a) -> list[dict]:
     if rank == 0:
         write_json(a.out / "setting.json", {**_setting(a), "batch_sizes": a.batch_sizes})
     tokenizer = tiny_tokenizer()
-    st = harness.stamp(gpus=world)
-    results, prev = [], None
+    st, nvls = harness.stamp(gpus=world), os.environ.get("NCCL_NVLS_ENABLE")
+    prev = None
     for batch in a.batch_sizes:
         if a.time_budget_s and prev is not None:
             left = a.time_budget_s - (time.monotonic() - _T0)
@@ -255,10 +253,7 @@ def sweep(a) -> list[dict]:
         if rank == 0:
             (a.out / f"batch_{batch}.started").write_text(f"{time.time():.0f}\n")
         r = run_batch(batch, a, tokenizer)
-        r["stamp"] = st
-        r["nccl_nvls_enable"] = os.environ.get("NCCL_NVLS_ENABLE")
-        r["head_memory"] = head_memory(a.model)
-        results.append(r)
+        r.update(stamp=st, nccl_nvls_enable=nvls, head_memory=head_memory(a.model))
         if r["oom"]:
             write_json(a.out / f"batch_{batch}.oom.rank{rank}.json", {**r, "rank": rank})
             print(f"[multigpu_scale] batch {batch}: out of memory on rank {rank}: {r['error']}", flush=True)
@@ -275,7 +270,6 @@ def sweep(a) -> list[dict]:
             speed = f"{r['median_step_time_s']:.3f} s/step, {r['tokens_per_s']:.0f} tokens/s"
             print(f"[multigpu_scale] batch {batch}: {speed}, peak GiB per rank {peaks}", flush=True)
         prev = r
-    return results
 
 
 def remaining(run_dir: Path, batches: list[int]) -> list[int]:
@@ -285,9 +279,7 @@ def remaining(run_dir: Path, batches: list[int]) -> list[int]:
     if any(run_dir.glob("batch_*.oom.rank*.json")) or any(run_dir.glob("batch_*.skipped.json")):
         return []
     rest = [b for b in batches if not (run_dir / f"batch_{b}.json").exists()]
-    if not rest or rest[0] == batches[0]:
-        return []
-    return rest
+    return [] if not rest or rest[0] == batches[0] else rest
 
 
 def _batch_of(path: Path) -> int:
@@ -391,7 +383,7 @@ def multigpu_parser(doc: str, model: str, out: str) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     p = multigpu_parser(__doc__, model="qwen3-4b", out="run folder")
-    p.add_argument("--impl", choices=IMPLS, default="chunked")
+    p.add_argument("--impl", choices=tuple(IMPLS), default="chunked")
     p.add_argument("--kernels", choices=("on", "off"), default="on", help="chunked: chunk_kernels")
     p.add_argument("--batch-sizes", type=_batches, default=DEFAULT_BATCHES, help="per-GPU, e.g. 1,2,4")
     p.add_argument("--steps", type=int, default=7, help="training steps per batch")
