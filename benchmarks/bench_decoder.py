@@ -43,8 +43,6 @@ SHAPES = {
     "attn_in": [("Llama-3-8B", 4, 2048, 4096, 32, 8, 128), ("Llama-3.2-1B", 4, 2048, 2048, 32, 8, 64)],
 }
 SMOKE_SHAPES = {"mlp": [(40, 48, 80)], "attn_in": [("tiny", 2, 5, 48, 4, 2, 12)]}
-GRADS = ("x", "w_gate", "w_up", "w_down")
-ATTN_GRADS = ("x", "norm_w", "w_q", "w_k", "w_v")
 EPS = 1e-5  # Llama-3's rms_norm_eps
 ROPE_THETA = 500000.0  # Llama-3's rope_theta
 
@@ -57,7 +55,6 @@ class Case:
     leaves: dict[str, torch.Tensor]  # bf16 leaves needing grad, in the implementations' argument order
     consts: tuple[torch.Tensor, ...]  # further arguments, needing no grad (RoPE's cos and sin)
     dys: tuple[torch.Tensor, ...]  # gradients of the outputs
-    uncounted: tuple[torch.Tensor, ...]  # inputs whose storage saved_bytes does not count (weights, cos/sin)
     outputs: tuple[str, ...]  # names of the outputs, for the errors
     floor_ms: float
     reference: Callable  # the eager math, run on fp32 copies for the errors
@@ -143,7 +140,6 @@ def attn_in_case(model, batch, seq, hidden, n_heads, n_kv, head_dim, device, dty
         leaves=leaves,
         consts=(cos, sin),
         dys=(grad_of(n_heads), grad_of(n_kv), grad_of(n_kv)),
-        uncounted=(*(leaves[k] for k in ATTN_GRADS[1:]), cos, sin),
         outputs=("q", "k", "v"),
         floor_ms=6 * n * hidden * width / (PEAK_TFLOPS * 1e12) * 1e3,  # 3 GEMMs of 2·N·H·width FLOPs
         reference=attn_in_ref,
@@ -159,13 +155,11 @@ def mlp_case(n, hidden, inter, device, dtype=torch.bfloat16) -> Case:
         "w_up": rand(inter, hidden, scale=hidden**-0.5),
         "w_down": rand(hidden, inter, scale=inter**-0.5),
     }
-    dy = (torch.randn(n, hidden, generator=gen)).to(device, dtype)
     return Case(
         row={"case": f"N={n} H={hidden} I={inter}", "N": n, "H": hidden, "I": inter},
         leaves=leaves,
         consts=(),
-        dys=(dy,),
-        uncounted=tuple(leaves[k] for k in GRADS[1:]),
+        dys=(torch.randn(n, hidden, generator=gen).to(device, dtype),),
         outputs=("y",),
         floor_ms=18 * n * hidden * inter / (PEAK_TFLOPS * 1e12) * 1e3,  # 9 GEMMs of 2·N·H·I FLOPs
         reference=ck.gated_mlp_ref,
@@ -202,7 +196,6 @@ def implementations(block: str, smoke: bool) -> dict:
             "ours": ck.gated_mlp,
             "ours_saved": lambda x, wg, wu, wd: ck.gated_mlp(x, wg, wu, wd, recompute=False),
         }
-        eager = ck.gated_mlp_ref
     else:
         impls = {
             "eager": attn_in_ref,
@@ -211,9 +204,8 @@ def implementations(block: str, smoke: bool) -> dict:
             "fused": functools.partial(ck.attention_input, eps=EPS),
             "fused_norm_recompute": functools.partial(ck.attention_input, eps=EPS, norm_recompute=True),
         }
-        eager = attn_in_ref
     if not smoke:  # inductor on CPU needs a C++ toolchain and minutes; the smoke run checks the script only
-        impls["compile"] = torch.compile(eager, dynamic=False)
+        impls["compile"] = torch.compile(impls["eager"], dynamic=False)
     liger = _liger(block)
     if liger is not None:
         impls["liger"] = liger
@@ -221,9 +213,10 @@ def implementations(block: str, smoke: bool) -> dict:
 
 
 def saved_bytes(fn, case: Case) -> int:
-    """Distinct storages autograd saves in one forward of ``fn``, ``case.uncounted`` excluded; the hooks open
-    outside ``fn``, so a ``SavedNorms`` inside packs all but the norm output it recomputes through them."""
-    skip = {t.untyped_storage().data_ptr() for t in case.uncounted}
+    """Distinct storages autograd saves in one forward of ``fn``, the weights (the leaves after ``x``) and the
+    constants excluded; the hooks open outside ``fn``, so a ``SavedNorms`` inside packs all but the norm
+    output it recomputes through them."""
+    skip = {t.untyped_storage().data_ptr() for t in (*list(case.leaves.values())[1:], *case.consts)}
     storages = {}
 
     def pack(t):

@@ -56,23 +56,22 @@ NO_GRAD_FORWARDS = {"dpo": 1, "gkd": 1, "kto": 3, "rloo": 1}
 
 def build_model(a, seed: int = 0):
     """``a.shape``'s model with random weights from ``seed`` (4-bit nf4 for ``qlora``), bf16 on CUDA."""
-    s = SHAPES[a.shape]
-    cuda = torch.cuda.is_available()
-    dtype = torch.bfloat16 if cuda else torch.float32
     from chunkloss.data import tiny_tokenizer
 
+    s = SHAPES[a.shape]
     config = dict(num_hidden_layers=a.layers or s["layers"], max_position_embeddings=max(4096, a.seq))
-    model = harness.random_model(s, "cuda" if cuda else "cpu", dtype, seed, tiny_tokenizer(), **config)
+    model = harness.random_model(s, seed, tiny_tokenizer(), **config)
     if a.task != "qlora":
         return model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
+    dtype, device_map = model.dtype, {"": 0 if torch.cuda.is_available() else "cpu"}
     with tempfile.TemporaryDirectory() as tmp:  # bitsandbytes quantises while loading
         model.save_pretrained(tmp)
         del model
         q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
         return AutoModelForCausalLM.from_pretrained(
-            tmp, quantization_config=q, dtype=dtype, device_map={"": 0 if cuda else "cpu"}
+            tmp, quantization_config=q, dtype=dtype, device_map=device_map
         )
 
 
@@ -93,14 +92,6 @@ def unsloth_model(a, tokenizer):
     if a.task == "full":
         return model
     return FastLanguageModel.get_peft_model(model, **LORA, use_gradient_checkpointing=gc)
-
-
-def peft_config(task: str):
-    if task == "full":
-        return None
-    from peft import LoraConfig
-
-    return LoraConfig(**LORA, task_type="CAUSAL_LM")
 
 
 def setting(a, impl: str) -> dict:
@@ -127,33 +118,30 @@ def train(a, batch: int, profile: bool = False) -> dict:
         tokenizer = tiny_tokenizer()
         model = unsloth_model(a, tokenizer) if a.impl == "unsloth" else build_model(a)
         if a.loss == "gkd" or (a.loss in ("dpo", "kto") and a.task == "full"):  # GKD's teacher: another seed
-            ref = copy.deepcopy(model) if a.loss != "gkd" else build_model(a, seed=1)
-            ref.requires_grad_(False)
+            ref = (copy.deepcopy(model) if a.loss != "gkd" else build_model(a, seed=1)).requires_grad_(False)
         # GKD's collator keeps the prompt whole, so its completions leave room for it (up to --seq tokens).
         rows = getattr(a, "rows", 0) or max(64, batch * a.steps)  # bench_longctx: only what the steps read
         ds = harness.counting_dataset(a.loss, rows, a.seq // 2 if a.loss == "gkd" else a.seq)
         medusa = dict(num_heads=a.medusa_heads, stage=a.medusa_stage)
-        peft = None if a.impl == "unsloth" else peft_config(a.task)  # Unsloth's model has its LoRA
-        run = dict(
-            out_dir=tempfile.mkdtemp(), batch=batch, steps=a.steps, seq=a.seq, gc=a.gc == "on", ref=ref
-        )
+        peft = None  # full fine-tuning; Unsloth's model has its LoRA
+        if a.task != "full" and a.impl != "unsloth":
+            from peft import LoraConfig
+
+            peft = LoraConfig(**LORA, task_type="CAUSAL_LM")
+        run = dict(out_dir=tempfile.mkdtemp(), batch=batch, steps=a.steps, seq=a.seq, gc=a.gc == "on")
         options = dict(kernels=a.kernels, peft_config=peft, medusa=medusa, config=getattr(a, "extra", None))
         with patch_lines() as lines:
-            trainer = harness.make_trainer(a.loss, a.impl, model, tokenizer, ds, **run, **options)
+            trainer = harness.make_trainer(a.loss, a.impl, model, tokenizer, ds, ref=ref, **run, **options)
         if lines:
             res["patch"] = lines[0]
-        timer = harness.StepTimer()
-        trainer.add_callback(timer.callback())
+        timer = harness.step_timer()
+        trainer.add_callback(timer)
         prof = harness.profile_steps(trainer, a.warmup) if profile else None
         trainer.train()
-        times = timer.times[a.warmup :]
-        res.update(
-            step_time_s=statistics.median(times),
-            step_times_s=times,
-            peak_mem_gib=timer.peak_extra_gib(),
-            losses=[h["loss"] for h in trainer.state.log_history if "loss" in h],
-        )
-        res["tokens_per_s"] = batch * ROWS_PER_EXAMPLE.get(a.loss, 1) * a.seq / res["step_time_s"]
+        times, losses = timer.times[a.warmup :], [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        step = statistics.median(times)
+        res.update(step_time_s=step, step_times_s=times, peak_mem_gib=timer.peak_extra_gib(), losses=losses)
+        res["tokens_per_s"] = batch * ROWS_PER_EXAMPLE.get(a.loss, 1) * a.seq / step
         if prof is not None:
             res["parts"] = harness.kernel_time(prof, sum(times), len(times))
     except Exception as e:  # noqa: BLE001 - an OOM ends the sweep; another error is the run's result

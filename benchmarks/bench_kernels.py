@@ -134,8 +134,8 @@ def step_fn(op, fn, inputs):
     return step
 
 
-def measure(step):
-    """(eager ms, CUDA-graph ms or None, peak extra MiB) of one step.
+def measure(step) -> dict:
+    """``ms`` (eager), ``graph_ms`` (CUDA graph, or None) and ``peak_extra_mib`` of one step.
 
     Eager: ``do_bench`` launches the step back to back, so where the host's launch work (Python, autograd,
     the launchers) takes longer than the GPU's, the time is the host's. Graph: the same step captured once
@@ -165,7 +165,7 @@ def measure(step):
     except Exception as exc:  # noqa: BLE001 - an implementation that cannot be captured keeps its eager time
         print(f"  (no CUDA graph: {type(exc).__name__}: {str(exc)[:120]})", file=sys.stderr)
     torch.cuda.synchronize()
-    return ms, graph_ms, peak
+    return {"ms": ms, "graph_ms": graph_ms, "peak_extra_mib": peak}
 
 
 def _fmt(ms):
@@ -193,14 +193,12 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             inputs = make_inputs()
             try:
-                ms, graph_ms, peak = measure(step_fn(op, fn, inputs))
+                row[impl] = measure(step_fn(op, fn, inputs))
             except Exception as exc:  # noqa: BLE001 - record and go on: one failing baseline is not fatal
                 print(f"{name} / {impl}: {exc!r}", file=sys.stderr)
-                continue
             finally:
                 del inputs
                 torch.cuda.empty_cache()
-            row[impl] = {"ms": ms, "graph_ms": graph_ms, "peak_extra_mib": peak}
         rows.append(row)
         timings = [f"{i} {row[i]['ms']:6.3f}/{_fmt(row[i]['graph_ms'])} ms" for i in IMPLS if i in row]
         print(" | ".join([f"{name:<34}", f"floor {floor_ms:6.3f} ms", *timings]), flush=True)

@@ -47,12 +47,8 @@ def run_length(a, seq: int) -> dict:
         extra = {**extra, "num_generations": GRPO_GROUP}
     fields = dict(seq=seq, gc="on", impl=impl, kernels=True, medusa_heads=0, medusa_stage=1, extra=extra)
     r = train(argparse.Namespace(**{**vars(a), **fields, "rows": a.steps * group}), group)
-    r.update(
-        impl=a.impl,
-        tokens=seq * group,
-        host_peak_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-    )
-    return r
+    host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss: KiB
+    return {**r, "impl": a.impl, "tokens": seq * group, "host_peak_gib": host}
 
 
 def worker(a) -> None:
@@ -90,9 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     st = stamp(command=command("bench_longctx", argv))
     data = {"stamp": st, "mode": "longctx", "gpu_gib_cap": a.gpu_gib or None, "rows": []}
     for impl in impls:
-        rows, error = run_worker(
-            "bench_longctx", [*argv, "--impl", impl], a.timeout_s, child_env(IMPLS[impl][0])
-        )
+        env = child_env(IMPLS[impl][0])
+        rows, error = run_worker("bench_longctx", [*argv, "--impl", impl], a.timeout_s, env)
         if error:
             print(f"[bench_longctx] {impl}: {error}", flush=True)
         data["rows"] += rows

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from benchmarks.harness import PEAK_TFLOPS, command, free_memory, measure_or_error, stamp
+from benchmarks.harness import PEAK_TFLOPS, command, error_text, free_memory, measure, stamp
 from benchmarks.report import GiB, write_set
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -41,10 +41,12 @@ def run(only=None, repeats=7) -> list[dict]:
             inputs = case.make_inputs(device)
             for impl, fn in case.impls.items():
                 t0 = time.time()
-                row = dict(
-                    case=case.name, group=case.group, tokens=case.tokens, impl=impl, floor_ms=case.floor_ms
-                )
-                row = {**row, **case.meta, **measure_or_error(fn, inputs, repeats)}
+                row = dict(case=case.name, group=case.group, tokens=case.tokens, impl=impl)
+                row.update(floor_ms=case.floor_ms, **case.meta)
+                try:
+                    row.update(measure(fn, inputs, repeats=repeats))
+                except Exception as e:  # noqa: BLE001 - a peer failing is a result, not the end of the benchmark
+                    row["error"] = error_text(e)
                 for t in inputs.values():
                     if isinstance(t, torch.Tensor):
                         t.grad = None

@@ -20,8 +20,7 @@ SHAPES = ((16, 1024), (2, 16384), (2, 32768))
 MODES = (
     ("gspo", {"importance_sampling_level": "sequence"}),
     ("entropy mask 0.2", {"top_entropy_quantile": 0.2}),
-    # TRL's default β=0: no KL term, so the masked 80% of tokens have no gradient; the second pass skips
-    # them.
+    # TRL's default β=0: no KL term, so the masked 80% of tokens have no gradient; the second pass skips them.
     ("entropy mask 0.2 beta=0", {"top_entropy_quantile": 0.2, "beta": 0.0}),
 )
 
@@ -50,10 +49,9 @@ def _trl_loss(i, logps, entropies=None, **mode):
     ent = torch.zeros_like(logps) if entropies is None else entropies
     mode = {"beta": BETA, **mode}
     ref = i["ref"] if mode["beta"] else None
-    loss, _ = grpo_loss_from_logps_ref(
+    return grpo_loss_from_logps_ref(
         logps, ent, i["mask"], i["adv"], old_logps=i["old"], ref_logps=ref, loss_type="dapo", **mode
-    )
-    return loss
+    )[0]
 
 
 def materialised_logps(i, entropy: bool = False):

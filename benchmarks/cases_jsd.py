@@ -58,12 +58,9 @@ def impls() -> dict:
     }
     if trl_divergence := optional("trl.trainer.distillation_trainer", "_chunked_divergence_loss"):
 
-        def trl_distill(i):
-            hidden, weight = (
-                (i["student_hidden"], i["teacher_hidden"]),
-                (i["student_weight"], i["teacher_weight"]),
-            )
-            return trl_divergence(*hidden, *weight, i["labels"] != -100, BETA)[0]
+        def trl_distill(i):  # TRL's order: both hidden states, then both weights
+            student_h, student_w, teacher_h, teacher_w, labels = (i[k] for k in TENSORS)
+            return trl_divergence(student_h, teacher_h, student_w, teacher_w, labels != -100, BETA)[0]
 
         out["trl 1.16 chunked divergence"] = trl_distill
     if liger := optional("liger_kernel.chunked_loss", "LigerFusedLinearJSDLoss"):

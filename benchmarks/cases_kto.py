@@ -96,12 +96,11 @@ def impls(ref_head: bool) -> dict:
 
 
 def cases() -> list[Case]:
-    n_valid = 2 * PAIRS * (T - T // 4)
-    meta = {"H": H, "V": V, "B": 2 * PAIRS, "T": T, "prompt": T // 4, "desirable": PAIRS, "beta": BETA}
+    rows = 2 * PAIRS
+    n_valid = rows * (T - T // 4)
+    meta = {"H": H, "V": V, "B": rows, "T": T, "prompt": T // 4, "desirable": PAIRS, "beta": BETA}
     out = []
     for name, ref in (("kto", False), ("kto+ref", True)):
         flops = (8 if ref else 6) * n_valid * H * V
-        out.append(
-            Case(f"{name} {2 * PAIRS}x{T}", "kto", 2 * PAIRS * T, flops, _inputs(ref), impls(ref), meta)
-        )
+        out.append(Case(f"{name} {rows}x{T}", "kto", rows * T, flops, _inputs(ref), impls(ref), meta))
     return out

@@ -49,6 +49,11 @@ def _head(inputs: dict, i: int):
     return inputs[f"hidden{i}"], inputs.get("weight", inputs.get(f"weight{i}")), target
 
 
+def _weighted(k: int, head_loss):
+    """``inputs -> Σ_i 0.8^i · head_loss(hidden_i, weight_i, target_i, i)`` over the ``k`` heads."""
+    return lambda inp: sum(w_i * head_loss(*_head(inp, i), i) for i, w_i in enumerate(head_weights(k)))
+
+
 def liger_chunk_rows(n: int, hidden: int, vocab: int) -> int:
     rows = -(-n // -(-vocab // hidden))
     return 1 << (rows - 1).bit_length()
@@ -61,37 +66,22 @@ def impls(k: int) -> dict:
 
     ours = FusedLinearMultiTokenLoss(head_weights(k))
     bf16 = FusedLinearMultiTokenLoss(head_weights(k), accum_dtype=torch.bfloat16)
-    small = FusedLinearMultiTokenLoss(
-        head_weights(k), accum_dtype=torch.bfloat16, chunk_size=liger_chunk_rows(N, H, V)
-    )
+    liger_rows = liger_chunk_rows(N, H, V)
+    small = FusedLinearMultiTokenLoss(head_weights(k), accum_dtype=torch.bfloat16, chunk_size=liger_rows)
 
-    def materialised(inp):
-        loss = 0.0
-        for i, w_i in enumerate(head_weights(k)):
-            h, w, target = _head(inp, i)
-            z = h[:, : T - i] @ w.t()
-            loss = loss + w_i * F.cross_entropy(z.float().flatten(0, 1), target[:, : T - i].flatten())
-        return loss
+    def materialised(h, w, target, i):  # one head's fp32 logits, as Medusa's code
+        z = h[:, : T - i] @ w.t()
+        return F.cross_entropy(z.float().flatten(0, 1), target[:, : T - i].flatten())
 
     out = {
         "chunkloss": lambda i: ours(*lists(i)),
         "chunkloss_bf16_accum": lambda i: bf16(*lists(i)),
         "chunkloss_bf16_accum_liger_chunks": lambda i: small(*lists(i)),
-        "torch": materialised,
+        "torch": _weighted(k, materialised),
     }
-    liger_ce = optional("liger_kernel.transformers", "LigerFusedLinearCrossEntropyLoss")
-    if liger_ce is None:
-        return out
-    liger = liger_ce()
-
-    def per_head(inp):
-        loss = 0.0
-        for i, w_i in enumerate(head_weights(k)):
-            h, w, target = _head(inp, i)
-            loss = loss + w_i * liger(w, h.reshape(-1, H), target.reshape(-1))
-        return loss
-
-    out["liger"] = per_head
+    if liger := optional("liger_kernel.transformers", "LigerFusedLinearCrossEntropyLoss"):
+        liger_ce = liger()
+        out["liger"] = _weighted(k, lambda h, w, target, i: liger_ce(w, h.reshape(-1, H), target.reshape(-1)))
     return out
 
 

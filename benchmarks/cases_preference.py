@@ -96,11 +96,8 @@ def _dpo_impls() -> dict:
     ours = FusedLinearDPOLoss()
 
     def chunkloss(i):
-        b = i["pairs"]
-        y = i["labels"]
-        return ours(
-            i["hidden"], i["weight"], y[:b], y[b:], ref_hidden=i["ref_hidden"], ref_weight=i["ref_weight"]
-        )
+        b, y, ref = i["pairs"], i["labels"], dict(ref_hidden=i["ref_hidden"], ref_weight=i["ref_weight"])
+        return ours(i["hidden"], i["weight"], y[:b], y[b:], **ref)
 
     out = {"chunkloss": chunkloss, "torch": _torch_dpo}
     if liger := optional("liger_kernel.chunked_loss", "LigerFusedLinearDPOLoss"):

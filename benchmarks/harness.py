@@ -22,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,17 +52,15 @@ def stamp(command: str = "", gpus: int | None = None) -> dict:
 
 
 LLAMA3 = dict(vocab=128256, kv=8, tied=True)
+QWEN3 = dict(family="qwen3", vocab=151936, kv=8, head_dim=128, tied=True)
 # Real models' shapes, for random weights; tied: the LM head shares the input embedding's weight.
 SHAPES = {
     "llama-3.2-1b": dict(LLAMA3, hidden=2048, inter=8192, layers=16, heads=32, head_dim=64),
     "llama-3.2-3b": dict(LLAMA3, hidden=3072, inter=8192, layers=28, heads=24, head_dim=128),
     "llama-3.1-8b": dict(LLAMA3, hidden=4096, inter=14336, layers=32, heads=32, head_dim=128, tied=False),
-    "qwen3-0.6b": dict(family="qwen3", vocab=151936, hidden=1024, inter=3072, layers=28, heads=16, kv=8,
-                       head_dim=128, tied=True),
-    "qwen3-4b": dict(family="qwen3", vocab=151936, hidden=2560, inter=9728, layers=36, heads=32, kv=8,
-                     head_dim=128, tied=True),
-    "qwen3-8b": dict(family="qwen3", vocab=151936, hidden=4096, inter=12288, layers=36, heads=32, kv=8,
-                     head_dim=128, tied=False),
+    "qwen3-0.6b": dict(QWEN3, hidden=1024, inter=3072, layers=28, heads=16),
+    "qwen3-4b": dict(QWEN3, hidden=2560, inter=9728, layers=36, heads=32),
+    "qwen3-8b": dict(QWEN3, hidden=4096, inter=12288, layers=36, heads=32, tied=False),
     "tiny": dict(vocab=4096, hidden=64, inter=128, layers=2, heads=4, kv=2, head_dim=16, tied=True),
 }  # fmt: skip
 
@@ -98,18 +97,15 @@ def run_worker(module: str, argv: list[str], timeout_s: float, env: dict | None 
 
 @dataclass
 class Case:
-    """One loss case: ``name`` (the row, e.g. "ce N=8192"), ``group`` (the loss family), ``tokens`` in the
-    batch, ``floor_flops`` (the GEMMs the step cannot avoid: 6·N_valid·H·V, + 2·N_valid·H·V per no-grad
-    head), ``make_inputs`` (``device -> dict`` of tensors, leaves needing grad marked), ``impls`` (name ->
-    ``inputs -> scalar loss``) and ``meta`` (recorded alongside)."""
+    """One loss case: its inputs, built once, and one callable per implementation on them."""
 
-    name: str
-    group: str
-    tokens: int
-    floor_flops: float
-    make_inputs: Callable[[torch.device], dict]
-    impls: dict[str, Callable[[dict], torch.Tensor]]
-    meta: dict = field(default_factory=dict)
+    name: str  # the row, e.g. "ce N=8192"
+    group: str  # the loss family
+    tokens: int  # in the batch
+    floor_flops: float  # the GEMMs the step cannot avoid: 6·N_valid·H·V, + 2·N_valid·H·V per no-grad head
+    make_inputs: Callable[[torch.device], dict]  # device -> tensors, the leaves needing grad marked
+    impls: dict[str, Callable[[dict], torch.Tensor]]  # name -> (inputs -> scalar loss)
+    meta: dict = field(default_factory=dict)  # recorded alongside
 
     @property
     def floor_ms(self) -> float:
@@ -148,8 +144,7 @@ def error_text(e: BaseException) -> str:
 
 
 def free_memory() -> None:
-    """Collect unreachable objects and hand cached CUDA blocks back, between runs that must not see each
-    other's memory."""
+    """Collect unreachable objects and hand cached CUDA blocks back, between runs that must not share them."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -168,27 +163,28 @@ CONFIG_FIELDS = dict(vocab="vocab_size", hidden="hidden_size", inter="intermedia
                      head_dim="head_dim", tied="tie_word_embeddings")  # fmt: skip
 
 
-def random_model(shape: dict, device, dtype, seed: int, tokenizer=None, **config):
-    """A causal LM of ``shape`` (a ``SHAPES`` entry) with random weights from ``seed``, built directly on
-    ``device`` in ``dtype``; the pad, EOS and BOS ids from ``tokenizer`` when given; ``config`` adds or
-    overrides config fields."""
+def random_model(shape: dict, seed: int, tokenizer=None, **config):
+    """A causal LM of ``shape`` (a ``SHAPES`` entry) with random weights from ``seed``, built directly on this
+    process's GPU in bf16 (no host copy: a 4B model initialises in seconds), without CUDA on the CPU in fp32;
+    the pad, EOS and BOS ids from ``tokenizer`` when given; ``config`` adds or overrides config fields."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     fields = {field: shape[key] for key, field in CONFIG_FIELDS.items()}
     if tokenizer is not None:
         fields.update({f"{k}_token_id": getattr(tokenizer, f"{k}_token_id") for k in ("pad", "eos", "bos")})
     cfg = AutoConfig.for_model(shape.get("family", "llama"), **{**fields, **config})
+    cuda = torch.cuda.is_available()
     torch.manual_seed(seed)
-    with torch.device(device):
-        return AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    with torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu"):
+        return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16 if cuda else torch.float32)
 
 
 def timed_ms(fn: Callable[[], object], device: torch.device) -> float:
     """Milliseconds of one call of ``fn``: CUDA events on CUDA (queued work first), else the wall clock."""
     if device.type != "cuda":
-        t0 = datetime.datetime.now().timestamp()
+        t0 = time.perf_counter()
         fn()
-        return (datetime.datetime.now().timestamp() - t0) * 1e3
+        return (time.perf_counter() - t0) * 1e3
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -239,23 +235,6 @@ def measure(fn: Callable[[dict], torch.Tensor], inputs: dict, warmup: int = 2, r
     for t in leaves:
         t.grad = None
     return out
-
-
-def measure_or_error(fn, inputs: dict, repeats: int = 7) -> dict:
-    """:func:`measure`, or ``{"error": ...}`` when the implementation runs out of memory or fails: a peer
-    failing is a result, not the end of the benchmark."""
-    try:
-        return measure(fn, inputs, repeats=repeats)
-    except Exception as e:
-        return {"error": error_text(e)}
-
-
-# transformers 5 renamed TrainingArguments' gradient_checkpointing (the old name still works, with a warning).
-def _checkpointing_field() -> str:
-    from transformers import TrainingArguments
-
-    fields = TrainingArguments.__dataclass_fields__
-    return "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
 
 
 # The implementations a user picks with one flag or one class: TRL's trainer, with Liger's kernels, compiled,
@@ -382,9 +361,8 @@ def materialised_medusa(base):
 
 
 def trainer_classes(loss: str, impl: str) -> tuple[type, type]:
-    """The config and trainer classes of ``loss``: chunkloss's for chunkloss, else TRL's.
-    Medusa has no TRL trainer: its peer is Medusa's own loss on materialised logits
-    (:func:`materialised_medusa`)."""
+    """The config and trainer classes of ``loss``: chunkloss's for chunkloss, else TRL's. Medusa has no TRL
+    trainer: its peer is Medusa's own loss on materialised logits (:func:`materialised_medusa`)."""
     if loss not in LOSSES or impl not in TRAINER_IMPLS:
         raise ValueError(f"loss must be one of {LOSSES} and impl of {TRAINER_IMPLS}, got {loss!r}, {impl!r}")
     if loss == "medusa":
@@ -428,24 +406,26 @@ def make_trainer(
     completions fill what the prompt leaves of ``seq``; RLOO's β is 0 (TRL builds its reference from the
     policy's hub name, which a random model lacks). ``medusa``: ``ChunkedMedusaConfig``'s ``medusa_*``
     fields; ``config``: config fields set last."""
+    from transformers import TrainingArguments
+
     cuda = torch.cuda.is_available()
+    # transformers 5 renamed gradient_checkpointing (the old name still works, with a warning).
+    renamed = "activation_checkpointing" in TrainingArguments.__dataclass_fields__
     cfg = dict(TRAINING, output_dir=out_dir, per_device_train_batch_size=batch, max_steps=steps, bf16=cuda)
-    cfg.update(use_cpu=not cuda, gradient_accumulation_steps=accumulate, **{_checkpointing_field(): gc})
+    cfg.update(use_cpu=not cuda, gradient_accumulation_steps=accumulate)
+    cfg["activation_checkpointing" if renamed else "gradient_checkpointing"] = gc
     chunk = dict(chunk_kernels=kernels and kernels_available(), chunk_compile=chunk_compile and cuda)
     if loss == "medusa":  # both on the chunked trainer's config; the peer swaps in Medusa's own loss
         cfg.update({f"medusa_{k}": v for k, v in (medusa or {}).items()})
         cfg.update(chunk if impl == "chunkloss" else {})
     else:
-        from transformers import TrainingArguments
-
         unsloth = {k: getattr(TrainingArguments, k) for k in UNSLOTH_DEFAULTS}
         peers = {"trl": {}, "liger": dict(use_liger_kernel=True), "compile": dict(torch_compile=True)}
         cfg.update({**peers, "unsloth": unsloth, "chunkloss": chunk}[impl])
     if loss in ("grpo", "rloo"):
         prompt = max(len(tokenizer(p)["input_ids"]) for p in ds["prompt"])
-        cfg.update(
-            num_generations=NUM_GENERATIONS, max_completion_length=max(seq - prompt, 1), temperature=1.0
-        )
+        completion = max(seq - prompt, 1)
+        cfg.update(num_generations=NUM_GENERATIONS, max_completion_length=completion, temperature=1.0)
         cfg.update({"beta": 0.0} if loss == "rloo" else {})
     else:
         cfg["max_length"] = seq
@@ -463,60 +443,52 @@ def make_trainer(
     return Trainer(model, Config(**cfg), **kw)
 
 
-class StepTimer:
-    """Each training step timed with CUDA events (wall clock off CUDA), and the memory allocated when training
-    begins, after which the CUDA peak is reset: what :meth:`callback`'s ``TrainerCallback`` records."""
+def step_timer(after_step=None):
+    """A ``TrainerCallback`` that times each training step with CUDA events (wall clock off CUDA) and keeps
+    the memory allocated when training begins, after which the CUDA peak is reset; ``after_step()``, if
+    given, runs at each step's end. ``times``: seconds per step (synchronises once); ``peak_extra_gib()``:
+    the highest memory allocated since training began minus what was allocated then (GiB; None off CUDA)."""
+    from transformers import TrainerCallback
 
-    def __init__(self):
-        self.events: list[tuple] = []
-        self.allocated_before = 0
-        self._start = None
-
-    @staticmethod
-    def _mark():
-        if torch.cuda.is_available():
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return datetime.datetime.now().timestamp()
-
-    @property
-    def times(self) -> list[float]:
-        """Seconds per step (synchronises once)."""
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-            return [a.elapsed_time(b) / 1e3 for a, b in self.events]
-        return [b - a for a, b in self.events]
-
-    def peak_extra_gib(self) -> float | None:
-        """The highest memory allocated since training began minus what was allocated then."""
+    def mark():
         if not torch.cuda.is_available():
-            return None
-        return (torch.cuda.max_memory_allocated() - self.allocated_before) / 2**30
+            return time.perf_counter()
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
 
-    def callback(self, after_step=None):
-        """A ``TrainerCallback`` with the step hooks; ``after_step()``, if given, runs at each step's end."""
-        from transformers import TrainerCallback
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.events, self.allocated_before, self._start = [], 0, None
 
-        timer = self
+        @property
+        def times(self) -> list[float]:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+                return [a.elapsed_time(b) / 1e3 for a, b in self.events]
+            return [b - a for a, b in self.events]
 
-        class Callback(TrainerCallback):
-            def on_train_begin(self, *a, **kw):
-                free_memory()
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                    timer.allocated_before = torch.cuda.memory_allocated()
-                    torch.cuda.reset_peak_memory_stats()
+        def peak_extra_gib(self) -> float | None:
+            if not torch.cuda.is_available():
+                return None
+            return (torch.cuda.max_memory_allocated() - self.allocated_before) / 2**30
 
-            def on_step_begin(self, *a, **kw):
-                timer._start = timer._mark()
+        def on_train_begin(self, *a, **kw):
+            free_memory()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+                self.allocated_before = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
 
-            def on_step_end(self, *a, **kw):
-                timer.events.append((timer._start, timer._mark()))
-                if after_step is not None:
-                    after_step()
+        def on_step_begin(self, *a, **kw):
+            self._start = mark()
 
-        return Callback()
+        def on_step_end(self, *a, **kw):
+            self.events.append((self._start, mark()))
+            if after_step is not None:
+                after_step()
+
+    return StepTimer()
 
 
 # Kernel kinds by name (the first that matches): NCCL's collectives, then the compute kinds.

@@ -30,13 +30,11 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from benchmarks import harness  # noqa: E402
+from benchmarks import harness, multigpu_scale  # noqa: E402
 from benchmarks.report import write_json, write_set  # noqa: E402
 
 STEPS, REAL_STEPS = 20, 30  # the tiny model's, a real shape's
 PER_DEVICE_BATCH, REAL_BATCH = 4, 2
-NUM_GENERATIONS = 2
-MAX_COMPLETION_LENGTH = 12
 BACKENDS = ("fsdp2", "zero3")
 # What --compare prints.
 SHOWN = ("trainer", "max_abs_grad_error", "max_rel_grad_error", "max_abs_curve_diff", "max_rel_curve_diff",
@@ -45,26 +43,17 @@ RUN_KEYS = ("distributed_type", "num_processes", "accumulate", "median_step_time
 # The tiny model's training arguments (chunkloss's trainers, eager chunk steps), and per trainer.
 TINY_CONFIG = dict(report_to="none", logging_steps=1, save_strategy="no", learning_rate=1e-3, seed=0,
                    dataloader_num_workers=0, chunk_compile=False)  # fmt: skip
-ONLINE = dict(num_generations=NUM_GENERATIONS, max_completion_length=MAX_COMPLETION_LENGTH, num_iterations=2)
-TINY_KIND_CONFIG = {
-    "dpo": dict(max_length=48),
-    "kto": dict(max_length=48),
-    "grpo": ONLINE,
-    "rloo": {**ONLINE, "beta": 0.0},
-}
+ONLINE = dict(num_generations=2, max_completion_length=12, num_iterations=2)
+SHORT = dict(max_length=48)
+TINY_KIND_CONFIG = {"dpo": SHORT, "kto": SHORT, "grpo": ONLINE, "rloo": {**ONLINE, "beta": 0.0}}
 # (RLOO with β > 0 loads its reference from the policy's path, which the tiny model has none of.)
 WARMUP_STEPS = 3  # step times before this are compilation and allocator warm-up, left out of the median
 
 
-def _is_deepspeed(trainer) -> bool:
-    return str(trainer.accelerator.distributed_type).endswith("DEEPSPEED")
-
-
 def _full_grad(param, deepspeed: bool, cpu: bool = True) -> torch.Tensor | None:
     """The full gradient of a parameter under ZeRO-3 (partitioned), FSDP2 (a DTensor) or one process, as an
-    fp32 copy on the CPU (``cpu``) or on the device.
-
-    Collective under ZeRO-3 and FSDP2: every rank calls it for every parameter, in the same order."""
+    fp32 copy on the CPU (``cpu``) or on the device. Collective under ZeRO-3 and FSDP2: every rank calls it
+    for every parameter, in the same order."""
     if deepspeed:
         from deepspeed.utils import safe_get_full_grad
 
@@ -80,40 +69,36 @@ def _full_grad(param, deepspeed: bool, cpu: bool = True) -> torch.Tensor | None:
 class GradTap:
     """After each optimizer step's backward and before clipping and the step: the gradient norms of the LM
     head and of the middle decoder layer (``norms``, one dict per step), and in the first step the full
-    gradients of the parameters whose names ``keep`` accepts (``grads``). Read when ``training_step`` returns
-    at the end of an accumulation (the Trainer clips later), and under DeepSpeed, whose engine clips and steps
-    inside ``accelerator.backward``, at the entry of the engine's ``step``."""
+    gradients (``grads``) of every parameter, or (``whole=False``) of the middle layer's. Read when
+    ``training_step`` returns at the end of an accumulation (the Trainer clips later), and under DeepSpeed,
+    whose engine clips and steps inside ``accelerator.backward``, at the entry of the engine's ``step``."""
 
-    def __init__(self, trainer, keep=lambda name: True):
-        self.trainer, self.keep = trainer, keep
+    def __init__(self, trainer, whole: bool = True):
+        self.trainer, self.whole = trainer, whole
+        self.deepspeed = str(trainer.accelerator.distributed_type).endswith("DEEPSPEED")
         self.grads: dict[str, torch.Tensor] | None = None
         self.norms: list[dict[str, float]] = []
         self._inner = trainer.training_step
         self._engine = None
         trainer.training_step = self._training_step
 
-    def _groups(self, named) -> dict[str, list]:
-        module = self.trainer.model
-        head = getattr(module, "module", module).get_output_embeddings().weight
-        middle = f"layers.{module.config.num_hidden_layers // 2}."
-        return {
-            "head": [p for _, p in named if p is head],
-            "middle_layer": [p for n, p in named if middle in n],
-        }
-
     def _read(self) -> None:
-        ds = _is_deepspeed(self.trainer)
-        named = [(n, p) for n, p in self.trainer.model.named_parameters() if p.requires_grad]
+        ds, model = self.deepspeed, self.trainer.model
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        head = getattr(model, "module", model).get_output_embeddings().weight
+        middle = [(n, p) for n, p in named if f"layers.{model.config.num_hidden_layers // 2}." in n]
         if self.grads is None:
-            self.grads = {n: g for n, p in named if self.keep(n) and (g := _full_grad(p, ds)) is not None}
+            kept = named if self.whole else middle
+            self.grads = {n: g for n, p in kept if (g := _full_grad(p, ds)) is not None}
         norms = {}
-        for group, params in self._groups(named).items():
+        groups = {"head": [p for _, p in named if p is head], "middle_layer": [p for _, p in middle]}
+        for group, params in groups.items():
             squares = [g.square().sum() for p in params if (g := _full_grad(p, ds, cpu=False)) is not None]
             norms[group] = float(torch.stack(squares).sum().sqrt()) if squares else None
         self.norms.append(norms)
 
     def _training_step(self, *args, **kwargs):
-        if self._engine is None and _is_deepspeed(self.trainer):
+        if self._engine is None and self.deepspeed:
             self._engine = self.trainer.accelerator.deepspeed_engine_wrapped.engine
             step = self._engine.step
 
@@ -123,7 +108,7 @@ class GradTap:
 
             self._engine.step = tapped_step
         loss = self._inner(*args, **kwargs)
-        if not _is_deepspeed(self.trainer) and self.trainer.accelerator.sync_gradients:
+        if not self.deepspeed and self.trainer.accelerator.sync_gradients:
             self._read()
         return loss
 
@@ -139,61 +124,47 @@ def _short_completion(trainer, seed: int) -> list[int]:
     return c
 
 
-def _trainer(kind: str, out: Path, steps: int, batch: int, bf16: bool, accumulate: int = 1):
-    """The tiny model's chunked trainer, ``accumulate`` micro-batches of ``batch`` per step."""
+def _trainer(a, batch: int, bf16: bool):
+    """``a.trainer``'s chunked trainer, ``a.accumulate`` micro-batches of ``batch`` per step: on the tiny
+    model (eager chunk steps), or on ``a.model``'s shape as ``benchmarks.multigpu_scale`` builds it (random
+    weights, bf16 on CUDA, the kernels on)."""
     from chunkloss.data import count_reward, tiny_dataset, tiny_model, tiny_tokenizer
 
     tok = tiny_tokenizer()
+    if a.model != "tiny":
+        model = multigpu_scale.build_model(a.model, tok, a.seq_len)
+        return multigpu_scale.build_trainer(
+            a, "chunked", model, tok, batch, rows=256, accumulate=a.accumulate
+        )
     torch.manual_seed(0)
     model = tiny_model(tok, hidden_size=64, num_layers=2)
-    Config, Trainer = harness.trainer_classes(kind, "chunkloss")
-    run = dict(output_dir=str(out / "trainer"), per_device_train_batch_size=batch, max_steps=steps, bf16=bf16)
-    args = Config(
-        **TINY_CONFIG, **run, gradient_accumulation_steps=accumulate, **TINY_KIND_CONFIG.get(kind, {})
-    )
-    data = tiny_dataset("grpo" if kind == "rloo" else kind, n=256)  # RLOO takes GRPO's prompts
+    Config, Trainer = harness.trainer_classes(a.trainer, "chunkloss")
+    run = dict(output_dir=str(a.out / "trainer"), per_device_train_batch_size=batch, max_steps=a.steps)
+    run.update(bf16=bf16, gradient_accumulation_steps=a.accumulate, **TINY_KIND_CONFIG.get(a.trainer, {}))
+    args = Config(**TINY_CONFIG, **run)
+    data = tiny_dataset("grpo" if a.trainer == "rloo" else a.trainer, n=256)  # RLOO takes GRPO's prompts
     kw = dict(train_dataset=data, processing_class=tok)
-    if kind in (
-        "dpo",
-        "kto",
-    ):  # the reference is given: TRL would load it from the policy's path, which has none
+    if a.trainer in ("dpo", "kto"):  # the reference is given: TRL would load it from the policy's path
         return Trainer(model, copy.deepcopy(model), args=args, **kw)
-    if kind in ("grpo", "rloo"):
+    if a.trainer in ("grpo", "rloo"):
         return harness.fixed_completions(Trainer, _short_completion)(model, count_reward, args, **kw)
     return Trainer(model, args, **kw)
-
-
-def _real_trainer(a, batch: int):
-    """The chunked trainer of ``a.model``'s shape, as ``benchmarks.multigpu_scale`` builds it (random weights,
-    bf16 on CUDA, the kernels on); ``a.accumulate`` micro-batches of ``batch`` per step."""
-    from benchmarks.multigpu_scale import build_model, build_trainer
-    from chunkloss.data import tiny_tokenizer
-
-    tok = tiny_tokenizer()
-    model = build_model(a.model, tok, a.seq_len)
-    return build_trainer(a, "chunked", model, tok, batch, rows=256, accumulate=a.accumulate)
 
 
 def run(a, batch: int) -> None:
     """Train ``a.trainer`` at per-process micro-batch ``batch``; rank 0 writes ``a.out``'s run.json (and
     grads_step1.pt)."""
     bf16 = torch.cuda.is_available()
-    out = a.out
-    harness.record_pid(out)
-    if a.model == "tiny":
-        tr, keep = _trainer(a.trainer, out, a.steps, batch, bf16, a.accumulate), lambda name: True
-    else:
-        tr = _real_trainer(a, batch)
-        middle = f"layers.{tr.model.config.num_hidden_layers // 2}."
-        keep = lambda name: middle in name  # noqa: E731 - the whole model's gradients would not fit
-    tap = GradTap(tr, keep)
-    clock = harness.StepTimer()
-    tr.add_callback(clock.callback())
+    harness.record_pid(a.out)
+    tr = _trainer(a, batch, bf16)
+    tap = GradTap(tr, whole=a.model == "tiny")  # at a real shape the whole model's gradients would not fit
+    clock = harness.step_timer()
+    tr.add_callback(clock)
     tr.train()
     memory = harness.peak_memory_gib(tr)
     if tr.accelerator.is_main_process:
         curve = [h["loss"] for h in tr.state.log_history if "loss" in h]
-        torch.save(tap.grads, out / "grads_step1.pt")
+        torch.save(tap.grads, a.out / "grads_step1.pt")
         timed = clock.times[WARMUP_STEPS:] or clock.times
         acc, logs, real = tr.accelerator, tr.state.log_history, a.model != "tiny"
         meta = dict(trainer=a.trainer, model=a.model, seq_len=a.seq_len if real else None)
@@ -204,10 +175,9 @@ def run(a, batch: int) -> None:
         median = statistics.median(timed) if timed else None
         meta.update(step_times_s=clock.times, median_step_time_s=median, peak_memory_gib=memory)
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-        meta.update(
-            device=device, nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"), torch=torch.__version__
-        )
-        write_json(out / "run.json", meta)
+        nvls = os.environ.get("NCCL_NVLS_ENABLE")
+        meta.update(device=device, nccl_nvls_enable=nvls, torch=torch.__version__)
+        write_json(a.out / "run.json", meta)
 
 
 def _rel_diff(got: list, ref: list) -> float | None:
@@ -282,10 +252,6 @@ def set_name(model: str) -> str:
     return "multigpu" if model == "tiny" else f"multigpu_{model}"
 
 
-def run_name(trainer: str, backend: str, model: str) -> str:
-    return f"{trainer}_{backend}" + ("" if model == "tiny" else f"_{model}")
-
-
 def real_setting(c: dict) -> str:
     """A real-shape comparison's setting, in words."""
     gc = "on" if c.get("gradient_checkpointing") else "off"
@@ -303,7 +269,7 @@ def summary(folder: Path, model: str = "tiny") -> dict:
     comparisons, notes = [], []
     for trainer in harness.MULTIGPU_TRAINERS:
         for backend in BACKENDS:
-            name = run_name(trainer, backend, model)
+            name = f"{trainer}_{backend}" + ("" if model == "tiny" else f"_{model}")
             f = folder / f"{name}.json"
             if not f.exists():
                 errs = (folder / f"{name}.error", folder / f"{backend}.error")
@@ -311,10 +277,8 @@ def summary(folder: Path, model: str = "tiny") -> dict:
                 why = harness.failure_reason(err.read_text()) if err else "no result"
                 notes.append(f"{trainer} / {backend}: {why}")
                 continue
-            r = json.loads(f.read_text())
-            comparisons.append(
-                {"trainer": trainer, "backend": backend, **{k: v for k, v in r.items() if k != "trainer"}}
-            )
+            r = json.loads(f.read_text())  # its trainer is ``trainer``
+            comparisons.append({"trainer": trainer, "backend": backend, **r})
             if r["missing_grads"] or r["extra_grads"]:
                 notes.append(f"{trainer} / {backend}: missing {r['missing_grads']}, extra {r['extra_grads']}")
     env = "" if model == "tiny" else f"CHUNKLOSS_MODEL={model} "
@@ -327,9 +291,9 @@ def summary(folder: Path, model: str = "tiny") -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from benchmarks.multigpu_scale import multigpu_parser
-
-    p = multigpu_parser(__doc__, model="tiny", out="run folder, or the json file with --compare")
+    p = multigpu_scale.multigpu_parser(
+        __doc__, model="tiny", out="run folder, or the json file with --compare"
+    )
     p.add_argument("--steps", type=int, help=f"default {STEPS}, a real shape {REAL_STEPS}")
     p.add_argument("--single", action="store_true", help="the reference: one process on the global batch")
     p.add_argument("--world", type=int, default=2, help="with --single: the multi-process world size")

@@ -44,13 +44,11 @@ from benchmarks.harness import make_trainer  # noqa: E402
 from benchmarks.report import fullest, write_json, write_set  # noqa: E402
 
 MODELS = {
-    "tiny": dict(family="qwen3", vocab=4096, hidden=64, inter=128, layers=2, heads=4, kv=2, head_dim=16,
-                 tied=True),
+    "tiny": {**harness.SHAPES["tiny"], "family": "qwen3"},
     "qwen3-4b": harness.SHAPES["qwen3-4b"],
     "llama3-8b": harness.SHAPES["llama-3.1-8b"],
 }  # fmt: skip
-IMPLS = ("chunked", "trl", "liger")
-HARNESS_IMPL = {"chunked": "chunkloss", "trl": "trl", "liger": "liger"}  # harness.make_trainer's names
+IMPLS = {"chunked": "chunkloss", "trl": "trl", "liger": "liger"}  # --impl -> harness.make_trainer's name
 DEFAULT_BATCHES = [1, 2, 4, 8, 16, 32, 64]
 SEED = 0
 RESULT, PROFILE = "multigpu_scale", "profile_multigpu"
@@ -80,20 +78,16 @@ def backend_name() -> str:
 
 def head_memory(model: str, weight_bytes: int = 2) -> dict:
     """What the chunked LM head holds on every rank for ``model``'s shape, in bytes and GiB: the gathered
-    (V, H) weight in the compute dtype, the fp32 weight-gradient accumulator (V·H·4 bytes), the weight-dtype
-    gradient handed to autograd, and the most rows one call may hold in a single chunk, which needs no
-    accumulator (a compiled step on CUDA without an extra head, as ``chunkloss.engine.plan.chunk_rows``
-    decides)."""
+    (V, H) weight, the fp32 weight-gradient accumulator, the weight-dtype gradient handed to autograd, and
+    the most rows one call may hold in a single chunk, which needs no accumulator (a compiled step on CUDA
+    without an extra head, as ``chunkloss.engine.plan.chunk_rows`` decides)."""
     from chunkloss.engine.options import default_chunk_size
 
     s = MODELS[model]
     v, h = s["vocab"], s["hidden"]
     out = {"vocab": v, "hidden": h, "tied": s["tied"], "weight_bytes": weight_bytes}
-    for key, per_entry in (
-        ("gathered_weight", weight_bytes),
-        ("fp32_accumulator", 4),
-        ("weight_grad", weight_bytes),
-    ):
+    entry_bytes = dict(gathered_weight=weight_bytes, fp32_accumulator=4, weight_grad=weight_bytes)
+    for key, per_entry in entry_bytes.items():
         out[f"{key}_bytes"] = v * h * per_entry
         out[f"{key}_gib"] = v * h * per_entry / 2**30
     out["one_chunk_max_rows"] = default_chunk_size(v, weight_bytes, v * h * 4 // 2**20, grad_in_place=True)
@@ -101,26 +95,22 @@ def head_memory(model: str, weight_bytes: int = 2) -> dict:
 
 
 def build_model(model: str, tokenizer, seq_len: int):
-    """``model``'s shape with random weights from ``SEED``, built directly on this rank's GPU in bf16 (no
-    host copy: a 4B model initialises on the GPU in seconds; without CUDA on the CPU in fp32)."""
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
-    s, dtype = MODELS[model], torch.bfloat16 if cuda else torch.float32
+    """``model``'s shape with random weights from ``SEED`` on this rank's GPU (``harness.random_model``)."""
     return harness.random_model(
-        s, device, dtype, SEED, tokenizer, max_position_embeddings=max(4096, 2 * seq_len)
+        MODELS[model], SEED, tokenizer, max_position_embeddings=max(4096, 2 * seq_len)
     )
 
 
 def build_trainer(a, impl: str, model, tokenizer, batch: int, rows: int, **options):
     """``a.trainer``'s trainer of ``impl`` (``IMPLS``) on ``model``: ``rows`` counting examples of
     ``a.seq_len`` tokens, ``a.steps`` steps at per-GPU ``batch``; ``options``: more of
-    ``harness.make_trainer``'s. DPO's and KTO's reference is the initial policy, given: TRL would load it
-    from the policy's path, which a random model lacks."""
+    ``harness.make_trainer``'s. DPO's and KTO's reference is the initial policy, given: TRL would load it from
+    the policy's path, which a random model lacks."""
     ds = harness.counting_dataset(a.trainer, rows, a.seq_len)
     ref = copy.deepcopy(model).requires_grad_(False) if a.trainer in ("dpo", "kto") else None
     run = dict(batch=batch, steps=a.steps, seq=a.seq_len, gc=a.gradient_checkpointing, ref=ref)
     return make_trainer(
-        a.trainer, HARNESS_IMPL[impl], model, tokenizer, ds, out_dir=str(a.out / "trainer"), **run, **options
+        a.trainer, IMPLS[impl], model, tokenizer, ds, out_dir=str(a.out / "trainer"), **run, **options
     )
 
 
@@ -147,19 +137,14 @@ class TokenCount:
         self._handle.remove()
 
 
-def _setting(a, world: int) -> dict:
+def _setting(a) -> dict:
+    """What a run is: the fields of ``setting.json``, the first of every batch's result."""
     cuda, chunked = torch.cuda.is_available(), a.impl == "chunked"
-    out = dict(
-        trainer=a.trainer, backend=backend_name(), impl=a.impl, model=a.model, seq_len=a.seq_len, world=world
-    )
-    out.update(
-        gradient_checkpointing=a.gradient_checkpointing, chunk_compile=chunked and a.chunk_compile and cuda
-    )
-    out.update(
-        kernels=chunked and a.kernels == "on" and harness.kernels_available(),
-        dtype="bfloat16" if cuda else "float32",
-    )
-    return {**out, "profile": a.profile}
+    out = dict(trainer=a.trainer, backend=backend_name(), impl=a.impl, model=a.model, seq_len=a.seq_len)
+    out.update(world=int(os.environ.get("WORLD_SIZE", "1")), gradient_checkpointing=a.gradient_checkpointing)
+    out.update(chunk_compile=chunked and a.chunk_compile and cuda)
+    kernels = chunked and a.kernels == "on" and harness.kernels_available()
+    return {**out, "kernels": kernels, "dtype": "bfloat16" if cuda else "float32", "profile": a.profile}
 
 
 def _train(batch: int, a, tokenizer, t0: float) -> dict:
@@ -171,23 +156,23 @@ def _train(batch: int, a, tokenizer, t0: float) -> dict:
     t1 = time.perf_counter()
     rows, options = max(2 * batch * world, 8), dict(kernels=a.kernels == "on", chunk_compile=a.chunk_compile)
     trainer = build_trainer(a, a.impl, model, tokenizer, batch, rows, **options)
-    timer, tokens = harness.StepTimer(), TokenCount(model)
-    trainer.add_callback(timer.callback(after_step=tokens.end_step))
+    tokens = TokenCount(model)
+    timer = harness.step_timer(after_step=tokens.end_step)
+    trainer.add_callback(timer)
     prof = harness.profile_steps(trainer, a.warmup) if a.profile else None
     t2 = time.perf_counter()
     trainer.train()
     t3 = time.perf_counter()
     tokens.remove()
-    timed = timer.times[a.warmup :] if len(timer.times) > a.warmup else timer.times
+    timed = timer.times[a.warmup :] or timer.times
     median = statistics.median(timed)
     parts = {} if prof is None else {"parts": harness.kernel_time(prof, sum(timed), len(timed))}
-    acc = trainer.accelerator
+    acc, n = trainer.accelerator, trainer.accelerator.num_processes
     # Collective (every rank calls both): the timed steps' tokens on all ranks, and peak memory per rank.
     skip = len(timer.times) - len(timed)
     mine = torch.tensor([float(sum(tokens.per_step[skip:])), float(len(timed))], device=acc.device)
     total = acc.gather(mine[None]).reshape(-1, 2).sum(0).tolist()
-    per_step = total[0] / max(total[1] / acc.num_processes, 1)
-    n = acc.num_processes
+    per_step = total[0] / max(total[1] / n, 1)
     out = dict(backend=backend_name(), distributed_type=str(acc.distributed_type), world=n)
     out.update(
         build_s=t1 - t0, setup_s=t2 - t1, train_s=t3 - t2, steps_s=sum(timer.times), step_times_s=timer.times
@@ -204,8 +189,7 @@ def run_batch(batch: int, a, tokenizer) -> dict:
     out of memory; peak memory and tokens gathered over ranks otherwise). The batch's model, optimizer and
     trainer are freed before it returns."""
     cuda = torch.cuda.is_available()
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    res = {**_setting(a, world), "batch": batch, "steps": a.steps, "warmup": a.warmup, "oom": False}
+    res = {**_setting(a), "batch": batch, "steps": a.steps, "warmup": a.warmup, "oom": False}
     if cuda:  # what earlier batches of this process left allocated (0 unless something of theirs lives on)
         res["allocated_before_gib"] = torch.cuda.memory_allocated() / 2**30
     t0 = time.perf_counter()
@@ -226,13 +210,6 @@ def run_batch(batch: int, a, tokenizer) -> dict:
     return res
 
 
-def _predict_s(prev: dict, batch: int, steps: int) -> float:
-    """Wall time at ``batch`` from the previous batch's run: its time outside the steps, plus its step time
-    scaled linearly in the batch (an overestimate while the GPU is not saturated) for ``steps`` steps."""
-    overhead = max(prev["wall_s"] - prev["steps_s"], 0.0)
-    return overhead + prev["median_step_time_s"] * batch / prev["batch"] * steps
-
-
 def _rank0_says(flag: bool) -> bool:
     """Rank 0's ``flag`` on every rank (a broadcast once the process group exists), so that all ranks take
     the same branch."""
@@ -246,7 +223,7 @@ def _rank0_says(flag: bool) -> bool:
     return bool(t.item())
 
 
-def sweep(a) -> list[dict]:
+def sweep(a) -> None:
     """Every batch of ``a.batch_sizes`` in turn until an OOM or the time budget; each result is written to
     ``a.out`` as soon as it is known, beside ``setting.json`` (what the run is)."""
     from chunkloss.data import tiny_tokenizer
@@ -255,28 +232,28 @@ def sweep(a) -> list[dict]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     harness.record_pid(a.out)
     if rank == 0:
-        write_json(a.out / "setting.json", {**_setting(a, world), "batch_sizes": a.batch_sizes})
+        write_json(a.out / "setting.json", {**_setting(a), "batch_sizes": a.batch_sizes})
     tokenizer = tiny_tokenizer()
-    st = harness.stamp(gpus=world)
-    results, prev = [], None
+    st, nvls = harness.stamp(gpus=world), os.environ.get("NCCL_NVLS_ENABLE")
+    prev = None
     for batch in a.batch_sizes:
         if a.time_budget_s and prev is not None:
             left = a.time_budget_s - (time.monotonic() - _T0)
-            need = _predict_s(prev, batch, a.steps)
+            # The previous batch's time outside the steps, plus its step time scaled linearly in the batch
+            # (an overestimate while the GPU is not saturated).
+            steps_s = prev["median_step_time_s"] * batch / prev["batch"] * a.steps
+            need = max(prev["wall_s"] - prev["steps_s"], 0.0) + steps_s
             if _rank0_says(need > left):
                 if rank == 0:
                     reason = f"time budget: {need:.0f} s predicted, {left:.0f} s left"
-                    skipped = {**_setting(a, world), "batch": batch, "skipped": reason}
+                    skipped = {**_setting(a), "batch": batch, "skipped": reason}
                     write_json(a.out / f"batch_{batch}.skipped.json", skipped)
                     print(f"[multigpu_scale] batch {batch}: skipped ({reason})", flush=True)
                 break
         if rank == 0:
             (a.out / f"batch_{batch}.started").write_text(f"{time.time():.0f}\n")
         r = run_batch(batch, a, tokenizer)
-        r["stamp"] = st
-        r["nccl_nvls_enable"] = os.environ.get("NCCL_NVLS_ENABLE")
-        r["head_memory"] = head_memory(a.model)
-        results.append(r)
+        r.update(stamp=st, nccl_nvls_enable=nvls, head_memory=head_memory(a.model))
         if r["oom"]:
             write_json(a.out / f"batch_{batch}.oom.rank{rank}.json", {**r, "rank": rank})
             print(f"[multigpu_scale] batch {batch}: out of memory on rank {rank}: {r['error']}", flush=True)
@@ -293,7 +270,6 @@ def sweep(a) -> list[dict]:
             speed = f"{r['median_step_time_s']:.3f} s/step, {r['tokens_per_s']:.0f} tokens/s"
             print(f"[multigpu_scale] batch {batch}: {speed}, peak GiB per rank {peaks}", flush=True)
         prev = r
-    return results
 
 
 def remaining(run_dir: Path, batches: list[int]) -> list[int]:
@@ -303,9 +279,7 @@ def remaining(run_dir: Path, batches: list[int]) -> list[int]:
     if any(run_dir.glob("batch_*.oom.rank*.json")) or any(run_dir.glob("batch_*.skipped.json")):
         return []
     rest = [b for b in batches if not (run_dir / f"batch_{b}.json").exists()]
-    if not rest or rest[0] == batches[0]:
-        return []
-    return rest
+    return [] if not rest or rest[0] == batches[0] else rest
 
 
 def _batch_of(path: Path) -> int:
@@ -318,7 +292,8 @@ def collect(folder: Path) -> tuple[list[dict], list[str]]:
     and notes on the failures, with the reason from the driver's ``<run>.error`` (the latest of a run's
     launches), and on launches that left no run folder."""
     runs, notes = [], []
-    for run_dir in sorted(p for p in folder.iterdir() if (p / "setting.json").exists()):
+    run_dirs = sorted(p for p in folder.iterdir() if (p / "setting.json").exists())
+    for run_dir in run_dirs:
         setting = json.loads((run_dir / "setting.json").read_text())
         setting.pop("batch_sizes", None)
         by_batch: dict[int, dict] = {}
@@ -340,8 +315,8 @@ def collect(folder: Path) -> tuple[list[dict], list[str]]:
                     why = harness.failure_reason(errors[-1].read_text())
                 by_batch[b] = {**setting, "batch": b, "status": "failed", "reason": why}
                 notes.append(f"{run_dir.name}, batch {b}: {why}")
-        runs += [{**by_batch[b], "run": run_dir.name} for b in sorted(by_batch)]
         for b in sorted(by_batch):
+            runs.append({**by_batch[b], "run": run_dir.name})
             left = by_batch[b].get("allocated_before_gib") or 0.0
             if left > LEFTOVER_GIB:
                 notes.append(
@@ -349,7 +324,7 @@ def collect(folder: Path) -> tuple[list[dict], list[str]]:
                     "earlier batches of its process (its peak memory counts them)"
                 )
     # Launches that left no run folder (a backend that does not import, a crash while starting).
-    seen = {p.name for p in folder.iterdir() if (p / "setting.json").exists()}
+    seen = {p.name for p in run_dirs}
     for err in sorted(folder.glob("*.error")):
         name = err.name.split(".")[0]
         if name not in seen:
@@ -376,21 +351,12 @@ def summary(folder: Path) -> dict:
     ok = [r for r in runs if r.get("stamp")]
     st = dict(ok[0]["stamp"]) if ok else harness.stamp()
     st["command"] = COMMAND
-    profiled = [r for r in runs if r.get("profile")]
-    if profiled:
+    if profiled := [profile_row(r) for r in runs if r.get("profile")]:
         prof_stamp = {**st, "command": f"CHUNKLOSS_PROFILE=1 {COMMAND}"}
-        write_set(
-            folder,
-            PROFILE,
-            {"stamp": prof_stamp, "mode": "profile", "rows": list(map(profile_row, profiled))},
-        )
+        write_set(folder, PROFILE, {"stamp": prof_stamp, "mode": "profile", "rows": profiled})
     rows = [{k: r[k] for k in SUMMARY_KEYS if k in r} for r in runs if not r.get("profile")]
-    models = sorted({r["model"] for r in rows if r.get("model") in MODELS})
-    data = {
-        "stamp": st,
-        "num_generations": harness.NUM_GENERATIONS,
-        "head_memory": {m: head_memory(m) for m in models},
-    }
+    memory = {m: head_memory(m) for m in sorted({r["model"] for r in rows if r.get("model") in MODELS})}
+    data = {"stamp": st, "num_generations": harness.NUM_GENERATIONS, "head_memory": memory}
     data.update(runs=rows, notes=notes)
     write_set(folder, RESULT, data)
     return data
@@ -417,7 +383,7 @@ def multigpu_parser(doc: str, model: str, out: str) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     p = multigpu_parser(__doc__, model="qwen3-4b", out="run folder")
-    p.add_argument("--impl", choices=IMPLS, default="chunked")
+    p.add_argument("--impl", choices=tuple(IMPLS), default="chunked")
     p.add_argument("--kernels", choices=("on", "off"), default="on", help="chunked: chunk_kernels")
     p.add_argument("--batch-sizes", type=_batches, default=DEFAULT_BATCHES, help="per-GPU, e.g. 1,2,4")
     p.add_argument("--steps", type=int, default=7, help="training steps per batch")

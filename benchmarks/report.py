@@ -10,8 +10,8 @@ a few extra columns. From them this writes ``<name>.md`` (every row, and per cas
 peer) and ``<name>.png`` (time and memory per case), then ``docs/benchmarks.md`` and the table of
 ``README.md`` between the ``<!-- PERF -->`` markers. Needs no GPU.
 
-``python -m benchmarks.report --merge OUT DIR...`` first merges the e2e, profile and floor json files that
-GPU runs wrote into ``DIR...`` into one set per name under ``OUT`` (rows of the same case and
+``python -m benchmarks.report --merge DIR...`` first merges the e2e, long-context, profile and floor json
+files that GPU runs wrote into ``DIR...`` into the sets under ``--results`` (rows of the same case and
 implementation: the newest wins).
 """
 
@@ -23,14 +23,15 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
+# The docs page's hand-written head: what the page is, and the command that produces each set.
+PAGE_HEAD = ROOT / "benchmarks" / "page_head.md"
 MARK = "<!-- PERF -->"
 GiB = 2**30
 MEMORY_LABEL = "peak extra memory (GiB)"
-MEMORY_MEANING = (
-    "the highest memory allocated during the step minus the memory allocated before it, not counting the "
-    "gradients the step returns"
+MEMORY_DEFINITION = (
+    "Peak extra memory: the highest memory allocated during the step minus the memory allocated before it, "
+    "not counting the gradients the step returns."
 )
-MEMORY_DEFINITION = f"Peak extra memory: {MEMORY_MEANING}."
 # Implementations that are chunkloss's (any other is a peer), by the prefix of their name.
 OURS = ("chunkloss", "chunked", "ours", "fused", "triton", "unfused", "norm_recompute", "cublas_swiglu")
 # The README's table: one representative case per loss, and the peers (TRL's two chunked paths as one column).
@@ -90,27 +91,6 @@ KINDS = {
 }  # fmt: skip
 
 
-RUNNING = [  # how to produce each set
-    "## Running the benchmarks", "",
-    "Each command fits a 10-minute call on one H100 (the end-to-end ones as a slice: one shape, task, "
-    "loss, length and checkpointing setting per call); `python -m benchmarks.report --merge DIR...` "
-    "gathers the end-to-end files into the sets and rewrites this page.", "", "```",
-    "python -m benchmarks.bench_losses                                 # losses",
-    "python -m benchmarks.bench_losses --only medusa --name medusa     # medusa",
-    "python -m benchmarks.bench_kernels                                # kernels",
-    "python -m benchmarks.bench_decoder                                # decoder, decoder_attn",
-    "python -m benchmarks.bench_e2e --shape llama-3.2-1b --task full --loss sft --seq 1024 --gc off \\",
-    "    --impl trl,liger,compile,chunkloss --batches 8,16 --out OUT/sft_full.json  # e2e_<task>_<loss>",
-    "python -m benchmarks.bench_e2e --profile --impl chunkloss --batches 16 --out OUT/profile.json",
-    "python -m benchmarks.bench_e2e --floor --batches 16 --out OUT/floor.json",
-    "python -m benchmarks.bench_longctx --shape llama-3.2-1b --task lora --out OUT/longctx.json",
-    "bash benchmarks/multigpu_run.sh OUT                               # multigpu (2 GPUs)",
-    "bash benchmarks/multigpu_scale.sh OUT                             # multigpu_scale (2 GPUs)",
-    "python -m benchmarks.report --merge OUT                          # into benchmarks/results",
-    "```",
-]  # fmt: skip
-
-
 def kind(name: str) -> str:
     """The benchmark of a result set: its name where that is a kind, else the part before the first ``_``."""
     return name if name in KINDS else name.split("_", 1)[0]
@@ -162,10 +142,6 @@ def longctx_summary(rows: list[dict]) -> dict:
     return out
 
 
-def _oom_or_error(r: dict) -> str | None:
-    return "OOM" if r.get("oom") else r.get("error")
-
-
 # A run's table rows, per benchmark kind (generators: a kernels run holds one row per implementation).
 def _losses_rows(r: dict):
     extra = dict(floor=r.get("floor_ms"), loss=r.get("loss"))
@@ -185,21 +161,24 @@ def _decoder_rows(r: dict):
     yield _row(r["case"], r["impl"], r.get("ms"), _gib(r.get("peak_bytes")), r.get("error"), **extra)
 
 
+def _training_row(case: str, r: dict, **extra) -> dict:
+    """A training run's row: its median step time (s), its peak memory (GiB), and OOM or its error."""
+    error = "OOM" if r.get("oom") else r.get("error")
+    return _row(case, r["impl"], r.get("step_time_s"), r.get("peak_mem_gib"), error, **extra)
+
+
 def _medusa_e2e_rows(r: dict):
     case = f"stage {r['stage']} K={r['heads']} b={r['batch']}"
-    time, memory, error = r.get("step_time_s"), r.get("peak_mem_gib"), "OOM" if r["oom"] else None
-    yield _row(case, r["impl"], time, memory, error, tokens_per_s=r.get("tokens_per_s"))
+    yield _training_row(case, r, tokens_per_s=r.get("tokens_per_s"))
 
 
 def _e2e_rows(r: dict):
-    time, memory, error = r.get("step_time_s"), r.get("peak_mem_gib"), _oom_or_error(r)
-    yield _row(e2e_case(r), r["impl"], time, memory, error, tokens_per_s=r.get("tokens_per_s"))
+    yield _training_row(e2e_case(r), r, tokens_per_s=r.get("tokens_per_s"))
 
 
 def _longctx_rows(r: dict):
     case = f"{r['shape']} {r['task']} {r['loss']} {r['tokens']} tok"
-    time, memory, error = r.get("step_time_s"), r.get("peak_mem_gib"), _oom_or_error(r)
-    yield _row(case, r["impl"], time, memory, error, host=r.get("host_peak_gib"))
+    yield _training_row(case, r, host=r.get("host_peak_gib"))
 
 
 def _parts_rows(r: dict):
@@ -248,9 +227,8 @@ def _parity_cells(c: dict) -> dict:
         if e:
             cells[f"{prefix}rel_grad_err"] = e["max_rel_grad_error"]
             cells[f"{prefix}rel_curve_diff"] = e["max_rel_curve_diff"]
-            cells.update(
-                {f"{prefix}rel_norm_diff_{g}": v for g, v in (e.get("max_rel_norm_diff") or {}).items()}
-            )
+            for g, v in (e.get("max_rel_norm_diff") or {}).items():
+                cells[f"{prefix}rel_norm_diff_{g}"] = v
     return cells
 
 
@@ -272,14 +250,11 @@ def against_best_peer(rows: list[dict]) -> list[dict]:
 
 
 def about(data: dict, meaning: str) -> str:
-    """A set's first line: the command that wrote it, its stamp and what it measures."""
-    return f"`{data['stamp'].get('command', '')}` ({stamp_line(data['stamp'])}). {meaning}"
-
-
-def stamp_line(stamp: dict) -> str:
-    """One line naming a result's date, GPU and library versions."""
-    versions = ", ".join(f"{k} {v}" for k, v in stamp.get("versions", {}).items() if v and v != "unknown")
-    return f"{stamp.get('gpu', 'unknown GPU')}, {stamp.get('date', 'unknown date')}; {versions}"
+    """A set's first line: the command that wrote it, the GPU, date and library versions, what it measures."""
+    st = data["stamp"]
+    versions = ", ".join(f"{k} {v}" for k, v in st.get("versions", {}).items() if v and v != "unknown")
+    where = f"{st.get('gpu', 'unknown GPU')}, {st.get('date', 'unknown date')}; {versions}"
+    return f"`{st.get('command', '')}` ({where}). {meaning}"
 
 
 def _num(v) -> str:
@@ -325,12 +300,8 @@ def set_md(name: str, data: dict) -> str:
         for impl, v in (data.get("summary") or {}).items()
     ]
     if growth:
-        lines += [
-            "",
-            "| implementation | GPU GiB per 1k tokens | longest run (tokens) |",
-            "|---|---|---|",
-            *growth,
-        ]
+        lines += ["", "| implementation | GPU GiB per 1k tokens | longest run (tokens) |", "|---|---|---|"]
+        lines += growth
     notes = data.get("notes") or []
     return "\n".join(lines + ([""] + [f"- {n}" for n in notes] if notes else [])) + "\n"
 
@@ -401,8 +372,7 @@ def merge(out: pathlib.Path, dirs: list[pathlib.Path]) -> list[str]:
                 merged[name] = json.loads(old.read_text()) if old.exists() else {"mode": mode, key: []}
             into = merged[name]
             into["stamp"] = data["stamp"]
-            case = r.get("case") or e2e_case(r)
-            same = (case, r["impl"])
+            same = (r.get("case") or e2e_case(r), r["impl"])
             into[key] = [o for o in into[key] if (o.get("case") or e2e_case(o), o["impl"]) != same]
             into[key].append(r)
     for name, data in merged.items():
@@ -431,30 +401,8 @@ def _loss_cell(r: dict | None) -> str:
     return f"{r['ms']:.1f} / {r['peak_extra_bytes'] / GiB:.2f}"
 
 
-def readme_block(losses: dict) -> list[str]:
-    return [
-        f"Forward + backward of the LM head and loss, bf16, Llama-3-8B head (4096 × 128256), one "
-        f"{losses['stamp']['gpu']} ({losses['stamp']['date']}). Each cell: milliseconds / {MEMORY_LABEL}, "
-        "lower is better; OOM: out of memory. " + MEMORY_DEFINITION + " Cases: N tokens; B sequences of T "
-        "tokens; pairs x tokens per sequence, with a reference model (+ref).",
-        "",
-        *peer_table(losses),
-        "",
-        "![losses](benchmarks/results/losses.png)",
-    ]
-
-
 def docs_page(sets: dict) -> str:
-    lines = [
-        "# Benchmarks",
-        "",
-        "Generated by `python -m benchmarks.report` from the result files in "
-        "`benchmarks/results/`; do not edit by hand. Each section names the command that measured it, "
-        "the GPU, the date and the library versions. Ratios: chunkloss over the fastest peer's time and "
-        "over the smallest peer memory in the same case (below 1: better).",
-        "",
-        *RUNNING,
-    ]
+    lines = [PAGE_HEAD.read_text().rstrip("\n")]
     for name in sorted(sets, key=lambda n: (list(KINDS).index(kind(n)), n)):
         data, (title, _, _, meaning) = sets[name], KINDS[kind(name)]
         summary = summary_table(records(name, data))
@@ -469,13 +417,21 @@ def docs_page(sets: dict) -> str:
 
 
 def update_readme(readme: pathlib.Path, losses: dict) -> None:
-    """Replace the text between the two ``<!-- PERF -->`` markers of ``readme`` (if it has them)."""
+    """Replace the text between the two ``<!-- PERF -->`` markers of ``readme`` (if it has them) by the
+    losses' table: chunkloss and its peers on one representative case per loss."""
     text = readme.read_text()
     if text.count(MARK) != 2:
         return
     head, _, rest = text.partition(MARK)
     _, _, tail = rest.partition(MARK)
-    readme.write_text(f"{head}{MARK}\n" + "\n".join(readme_block(losses)) + f"\n{MARK}{tail}")
+    intro = (
+        f"Forward + backward of the LM head and loss, bf16, Llama-3-8B head (4096 × 128256), one "
+        f"{losses['stamp']['gpu']} ({losses['stamp']['date']}). Each cell: milliseconds / {MEMORY_LABEL}, "
+        "lower is better; OOM: out of memory. " + MEMORY_DEFINITION + " Cases: N tokens; B sequences of T "
+        "tokens; pairs x tokens per sequence, with a reference model (+ref)."
+    )
+    block = [intro, "", *peer_table(losses), "", "![losses](benchmarks/results/losses.png)"]
+    readme.write_text(f"{head}{MARK}\n" + "\n".join(block) + f"\n{MARK}{tail}")
 
 
 def main(argv: list[str] | None = None) -> int:
