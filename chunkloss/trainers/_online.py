@@ -1,6 +1,6 @@
 """What the chunked online-RL trainers (GRPO, RLOO) share: the policy's forward through the chunked head on
-the completion positions (:func:`policy_forward`), the no-grad log-probs through a LoRA adapter on
-``lm_head`` (:class:`AdapterHeadLogps`), and TRL's cross-process metric reductions (:func:`global_mean`,
+the completion positions (:func:`policy_forward`), the no-grad log-probs through the chunked head
+(:class:`ChunkedScoring`), and TRL's cross-process metric reductions (:func:`global_mean`,
 :func:`gathered`)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from ._head import ChunkedHeadOutput, has_active_head_adapter, label_logps_head
 
 __all__ = [
     "MULTIMODAL",
-    "AdapterHeadLogps",
+    "ChunkedScoring",
     "gathered",
     "global_mean",
     "policy_forward",
@@ -97,13 +97,16 @@ def gathered(accelerator, value: torch.Tensor, reduce: Callable) -> torch.Tensor
     return reduce(accelerator.gather(value.reshape(1).float()))
 
 
-class AdapterHeadLogps:
-    """Mixin placed before the TRL trainer: its ``_get_per_token_logps_and_entropies``, except while a LoRA
-    adapter on ``lm_head`` is active. TRL's fused head reads ``lm_head.weight`` alone, so the no-grad
-    log-probs it scores (the old log-probs, a reference scored through a "ref" adapter) would leave the
-    adapter out. They come from the chunked head instead: per-token log-probs of the completion tokens, 0 on
-    padding, as TRL returns them. The policy's own are ``_compute_loss``'s. Needs ``self._chunk_losses``
-    (a dict)."""
+class ChunkedScoring:
+    """Mixin placed before the TRL trainer: the no-grad log-probs TRL scores with
+    ``_get_per_token_logps_and_entropies`` (the old log-probs; a reference scored through the policy with its
+    adapters off or a "ref" adapter) come from the chunked head when the model has it: per-token log-probs
+    of the completion tokens, 0 on padding, as TRL returns them, with no (rows, tokens, vocabulary) logits
+    (TRL's path holds them for ``batch_size`` rows at a time: 2.1 GB in bf16 for 8 completions of 1k tokens
+    at V = 128256, 77 GB at 32k tokens and V = 151936). A LoRA adapter on ``lm_head`` needs this path: TRL's
+    reads ``lm_head.weight`` alone. Entropies and multimodal inputs keep TRL's path (refused with a head
+    adapter), and so does a model without the chunked head (a separate reference model). The policy's own
+    log-probs are ``_compute_loss``'s. Needs ``self._chunk_losses`` (a dict)."""
 
     def _get_per_token_logps_and_entropies(
         self,
@@ -117,7 +120,14 @@ class AdapterHeadLogps:
         **multimodal,
     ):
         base = peft_base(self.accelerator.unwrap_model(model))
-        if not getattr(base, "_chunkloss_head", False) or not has_active_head_adapter(base):
+        beyond = compute_entropy or any(v is not None for v in multimodal.values())
+        if beyond and has_active_head_adapter(base):
+            refuse(
+                type(self).__name__,
+                "entropies or multimodal inputs through a LoRA adapter on lm_head",
+                "the chunked head scores text log-probs only",
+            )
+        if beyond or not getattr(base, "_chunkloss_head", False):
             return super()._get_per_token_logps_and_entropies(
                 model,
                 input_ids,
@@ -127,12 +137,6 @@ class AdapterHeadLogps:
                 compute_entropy,
                 compute_aux_loss,
                 **multimodal,
-            )
-        if compute_entropy or any(v is not None for v in multimodal.values()):
-            refuse(
-                type(self).__name__,
-                "entropies or multimodal inputs through a LoRA adapter on lm_head",
-                "the chunked head scores text log-probs only",
             )
         k = logits_to_keep
         key = ("logps", float(self.temperature))

@@ -24,7 +24,7 @@ from ._arguments import ChunkedArguments
 from ._checkpointing import CheckpointingDefault
 from ._common import refuse
 from ._metrics import DeferredMetrics
-from ._online import AdapterHeadLogps, gathered, global_mean, policy_forward
+from ._online import ChunkedScoring, gathered, global_mean, policy_forward
 from ._setup import ChunkedTrainerSetup
 
 __all__ = ["ChunkedGRPOConfig", "ChunkedGRPOTrainer"]
@@ -36,7 +36,7 @@ class ChunkedGRPOConfig(CheckpointingDefault, GRPOConfig, ChunkedArguments):
     TRL's activation checkpointing default (on) under transformers' name (:class:`CheckpointingDefault`)."""
 
 
-class ChunkedGRPOTrainer(ChunkedTrainerSetup, DeferredMetrics, AdapterHeadLogps, GRPOTrainer):
+class ChunkedGRPOTrainer(ChunkedTrainerSetup, DeferredMetrics, ChunkedScoring, GRPOTrainer):
     """``trl.GRPOTrainer`` whose policy loss never materialises the logits.
 
     The model's final logit softcapping (Gemma-2) and logit scale (Cohere) are applied by the loss, as TRL's

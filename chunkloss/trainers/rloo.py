@@ -22,7 +22,7 @@ from chunkloss.losses.rloo import FusedLinearRLOOLoss
 from ._arguments import ChunkedArguments
 from ._checkpointing import CheckpointingDefault
 from ._metrics import DeferredMetrics
-from ._online import AdapterHeadLogps, gathered, global_mean, policy_forward, refuse_image_columns
+from ._online import ChunkedScoring, gathered, global_mean, policy_forward, refuse_image_columns
 from ._setup import ChunkedTrainerSetup
 
 __all__ = ["ChunkedRLOOConfig", "ChunkedRLOOTrainer"]
@@ -34,7 +34,7 @@ class ChunkedRLOOConfig(CheckpointingDefault, RLOOConfig, ChunkedArguments):
     TRL's activation checkpointing default (on) under transformers' name (:class:`CheckpointingDefault`)."""
 
 
-class ChunkedRLOOTrainer(ChunkedTrainerSetup, DeferredMetrics, AdapterHeadLogps, RLOOTrainer):
+class ChunkedRLOOTrainer(ChunkedTrainerSetup, DeferredMetrics, ChunkedScoring, RLOOTrainer):
     """``trl.RLOOTrainer`` whose policy loss never materialises the logits.
 
     The model's final logit softcapping (Gemma-2) and logit scale (Cohere) are applied by the loss, as TRL's
