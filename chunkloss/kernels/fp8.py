@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from .frozen import FrozenWeight
 
@@ -276,3 +277,75 @@ def fp8_linear(x: torch.Tensor, weight: Float8Weight, bias: torch.Tensor | None 
     if not isinstance(weight, Float8Weight):
         raise TypeError(f"fp8_linear: weight must be a Float8Weight, got {type(weight).__name__}")
     return lora_linear(x, weight, bias)
+
+
+class Float8Linear(nn.Module):
+    """``nn.Linear``'s forward on a frozen float8 weight: ``fp8_linear(x, W, bias)``, in ``x``'s dtype (the
+    autocast dtype under autocast).
+
+    Storage: ``weight_fp8`` (out, in) holds the e4m3 bytes and ``weight_scale`` (out, 4) the bytes of the fp32
+    row scales, both as ``uint8`` buffers: one byte per weight and nothing else, where keeping a ``weight``
+    Parameter beside them would keep the 16-bit copy alive. Bytes, not float tensors, so that a dtype cast of
+    the model (``model.to(torch.bfloat16)``, ``.half()``) passes them by instead of turning the e4m3 values
+    into bf16 numbers without their scales, and loading a 16-bit checkpoint into the module fails on its
+    keys instead of copying 16-bit values into e4m3 unscaled. PEFT's ``save_pretrained`` writes the adapters
+    only, whatever the base layers hold. There is no ``weight``: what needs a dense weight (merging an adapter
+    into the base) is refused by an ``AttributeError`` that says so; :meth:`dequantize` returns the weight as
+    the GEMMs see it.
+
+    Args:
+        in_features, out_features: the sizes of ``nn.Linear``.
+        bias: a bias Parameter (out,) or None, kept as the linear layer had it.
+        dtype: the dtype the weight was quantised from (what :meth:`dequantize` returns).
+        device: where the buffers live.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.in_features, self.out_features, self.dtype = in_features, out_features, dtype
+        self.register_buffer(
+            "weight_fp8", torch.zeros(out_features, in_features, dtype=torch.uint8, device=device)
+        )
+        self.register_buffer("weight_scale", torch.zeros(out_features, 4, dtype=torch.uint8, device=device))
+        self.bias = bias
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Float8Linear:
+        """The layer with ``linear``'s weight quantised (its bias kept); the weight must not require grad."""
+        weight = linear.weight
+        if weight.requires_grad:
+            raise ValueError("Float8Linear: the weight requires grad; only a frozen base is stored in fp8")
+        fw = Float8Weight.quantize(weight.detach())
+        layer = cls(linear.in_features, linear.out_features, linear.bias, weight.dtype, weight.device)
+        layer.weight_fp8.copy_(fw.data.view(torch.uint8))
+        layer.weight_scale.copy_(fw.scale.view(torch.uint8))
+        return layer
+
+    def frozen_weight(self, dtype: torch.dtype | None = None) -> Float8Weight:
+        """The weight for the kernels, computing in ``dtype`` (default: the dtype it was quantised from)."""
+        scale = self.weight_scale.view(torch.float32)  # (out, 1)
+        return Float8Weight(self.weight_fp8.view(FP8), scale, dtype or self.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight (out, in) as the GEMMs see it, ``scale ⊙ e4m3`` in the original dtype."""
+        return self.frozen_weight().dequantize()
+
+    def __getattr__(self, name: str):
+        if name == "weight":
+            raise AttributeError(
+                "Float8Linear keeps its frozen weight in float8 (weight_fp8, weight_scale) and has no dense "
+                "'weight'; what needs one (merging a LoRA adapter) is not supported on an fp8 base; "
+                "dequantize() returns the weight as its GEMMs see it"
+            )
+        return super().__getattr__(name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return fp8_linear(x.to(dtype), self.frozen_weight(dtype), bias)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        )

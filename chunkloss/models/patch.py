@@ -61,7 +61,7 @@ from .layers import (
     SandwichLayer,
     SlidingWindowAttention,
 )
-from .lora import on_4bit_base, why_not_fused
+from .lora import on_4bit_base, on_fp8_base, why_not_fused
 
 logger = logging.getLogger("chunkloss.models")
 
@@ -249,7 +249,8 @@ def _summary(model: nn.Module, fused: Counter) -> tuple[str, bool]:
         if leaf in _PROJECTIONS:
             why, tuner = why_not_fused(module, dtype), _peft_tuner(module)
             if why is None and tuner == "lora":
-                fused["QLoRA projections (4-bit base)" if on_4bit_base(module) else "LoRA projections"] += 1
+                kind = "QLoRA projections (4-bit base)" if on_4bit_base(module) else "LoRA projections"
+                fused["LoRA projections (fp8 base)" if on_fp8_base(module) else kind] += 1
             elif why is not None:
                 reasons[f"{leaf} ({f'{tuner} ' if tuner and tuner != 'lora' else ''}{why})"] += 1
         elif leaf in ("embed_tokens", "lm_head") and _peft_tuner(module):
