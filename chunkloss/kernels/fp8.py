@@ -25,6 +25,10 @@ Where ``_scaled_mm`` cannot take the shapes or dtype (:func:`scaled_mm_refusal`:
 not multiples of 16, or an fp32/fp64 output; on CPU, an fp64 output), the same quantised operands are
 dequantised and multiplied in fp32: the same values, the GEMM's speed not fp8's.
 
+``torch._scaled_mm`` is a private torch op (torchao's float8 training calls it too). It is called here
+directly, not through ``chunkloss._compat``, because this package imports nothing from the rest of
+chunkloss; ``tests/kernels/test_fp8.py`` checks first that this build takes it with row-wise scales.
+
 A group of weights read by one input (q, k and v) joins as one :class:`Float8Weight`
 (:meth:`Float8Weight.cat`: the data and the scales concatenated along the output dimension), so one GEMM
 serves the group each way, and its input gradient is quantised with one scale per row over all the group's
@@ -50,7 +54,7 @@ def fp8_refusal(device: torch.device | str) -> str | None:
     """Why float8 weights cannot run on ``device`` with this build, or None when they can."""
     device = torch.device(device)
     if FP8 is None or not hasattr(torch, "_scaled_mm"):
-        return f"this torch {torch.__version__} has no float8_e4m3fn or torch._scaled_mm"
+        return f"this torch {torch.__version__} has no float8_e4m3fn dtype or fp8 scaled matmul"
     if device.type == "cuda":
         capability = torch.cuda.get_device_capability(device)
         if capability < MIN_CUDA_CAPABILITY:
