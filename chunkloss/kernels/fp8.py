@@ -37,6 +37,8 @@ columns.
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +46,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .frozen import FrozenWeight
+
+_log = logging.getLogger("chunkloss.kernels")
 
 FP8 = getattr(torch, "float8_e4m3fn", None)
 FP8_MAX = 448.0  # e4m3fn's largest finite value
@@ -100,14 +104,23 @@ def _dequantize(tq: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> to
     return (tq.float() * scale).to(dtype)
 
 
+@functools.lru_cache(maxsize=64)
+def _log_fallback(reason: str) -> None:
+    """One warning per reason: the GEMM runs at the speed of a 16-bit one, not fp8's."""
+    _log.warning("fp8 base: %s; its GEMM runs on the dequantised operands in fp32 (same values)", reason)
+
+
 def _scaled_mm(aq, scale_a, bq, scale_b, bias, dtype: torch.dtype) -> torch.Tensor:
     """``(scale_a ⊙ aq)·(bq ⊙ scale_b) + bias`` in ``dtype``: ``torch._scaled_mm`` where it takes the
-    operands, else the dequantised operands multiplied in fp32 (see :func:`scaled_mm_refusal`)."""
+    operands, else the dequantised operands multiplied in fp32 (see :func:`scaled_mm_refusal`), with one
+    warning per reason on the ``chunkloss.kernels`` logger."""
     k, n = bq.shape
-    if scaled_mm_refusal(aq.device, k, n, dtype) is None:
+    why = scaled_mm_refusal(aq.device, k, n, dtype)
+    if why is None:
         bq = bq.t().contiguous().t()  # column-major, as cuBLASLt's fp8 GEMM takes its second operand
         bias = None if bias is None else bias.to(dtype)
         return torch._scaled_mm(aq, bq, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=dtype)
+    _log_fallback(why)
     y = (aq.float() * scale_a) @ (bq.float() * scale_b)
     if bias is not None:
         y += bias.float()
@@ -216,6 +229,9 @@ class Float8Weight(FrozenWeight):
         return cls(
             torch.cat([w.data for w in weights]), torch.cat([w.scale for w in weights]), weights[0].dtype
         )
+
+    def __repr__(self) -> str:
+        return f"Float8Weight(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})"
 
     def dequantize(self) -> torch.Tensor:
         """``scale ⊙ data`` (out, in) in ``dtype``."""

@@ -18,7 +18,8 @@ name):
   ``mlp_recompute=True`` the input only (the backward replays the gate and up GEMMs);
 * a q/k/v, o, gate, up or down projection that is a PEFT LoRA layer with one active plain adapter runs inside
   those fused calls with its adapter (:mod:`chunkloss.models.lora`) where the LoRA kernels are installed; over
-  a bitsandbytes 4-bit base (QLoRA) too, its weight dequantised for each GEMM and never saved;
+  a bitsandbytes 4-bit base (QLoRA) too, its weight dequantised for each GEMM and never saved; over an fp8
+  base (:func:`~chunkloss.models.fp8.quantize_base_fp8`) with the base's GEMMs in fp8;
 * the causal-LM forward, when called with ``labels``, feeds the final hidden states straight into
   ``chunkloss.FusedLinearCrossEntropyLoss``: the (tokens x vocab) logits are never materialised and the
   output's ``logits`` is ``None``. Without labels the model's own forward runs and returns logits as usual.

@@ -222,17 +222,22 @@ def test_fp8_base_is_kept_not_copied():
     assert saved_fp8 == saved, (saved_fp8, saved)
 
 
-def test_fallback_gemm_equals_scaled_mm(monkeypatch):
+def test_fallback_gemm_equals_scaled_mm(monkeypatch, caplog):
     """Where ``_scaled_mm`` cannot take the operands, the dequantised fp32 GEMM gives the same values (both
-    accumulate the same products in fp32)."""
+    accumulate the same products in fp32), and says so once."""
     g = torch.Generator().manual_seed(3)
     w = Float8Weight.quantize(torch.randn(24, 40, generator=g).bfloat16())
     x = torch.randn(9, 40, generator=g).bfloat16().requires_grad_()
     y = fp8_linear(x, w)
     (dx,) = torch.autograd.grad(y, x, torch.ones_like(y))
     monkeypatch.setattr(fp8_module, "scaled_mm_refusal", lambda *a: "refused here")
-    y2 = fp8_linear(x, w)
-    (dx2,) = torch.autograd.grad(y2, x, torch.ones_like(y2))
+    with caplog.at_level("WARNING", logger="chunkloss.kernels"):
+        y2 = fp8_linear(x, w)
+        (dx2,) = torch.autograd.grad(y2, x, torch.ones_like(y2))
+    lines = [r.getMessage() for r in caplog.records if r.name == "chunkloss.kernels"]
+    assert lines == [
+        "fp8 base: refused here; its GEMM runs on the dequantised operands in fp32 (same values)"
+    ]
     assert_close_to_ref(y2, y, name="y", atol=4e-3)  # one bf16 rounding (2^-8 relative) apart at most
     assert_close_to_ref(dx2, dx, name="dx", atol=4e-3)
 
