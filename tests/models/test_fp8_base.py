@@ -97,3 +97,21 @@ def test_quantize_base_fp8_refusals():
     model.base_model.model.model.layers[0].mlp.up_proj.base_layer.weight.requires_grad_(True)
     with pytest.raises(ValueError, match="up_proj's base weight requires grad"):
         quantize_base_fp8(model)
+
+
+def test_fp8_base_of_another_dtype_runs_its_own_forward(caplog):
+    """Bases quantised from bf16 in a model cast to fp32 afterwards: the fused calls compute in the bf16 the
+    weights were quantised from, so each such projection runs PEFT's forward through its Float8Linear (fp8
+    products in fp32), named in patch's log line; the loss and adapter gradients come out fp32 and finite."""
+    model = lora_model("llama").bfloat16()
+    quantize_base_fp8(model)
+    model.float()
+    with caplog.at_level(logging.INFO, logger="chunkloss.models"):
+        patch(model, loss_options={"compile": False})
+    assert "fp8 base quantised from torch.bfloat16 on a torch.float32 model" in caplog.text, caplog.text
+    loss, grads = loss_and_grads(
+        model, torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
+    )
+    assert loss.dtype == torch.float32 and loss.isfinite()
+    assert grads and all(g.dtype == torch.float32 and g.isfinite().all() for g in grads.values())
+    assert "LoraLinearFunctionBackward" in grad_fn_counts(loss)  # Float8Linear's own fp8_linear call
