@@ -88,7 +88,7 @@ def apply_chunk_kernels(trainer) -> None:
       the type is not supported, the parameters are not on CUDA (without ``TRITON_INTERPRET=1``),
       ``use_liger_kernel`` is on too (Liger patches the same modules) or ``torch_compile`` is on.
 
-    With ``chunk_fp8='base'`` the patched model's PEFT LoRA bases are then stored in fp8
+    With ``chunk_fp8='base'`` the model's PEFT LoRA bases are first stored in fp8
     (:func:`chunkloss.models.quantize_base_fp8`); refused (``ValueError`` naming ``chunk_fp8``) without the
     kernels, without a PEFT LoRA model, on a device without fp8 GEMMs, and for ``'train'``.
 
@@ -156,14 +156,14 @@ def apply_chunk_kernels(trainer) -> None:
             why[1],
         )
         return
+    if fp8 is not None:  # before patching: its log line then counts the fp8 bases
+        from chunkloss.models import quantize_base_fp8
+
+        quantize_base_fp8(model)
     try:
         patch(model, loss=False, **options)
     except ValueError as e:  # e.g. a model class outside its family's modeling module
         refuse(name, "chunk_kernels on this model", str(e))
-    if fp8 is not None:
-        from chunkloss.models import quantize_base_fp8
-
-        quantize_base_fp8(model)
     kept = []
     for attr in ("ref_model", "teacher_model"):
         other = getattr(trainer, attr, None)
