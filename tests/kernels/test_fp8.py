@@ -37,17 +37,28 @@ from tests.tolerances import assert_close_to_ref, err
 DTYPES, DTYPE_IDS = lora.DTYPES, lora.DTYPE_IDS
 
 
+def _randn(*size, gen):
+    """Normal samples from a CPU generator, on the default device (CUDA where tests/kernels/conftest.py sets
+    it)."""
+    return torch.randn(*size, generator=gen, device="cpu").to(torch.get_default_device())
+
+
 def test_scaled_mm_takes_row_wise_scales_on_this_build():
-    """What the kernels rely on: ``torch._scaled_mm`` with (M, 1) and (1, N) fp32 scales on e4m3 operands,
-    bf16 and fp32 outputs, odd shapes (the CPU build), a bias; it equals the dequantised product."""
+    """What the kernels rely on: ``torch._scaled_mm`` with (M, 1) and (1, N) fp32 scales on e4m3 operands and
+    a bias, bf16 output (fp32 and odd sizes too off CUDA, where the CPU build takes them); it equals the
+    dequantised product."""
     g = torch.Generator().manual_seed(0)
-    a, b = torch.randn(5, 31, generator=g), torch.randn(23, 31, generator=g)
-    (aq, sa), (bq, sb) = quantize_rows(a), quantize_rows(b)
-    bias = torch.randn(23, generator=g)
-    exact = (aq.double() * sa.double()) @ (bq.double() * sb.double()).t() + bias.double()
-    for dtype, atol in ((torch.float32, 1e-6), (torch.bfloat16, 8e-3)):
+    cuda = torch.get_default_device().type == "cuda"
+    cases = [(16, 32, 48, torch.bfloat16)]
+    if not cuda:
+        cases += [(16, 32, 48, torch.float32), (5, 31, 23, torch.bfloat16), (5, 31, 23, torch.float32)]
+    for m, k, n, dtype in cases:
+        a, b, bias = _randn(m, k, gen=g), _randn(n, k, gen=g), _randn(n, gen=g)
+        (aq, sa), (bq, sb) = quantize_rows(a), quantize_rows(b)
+        exact = (aq.double() * sa.double()) @ (bq.double() * sb.double()).t() + bias.double()
         y = torch._scaled_mm(aq, bq.t(), scale_a=sa, scale_b=sb.t(), bias=bias.to(dtype), out_dtype=dtype)
-        assert y.dtype == dtype and err(y, exact) <= atol, (dtype, err(y, exact))
+        atol = 1e-6 if dtype == torch.float32 else 8e-3  # fp32 accumulation; one bf16 rounding
+        assert y.dtype == dtype and err(y, exact) <= atol, (m, k, n, dtype, err(y, exact))
 
 
 def test_quantize_rows_by_hand():
@@ -66,7 +77,7 @@ def test_quantize_rows_by_hand():
 def test_float8_weight_storage_and_join():
     """One byte per weight and one fp32 scale per row; ``cat`` joins data and scales along the rows."""
     g = torch.Generator().manual_seed(1)
-    w1, w2 = torch.randn(8, 16, generator=g), torch.randn(4, 16, generator=g) * 5
+    w1, w2 = _randn(8, 16, gen=g), _randn(4, 16, gen=g) * 5
     f1, f2 = Float8Weight.quantize(w1.bfloat16()), Float8Weight.quantize(w2.bfloat16())
     assert f1.data.element_size() == 1 and f1.dtype == torch.bfloat16 and f1.shape == (8, 16)
     joined = Float8Weight.cat([f1, f2])
@@ -91,7 +102,8 @@ def _with_fp8(fn, stored: dict):
 def check_fp8(ours, ref, base, adapters, dtypes, trainable, fp8_names, **kw):
     """Outputs and every gradient of ``ours`` against ``ref`` in fp64, the base weights ``fp8_names`` as one
     Float8Weight each; the reference run in ``dtypes`` sets the bar (module docstring)."""
-    stored = {k: Float8Weight.quantize(base[k]) for k in fp8_names}  # the base, quantised once
+    device = torch.get_default_device()
+    stored = {k: Float8Weight.quantize(base[k].to(device)) for k in fp8_names}  # the base, quantised once
     ours, ref = _with_fp8(ours, stored), _with_fp8(ref, stored)
     probe, _ = run(ref, base, adapters, (torch.float64, torch.float64), None, (), **kw)
     g = torch.Generator().manual_seed(1)
@@ -125,9 +137,9 @@ def test_fp8_linear_matches_its_reference(dtype, bias, shape):
     """``fp8_linear`` (3-D input, odd and multiple-of-16 sizes, one token, bias on/off): output, dx, dbias."""
     b, t, in_f, out_f = shape
     g = torch.Generator().manual_seed(2)
-    base = {"x": torch.randn(b, t, in_f, generator=g), "weight": torch.randn(out_f, in_f, generator=g)}
+    base = {"x": _randn(b, t, in_f, gen=g), "weight": _randn(out_f, in_f, gen=g)}
     if bias:
-        base["bias"] = torch.randn(out_f, generator=g) * 0.3
+        base["bias"] = _randn(out_f, gen=g) * 0.3
 
     def ours(x, weight, bias=None):
         return fp8_linear(x, weight, bias)
@@ -213,9 +225,13 @@ def test_fp8_base_is_kept_not_copied():
     those saved for the same call on a frozen bf16 Parameter."""
     base, adapters = lora.mlp_case(*lora.MLP_CASES[0][:5], 0.0)
     names = ("w_gate", "w_up", "w_down")
-    x = base["x"].bfloat16().requires_grad_()
-    ads = tuple(lora.LoraAdapter(a.bfloat16().requires_grad_(), b.bfloat16(), s) for a, b, s, _ in adapters)
-    plain = [torch.nn.Parameter(base[k].bfloat16(), requires_grad=False) for k in names]
+    device = torch.get_default_device()
+    x = base["x"].to(device, torch.bfloat16).requires_grad_()
+    ads = tuple(
+        lora.LoraAdapter(a.to(device, torch.bfloat16).requires_grad_(), b.to(device, torch.bfloat16), s)
+        for a, b, s, _ in adapters
+    )
+    plain = [torch.nn.Parameter(base[k].to(device, torch.bfloat16), requires_grad=False) for k in names]
     fp8 = [Float8Weight.quantize(w.detach()) for w in plain]
     saved = lora.saved_bytes(lambda: gated_mlp(x, *plain, adapters=ads, recompute=True).sum().backward())
     saved_fp8 = lora.saved_bytes(lambda: gated_mlp(x, *fp8, adapters=ads, recompute=True).sum().backward())
@@ -226,8 +242,8 @@ def test_fallback_gemm_equals_scaled_mm(monkeypatch, caplog):
     """Where ``_scaled_mm`` cannot take the operands, the dequantised fp32 GEMM gives the same values (both
     accumulate the same products in fp32), and says so once."""
     g = torch.Generator().manual_seed(3)
-    w = Float8Weight.quantize(torch.randn(24, 40, generator=g).bfloat16())
-    x = torch.randn(9, 40, generator=g).bfloat16().requires_grad_()
+    w = Float8Weight.quantize(_randn(32, 48, gen=g).bfloat16())  # sides of 16s: _scaled_mm on CUDA too
+    x = _randn(9, 48, gen=g).bfloat16().requires_grad_()
     y = fp8_linear(x, w)
     (dx,) = torch.autograd.grad(y, x, torch.ones_like(y))
     monkeypatch.setattr(fp8_module, "scaled_mm_refusal", lambda *a: "refused here")
@@ -310,13 +326,13 @@ def _accuracy_case(fn: str):
     """x (64, in), the fp32 weights, the fused call and its fp64 reference on unquantised weights."""
     g = torch.Generator().manual_seed(5)
     if fn == "lora_linear":
-        x = torch.randn(64, 256, generator=g)
-        weights = [torch.randn(192, 256, generator=g) * 256**-0.5]
+        x = _randn(64, 256, gen=g)
+        weights = [_randn(192, 256, gen=g) * 256**-0.5]
         return x, weights, lora_linear, torch.nn.functional.linear
     hidden, inter = 128, 352
-    x = torch.randn(64, hidden, generator=g)
-    weights = [torch.randn(inter, hidden, generator=g) * hidden**-0.5 for _ in range(2)]
-    weights.append(torch.randn(hidden, inter, generator=g) * inter**-0.5)
+    x = _randn(64, hidden, gen=g)
+    weights = [_randn(inter, hidden, gen=g) * hidden**-0.5 for _ in range(2)]
+    weights.append(_randn(hidden, inter, gen=g) * inter**-0.5)
     return x, weights, gated_mlp, gated_mlp_ref
 
 
@@ -345,7 +361,7 @@ def test_fp8_accuracy_against_the_unquantised_layer(fn):
     into the down projection, which rounds its input and weight again: 0.064 to 0.067. The bf16 layer itself
     is within 0.01 of fp64 here."""
     x, weights, ours, ref = _accuracy_case(fn)
-    dy = torch.randn(64, weights[-1].shape[0], generator=torch.Generator().manual_seed(6))
+    dy = _randn(64, weights[-1].shape[0], gen=torch.Generator().manual_seed(6))
     y64, dx64 = _output_and_dx(ref, x, [w.double() for w in weights], dy.double())
     y16, dx16 = _output_and_dx(ours, x, [w.bfloat16() for w in weights], dy.bfloat16())
     y8, dx8 = _output_and_dx(ours, x, [Float8Weight.quantize(w.bfloat16()) for w in weights], dy.bfloat16())
