@@ -7,8 +7,9 @@ patches it; ``CHUNKLOSS_UNSLOTH_SITE=DIR``, a ``pip install --target DIR`` of th
 pins, leads that process's ``PYTHONPATH``). Losses (``--loss``): ``harness.LOSSES`` as
 ``harness.make_trainer`` sets them up (Medusa: ``--medusa-heads``, ``--medusa-stage``; its peer, ``--impl
 trl``, is Medusa's own loss on materialised fp32 logits). Tasks (``--task``): ``full``, ``lora`` (PEFT LoRA
-r=16 on q/k/v/o/gate/up/down, bf16 base) and ``qlora`` (the same on a bitsandbytes 4-bit nf4 base). Shapes
-(``--shape``): ``harness.SHAPES`` with random weights.
+r=16 on q/k/v/o/gate/up/down, bf16 base), ``qlora`` (the same on a bitsandbytes 4-bit nf4 base) and ``fp8``
+(chunkloss only: the same LoRA on bases stored in float8 e4m3, ``chunk_fp8="base"``; its peer is chunkloss's
+``lora`` row). Shapes (``--shape``): ``harness.SHAPES`` with random weights.
 
 Per implementation, the batches of ``--batches`` run in turn until the first OOM, ``--steps`` steps each;
 step time is the median after ``--warmup``; peak memory is the highest CUDA memory allocated during training
@@ -43,7 +44,7 @@ from benchmarks import harness
 from benchmarks.harness import SHAPES
 from benchmarks.report import e2e_case, write_json
 
-TASKS = ("full", "lora", "qlora")
+TASKS = ("full", "lora", "qlora", "fp8")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA_RANK = 16
 LORA = dict(r=LORA_RANK, lora_alpha=2 * LORA_RANK, lora_dropout=0.0, target_modules=LORA_TARGETS)
@@ -129,7 +130,10 @@ def train(a, batch: int, profile: bool = False) -> dict:
 
             peft = LoraConfig(**LORA, task_type="CAUSAL_LM")
         run = dict(out_dir=tempfile.mkdtemp(), batch=batch, steps=a.steps, seq=a.seq, gc=a.gc == "on")
-        options = dict(kernels=a.kernels, peft_config=peft, medusa=medusa, config=getattr(a, "extra", None))
+        config = dict(getattr(a, "extra", None) or {})
+        if a.task == "fp8":
+            config["chunk_fp8"] = "base"
+        options = dict(kernels=a.kernels, peft_config=peft, medusa=medusa, config=config or None)
         with patch_lines() as lines:
             trainer = harness.make_trainer(a.loss, a.impl, model, tokenizer, ds, ref=ref, **run, **options)
         if lines:
@@ -320,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--profile takes one --impl and one batch")
     if a.task == "qlora" and importlib.util.find_spec("bitsandbytes") is None:
         p.error("--task qlora needs bitsandbytes: pip install 'chunkloss[qlora]'")
+    if a.task == "fp8" and (impls != ["chunkloss"] or a.floor or not a.kernels):
+        p.error("--task fp8 is chunkloss's fp8 base: --impl chunkloss with its kernels, no --floor")
     if a.worker:
         worker(a)
         return 0

@@ -182,3 +182,12 @@ def test_qlora_without_bitsandbytes_gets_one_line(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         bench_e2e.main([*SMOKE, "--task", "qlora", "--out", "x.json"])
     assert "--task qlora needs bitsandbytes" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra", [["--impl", "trl,chunkloss"], ["--impl", "chunkloss", "--floor"]])
+def test_fp8_task_is_chunkloss_with_its_kernels_only(capsys, extra):
+    """``--task fp8`` runs chunkloss's fp8 base (``chunk_fp8="base"``): no peer has one, and the floor would
+    time bf16 GEMMs."""
+    with pytest.raises(SystemExit):
+        bench_e2e.main([*SMOKE, "--task", "fp8", *extra, "--out", "x.json"])
+    assert "--task fp8 is chunkloss's fp8 base" in capsys.readouterr().err

@@ -1,5 +1,6 @@
 """Triton kernels (RMSNorm, LayerNorm, RoPE, SwiGLU, GeGLU, the gated MLP, the attention input), with LoRA
-and QLoRA (a frozen base weight materialised for each GEMM: ``FrozenWeight``).
+and QLoRA (a frozen base weight materialised for each GEMM: ``FrozenWeight``) or an FP8 base
+(``Float8Weight``: e4m3 with a scale per output row, its GEMMs on ``torch._scaled_mm``).
 
 Every kernel has a pure-PyTorch ``*_ref`` beside it that matches the corresponding ``transformers`` module.
 This package imports nothing from the rest of chunkloss; :func:`chunkloss.models.patch` puts the kernels into
@@ -7,6 +8,7 @@ a transformers model.
 """
 
 from .attention_input import attention_input, attention_input_ref
+from .fp8 import Float8Linear, Float8Weight, fp8_linear, fp8_linear_ref
 from .frozen import FrozenWeight
 from .glu import GeGLU, SwiGLU, geglu, geglu_ref, swiglu, swiglu_ref
 from .layer_norm import LayerNorm, layer_norm, layer_norm_ref
@@ -38,6 +40,10 @@ __all__ = [
     "attention_input_ref",
     "LoraAdapter",
     "FrozenWeight",
+    "Float8Weight",
+    "Float8Linear",
+    "fp8_linear",
+    "fp8_linear_ref",
     "lora_linear",
     "lora_linear_ref",
 ]

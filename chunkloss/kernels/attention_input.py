@@ -26,14 +26,26 @@ adapters' ``t = h·Aᵀ`` (N, Σr) and their dropout masks.
 QLoRA: a projection weight given as a :class:`~chunkloss.kernels.frozen.FrozenWeight` (a 4-bit base's
 dequantisation) is loaded into ``[Wq; Wk; Wv]`` for the forward GEMM and again for the backward's ``dh``, and
 is not saved.
+
+FP8 base: q, k and v as :class:`~chunkloss.kernels.fp8.Float8Weight` join into one (their e4m3 data and row
+scales concatenated), so the forward and ``dh`` are one ``torch._scaled_mm`` each; ``dh``'s gradient
+``[dq dk dv]`` is quantised with one scale per row over the three, and :func:`attention_input_ref` joins them
+the same way. fp8 weights beside others (a projection without LoRA left in bf16) run one GEMM each.
 """
 
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from .frozen import Weight, check_weights, joined, materialize, split_frozen, stacked
+from .frozen import (
+    Weight,
+    check_weights,
+    joined,
+    joined_grad_input,
+    joined_linear,
+    joined_linear_ref,
+    split_frozen,
+)
 from .lora import LoraAdapter, LoraPlan, lora_down, lora_grads, lora_ref, lora_up_, plan_lora
 from .rms_norm import (
     RMSNormOptions,
@@ -72,12 +84,15 @@ def attention_input_ref(
     h = rms_norm_ref(x, norm_weight, eps, offset, casting)
     q_ad, k_ad, v_ad = adapters or (None, None, None)
 
-    def heads(w, b, adapter):
-        y = lora_ref(F.linear(h, materialize(w), b), h, adapter)
+    # One projection each, as the modules; fp8 weights joined, as attention_input quantises their gradient.
+    y_q, y_k, y_v = joined_linear_ref(h, (w_q, w_k, w_v), (b_q, b_k, b_v))
+
+    def heads(y, adapter):
+        y = lora_ref(y, h, adapter)
         return y.view(*x.shape[:-1], -1, head_dim).transpose(1, 2)
 
-    q, k = apply_rotary_pos_emb_ref(heads(w_q, b_q, q_ad), heads(w_k, b_k, k_ad), cos, sin)
-    return q, k, heads(w_v, b_v, v_ad)
+    q, k = apply_rotary_pos_emb_ref(heads(y_q, q_ad), heads(y_k, k_ad), cos, sin)
+    return q, k, heads(y_v, v_ad)
 
 
 @dataclass(frozen=True)
@@ -128,7 +143,7 @@ class AttentionInputFunction(torch.autograd.Function):
         batch = x.shape[0]
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
         h, rstd = _norm_fwd(x2, norm_weight, opts.norm)
-        qkv = F.linear(h, stacked((w_q, w_k, w_v)), _cat((b_q, b_k, b_v)))
+        qkv = joined_linear(h, (w_q, w_k, w_v), _cat((b_q, b_k, b_v)))
         t, masks = None, ()
         if opts.lora is not None:  # before RoPE: the adapters add to the projections' outputs
             t, masks = lora_down(h, lora, opts.lora)
@@ -160,7 +175,7 @@ class AttentionInputFunction(torch.autograd.Function):
             dq_out, dk_out, dv_out = _head_views(dqkv, ctx.batch, opts)
             _rope_launch(dq, dk, cos, sin, _ROPE, backward=True, out=(dq_out, dk_out))
             dv_out.copy_(dv)
-        dh = dqkv @ stacked(joined((w_q, w_k, w_v), ctx.frozen)) if need[0] or need[1] else None
+        dh = joined_grad_input(dqkv, joined((w_q, w_k, w_v), ctx.frozen)) if need[0] or need[1] else None
         lora_g = ()
         if plan is not None:  # adds the adapters' share of dh into it
             parts = _adapted(dqkv.split(opts.widths, dim=1), plan)

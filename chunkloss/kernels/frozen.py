@@ -8,13 +8,17 @@ once in the forward and once in the backward's input gradient (twice for gate/up
 recompute mode), and drop the result after the GEMM. The autograd Functions keep the :class:`FrozenWeight`
 itself, never its materialised tensor, so a 4-bit base costs the backward no full-precision copy.
 
-Every function that takes a :class:`FrozenWeight` equals the same function given ``weight.load()``, frozen.
+Every function that takes a :class:`FrozenWeight` equals the same function given ``weight.load()``, frozen,
+but for a weight that runs its own GEMMs (``own_gemm``: :class:`~chunkloss.kernels.fp8.Float8Weight`, whose
+products run in fp8): the kernels read a weight through :func:`linear`, :func:`grad_input` and their joined
+forms, which call such a weight's methods and give any other weight to ``F.linear`` and ``mm`` as before.
 """
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(frozen=True, eq=False)
@@ -34,6 +38,7 @@ class FrozenWeight:
     device: torch.device
 
     ndim = 2
+    own_gemm = False  # runs its own products (linear, grad_input); else it is loaded for F.linear and mm
 
     def __post_init__(self):
         if len(self.shape) != 2:
@@ -46,6 +51,24 @@ class FrozenWeight:
         if dtype == self.dtype:
             return self
         return FrozenWeight(lambda: self.load().to(dtype), self.shape, dtype, self.device)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.linear(x, W, bias)``, W loaded for it."""
+        return F.linear(x, materialize(self), bias)
+
+    def grad_input(self, g: torch.Tensor) -> torch.Tensor:
+        """``g·W``, W loaded for it."""
+        return g @ materialize(self)
+
+    def linear_ref(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """What the references compute for ``F.linear(x, W, bias)``: the same."""
+        return F.linear(x, materialize(self), bias)
+
+    @classmethod
+    def cat(cls, weights) -> "FrozenWeight | None":
+        """One weight of the same kind for ``weights`` joined along the output dimension; here None (the
+        weights are loaded and stacked instead)."""
+        return None
 
 
 Weight = torch.Tensor | FrozenWeight
@@ -94,3 +117,78 @@ def split_frozen(weights) -> tuple[tuple, tuple]:
 def joined(tensors, frozen) -> tuple:
     """The weights again from :func:`split_frozen`'s two tuples."""
     return tuple(f if f is not None else t for t, f in zip(tensors, frozen, strict=True))
+
+
+def _own(weight: Weight) -> bool:
+    return isinstance(weight, FrozenWeight) and weight.own_gemm
+
+
+def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for x (N, in); a :class:`FrozenWeight` loaded for it, or its own GEMM."""
+    return weight.linear(x, bias) if isinstance(weight, FrozenWeight) else F.linear(x, weight, bias)
+
+
+def grad_input(g: torch.Tensor, weight: Weight) -> torch.Tensor:
+    """``g·weight`` for g (N, out): the input gradient of :func:`linear`."""
+    return weight.grad_input(g) if isinstance(weight, FrozenWeight) else g @ weight
+
+
+def add_grad_input_(out: torch.Tensor, g: torch.Tensor, weight: Weight) -> None:
+    """``out += g·weight`` in place (one ``addmm_`` unless the weight runs its own GEMM)."""
+    if _own(weight):
+        out.add_(weight.grad_input(g))
+    else:
+        out.addmm_(g, materialize(weight))
+
+
+def linear_ref(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The references' ``F.linear(x, weight, bias)`` (a weight with its own GEMMs gives its own reference)."""
+    return weight.linear_ref(x, bias) if isinstance(weight, FrozenWeight) else F.linear(x, weight, bias)
+
+
+def _joined(weights):
+    """The weights as one weight with its own GEMMs (all of one such kind), or None."""
+    return type(weights[0]).cat(weights) if all(map(_own, weights)) else None
+
+
+def joined_linear(x: torch.Tensor, weights, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x·[W_1; W_2; ...]ᵀ + bias`` (N, Σ out) in one GEMM: the weights stacked (FrozenWeights loaded), or
+    joined by their own kind (:meth:`FrozenWeight.cat`). Weights with their own GEMMs among others run one
+    GEMM each, their outputs concatenated."""
+    if not any(map(_own, weights)):
+        return F.linear(x, stacked(weights), bias)
+    joined = _joined(weights)
+    if joined is not None:
+        return joined.linear(x, bias)
+    biases = (None,) * len(weights) if bias is None else bias.split([w.shape[0] for w in weights])
+    return torch.cat([linear(x, w, b) for w, b in zip(weights, biases, strict=True)], dim=1)
+
+
+def joined_grad_input(g: torch.Tensor, weights) -> torch.Tensor:
+    """``g·[W_1; W_2; ...]`` (N, in) for g (N, Σ out): the input gradient of :func:`joined_linear`, computed
+    as it computed the forward (one GEMM, or one per weight summed)."""
+    if not any(map(_own, weights)):
+        return g @ stacked(weights)
+    joined = _joined(weights)
+    if joined is not None:
+        return joined.grad_input(g)
+    parts = g.split([w.shape[0] for w in weights], dim=1)
+    out = grad_input(parts[0], weights[0])
+    for part, w in zip(parts[1:], weights[1:], strict=True):
+        add_grad_input_(out, part, w)
+    return out
+
+
+def joined_linear_ref(x: torch.Tensor, weights, biases) -> list[torch.Tensor]:
+    """The references' outputs of the projections ``weights`` (biases, each or None) of one input: each its
+    own :func:`linear_ref`, or one joined reference where :func:`joined_linear` joins them."""
+    joined = _joined(weights)
+    if joined is None:
+        return [linear_ref(x, w, b) for w, b in zip(weights, biases, strict=True)]
+    if any(b is not None for b in biases):
+        biases = [
+            torch.zeros(w.shape[0], dtype=x.dtype, device=x.device) if b is None else b
+            for w, b in zip(weights, biases, strict=True)
+        ]
+    bias = None if biases[0] is None else torch.cat(biases)
+    return list(joined.linear_ref(x, bias).split([w.shape[0] for w in weights], dim=-1))

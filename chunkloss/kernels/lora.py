@@ -27,6 +27,10 @@ another order, which an adapter built with ``cast_before_add=True`` follows::
 The base weight is then a :class:`~chunkloss.kernels.frozen.FrozenWeight` (its dequantisation), materialised
 for each GEMM and never saved (``chunkloss/kernels/frozen.py``).
 
+FP8 base: a :class:`~chunkloss.kernels.fp8.Float8Weight` (e4m3 with one scale per output row) runs the base's
+forward GEMM and its input gradient on ``torch._scaled_mm`` (``chunkloss/kernels/fp8.py``); the adapter's
+products stay in the adapter's dtype, and the references compute the base as ``fp8_linear_ref``.
+
 Public API (the fused blocks take one adapter per projection, ``None`` for a projection without one; each
 base weight a tensor or a ``FrozenWeight``)::
 
@@ -63,7 +67,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .frozen import FrozenWeight, Weight, check_weights, materialize, split_frozen
+from .frozen import FrozenWeight, Weight, check_weights, grad_input, linear, linear_ref, split_frozen
 
 
 @dataclass(frozen=True, eq=False)
@@ -136,7 +140,7 @@ def lora_linear_ref(
     adapter: LoraAdapter | None = None,
 ) -> torch.Tensor:
     """Pure PyTorch, op for op as PEFT's ``lora.Linear.forward``; arguments as :func:`lora_linear`."""
-    return lora_ref(F.linear(x, materialize(weight), bias), x, adapter)
+    return lora_ref(linear_ref(x, weight, bias), x, adapter)
 
 
 def _check_adapter(where: str, adapter, in_features: int, out_features: int, x: torch.Tensor) -> None:
@@ -300,7 +304,7 @@ def lora_grads(gs, x: torch.Tensor, t, masks, weights, plan: LoraPlan, need, dx:
 class LoraLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, plan: LoraPlan | None, *lora):
-        y = F.linear(x, materialize(weight), bias)
+        y = linear(x, weight, bias)
         t, masks = None, ()
         if plan is not None:
             t, masks = lora_down(x, lora, plan)
@@ -317,7 +321,7 @@ class LoraLinearFunction(torch.autograd.Function):
         plan, need = ctx.plan, ctx.needs_input_grad
         n = 0 if plan is None else len(plan.ranks)
         masks, lora = rest[:n], rest[n:]
-        dx = dy @ materialize(weight if ctx.frozen is None else ctx.frozen) if need[0] else None
+        dx = grad_input(dy, weight if ctx.frozen is None else ctx.frozen) if need[0] else None
         dw = dy.t() @ x if need[1] else None
         db = dy.sum(0) if need[2] else None
         grads = () if plan is None else lora_grads([dy], x, t, masks, lora, plan, need[4:], dx)

@@ -29,15 +29,29 @@ one for both ``dA``). The replay of ``g`` and ``u`` adds the saved ``t = x·Aᵀ
 QLoRA: a weight given as a :class:`~chunkloss.kernels.frozen.FrozenWeight` (a 4-bit base's dequantisation)
 is loaded right before each GEMM that reads it (forward; ``dh`` or ``dx`` in the backward; the replay) and
 dropped after it; it is never saved.
+
+FP8 base: a weight given as a :class:`~chunkloss.kernels.fp8.Float8Weight` runs each of those GEMMs on
+``torch._scaled_mm`` (``chunkloss/kernels/fp8.py``), the replay included. gate and up stay two GEMMs each
+way, as the modules are: ``dx = dg·Wg + du·Wu`` quantises ``dg`` and ``du`` with scales of their own, as
+:func:`gated_mlp_ref` does.
 """
 
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .frozen import FrozenWeight, Weight, check_weights, joined, materialize, split_frozen
+from .frozen import (
+    FrozenWeight,
+    Weight,
+    add_grad_input_,
+    check_weights,
+    grad_input,
+    joined,
+    linear,
+    linear_ref,
+    split_frozen,
+)
 from .glu import ACTIVATIONS, GLUOptions, _glu_bwd, _glu_fwd, glu_ref
 from .lora import (
     LoraAdapter,
@@ -80,10 +94,10 @@ def gated_mlp_ref(
         (..., H) ``F.linear(act(F.linear(x, w_gate, b_gate)) * F.linear(x, w_up, b_up), w_down, b_down)``.
     """
     gate_ad, up_ad, down_ad = adapters or (None, None, None)
-    g = lora_ref(F.linear(x, materialize(w_gate), b_gate), x, gate_ad)
-    u = lora_ref(F.linear(x, materialize(w_up), b_up), x, up_ad)
+    g = lora_ref(linear_ref(x, w_gate, b_gate), x, gate_ad)
+    u = lora_ref(linear_ref(x, w_up, b_up), x, up_ad)
     gated = glu_ref(g, u, activation)
-    return lora_ref(F.linear(gated, materialize(w_down), b_down), gated, down_ad)
+    return lora_ref(linear_ref(gated, w_down, b_down), gated, down_ad)
 
 
 @dataclass(frozen=True)
@@ -109,7 +123,7 @@ def _split(items, *sizes):
 
 def _gate_up(x, w_gate, w_up, b_gate, b_up, lora_in, t_in, opts: MLPOptions):
     """g, u (M, I): the base GEMMs plus the gate and up adapters' ``s·t·Bᵀ``."""
-    g, u = F.linear(x, materialize(w_gate), b_gate), F.linear(x, materialize(w_up), b_up)
+    g, u = linear(x, w_gate, b_gate), linear(x, w_up, b_up)
     if opts.lora_in is not None:
         lora_up_([(g, u)[i] for i in opts.lora_in.slots], t_in, lora_in, opts.lora_in)
     return g, u
@@ -122,7 +136,7 @@ class GatedMLPFunction(torch.autograd.Function):
         t_in, masks_in = lora_down(x, lora_in, opts.lora_in) if opts.lora_in is not None else (None, ())
         g, u = _gate_up(x, w_gate, w_up, b_gate, b_up, lora_in, t_in, opts)
         h, g, u = _glu_fwd(g, u, GLUOptions(opts.activation))
-        y = F.linear(h, materialize(w_down), b_down)
+        y = linear(h, w_down, b_down)
         t_out, masks_out = None, ()
         if opts.lora_out is not None:
             t_out, masks_out = lora_down(h, lora_out, opts.lora_out)
@@ -142,7 +156,7 @@ class GatedMLPFunction(torch.autograd.Function):
         masks_in, masks_out, lora_in, lora_out, saved = _split(rest, n_in, n_out, 2 * n_in, 2 * n_out)
         need_in, need_out = need[8 : 8 + 2 * n_in], need[8 + 2 * n_in :]
         dy = dy.contiguous()
-        dh = dy @ materialize(w_down)
+        dh = grad_input(dy, w_down)
         dt_out = grads_out = None
         if opts.lora_out is not None:  # dt·A into dh now, dA once the pass below has written h
             dt_out, db_out = lora_dt([dy], t_out, lora_out, opts.lora_out, need_out, True)
@@ -160,8 +174,8 @@ class GatedMLPFunction(torch.autograd.Function):
         del h, dh  # freed before the input and gate/up weight gradients are allocated
         dx = None
         if need[0]:
-            dx = dg @ materialize(w_gate)
-            dx.addmm_(du, materialize(w_up))
+            dx = grad_input(dg, w_gate)
+            add_grad_input_(dx, du, w_up)
         grads_in = ()
         if opts.lora_in is not None:
             parts = [(dg, du)[i] for i in opts.lora_in.slots]

@@ -14,6 +14,11 @@ in its compute dtype whatever the input's dtype or autocast: the fused calls tak
 the dtype they compute in (``computes_as_is``). A 4-bit base is fused only unhooked and unsharded: under
 FSDP2 or ZeRO-3 (whose gathering does not keep its ``quant_state``) it runs its own forward.
 
+FP8 base: a PEFT ``lora.Linear`` whose base is a :class:`~chunkloss.kernels.fp8.Float8Linear`
+(:func:`~chunkloss.models.fp8.quantize_base_fp8`) is fused the same way, its weight a
+:class:`~chunkloss.kernels.fp8.Float8Weight` in the dtype it was quantised from (``computes_as_is`` as for a
+4-bit base); elsewhere it runs its own forward, which computes the same fp8 products.
+
 Anything else (an 8-bit or other quantised base, DoRA, several active adapters, a merged adapter, another
 PEFT tuner, a module with a hook other than FSDP2's and DeepSpeed's) runs its own forward;
 :func:`why_not_fused` says why, for the one log line ``patch`` writes. bitsandbytes is never imported here: a
@@ -30,6 +35,7 @@ from torch import nn
 
 from chunkloss._compat import accelerate as accelerate_compat
 from chunkloss._compat import torch as torch_compat
+from chunkloss.kernels.fp8 import Float8Linear
 from chunkloss.kernels.frozen import FrozenWeight
 from chunkloss.kernels.lora import LoraAdapter
 
@@ -44,7 +50,9 @@ QUANT_TYPES_4BIT = ("nf4", "fp4")  # bitsandbytes' 4-bit data types, both dequan
 class Projection:
     """``F.linear(x, weight, bias)``, plus ``adapter``'s update when it is not None."""
 
-    weight: torch.Tensor | FrozenWeight  # (out, in); a 4-bit base's dequantisation, loaded per GEMM
+    weight: (
+        torch.Tensor | FrozenWeight
+    )  # (out, in); a 4-bit base's dequantisation, loaded per GEMM; an fp8 base
     bias: torch.Tensor | None  # (out,)
     adapter: LoraAdapter | None = None
 
@@ -69,6 +77,10 @@ def _sharded(weight: torch.Tensor) -> bool:
 
 def _plain_linear(module: nn.Module) -> bool:
     return type(module) is nn.Linear and gathering_hooks_only(module)
+
+
+def _fp8_linear(module: nn.Module) -> bool:
+    return type(module) is Float8Linear and gathering_hooks_only(module)
 
 
 def _class(module: str, name: str):
@@ -133,6 +145,8 @@ def _dequantized(base: nn.Module) -> FrozenWeight:
 def _base(module: nn.Module, kind: str) -> tuple[torch.Tensor | FrozenWeight, torch.Tensor | None]:
     """The LoRA layer's base weight and bias as its base layer computes with them."""
     base = module.base_layer
+    if type(base) is Float8Linear:
+        return base.frozen_weight(), base.bias
     if kind != "4bit":
         return base.weight, base.bias
     weight, bias = _dequantized(base), base.bias
@@ -166,7 +180,7 @@ def _lora_refusal(module, kind: str) -> str | None:
         why = _4bit_refusal(module.base_layer)
         if why is not None:
             return why
-    elif not _plain_linear(module.base_layer):
+    elif not _plain_linear(module.base_layer) and not _fp8_linear(module.base_layer):
         return f"its base layer is {type(module.base_layer).__name__}"
     if module.disable_adapters and not module.merged:
         return None  # the base layer alone
@@ -220,6 +234,11 @@ def on_4bit_base(module: nn.Module) -> bool:
     return _lora_kind(module) == "4bit"
 
 
+def on_fp8_base(module: nn.Module) -> bool:
+    """Whether ``module`` is a PEFT LoRA layer over a :class:`~chunkloss.kernels.fp8.Float8Linear` base."""
+    return _lora_kind(module) == "linear" and type(module.base_layer) is Float8Linear
+
+
 def why_not_fused(module: nn.Module, dtype: torch.dtype | None = None) -> str | None:
     """Why ``module`` runs its own forward (:func:`projection` is None), in a few words; None when fused.
 
@@ -235,4 +254,6 @@ def why_not_fused(module: nn.Module, dtype: torch.dtype | None = None) -> str | 
     why = _lora_refusal(module, kind)
     if why is None and kind == "4bit" and dtype is not None and module.base_layer.compute_dtype != dtype:
         why = f"4-bit compute dtype {module.base_layer.compute_dtype} on a {dtype} model"
+    if why is None and on_fp8_base(module) and dtype is not None and module.base_layer.dtype != dtype:
+        why = f"fp8 base quantised from {module.base_layer.dtype} on a {dtype} model"
     return why

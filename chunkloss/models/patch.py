@@ -18,7 +18,8 @@ name):
   ``mlp_recompute=True`` the input only (the backward replays the gate and up GEMMs);
 * a q/k/v, o, gate, up or down projection that is a PEFT LoRA layer with one active plain adapter runs inside
   those fused calls with its adapter (:mod:`chunkloss.models.lora`) where the LoRA kernels are installed; over
-  a bitsandbytes 4-bit base (QLoRA) too, its weight dequantised for each GEMM and never saved;
+  a bitsandbytes 4-bit base (QLoRA) too, its weight dequantised for each GEMM and never saved; over an fp8
+  base (:func:`~chunkloss.models.fp8.quantize_base_fp8`) with the base's GEMMs in fp8;
 * the causal-LM forward, when called with ``labels``, feeds the final hidden states straight into
   ``chunkloss.FusedLinearCrossEntropyLoss``: the (tokens x vocab) logits are never materialised and the
   output's ``logits`` is ``None``. Without labels the model's own forward runs and returns logits as usual.
@@ -61,7 +62,7 @@ from .layers import (
     SandwichLayer,
     SlidingWindowAttention,
 )
-from .lora import on_4bit_base, why_not_fused
+from .lora import on_4bit_base, on_fp8_base, why_not_fused
 
 logger = logging.getLogger("chunkloss.models")
 
@@ -249,7 +250,8 @@ def _summary(model: nn.Module, fused: Counter) -> tuple[str, bool]:
         if leaf in _PROJECTIONS:
             why, tuner = why_not_fused(module, dtype), _peft_tuner(module)
             if why is None and tuner == "lora":
-                fused["QLoRA projections (4-bit base)" if on_4bit_base(module) else "LoRA projections"] += 1
+                kind = "QLoRA projections (4-bit base)" if on_4bit_base(module) else "LoRA projections"
+                fused["LoRA projections (fp8 base)" if on_fp8_base(module) else kind] += 1
             elif why is not None:
                 reasons[f"{leaf} ({f'{tuner} ' if tuner and tuner != 'lora' else ''}{why})"] += 1
         elif leaf in ("embed_tokens", "lm_head") and _peft_tuner(module):

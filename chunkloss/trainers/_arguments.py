@@ -70,6 +70,11 @@ class ChunkedArguments:
         chunk_long_context: train long sequences: checkpointing on, what it keeps (each layer's input)
             offloaded to pinned host memory on a side stream by TRL's activation offloading, and with the
             kernels the MLP recomputed and tiled (:mod:`chunkloss.trainers._long_context`). Off by default.
+        chunk_fp8: ``"base"``: a PEFT LoRA model's frozen q/k/v, o, gate, up and down base weights stored in
+            float8 e4m3 with one scale per output row (:func:`chunkloss.models.quantize_base_fp8`) and their
+            GEMMs run in fp8 inside the fused kernels; the adapters, norms and LM head keep the model's dtype.
+            Needs the kernels and a device with fp8 GEMMs (CUDA compute capability 8.9 or newer). ``None``
+            (the default): off. ``"train"`` (full fine-tuning in float8) is refused: not supported yet.
 
     A config of TRL's own (what a trainer builds when given none) has none of these fields: :meth:`of`
     reads them from any config, the defaults where it has none. A chunked config checks them when it is
@@ -133,6 +138,15 @@ class ChunkedArguments:
             "help": "Train long sequences: gradient checkpointing on, each checkpointed layer input "
             "offloaded to pinned CPU memory on a side stream (TRL's activation offloading), and with "
             "chunk_kernels the MLP recomputed and tiled."
+        },
+    )
+    chunk_fp8: str | None = field(
+        default=None,
+        metadata={
+            "help": "'base': store a PEFT LoRA model's frozen projection weights in float8 e4m3 (one scale "
+            "per output row) and run their GEMMs in fp8 inside chunkloss's kernels (needs chunk_kernels and "
+            "CUDA compute capability 8.9+). None (default): off. 'train' (float8 full fine-tuning) is not "
+            "supported."
         },
     )
 

@@ -13,6 +13,8 @@ from ._long_context import mlp_options
 
 __all__ = ["apply_chunk_kernels"]
 
+FP8_SETTINGS = (None, "base", "train")
+
 
 def _model_type(model) -> str | None:
     return getattr(getattr(model, "config", None), "model_type", None)
@@ -46,6 +48,31 @@ def _why_not(model, args, *, auto: bool) -> tuple[str, str] | None:
     return None
 
 
+def _check_fp8_base(name: str, model, why_no_kernels) -> None:
+    """Refuse ``chunk_fp8='base'`` where it cannot run: the kernels off, no PEFT LoRA projection over an
+    ``nn.Linear`` base, or parameters on a device without fp8 GEMMs."""
+    from accelerate.utils import is_peft_model
+
+    from chunkloss.kernels.fp8 import fp8_refusal
+    from chunkloss.models.lora import _lora_kind
+
+    if why_no_kernels is not None:
+        refuse(
+            name,
+            f"chunk_fp8='base' {why_no_kernels[0]}",
+            f"its fp8 GEMMs run in the kernels ({why_no_kernels[1]})",
+        )
+    lora = is_peft_model(model) and any(_lora_kind(m) == "linear" for m in model.modules())
+    if not lora:
+        refuse(
+            name, "chunk_fp8='base' without a PEFT LoRA model", "it stores a LoRA model's frozen base in fp8"
+        )
+    for device in sorted({str(p.device) for p in model.parameters()} - {"meta"}):
+        fp8_why = fp8_refusal(device)
+        if fp8_why is not None:
+            refuse(name, f"chunk_fp8='base' with parameters on {device}", fp8_why)
+
+
 def apply_chunk_kernels(trainer) -> None:
     """Patch the trainer's models with ``chunkloss.models.patch(model, loss=False,
     mlp_recompute=chunk_kernels_mlp_recompute, norm_recompute=chunk_kernels_norm_recompute)`` as
@@ -61,6 +88,10 @@ def apply_chunk_kernels(trainer) -> None:
       the type is not supported, the parameters are not on CUDA (without ``TRITON_INTERPRET=1``),
       ``use_liger_kernel`` is on too (Liger patches the same modules) or ``torch_compile`` is on.
 
+    With ``chunk_fp8='base'`` the model's PEFT LoRA bases are first stored in fp8
+    (:func:`chunkloss.models.quantize_base_fp8`); refused (``ValueError`` naming ``chunk_fp8``) without the
+    kernels, without a PEFT LoRA model, on a device without fp8 GEMMs, and for ``'train'``.
+
     The causal-LM loss is left alone: the trainer already computes it chunked. A reference model (DPO, GRPO)
     or teacher (GKD, distillation) is patched too when the kernels can take it, since its no-grad forwards get
     faster as well; one they cannot take keeps transformers' modules (named in the log line). What ``patch``
@@ -75,12 +106,23 @@ def apply_chunk_kernels(trainer) -> None:
     setting = chunked.chunk_kernels
     if setting not in (None, True, False):
         raise ValueError(f"chunk_kernels must be None, True or False, got {setting!r}")
+    fp8 = chunked.chunk_fp8
+    if fp8 not in FP8_SETTINGS:
+        raise ValueError(f"chunk_fp8 must be None, 'base' or 'train', got {fp8!r}")
+    if fp8 == "train":
+        refuse(
+            name,
+            "chunk_fp8='train'",
+            "full fine-tuning in float8 (torchao's float8 training) is not supported yet; chunk_fp8='base' "
+            "stores a LoRA model's frozen base in fp8",
+        )
     options = {**mlp_options(args), "norm_recompute": bool(chunked.chunk_kernels_norm_recompute)}
     if setting is False:
         kernel_options = {
             "chunk_kernels_mlp_recompute": chunked.chunk_kernels_mlp_recompute,
             "chunk_kernels_norm_recompute": chunked.chunk_kernels_norm_recompute,
             "chunk_kernels_mlp_tile": chunked.chunk_kernels_mlp_tile,
+            "chunk_fp8": fp8,
         }
         for key, value in kernel_options.items():
             if value:
@@ -100,6 +142,8 @@ def apply_chunk_kernels(trainer) -> None:
     unwrap = trainer.accelerator.unwrap_model
     model = peft_base(unwrap(trainer.model))
     why = _why_not(model, args, auto=setting is None)
+    if fp8 is not None:
+        _check_fp8_base(name, unwrap(trainer.model), why)
     if why is not None:
         if setting:
             refuse(name, f"chunk_kernels=True {why[0]}", why[1])
@@ -112,6 +156,10 @@ def apply_chunk_kernels(trainer) -> None:
             why[1],
         )
         return
+    if fp8 is not None:  # before patching: its log line then counts the fp8 bases
+        from chunkloss.models import quantize_base_fp8
+
+        quantize_base_fp8(model)
     try:
         patch(model, loss=False, **options)
     except ValueError as e:  # e.g. a model class outside its family's modeling module
