@@ -43,8 +43,7 @@ def run_length(a, seq: int) -> dict:
     """``a.impl`` trained at ``seq`` tokens per sequence (bench_e2e's ``train``, checkpointing on)."""
     impl, extra = IMPLS[a.impl]
     group = GRPO_GROUP if a.loss == "grpo" else 1
-    if a.loss == "grpo":
-        extra = {**extra, "num_generations": GRPO_GROUP}
+    extra = {**extra, "num_generations": GRPO_GROUP} if a.loss == "grpo" else extra
     fields = dict(seq=seq, gc="on", impl=impl, kernels=True, medusa_heads=0, medusa_stage=1, extra=extra)
     r = train(argparse.Namespace(**{**vars(a), **fields, "rows": a.steps * group}), group)
     host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss: KiB

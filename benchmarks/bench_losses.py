@@ -25,10 +25,8 @@ HERE = pathlib.Path(__file__).resolve().parent
 
 
 def _case_modules(only: list[str] | None):
-    names = sorted(p.stem for p in HERE.glob("cases_*.py"))
-    if only:
-        return [n for n in names if n.removeprefix("cases_") in only]
-    return [n for n in names if n != "cases_medusa"]
+    names = sorted(p.stem for p in HERE.glob("cases_*.py"))  # medusa's only when named
+    return [n for n in names if (n.removeprefix("cases_") in only if only else n != "cases_medusa")]
 
 
 def run(only=None, repeats=7) -> list[dict]:
@@ -80,8 +78,7 @@ def main(argv=None) -> int:
         print("bench_losses: no CUDA device; CPU timings would mean nothing.", file=sys.stderr)
         return 2
     out = pathlib.Path(args.out)
-    only = args.only.split(",") if args.only else None
-    rows = run(only, args.repeats)
+    rows = run(args.only.split(",") if args.only else None, args.repeats)
     data = {"stamp": stamp(command=command("bench_losses", argv)), "peak_tflops": PEAK_TFLOPS, "rows": rows}
     write_set(out, args.name, data)
     print((out / f"{args.name}.md").read_text())

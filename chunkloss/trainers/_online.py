@@ -103,7 +103,7 @@ class ChunkedScoring:
     adapters off or a "ref" adapter) come from the chunked head when the model has it: per-token log-probs
     of the completion tokens, 0 on padding, as TRL returns them, with no (rows, tokens, vocabulary) logits
     (TRL's path holds them for ``batch_size`` rows at a time: 2.1 GB in bf16 for 8 completions of 1k tokens
-    at V = 128256, 77 GB at 32k tokens and V = 151936). A LoRA adapter on ``lm_head`` needs this path: TRL's
+    at V = 128256, 80 GB at 32k tokens and V = 151936). A LoRA adapter on ``lm_head`` needs this path: TRL's
     reads ``lm_head.weight`` alone. Entropies and multimodal inputs keep TRL's path (refused with a head
     adapter), and so does a model without the chunked head (a separate reference model). The policy's own
     log-probs are ``_compute_loss``'s. Needs ``self._chunk_losses`` (a dict)."""
