@@ -1,12 +1,15 @@
-"""``torch.compile`` of a patched model: no graph break in the forwards ``chunkloss.models`` installs.
+"""``torch.compile`` of a patched model: no graph break in the forwards ``chunkloss.models`` installs, and the
+kernels compiled with the model.
 
 On CPU the kernels run in the Triton interpreter, which dynamo reaches only through the kernels' custom ops.
 One test swaps every kernel for its pure-PyTorch reference (the same arguments), so what is traced is the
 integration itself (the per-family forwards, the per-call choice of the fused path, the LoRA read-out), and
-compiles it with ``fullgraph=True``. Tracing the real kernels' custom ops through a whole model crashes torch
-2.13's CPU build (a segfault in a custom op's fake-tensor dispatch, when it is the first compilation in the
-process), so that runs on a GPU only; each kernel's own compile test (``tests/kernels``) runs on CPU in a
-child process (``tests/child_process.py``).
+compiles it with ``fullgraph=True``. Another compiles the model with the kernels themselves as the first
+compilation of a fresh process (``tests/kernels/compiled.py``'s ``in_fresh_process``), full and LoRA, against
+the unpatched model, and counts the graphs over four sequence lengths. That crashed torch 2.13's CPU build
+(a segfault in a custom op's fake-tensor dispatch) while an op could be defined twice; since every op is
+defined once (``chunkloss/kernels/_utils.py``, ``tests/kernels/test_custom_ops.py``) it passes. On a GPU
+the same check runs with the CUDA kernels.
 """
 
 import copy
@@ -20,6 +23,7 @@ from chunkloss.kernels.mlp import gated_mlp_ref
 from chunkloss.kernels.rms_norm import rms_norm_ref
 from chunkloss.models import layers, patch
 from tests.child_process import in_child_process
+from tests.kernels.compiled import in_fresh_process
 from tests.models.test_lora import lora_model, loss_and_grads
 from tests.models.test_patch import VOCAB, tiny_model
 from tests.tolerances import assert_close_to_ref
@@ -65,6 +69,34 @@ def test_patched_forward_has_no_graph_break(model_type, lora_targets, monkeypatc
     # fullgraph=True: a graph break raises, naming its reason
     compiled = torch.compile(lambda ids: patched(input_ids=ids, labels=ids).loss, fullgraph=True)
     assert_close_to_ref(compiled(input_ids), ref)
+
+
+@pytest.mark.slow  # an inductor compile of the model with its kernels: about 15 s on CPU
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the test below compiles the CUDA kernels")
+@pytest.mark.parametrize("lora_targets", [None, "all"])
+@in_fresh_process
+def test_patched_model_compiles_with_its_kernels_first_in_a_process(lora_targets):
+    """The kernels (the Triton interpreter, through their custom ops) compiled with the model, the first
+    compilation of the process: the loss and every gradient of the unpatched eager model. Then three more
+    sequence lengths: one recompilation, the one that makes the length dynamic, and no more."""
+    from torch._dynamo.utils import counters
+
+    model = lora_model("llama") if lora_targets else tiny_model("llama")
+    input_ids = torch.randint(0, VOCAB, (2, 16))
+    ref_loss, ref_grads = loss_and_grads(model, input_ids)
+    patch(model, loss=False)
+    counters.clear()
+    compiled = torch.compile(lambda ids: model(input_ids=ids, labels=ids).loss)
+    model.zero_grad()
+    loss = compiled(input_ids)
+    loss.backward()
+    assert_close_to_ref(loss, ref_loss, name="compiled loss")
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            assert_close_to_ref(p.grad, ref_grads[n], name=f"compiled {n}")
+    for length in (23, 31, 40):
+        compiled(torch.randint(0, VOCAB, (2, length))).backward()
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
 
 
 @pytest.mark.gpu
