@@ -103,41 +103,10 @@ def apply_chunk_kernels(trainer) -> None:
 
     name, args = type(trainer).__name__, trainer.args
     chunked = ChunkedArguments.of(args)
-    setting = chunked.chunk_kernels
-    if setting not in (None, True, False):
-        raise ValueError(f"chunk_kernels must be None, True or False, got {setting!r}")
-    fp8 = chunked.chunk_fp8
-    if fp8 not in FP8_SETTINGS:
-        raise ValueError(f"chunk_fp8 must be None, 'base' or 'train', got {fp8!r}")
-    if fp8 == "train":
-        refuse(
-            name,
-            "chunk_fp8='train'",
-            "full fine-tuning in float8 (torchao's float8 training) is not supported yet; chunk_fp8='base' "
-            "stores a LoRA model's frozen base in fp8",
-        )
-    options = {**mlp_options(args), "norm_recompute": bool(chunked.chunk_kernels_norm_recompute)}
-    if setting is False:
-        kernel_options = {
-            "chunk_kernels_mlp_recompute": chunked.chunk_kernels_mlp_recompute,
-            "chunk_kernels_norm_recompute": chunked.chunk_kernels_norm_recompute,
-            "chunk_kernels_mlp_tile": chunked.chunk_kernels_mlp_tile,
-            "chunk_fp8": fp8,
-        }
-        for key, value in kernel_options.items():
-            if value:
-                refuse(
-                    name,
-                    f"{key}={value!r} with chunk_kernels=False",
-                    "it selects how the kernels compute and what they keep for the backward",
-                )
+    setting, fp8 = chunked.chunk_kernels, chunked.chunk_fp8
+    if not _check_settings(name, chunked, args):
         return
-    if options["norm_recompute"] and args.torch_compile:
-        refuse(
-            name,
-            "chunk_kernels_norm_recompute=True with torch_compile=True",
-            "its saved-tensor hooks are not traced by torch.compile",
-        )
+    options = {**mlp_options(args), "norm_recompute": bool(chunked.chunk_kernels_norm_recompute)}
     log = logging.getLogger("chunkloss.trainers")
     unwrap = trainer.accelerator.unwrap_model
     model = peft_base(unwrap(trainer.model))
@@ -164,18 +133,66 @@ def apply_chunk_kernels(trainer) -> None:
         patch(model, loss=False, **options)
     except ValueError as e:  # e.g. a model class outside its family's modeling module
         refuse(name, "chunk_kernels on this model", str(e))
+    kept = _patch_others(trainer, model, options, auto=setting is None)
+    line = f"{name}: chunk_kernels on for the model (type {_model_type(model)!r})"
+    log.log(logging.WARNING if kept else logging.INFO, "; ".join([line, *kept]))
+
+
+def _check_settings(name: str, chunked: ChunkedArguments, args) -> bool:
+    """Refuse bad or contradictory kernel settings (``ValueError``); False when ``chunk_kernels=False``
+    leaves nothing to do."""
+    setting, fp8 = chunked.chunk_kernels, chunked.chunk_fp8
+    if setting not in (None, True, False):
+        raise ValueError(f"chunk_kernels must be None, True or False, got {setting!r}")
+    if fp8 not in FP8_SETTINGS:
+        raise ValueError(f"chunk_fp8 must be None, 'base' or 'train', got {fp8!r}")
+    if fp8 == "train":
+        refuse(
+            name,
+            "chunk_fp8='train'",
+            "full fine-tuning in float8 (torchao's float8 training) is not supported yet; chunk_fp8='base' "
+            "stores a LoRA model's frozen base in fp8",
+        )
+    if setting is False:
+        kernel_options = {
+            "chunk_kernels_mlp_recompute": chunked.chunk_kernels_mlp_recompute,
+            "chunk_kernels_norm_recompute": chunked.chunk_kernels_norm_recompute,
+            "chunk_kernels_mlp_tile": chunked.chunk_kernels_mlp_tile,
+            "chunk_fp8": fp8,
+        }
+        for key, value in kernel_options.items():
+            if value:
+                refuse(
+                    name,
+                    f"{key}={value!r} with chunk_kernels=False",
+                    "it selects how the kernels compute and what they keep for the backward",
+                )
+        return False
+    if chunked.chunk_kernels_norm_recompute and args.torch_compile:
+        refuse(
+            name,
+            "chunk_kernels_norm_recompute=True with torch_compile=True",
+            "its saved-tensor hooks are not traced by torch.compile",
+        )
+    return True
+
+
+def _patch_others(trainer, model, options: dict, auto: bool) -> list[str]:
+    """Patch the trainer's reference model or teacher where the kernels take it; what each one they do not
+    take keeps, for the log line."""
+    from chunkloss.models import patch
+
     kept = []
     for attr in ("ref_model", "teacher_model"):
         other = getattr(trainer, attr, None)
         if not isinstance(other, torch.nn.Module):
             continue
-        other = peft_base(unwrap(other))
+        other = peft_base(trainer.accelerator.unwrap_model(other))
         if other is model:
             continue
-        other_why = _why_not(other, args, auto=setting is None)
+        other_why = _why_not(other, trainer.args, auto=auto)
         if other_why is None:
             patch(other, loss=False, **options)
         else:
             kept.append(f"{attr} (type {_model_type(other)!r}) {other_why[0]} keeps transformers' modules")
-    line = f"{name}: chunk_kernels on for the model (type {_model_type(model)!r})"
-    log.log(logging.WARNING if kept else logging.INFO, "; ".join([line, *kept]))
+    return kept
