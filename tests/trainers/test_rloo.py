@@ -239,6 +239,20 @@ def test_rloo_scoring_with_kl_in_the_reward(tmp_path):
     _run((ref, ours, b_ref), {"epsilon_high": 0.28})
 
 
+def test_rloo_scores_through_the_chunked_head(tmp_path, monkeypatch):
+    """The old log-probs come from the chunked head, not TRL's scoring forward (its logits), and equal
+    TRL's."""
+    ref, ours = _build(tmp_path)
+    b_ref, _ = _scored(ref)
+
+    def trl_scoring(*args, **kwargs):
+        raise AssertionError("TRL's scoring forward ran")
+
+    monkeypatch.setattr(RLOOTrainer, "_get_per_token_logps_and_entropies", trl_scoring)
+    b_our, _ = _scored(ours)
+    assert_close_to_ref(b_our["old_logps"], b_ref["old_logps"], name="old_logps")
+
+
 def test_rloo_lora_on_lm_head(tmp_path):
     """A LoRA adapter on lm_head (TRL refuses it: its fused head reads lm_head.weight alone): the old
     log-probs include the adapter, and the loss and every adapter gradient equal the reference on the PEFT
