@@ -6,7 +6,7 @@ Layers, bottom to top::
 
     compat    chunkloss._compat: every private name borrowed from torch, transformers, TRL and accelerate;
               imports nothing else of chunkloss
-    kernels   chunkloss.kernels: imports nothing else of chunkloss (not even chunkloss._compat: a leaf)
+    kernels   chunkloss.kernels: imports nothing else of chunkloss but chunkloss._compat (a leaf)
     engine    chunkloss.engine
     losses    chunkloss.losses, chunkloss.heads, chunkloss.data, and the package chunkloss itself (it
               re-exports the engine and the losses)
@@ -90,19 +90,20 @@ def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
     return graph
 
 
-#: Layers whose modules import only modules of their own layer.
+#: Layers whose modules import only modules of their own layer or of a leaf below.
 LEAVES = ("compat", "kernels")
 
 
 def wrong_way(graph: dict[str, set[str]]) -> list[str]:
-    """``a -> b`` for each import of a module in a higher layer, or of another layer from a leaf
-    (:data:`LEAVES`)."""
+    """``a -> b`` for each import of a module in a higher layer, or from a leaf (:data:`LEAVES`) of a layer
+    that is not a leaf below it."""
     bad = []
     for a, targets in graph.items():
         la = layer_of(a)
         for b in sorted(targets):
             lb = layer_of(b)
             leaf = la is not None and LAYERS[la][0] in LEAVES and lb != la
+            leaf = leaf and not (lb is not None and lb < la and LAYERS[lb][0] in LEAVES)
             if la is not None and lb is not None and (lb > la or leaf):
                 bad.append(f"{a} ({LAYERS[la][0]}) -> {b} ({LAYERS[lb][0]})")
     return bad
@@ -185,7 +186,7 @@ def test_engine_and_losses_use_no_private_names_of_other_modules():
     "files, problem",
     [
         ({"chunkloss/kernels/scale.py": "from chunkloss.engine import Batch\n"}, "wrong way"),
-        ({"chunkloss/kernels/scale.py": "from chunkloss._compat import torch\n"}, "wrong way"),
+        ({"chunkloss/kernels/scale.py": "from chunkloss.heads import MedusaHeads\n"}, "wrong way"),
         ({"chunkloss/_compat/trl.py": "from chunkloss.engine import Batch\n"}, "wrong way"),
         ({"chunkloss/_compat/torch.py": "import chunkloss\n"}, "wrong way"),
         (

@@ -19,8 +19,10 @@ __all__ = [
     "dynamo_error",
     "forward_hooks",
     "guard_location_fix",
+    "has_scaled_mm",
     "mark_rows_dynamic",
     "no_saved_tensor_hooks",
+    "scaled_mm",
     "top_saved_tensor_hooks",
     "version_counter",
 ]
@@ -35,6 +37,7 @@ PRIVATE_NAMES = (
     ("torch._guards", "SLoc"),
     ("torch.utils._traceback", "format_frame"),
     ("torch.distributed.fsdp._fully_shard", "FSDPModule"),
+    ("torch", "_scaled_mm"),
 )
 
 #: The module prefix of FSDP2's forward hooks (``FSDPState._pre_forward`` / ``_post_forward`` and their
@@ -86,6 +89,21 @@ def backward_hooks(module: nn.Module) -> list:
     """``module``'s backward pre-hooks and backward hooks (``nn.Module._backward_pre_hooks`` and
     ``_backward_hooks``, torch 2.0 and later)."""
     return [*module._backward_pre_hooks.values(), *module._backward_hooks.values()]
+
+
+# --- fp8 GEMM -----------------------------------------------------------------------------------------
+
+
+def has_scaled_mm() -> bool:
+    """Whether this torch has ``torch._scaled_mm``, its fp8 GEMM (written for torch 2.11 to 2.13, whose CUDA
+    and CPU builds take row-wise scales; torch has no public fp8 matmul)."""
+    return hasattr(torch, "_scaled_mm")
+
+
+def scaled_mm(a: Tensor, b: Tensor, scale_a: Tensor, scale_b: Tensor, bias, out_dtype) -> Tensor:
+    """``torch._scaled_mm``: ``(scale_a ⊙ a)·(b ⊙ scale_b) + bias`` in ``out_dtype`` for e4m3 ``a`` (M, K)
+    and ``b`` (K, N), one fp32 scale per row of ``a`` and per column of ``b`` (torch 2.11 to 2.13)."""
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype)
 
 
 # --- torch.compile ------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Triton kernels (RMSNorm, LayerNorm, RoPE, SwiGLU, GeGLU, the gated MLP, the attention input), with LoRA
 and QLoRA (a frozen base weight materialised for each GEMM: ``FrozenWeight``) or an FP8 base
-(``Float8Weight``: e4m3 with a scale per output row, its GEMMs on ``torch._scaled_mm``).
+(``Float8Weight``: e4m3 with a scale per output row, its GEMMs in fp8).
 
 Every kernel has a pure-PyTorch ``*_ref`` beside it that matches the corresponding ``transformers`` module.
 This package imports nothing from the rest of chunkloss; :func:`chunkloss.models.patch` puts the kernels into

@@ -28,7 +28,7 @@ dequantisation) is loaded into ``[Wq; Wk; Wv]`` for the forward GEMM and again f
 is not saved.
 
 FP8 base: q, k and v as :class:`~chunkloss.kernels.fp8.Float8Weight` join into one (their e4m3 data and row
-scales concatenated), so the forward and ``dh`` are one ``torch._scaled_mm`` each; ``dh``'s gradient
+scales concatenated), so the forward and ``dh`` are one fp8 GEMM each; ``dh``'s gradient
 ``[dq dk dv]`` is quantised with one scale per row over the three, and :func:`attention_input_ref` joins them
 the same way. fp8 weights beside others (a projection without LoRA left in bf16) run one GEMM each.
 """

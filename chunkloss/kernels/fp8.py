@@ -7,27 +7,27 @@ Forward ``y = x·Wᵀ + b`` with ``x`` (M, in) quantised per row on the fly the 
 ``xq``)::
 
     y[m, o] = s_x[m] · s_w[o] · Σ_i xq[m, i] · Wq[o, i]
-            = torch._scaled_mm(xq, Wqᵀ, scale_a=s_x (M, 1), scale_b=s_wᵀ (1, out), bias=b)
+            = scaled_mm(xq, Wqᵀ, scale_a=s_x (M, 1), scale_b=s_wᵀ (1, out), bias=b)
 
 Input gradient ``dx = g·W`` for the upstream ``g`` (M, out): the contraction now runs over W's rows, where its
-scales sit, and ``_scaled_mm``'s ``scale_b`` scales the output's columns, not the contraction index. So the
+scales sit, and ``scaled_mm``'s ``scale_b`` scales the output's columns, not the contraction index. So the
 row scales are folded into the gradient before it is quantised::
 
     dx[m, i] = Σ_o g[m, o] · s_w[o] · Wq[o, i] = Σ_o g'[m, o] · Wq[o, i],   g' = g ⊙ s_wᵀ
-    g' ≈ s_g ⊙ gq (per row, as x)  ->  dx = torch._scaled_mm(gq, Wq, scale_a=s_g (M, 1), scale_b=ones(1, in))
+    g' ≈ s_g ⊙ gq (per row, as x)  ->  dx = scaled_mm(gq, Wq, scale_a=s_g (M, 1), scale_b=ones(1, in))
 
 The weight gets no gradient (it is frozen by construction). Both products accumulate in fp32 and round once
 to the compute dtype. :func:`fp8_linear_ref` is the same scheme in plain PyTorch: the same quantisation of the
 same tensors, dequantised and multiplied in the dtype it is given (fp64 in the tests), with the same backward;
 the kernels and it differ by the GEMM's summation order and rounding only.
 
-Where ``_scaled_mm`` cannot take the shapes or dtype (:func:`scaled_mm_refusal`: on CUDA, ``in`` and ``out``
+Where ``scaled_mm`` cannot take the shapes or dtype (:func:`scaled_mm_refusal`: on CUDA, ``in`` and ``out``
 not multiples of 16, or an fp32/fp64 output; on CPU, an fp64 output), the same quantised operands are
 dequantised and multiplied in fp32: the same values, the GEMM's speed not fp8's.
 
-``torch._scaled_mm`` is a private torch op (torchao's float8 training calls it too). It is called here
-directly, not through ``chunkloss._compat``, because this package imports nothing from the rest of
-chunkloss; ``tests/kernels/test_fp8.py`` checks first that this build takes it with row-wise scales.
+``scaled_mm`` is torch's private fp8 GEMM (torchao's float8 training calls it too), reached through
+``chunkloss._compat.torch`` (the one layer below the kernels); ``tests/kernels/test_fp8.py`` checks first
+that this build takes it with row-wise scales.
 
 A group of weights read by one input (q, k and v) joins as one :class:`Float8Weight`
 (:meth:`Float8Weight.cat`: the data and the scales concatenated along the output dimension), so one GEMM
@@ -45,6 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from chunkloss._compat import torch as torch_compat
+
 from .frozen import FrozenWeight
 
 _log = logging.getLogger("chunkloss.kernels")
@@ -57,7 +59,7 @@ MIN_CUDA_CAPABILITY = (8, 9)  # Ada and Hopper: the first with fp8 tensor cores
 def fp8_refusal(device: torch.device | str) -> str | None:
     """Why float8 weights cannot run on ``device`` with this build, or None when they can."""
     device = torch.device(device)
-    if FP8 is None or not hasattr(torch, "_scaled_mm"):
+    if FP8 is None or not torch_compat.has_scaled_mm():
         return f"this torch {torch.__version__} has no float8_e4m3fn dtype or fp8 scaled matmul"
     if device.type == "cuda":
         capability = torch.cuda.get_device_capability(device)
@@ -70,7 +72,8 @@ def fp8_refusal(device: torch.device | str) -> str | None:
 
 
 def scaled_mm_refusal(device: torch.device, k: int, n: int, dtype: torch.dtype) -> str | None:
-    """Why ``torch._scaled_mm`` cannot compute an (M, k)·(k, n) product in ``dtype`` on ``device``, or None.
+    """Why the fp8 GEMM (``scaled_mm``) cannot compute an (M, k)·(k, n) product in ``dtype`` on ``device``,
+    or None.
 
     cuBLASLt's fp8 GEMM needs k and n multiples of 16, and row-wise scales give bf16 or fp16 outputs only
     (fp32 on some Hopper builds, not relied on); the CPU build takes any shape and bf16, fp16 or fp32."""
@@ -111,15 +114,15 @@ def _log_fallback(reason: str) -> None:
 
 
 def _scaled_mm(aq, scale_a, bq, scale_b, bias, dtype: torch.dtype) -> torch.Tensor:
-    """``(scale_a ⊙ aq)·(bq ⊙ scale_b) + bias`` in ``dtype``: ``torch._scaled_mm`` where it takes the
-    operands, else the dequantised operands multiplied in fp32 (see :func:`scaled_mm_refusal`), with one
+    """``(scale_a ⊙ aq)·(bq ⊙ scale_b) + bias`` in ``dtype``: the fp8 GEMM (``scaled_mm``) where it takes
+    the operands, else the dequantised operands multiplied in fp32 (see :func:`scaled_mm_refusal`), with one
     warning per reason on the ``chunkloss.kernels`` logger."""
     k, n = bq.shape
     why = scaled_mm_refusal(aq.device, k, n, dtype)
     if why is None:
         bq = bq.t().contiguous().t()  # column-major, as cuBLASLt's fp8 GEMM takes its second operand
         bias = None if bias is None else bias.to(dtype)
-        return torch._scaled_mm(aq, bq, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=dtype)
+        return torch_compat.scaled_mm(aq, bq, scale_a, scale_b, bias, dtype)
     _log_fallback(why)
     y = (aq.float() * scale_a) @ (bq.float() * scale_b)
     if bias is not None:
@@ -289,7 +292,7 @@ def fp8_linear_ref(x: torch.Tensor, weight: Float8Weight, bias: torch.Tensor | N
 
 
 def fp8_linear(x: torch.Tensor, weight: Float8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, W, bias)`` for a :class:`Float8Weight` W, on ``torch._scaled_mm`` both ways; equals
+    """``F.linear(x, W, bias)`` for a :class:`Float8Weight` W, on the fp8 GEMM both ways; equals
     :func:`fp8_linear_ref`. ``x`` (..., in) in ``weight.dtype`` -> (..., out); only ``x`` and ``bias`` get
     gradients."""
     from .lora import lora_linear

@@ -28,7 +28,7 @@ The base weight is then a :class:`~chunkloss.kernels.frozen.FrozenWeight` (its d
 for each GEMM and never saved (``chunkloss/kernels/frozen.py``).
 
 FP8 base: a :class:`~chunkloss.kernels.fp8.Float8Weight` (e4m3 with one scale per output row) runs the base's
-forward GEMM and its input gradient on ``torch._scaled_mm`` (``chunkloss/kernels/fp8.py``); the adapter's
+forward GEMM and its input gradient in fp8 (``chunkloss/kernels/fp8.py``); the adapter's
 products stay in the adapter's dtype, and the references compute the base as ``fp8_linear_ref``.
 
 Public API (the fused blocks take one adapter per projection, ``None`` for a projection without one; each

@@ -30,8 +30,8 @@ QLoRA: a weight given as a :class:`~chunkloss.kernels.frozen.FrozenWeight` (a 4-
 is loaded right before each GEMM that reads it (forward; ``dh`` or ``dx`` in the backward; the replay) and
 dropped after it; it is never saved.
 
-FP8 base: a weight given as a :class:`~chunkloss.kernels.fp8.Float8Weight` runs each of those GEMMs on
-``torch._scaled_mm`` (``chunkloss/kernels/fp8.py``), the replay included. gate and up stay two GEMMs each
+FP8 base: a weight given as a :class:`~chunkloss.kernels.fp8.Float8Weight` runs each of those GEMMs in
+fp8 (``chunkloss/kernels/fp8.py``), the replay included. gate and up stay two GEMMs each
 way, as the modules are: ``dx = dg·Wg + du·Wu`` quantises ``dg`` and ``du`` with scales of their own, as
 :func:`gated_mlp_ref` does.
 """
