@@ -111,24 +111,31 @@ def assert_close_loss(ours, ref):
     assert_close_to_ref(ours.detach().float(), ref.detach().float(), name="loss")
 
 
-def check_orpo_step(ref, ours):
-    """TRL's ORPOTrainer and ours on one batch: equal loss, gradients and logged metrics; returns the batch
-    and the two losses (TRL's first)."""
-    batch = ref._prepare_inputs(ref.data_collator([ref.train_dataset[i] for i in range(4)]))
-    results = []
+def check_step(ref, ours, batch, store: str = "_metrics"):
+    """TRL's trainer and ours on ``batch``: equal loss, gradients and stored metrics (``store``: TRL's
+    ``_metrics``, or ORPO's ``_stored_metrics``); returns TRL's loss, ours and our metrics."""
+    losses = []
     for tr in (ref, ours):
         tr.model.train()
-        tr._stored_metrics.clear()
+        getattr(tr, store)["train"].clear()
         loss = tr.compute_loss(tr.model, dict(batch))
         loss.backward()
-        results.append(loss)
-    assert_close_loss(results[1], results[0])
+        losses.append(loss)
+    assert_close_loss(losses[1], losses[0])
     assert_same_grads(ref.model, ours.model)
-    m_ref, m_our = stored_metrics(ref, "_stored_metrics"), stored_metrics(ours, "_stored_metrics")
+    m_ref, m_our = stored_metrics(ref, store), stored_metrics(ours, store)
     assert sorted(m_ref) == sorted(m_our)
     for key in m_ref:
         assert m_our[key] == pytest.approx(m_ref[key], rel=1e-5, abs=1e-6), key
-    return batch, results
+    return losses[0], losses[1], m_our
+
+
+def check_orpo_step(ref, ours):
+    """TRL's ORPOTrainer and ours on one batch (:func:`check_step`); returns the batch and the two losses
+    (TRL's first)."""
+    batch = ref._prepare_inputs(ref.data_collator([ref.train_dataset[i] for i in range(4)]))
+    l_ref, l_our, _ = check_step(ref, ours, batch, "_stored_metrics")
+    return batch, [l_ref, l_our]
 
 
 def reference_pair(

@@ -12,7 +12,7 @@ from chunkloss.trainers.dpo import ChunkedDPOConfig, ChunkedDPOTrainer
 from tests.tolerances import assert_close_to_ref
 from tests.trainers.helpers import (
     assert_close_loss,
-    assert_same_grads,
+    check_step,
     common_args,
     grads,
     model_pair,
@@ -32,22 +32,8 @@ def _pair(tmp_path, **kw):
 
 
 def _check(ref, ours):
-    examples = [ref.train_dataset[i] for i in range(4)]
-    batch = ref._prepare_inputs(ref.data_collator(examples))
-    for tr in (ref, ours):
-        tr.model.train()
-        tr._metrics["train"].clear()
-    l_ref = ref.compute_loss(ref.model, dict(batch))
-    l_ref.backward()
-    l_our = ours.compute_loss(ours.model, dict(batch))
-    l_our.backward()
-    assert_close_loss(l_our, l_ref)
-    assert_same_grads(ref.model, ours.model)
-    m_ref, m_our = stored_metrics(ref), stored_metrics(ours)
-    assert sorted(m_ref) == sorted(m_our)
-    for key in m_ref:
-        assert m_our[key] == pytest.approx(m_ref[key], rel=1e-5, abs=1e-6), key
-    return l_our
+    batch = ref._prepare_inputs(ref.data_collator([ref.train_dataset[i] for i in range(4)]))
+    return check_step(ref, ours, batch)[1]
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)

@@ -15,12 +15,11 @@ from chunkloss.trainers.kto import ChunkedKTOConfig, ChunkedKTOTrainer
 from tests.tolerances import assert_close_to_ref
 from tests.trainers.helpers import (
     assert_close_loss,
-    assert_same_grads,
+    check_step,
     common_args,
     logged_metrics,
     model_pair,
     reference_pair,
-    stored_metrics,
     tokenizer,
 )
 
@@ -36,21 +35,7 @@ def _batch(trainer, rows=range(4)):
 
 
 def _check(ref, ours, rows=range(4)):
-    batch = _batch(ref, rows)
-    for tr in (ref, ours):
-        tr.model.train()
-        tr._metrics["train"].clear()
-    l_ref = ref.compute_loss(ref.model, dict(batch))
-    l_ref.backward()
-    l_our = ours.compute_loss(ours.model, dict(batch))
-    l_our.backward()
-    assert_close_loss(l_our, l_ref)
-    assert_same_grads(ref.model, ours.model)
-    m_ref, m_our = stored_metrics(ref), stored_metrics(ours)
-    assert sorted(m_ref) == sorted(m_our)
-    for key in m_ref:
-        assert m_our[key] == pytest.approx(m_ref[key], rel=1e-5, abs=1e-6), key
-    return m_our
+    return check_step(ref, ours, _batch(ref, rows))[2]
 
 
 @pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])
