@@ -1,9 +1,9 @@
-"""Small helpers every chunked trainer module uses: the refusal error, the model under a PEFT wrapper, and the
-JSD loss of a pair of heads."""
+"""Small helpers every chunked trainer module uses: the refusal error, the model under a PEFT wrapper, a loss
+module built once per options, and the JSD loss of a pair of heads."""
 
 from __future__ import annotations
 
-__all__ = ["jsd_loss_for", "peft_base", "refuse"]
+__all__ = ["cached_loss", "jsd_loss_for", "peft_base", "refuse"]
 
 
 def refuse(trainer: str, option: str, why: str) -> None:
@@ -16,6 +16,15 @@ def peft_base(model):
     from accelerate.utils import is_peft_model
 
     return model.get_base_model() if is_peft_model(model) else model
+
+
+def cached_loss(cache: dict, cls: type, chunk_opts: dict, **options):
+    """``cls(**options, **chunk_opts)``, built once per class and ``options`` (hashable values) in ``cache``;
+    ``chunk_opts`` (the engine's options) are the trainer's own for its lifetime."""
+    key = (cls, *sorted(options.items()))
+    if key not in cache:
+        cache[key] = cls(**options, **chunk_opts)
+    return cache[key]
 
 
 def jsd_loss_for(cache: dict, student_head, teacher_head, **options):

@@ -12,7 +12,7 @@ import torch
 
 from chunkloss.losses.cross_entropy import FusedLinearCrossEntropyLoss
 
-from ._common import peft_base, refuse
+from ._common import cached_loss, peft_base, refuse
 from ._head import ChunkedHeadOutput, has_active_head_adapter, label_logps_head
 
 __all__ = [
@@ -139,12 +139,14 @@ class ChunkedScoring:
                 **multimodal,
             )
         k = logits_to_keep
-        key = ("logps", float(self.temperature))
-        logp_loss = self._chunk_losses.get(key)
-        if logp_loss is None:
-            logp_loss = self._chunk_losses[key] = FusedLinearCrossEntropyLoss(
-                reduction="none", temperature=key[1], **self.head_transforms, **self.chunk_opts
-            )
+        logp_loss = cached_loss(
+            self._chunk_losses,
+            FusedLinearCrossEntropyLoss,
+            self.chunk_opts,
+            reduction="none",
+            temperature=float(self.temperature),
+            **self.head_transforms,
+        )
         cast = bool(getattr(self.args, "cast_lm_head_to_fp32", False))
         batch_size = batch_size or input_ids.size(0)
         logps, aux = [], []

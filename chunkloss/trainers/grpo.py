@@ -22,7 +22,7 @@ from chunkloss.losses.grpo_options import ClipMetrics, GRPOLossType
 
 from ._arguments import ChunkedArguments
 from ._checkpointing import CheckpointingDefault
-from ._common import refuse
+from ._common import cached_loss, refuse
 from ._metrics import DeferredMetrics
 from ._online import ChunkedScoring, gathered, global_mean, policy_forward
 from ._setup import ChunkedTrainerSetup
@@ -94,11 +94,7 @@ class ChunkedGRPOTrainer(ChunkedTrainerSetup, DeferredMetrics, ChunkedScoring, G
             max_completion_length=self.max_completion_length,
             **self.head_transforms,
         )
-        key = tuple(sorted(opts.items()))
-        mod = self._chunk_losses.get(key)
-        if mod is None:
-            mod = self._chunk_losses[key] = FusedLinearGRPOLoss(**opts, **self.chunk_opts)
-        return mod
+        return cached_loss(self._chunk_losses, FusedLinearGRPOLoss, self.chunk_opts, **opts)
 
     def _applied_entropy_coef(self) -> float:
         """TRL's coefficient of the entropy bonus for this step: the adaptive controller's from the end of the

@@ -21,6 +21,7 @@ from chunkloss.losses.rloo import FusedLinearRLOOLoss
 
 from ._arguments import ChunkedArguments
 from ._checkpointing import CheckpointingDefault
+from ._common import cached_loss
 from ._metrics import DeferredMetrics
 from ._online import ChunkedScoring, gathered, global_mean, policy_forward, refuse_image_columns
 from ._setup import ChunkedTrainerSetup
@@ -60,11 +61,7 @@ class ChunkedRLOOTrainer(ChunkedTrainerSetup, DeferredMetrics, ChunkedScoring, R
             temperature=float(self.temperature),
             **self.head_transforms,
         )
-        key = ("rloo", *sorted(opts.items()))
-        mod = self._chunk_losses.get(key)
-        if mod is None:
-            mod = self._chunk_losses[key] = FusedLinearRLOOLoss(**opts, **self.chunk_opts)
-        return mod
+        return cached_loss(self._chunk_losses, FusedLinearRLOOLoss, self.chunk_opts, **opts)
 
     def _compute_loss(self, model, inputs):
         mode = "train" if self.model.training else "eval"
