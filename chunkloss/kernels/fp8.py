@@ -120,7 +120,8 @@ def _scaled_mm(aq, scale_a, bq, scale_b, bias, dtype: torch.dtype) -> torch.Tens
     k, n = bq.shape
     why = scaled_mm_refusal(aq.device, k, n, dtype)
     if why is None:
-        bq = bq.t().contiguous().t()  # column-major, as cuBLASLt's fp8 GEMM takes its second operand
+        if bq.is_cuda:  # column-major, as cuBLASLt's fp8 GEMM takes its second operand (the CPU takes any)
+            bq = bq.t().contiguous().t()
         bias = None if bias is None else bias.to(dtype)
         return torch_compat.scaled_mm(aq, bq, scale_a, scale_b, bias, dtype)
     _log_fallback(why)
