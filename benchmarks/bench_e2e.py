@@ -100,7 +100,8 @@ def setting(a, impl: str) -> dict:
     medusa = {"medusa": f"stage {a.medusa_stage} K={a.medusa_heads}"} if a.loss == "medusa" else {}
     kernels = impl == "chunkloss" and a.kernels and harness.kernels_available()
     case = dict(shape=a.shape, task=a.task, loss=a.loss, **medusa, seq=a.seq, gc=a.gc == "on", impl=impl)
-    return {**case, "layers": a.layers or SHAPES[a.shape]["layers"], "kernels": kernels}
+    compiled = impl == "compile" or (impl == "chunkloss" and getattr(a, "compile_ours", False))
+    return {**case, "layers": a.layers or SHAPES[a.shape]["layers"], "kernels": kernels, "compiled": compiled}
 
 
 def train(a, batch: int, profile: bool = False) -> dict:
@@ -131,6 +132,9 @@ def train(a, batch: int, profile: bool = False) -> dict:
             peft = LoraConfig(**LORA, task_type="CAUSAL_LM")
         run = dict(out_dir=tempfile.mkdtemp(), batch=batch, steps=a.steps, seq=a.seq, gc=a.gc == "on")
         config = {**(getattr(a, "extra", None) or {}), **({"chunk_fp8": "base"} if a.task == "fp8" else {})}
+        config.update(
+            {"torch_compile": True} if setting(a, a.impl)["compiled"] and a.impl == "chunkloss" else {}
+        )
         options = dict(kernels=a.kernels, peft_config=peft, medusa=medusa, config=config or None)
         with patch_lines() as lines:
             trainer = harness.make_trainer(a.loss, a.impl, model, tokenizer, ds, ref=ref, **run, **options)
@@ -143,6 +147,7 @@ def train(a, batch: int, profile: bool = False) -> dict:
         times, losses = timer.times[a.warmup :], [h["loss"] for h in trainer.state.log_history if "loss" in h]
         step = statistics.median(times)
         res.update(step_time_s=step, step_times_s=times, peak_mem_gib=timer.peak_extra_gib(), losses=losses)
+        res["first_step_s"] = timer.times[0]  # with the compilation, where the run compiles
         res["tokens_per_s"] = batch * ROWS_PER_EXAMPLE.get(a.loss, 1) * a.seq / step
         if prof is not None:
             res["parts"] = harness.kernel_time(prof, sum(times), len(times))
@@ -311,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--medusa-heads", type=int, default=3, help="medusa: K heads")
     p.add_argument("--medusa-stage", type=int, choices=(1, 2), default=1, help="medusa: 1 heads, 2 joint")
     p.add_argument("--no-kernels", dest="kernels", action="store_false", help="chunkloss: no chunk_kernels")
+    p.add_argument("--compile-ours", action="store_true", help="chunkloss: torch_compile=True")
     p.add_argument("--profile", action="store_true", help="torch.profiler's kernel time by kind, one impl")
     p.add_argument("--floor", action="store_true", help="the step's GEMMs and attention timed alone")
     a = p.parse_args(argv)

@@ -236,8 +236,12 @@ def _head_of(model: nn.Module) -> Head:
     return Head(weight, bias, softcap, logit_scale, features)
 
 
+@torch.compiler.disable
 def in_head_forward(model: nn.Module, fn: Callable[[Tensor, Head], Any], hidden: Tensor) -> Any:
     """``fn(hidden, head)`` run as the forward of ``model``'s LM head; returns ``fn``'s result.
+
+    Never traced: under ``torch_compile=True`` (the model compiled whole) Dynamo stops before it, and the
+    chunked loss runs its own loop, with its step compiled by ``chunk_compile``.
 
     The head module and those under it that have forward hooks and hold parameters (a LoRA adapter's base
     layer, ``lora_A``, ``lora_B``) each run ``fn`` inside their forward

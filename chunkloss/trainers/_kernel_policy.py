@@ -30,12 +30,6 @@ def _why_not(model, args, *, auto: bool) -> tuple[str, str] | None:
     if args.use_liger_kernel:
         why = "both replace the model's norms, rotary embedding and MLPs; choose one"
         return "with use_liger_kernel=True", why
-    if args.torch_compile:
-        why = (
-            "compiling a patched model on CUDA fails in the kernels' custom ops (their fake-tensor calls "
-            "raise 'vector::reserve' under torch 2.11); TRL compiles transformers' modules"
-        )
-        return "with torch_compile=True", why
     model_type = _model_type(model)
     if model_type not in SUPPORTED_MODEL_TYPES:
         return f"on model type {model_type!r}", f"the kernels cover {', '.join(SUPPORTED_MODEL_TYPES)}"
@@ -82,11 +76,14 @@ def apply_chunk_kernels(trainer) -> None:
     is patched (a PEFT model's base model, its plain LoRA layers inside the fused calls) when:
 
     * ``chunk_kernels=None`` (the default) and the model is on CUDA, of a type in ``SUPPORTED_MODEL_TYPES``,
-      and neither ``use_liger_kernel`` nor ``torch_compile`` is on; otherwise the model keeps transformers'
-      modules and one log line (``chunkloss.trainers``, WARNING) says why;
+      and ``use_liger_kernel`` is off; otherwise the model keeps transformers' modules and one log line
+      (``chunkloss.trainers``, WARNING) says why;
     * ``chunk_kernels=True``, or the trainer is refused with a ``ValueError`` naming ``chunk_kernels`` when
       the type is not supported, the parameters are not on CUDA (without ``TRITON_INTERPRET=1``),
-      ``use_liger_kernel`` is on too (Liger patches the same modules) or ``torch_compile`` is on.
+      ``use_liger_kernel`` is on too (Liger patches the same modules).
+
+    Under ``torch_compile=True`` the patched model is what accelerate compiles: the kernels' custom ops are
+    traced with the model (the chunked head is not: it runs its own loop).
 
     With ``chunk_fp8='base'`` the model's PEFT LoRA bases are first stored in fp8
     (:func:`chunkloss.models.quantize_base_fp8`); refused (``ValueError`` naming ``chunk_fp8``) without the
@@ -153,6 +150,12 @@ def _check_settings(name: str, chunked: ChunkedArguments, args) -> bool:
             "full fine-tuning in float8 (torchao's float8 training) is not supported yet; chunk_fp8='base' "
             "stores a LoRA model's frozen base in fp8",
         )
+    for option in ("chunk_kernels_norm_recompute", "chunk_long_context"):
+        if getattr(chunked, option) and args.torch_compile:
+            what = (
+                "its saved-tensor hooks" if "norm" in option else "activation offloading's saved-tensor hooks"
+            )
+            refuse(name, f"{option}=True with torch_compile=True", f"{what} are not traced by torch.compile")
     if setting is False:
         kernel_options = {
             "chunk_kernels_mlp_recompute": chunked.chunk_kernels_mlp_recompute,
@@ -168,12 +171,6 @@ def _check_settings(name: str, chunked: ChunkedArguments, args) -> bool:
                     "it selects how the kernels compute and what they keep for the backward",
                 )
         return False
-    if chunked.chunk_kernels_norm_recompute and args.torch_compile:
-        refuse(
-            name,
-            "chunk_kernels_norm_recompute=True with torch_compile=True",
-            "its saved-tensor hooks are not traced by torch.compile",
-        )
     return True
 
 

@@ -18,6 +18,7 @@ from chunkloss.trainers._arguments import ChunkedArguments
 from chunkloss.trainers.dpo import ChunkedDPOConfig, ChunkedDPOTrainer
 from chunkloss.trainers.orpo import ChunkedORPOConfig, ChunkedORPOTrainer
 from chunkloss.trainers.sft import ChunkedSFTConfig, ChunkedSFTTrainer
+from tests.child_process import in_child_process
 from tests.models.test_patch import grad_fn_counts
 from tests.tolerances import assert_close_to_ref
 from tests.trainers.helpers import assert_same_grads, common_args, model_pair, teacher_model, tokenizer
@@ -189,17 +190,37 @@ def test_norm_recompute_with_torch_compile_refused(tmp_path):
         _sft(tmp_path, model_pair()[0], True, chunk_kernels_norm_recompute=True, torch_compile=True)
 
 
-def test_torch_compile_turns_the_default_kernels_off_and_refuses_asked_ones(tmp_path, caplog):
-    with pytest.raises(ValueError, match="chunk_kernels=True with torch_compile=True"):
-        _sft(tmp_path, model_pair()[0], True, torch_compile=True)
-    model = model_pair()[0]
-    with caplog.at_level(logging.WARNING, logger="chunkloss.trainers"):
-        _sft(tmp_path, model, None, torch_compile=True)
-    assert any(
-        "chunk_kernels off" in r.getMessage() and "torch_compile=True" in r.getMessage()
-        for r in caplog.records
-    )
-    assert not any(_is_patched_norm(m) for m in model.modules())
+def test_long_context_with_torch_compile_refused(tmp_path):
+    with pytest.raises(ValueError, match="chunk_long_context=True with torch_compile=True"):
+        _sft(tmp_path, model_pair()[0], None, chunk_long_context=True, torch_compile=True)
+
+
+def _trained(tmp_path, model, compiled: bool):
+    trainer = _sft(tmp_path, model, True, torch_compile=compiled, max_steps=2, learning_rate=1e-2)
+    trainer.train()
+    assert hasattr(trainer.model_wrapped, "_orig_mod") == compiled  # accelerate's torch.compile wrapper
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        pytest.param("cpu", marks=[pytest.mark.slow, in_child_process]),  # about 40 s: two trainings
+        pytest.param("cuda", marks=pytest.mark.gpu),
+    ],
+)
+def test_torch_compile_keeps_the_kernels_and_trains_as_eager(tmp_path, device):
+    """``torch_compile=True`` compiles the patched model (the kernels through their custom ops; the chunked
+    head is not traced): two steps give the eager run's losses and parameters."""
+    if (device == "cuda") != torch.cuda.is_available():
+        pytest.skip("the kernels run on CUDA where there is one, else in the Triton interpreter")
+    m_eager, m_compiled = model_pair()
+    eager = _trained(tmp_path / "eager", m_eager, False)
+    compiled = _trained(tmp_path / "compiled", m_compiled, True)
+    assert any(_is_patched_norm(m) for m in m_compiled.modules())
+    assert_close_to_ref(torch.tensor(compiled), torch.tensor(eager), name="losses")
+    for (n, a), b in zip(m_compiled.named_parameters(), m_eager.parameters(), strict=True):
+        assert_close_to_ref(a, b, name=n)
 
 
 def test_sft_chunk_kernels_peft(tmp_path):
