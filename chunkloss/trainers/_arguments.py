@@ -51,6 +51,10 @@ class ChunkedArguments:
             (``"fp32"``, ``"bf16"``, ``"fp16"``, ``"none"``), or the ``torch.dtype`` (None for the weight's);
             kept as its canonical name, read as a ``torch.dtype`` from :attr:`accum_dtype`.
         chunk_compile: run the per-chunk math under ``torch.compile``.
+        chunk_compile_layers: under ``torch_compile=True``, compile each decoder layer once, in place
+            (regional compilation: one graph for every layer), rather than the model whole; the embedding,
+            final norm and chunked head run eagerly (:mod:`chunkloss.trainers._compile`). On by default;
+            ``False``: accelerate compiles the model whole (the chunked head is still not traced).
         chunk_kernels: run the model on chunkloss's Triton kernels (``chunkloss.models.patch(model,
             loss=False)``: RMSNorms, rotary embedding, each layer's input norm, q/k/v projections and rotary
             embedding as one fused call, the gated MLPs, and LoRA adapters inside those calls), and a
@@ -94,6 +98,13 @@ class ChunkedArguments:
     )
     chunk_compile: bool = field(
         default=True, metadata={"help": "Compile the per-chunk loss with torch.compile."}
+    )
+    chunk_compile_layers: bool = field(
+        default=True,
+        metadata={
+            "help": "With torch_compile: compile each decoder layer once, in place (regional compilation), "
+            "rather than the model whole. False: accelerate compiles the model whole."
+        },
     )
     chunk_kernels: bool | None = field(
         default=None,

@@ -14,6 +14,7 @@ from chunkloss._compat import trl as trl_compat
 from . import _long_context as long_context
 from ._arguments import check_max_steps, chunk_options
 from ._common import peft_base, refuse
+from ._compile import compile_layers
 from ._head import add_chunked_head, allow_lm_head_adapter, check_head_supported, head_transforms
 from ._kernel_policy import apply_chunk_kernels
 from ._nonfinite import NonFiniteLossWatch
@@ -52,7 +53,8 @@ class ChunkedTrainerSetup(
     3. :meth:`_refuse_built`: refusals that read the built trainer; then the prompt-learning adapters this
        trainer cannot train as TRL does (``_prompt_learning_refused``, and prefix tuning under gradient
        checkpointing, which drops the prefix's keys and values).
-    4. ``chunk_kernels`` (:func:`apply_chunk_kernels`), the LM head's check and, when ``_patch_forward``, the
+    4. ``chunk_kernels`` (:func:`apply_chunk_kernels`), under ``torch_compile`` the decoder layers compiled
+       (:func:`compile_layers`), the LM head's check and, when ``_patch_forward``, the
        chunked head on the trained model (:func:`add_chunked_head`). ``self.chunk_opts`` (the engine options)
        and ``self.head_transforms`` (``softcap``, ``logit_scale`` of the trained model) are set.
     5. :meth:`_setup_loss`: the trainer's own loss modules.
@@ -100,6 +102,7 @@ class ChunkedTrainerSetup(
         self._refuse_built()
         self._refuse_prompt_learning()
         apply_chunk_kernels(self)
+        compile_layers(self)
         self._chunk_offload = long_context.offload_context(self)
         base = peft_base(self.accelerator.unwrap_model(self.model))
         check_head_supported(base)

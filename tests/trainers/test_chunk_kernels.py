@@ -15,6 +15,7 @@ from chunkloss.data import tiny_dataset, tiny_model
 from chunkloss.models import SUPPORTED_MODEL_TYPES
 from chunkloss.models.layers import PatchedGatedMLP, PatchedRMSNorm
 from chunkloss.trainers._arguments import ChunkedArguments
+from chunkloss.trainers._common import peft_base
 from chunkloss.trainers.dpo import ChunkedDPOConfig, ChunkedDPOTrainer
 from chunkloss.trainers.orpo import ChunkedORPOConfig, ChunkedORPOTrainer
 from chunkloss.trainers.sft import ChunkedSFTConfig, ChunkedSFTTrainer
@@ -195,32 +196,48 @@ def test_long_context_with_torch_compile_refused(tmp_path):
         _sft(tmp_path, model_pair()[0], None, chunk_long_context=True, torch_compile=True)
 
 
-def _trained(tmp_path, model, compiled: bool):
-    trainer = _sft(tmp_path, model, True, torch_compile=compiled, max_steps=2, learning_rate=1e-2)
+def _trained(tmp_path, model, compiled: str | None):
+    cfg = dict(torch_compile=compiled is not None, chunk_compile_layers=compiled == "layers")
+    trainer = _sft(tmp_path, model, True, max_steps=3, optim="sgd", learning_rate=0.5, **cfg)
     trainer.train()
-    assert hasattr(trainer.model_wrapped, "_orig_mod") == compiled  # accelerate's torch.compile wrapper
+    # accelerate's wrapper of a model it compiled whole, or the layers compiled in place
+    assert hasattr(trainer.model_wrapped, "_orig_mod") == (compiled == "whole")
+    layers = peft_base(trainer.model).get_decoder().layers
+    assert all(layer._compiled_call_impl is not None for layer in layers) == (compiled == "layers")
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
 @pytest.mark.parametrize(
     "device",
     [
-        pytest.param("cpu", marks=[pytest.mark.slow, in_child_process]),  # about 40 s: two trainings
+        pytest.param("cpu", marks=[pytest.mark.slow, in_child_process]),  # about 60 s: three trainings
         pytest.param("cuda", marks=pytest.mark.gpu),
     ],
 )
 def test_torch_compile_keeps_the_kernels_and_trains_as_eager(tmp_path, device):
-    """``torch_compile=True`` compiles the patched model (the kernels through their custom ops; the chunked
-    head is not traced): two steps give the eager run's losses and parameters."""
+    """``torch_compile=True`` compiles the patched model's decoder layers (the default) or the model whole
+    (``chunk_compile_layers=False``), the kernels through their custom ops and the chunked head never traced:
+    three SGD steps over sequences of different lengths give the eager run's losses and parameters, and the
+    layers compile two graphs (the first length, then one whose length is dynamic), not one per layer or
+    step."""
+    from torch._dynamo.utils import counters
+
     if (device == "cuda") != torch.cuda.is_available():
         pytest.skip("the kernels run on CUDA where there is one, else in the Triton interpreter")
-    m_eager, m_compiled = model_pair()
-    eager = _trained(tmp_path / "eager", m_eager, False)
-    compiled = _trained(tmp_path / "compiled", m_compiled, True)
-    assert any(_is_patched_norm(m) for m in m_compiled.modules())
-    assert_close_to_ref(torch.tensor(compiled), torch.tensor(eager), name="losses")
-    for (n, a), b in zip(m_compiled.named_parameters(), m_eager.parameters(), strict=True):
-        assert_close_to_ref(a, b, name=n)
+    torch.manual_seed(0)
+    model = tiny_model(tokenizer(), "qwen3", hidden_size=32, num_layers=2)
+    models = (model, copy.deepcopy(model), copy.deepcopy(model))
+    eager = _trained(tmp_path / "eager", models[0], None)
+    torch._dynamo.reset()
+    counters.clear()
+    layers = _trained(tmp_path / "layers", models[1], "layers")
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    whole = _trained(tmp_path / "whole", models[2], "whole")
+    for name, (losses, model) in {"layers": (layers, models[1]), "whole": (whole, models[2])}.items():
+        assert any(_is_patched_norm(m) for m in model.modules())
+        assert_close_to_ref(torch.tensor(losses), torch.tensor(eager), name=f"{name} losses")
+        for (n, a), b in zip(model.named_parameters(), models[0].parameters(), strict=True):
+            assert_close_to_ref(a, b, name=f"{name} {n}")
 
 
 def test_sft_chunk_kernels_peft(tmp_path):
