@@ -161,10 +161,15 @@ def _decoder_rows(r: dict):
     yield _row(r["case"], r["impl"], r.get("ms"), _gib(r.get("peak_bytes")), r.get("error"), **extra)
 
 
+def impl_label(r: dict) -> str:
+    """A run's implementation as the tables name it: chunkloss under ``torch_compile`` is a row of its own."""
+    return r["impl"] + (" + torch_compile" if r["impl"] == "chunkloss" and r.get("compiled") else "")
+
+
 def _training_row(case: str, r: dict, **extra) -> dict:
     """A training run's row: its median step time (s), its peak memory (GiB), and OOM or its error."""
     error = "OOM" if r.get("oom") else r.get("error")
-    return _row(case, r["impl"], r.get("step_time_s"), r.get("peak_mem_gib"), error, **extra)
+    return _row(case, impl_label(r), r.get("step_time_s"), r.get("peak_mem_gib"), error, **extra)
 
 
 def _medusa_e2e_rows(r: dict):
@@ -173,7 +178,8 @@ def _medusa_e2e_rows(r: dict):
 
 
 def _e2e_rows(r: dict):
-    yield _training_row(e2e_case(r), r, tokens_per_s=r.get("tokens_per_s"))
+    first = {"first_step_s": r["first_step_s"]} if "first_step_s" in r else {}  # runs since it is recorded
+    yield _training_row(e2e_case(r), r, tokens_per_s=r.get("tokens_per_s"), **first)
 
 
 def _longctx_rows(r: dict):
@@ -372,8 +378,8 @@ def merge(out: pathlib.Path, dirs: list[pathlib.Path]) -> list[str]:
                 merged[name] = json.loads(old.read_text()) if old.exists() else {"mode": mode, key: []}
             into = merged[name]
             into["stamp"] = data["stamp"]
-            same = (r.get("case") or e2e_case(r), r["impl"])
-            into[key] = [o for o in into[key] if (o.get("case") or e2e_case(o), o["impl"]) != same]
+            same = (r.get("case") or e2e_case(r), impl_label(r))
+            into[key] = [o for o in into[key] if (o.get("case") or e2e_case(o), impl_label(o)) != same]
             into[key].append(r)
     for name, data in merged.items():
         if data.get("mode") == "longctx":

@@ -179,6 +179,18 @@ def test_merge_groups_runs_by_task_and_loss_and_newer_rows_replace_older(tmp_pat
     assert (out / "e2e_lora_sft.md").exists() and (out / "floor.png").exists()
 
 
+def test_compiled_chunkloss_is_a_row_of_its_own(tmp_path):
+    """chunkloss under ``torch_compile`` (``bench_e2e --compile-ours``) and eager: two rows, both kept by a
+    merge, the compiled one's first step (its compilation) shown."""
+    compiled = {**_run("chunkloss", 8, 0.7, 20.0), "compiled": True, "first_step_s": 28.0}
+    data = {"stamp": STAMP, "mode": "e2e", "sweep": [_run("chunkloss", 8, 0.7, 20.0), compiled]}
+    (tmp_path / "x.json").write_text(json.dumps(data))
+    report.merge(tmp_path / "out", [tmp_path])
+    table = (tmp_path / "out" / "e2e_full_sft.md").read_text()
+    assert "| chunkloss | 0.700 |" in table and "| chunkloss + torch_compile | 0.700 |" in table, table
+    assert "28.000" in table, table
+
+
 def test_benchmarks_import_no_private_chunkloss_names():
     private = re.compile(r"(chunkloss[\w.]*\._\w+|from chunkloss[\w.]* import [^\n]*\b_\w+)")
     for path in sorted((ROOT / "benchmarks").rglob("*.py")):

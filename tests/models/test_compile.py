@@ -7,9 +7,10 @@ integration itself (the per-family forwards, the per-call choice of the fused pa
 compiles it with ``fullgraph=True``. Another compiles the model with the kernels themselves as the first
 compilation of a fresh process (``tests/kernels/compiled.py``'s ``in_fresh_process``), full and LoRA, against
 the unpatched model, and counts the graphs over four sequence lengths. That crashed torch 2.13's CPU build
-(a segfault in a custom op's fake-tensor dispatch) while an op could be defined twice; since every op is
-defined once (``chunkloss/kernels/_utils.py``, ``tests/kernels/test_custom_ops.py``) it passes. On a GPU
-the same check runs with the CUDA kernels.
+(a segfault in a custom op's fake-tensor dispatch), and on CUDA raised ``vector::reserve`` (torch 2.11), while
+an op could be defined twice; since every op is defined once (``chunkloss/kernels/_utils.py``,
+``tests/kernels/test_custom_ops.py``) both pass. On a GPU the CUDA kernels are compiled, the first compilation
+of the test process when it runs first.
 """
 
 import copy
@@ -100,12 +101,6 @@ def test_patched_model_compiles_with_its_kernels_first_in_a_process(lora_targets
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(
-    raises=torch._dynamo.exc.TorchRuntimeError,
-    strict=False,
-    reason="as the first compilation of a process (torch 2.11, H100 and H200), Dynamo's fake-tensor call of"
-    " a kernel's custom op raised 'vector::reserve'; later in a process the same model compiled",
-)
 @pytest.mark.parametrize("lora_targets", [None, "all"])
 def test_patched_forward_and_backward_compile_on_gpu(lora_targets):
     """The kernels themselves under torch.compile: no graph break; the loss and gradients of the unpatched

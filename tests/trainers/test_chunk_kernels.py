@@ -196,9 +196,11 @@ def test_long_context_with_torch_compile_refused(tmp_path):
         _sft(tmp_path, model_pair()[0], None, chunk_long_context=True, torch_compile=True)
 
 
-def _trained(tmp_path, model, compiled: str | None):
+def _trained(tmp_path, model, compiled: str | None, monkeypatch):
     cfg = dict(torch_compile=compiled is not None, chunk_compile_layers=compiled == "layers")
     trainer = _sft(tmp_path, model, True, max_steps=3, optim="sgd", learning_rate=0.5, **cfg)
+    # accelerate turns TF32 on for an fp32 run it compiles (on CUDA, process-wide): off, for the comparison
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     trainer.train()
     # accelerate's wrapper of a model it compiled whole, or the layers compiled in place
     assert hasattr(trainer.model_wrapped, "_orig_mod") == (compiled == "whole")
@@ -214,7 +216,7 @@ def _trained(tmp_path, model, compiled: str | None):
         pytest.param("cuda", marks=pytest.mark.gpu),
     ],
 )
-def test_torch_compile_keeps_the_kernels_and_trains_as_eager(tmp_path, device):
+def test_torch_compile_keeps_the_kernels_and_trains_as_eager(tmp_path, device, monkeypatch):
     """``torch_compile=True`` compiles the patched model's decoder layers (the default) or the model whole
     (``chunk_compile_layers=False``), the kernels through their custom ops and the chunked head never traced:
     three SGD steps over sequences of different lengths give the eager run's losses and parameters, and the
@@ -227,12 +229,12 @@ def test_torch_compile_keeps_the_kernels_and_trains_as_eager(tmp_path, device):
     torch.manual_seed(0)
     model = tiny_model(tokenizer(), "qwen3", hidden_size=32, num_layers=2)
     models = (model, copy.deepcopy(model), copy.deepcopy(model))
-    eager = _trained(tmp_path / "eager", models[0], None)
+    eager = _trained(tmp_path / "eager", models[0], None, monkeypatch)
     torch._dynamo.reset()
     counters.clear()
-    layers = _trained(tmp_path / "layers", models[1], "layers")
+    layers = _trained(tmp_path / "layers", models[1], "layers", monkeypatch)
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
-    whole = _trained(tmp_path / "whole", models[2], "whole")
+    whole = _trained(tmp_path / "whole", models[2], "whole", monkeypatch)
     for name, (losses, model) in {"layers": (layers, models[1]), "whole": (whole, models[2])}.items():
         assert any(_is_patched_norm(m) for m in model.modules())
         assert_close_to_ref(torch.tensor(losses), torch.tensor(eager), name=f"{name} losses")
