@@ -267,12 +267,9 @@ def worker(a) -> None:
     """This process's runs: the sweep of one implementation (or its profile, or the floor) to ``a.out``."""
     rows = []
     for batch in a.batches:
-        if a.floor:
-            r = floor(a, batch)
-        else:
-            r = train(a, batch, profile=a.profile)
-            if a.profile:
-                r["ms"] = r.get("step_time_s", 0) * 1e3
+        r = floor(a, batch) if a.floor else train(a, batch, profile=a.profile)
+        if a.profile:
+            r["ms"] = r.get("step_time_s", 0) * 1e3
         rows.append({"case": e2e_case(r), **r} if a.profile or a.floor else r)
         shown = {k: r.get(k) for k in ("step_time_s", "peak_mem_gib", "ms", "parts", "error")}
         print(f"[bench_e2e] {a.impl} b={batch}: {json.dumps(shown)}", flush=True)

@@ -320,9 +320,8 @@ def fixed_completions(base, complete=random_digits):
             for i, ids in enumerate(prompt_ids):
                 key = json.dumps([list(ids), (first + i) % group]).encode()
                 completions.append(complete(self, zlib.crc32(key)))
-            if num_generations is None:  # RLOO's: the ids alone
-                return completions
-            return completions, None  # GRPO's: no sampling log-probs, as TRL's transformers generation
+            # RLOO's: the ids alone; GRPO's: no sampling log-probs, as TRL's transformers generation
+            return completions if num_generations is None else (completions, None)
 
     FixedCompletions.__name__ = f"FixedCompletions{base.__name__}"
     return FixedCompletions
@@ -341,11 +340,9 @@ def materialised_medusa(base):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             a, heads, m = self.args, self.medusa_heads, self.accelerator.unwrap_model(model)
             with contextlib.nullcontext() if a.medusa_stage == 2 else torch.no_grad():
-                hidden = m.model(
-                    input_ids=inputs["input_ids"],
-                    attention_mask=inputs.get("attention_mask"),
-                    use_cache=False,
-                ).last_hidden_state[:, :-1]
+                ids, mask = inputs["input_ids"], inputs.get("attention_mask")
+                out = m.model(input_ids=ids, attention_mask=mask, use_cache=False)
+            hidden = out.last_hidden_state[:, :-1]
             target, t = inputs["labels"][:, 1:], hidden.shape[1]
             loss = 0.0
             if a.medusa_stage == 2:

@@ -148,9 +148,8 @@ def _setting(a) -> dict:
 
 
 def _train(batch: int, a, tokenizer, t0: float) -> dict:
-    """Build the model and the trainer, train ``a.steps`` steps at per-GPU ``batch`` and measure them (``t0``:
-    when the batch started). What it builds is referenced from its frame only: ``run_batch`` collects it once
-    it returns."""
+    """Build the model and trainer, train ``a.steps`` steps at per-GPU ``batch``, measure them (``t0``: the
+    batch's start). What it builds lives in this frame only: ``run_batch`` collects it once it returns."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     model = build_model(a.model, tokenizer, a.seq_len)
     t1 = time.perf_counter()
@@ -202,9 +201,8 @@ def run_batch(batch: int, a, tokenizer) -> dict:
         if cuda:
             res["peak_memory_gib_at_oom"] = torch.cuda.max_memory_allocated() / 2**30
     finally:
-        # After _train's frame (or the OOM's traceback) is gone, nothing outside the batch holds its model,
-        # but the model refers to itself (TRL's and chunkloss's trainers set its forward to a method bound to
-        # it): only a collection frees it, with the optimizer and accelerator that hold it.
+        # Nothing outside the batch holds its model now, but the model refers to itself (its forward is a
+        # method bound to it): only a collection frees it, with the optimizer and accelerator that hold it.
         harness.free_memory()
     res["wall_s"] = time.perf_counter() - t0
     return res
@@ -228,19 +226,16 @@ def sweep(a) -> None:
     ``a.out`` as soon as it is known, beside ``setting.json`` (what the run is)."""
     from chunkloss.data import tiny_tokenizer
 
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     harness.record_pid(a.out)
     if rank == 0:
         write_json(a.out / "setting.json", {**_setting(a), "batch_sizes": a.batch_sizes})
     tokenizer = tiny_tokenizer()
-    st, nvls = harness.stamp(gpus=world), os.environ.get("NCCL_NVLS_ENABLE")
-    prev = None
+    st, nvls, prev = harness.stamp(gpus=world), os.environ.get("NCCL_NVLS_ENABLE"), None
     for batch in a.batch_sizes:
         if a.time_budget_s and prev is not None:
             left = a.time_budget_s - (time.monotonic() - _T0)
-            # The previous batch's time outside the steps, plus its step time scaled linearly in the batch
-            # (an overestimate while the GPU is not saturated).
+            # The previous batch's time outside the steps, plus its step time scaled linearly in the batch.
             steps_s = prev["median_step_time_s"] * batch / prev["batch"] * a.steps
             need = max(prev["wall_s"] - prev["steps_s"], 0.0) + steps_s
             if _rank0_says(need > left):
@@ -260,8 +255,7 @@ def sweep(a) -> None:
             if world > 1:
                 # The other ranks may wait in a collective this rank will never join: end the process now,
                 # and the launcher ends them.
-                sys.stdout.flush()
-                sys.stderr.flush()
+                sys.stdout.flush(), sys.stderr.flush()
                 os._exit(3)
             break
         if rank == 0:
