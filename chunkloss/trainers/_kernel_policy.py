@@ -82,8 +82,8 @@ def apply_chunk_kernels(trainer) -> None:
       the type is not supported, the parameters are not on CUDA (without ``TRITON_INTERPRET=1``),
       ``use_liger_kernel`` is on too (Liger patches the same modules).
 
-    Under ``torch_compile=True`` the patched model is what accelerate compiles: the kernels' custom ops are
-    traced with the model (the chunked head is not: it runs its own loop).
+    Under ``torch_compile=True`` the patched model is what gets compiled (:mod:`chunkloss.trainers._compile`):
+    the kernels' custom ops are traced with the decoder layers; the chunked head runs its own loop, untraced.
 
     With ``chunk_fp8='base'`` the model's PEFT LoRA bases are first stored in fp8
     (:func:`chunkloss.models.quantize_base_fp8`); refused (``ValueError`` naming ``chunk_fp8``) without the
