@@ -47,7 +47,9 @@ def hooked_owners(roots: Iterable[nn.Module], recurse: bool = True) -> list[nn.M
     out, seen = [], set()
     for root in roots:
         for module in root.modules() if recurse else (root,):
-            if id(module) in seen or not torch_compat.forward_hooks(module):
+            # Hooks first: ``id`` of a module traced by Dynamo guards on that very object, and would give each
+            # decoder layer a graph of its own under torch.compile.
+            if not torch_compat.forward_hooks(module) or id(module) in seen:
                 continue
             seen.add(id(module))
             if next(module.parameters(), None) is not None:

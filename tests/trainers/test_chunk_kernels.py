@@ -219,9 +219,9 @@ def _trained(tmp_path, model, compiled: str | None, monkeypatch):
 def test_torch_compile_keeps_the_kernels_and_trains_as_eager(tmp_path, device, monkeypatch):
     """``torch_compile=True`` compiles the patched model's decoder layers (the default) or the model whole
     (``chunk_compile_layers=False``), the kernels through their custom ops and the chunked head never traced:
-    three SGD steps over sequences of different lengths give the eager run's losses and parameters, and the
-    layers compile two graphs (the first length, then one whose length is dynamic), not one per layer or
-    step."""
+    three SGD steps give the eager run's losses and parameters. The two layers share one graph (nothing in
+    the patched forwards guards on a layer's own modules), and two new sequence lengths add one graph, whose
+    length is dynamic, and no more."""
     from torch._dynamo.utils import counters
 
     if (device == "cuda") != torch.cuda.is_available():
@@ -233,7 +233,12 @@ def test_torch_compile_keeps_the_kernels_and_trains_as_eager(tmp_path, device, m
     torch._dynamo.reset()
     counters.clear()
     layers = _trained(tmp_path / "layers", models[1], "layers", monkeypatch)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    for length in (23, 31):
+        ids = torch.randint(0, model.config.vocab_size, (2, length), device=models[1].device)
+        models[1](input_ids=ids, labels=ids).loss.backward()
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    models[1].zero_grad()
     whole = _trained(tmp_path / "whole", models[2], "whole", monkeypatch)
     for name, (losses, model) in {"layers": (layers, models[1]), "whole": (whole, models[2])}.items():
         assert any(_is_patched_norm(m) for m in model.modules())
