@@ -132,9 +132,8 @@ def train(a, batch: int, profile: bool = False) -> dict:
             peft = LoraConfig(**LORA, task_type="CAUSAL_LM")
         run = dict(out_dir=tempfile.mkdtemp(), batch=batch, steps=a.steps, seq=a.seq, gc=a.gc == "on")
         config = {**(getattr(a, "extra", None) or {}), **({"chunk_fp8": "base"} if a.task == "fp8" else {})}
-        config.update(
-            {"torch_compile": True} if setting(a, a.impl)["compiled"] and a.impl == "chunkloss" else {}
-        )
+        if a.impl == "chunkloss" and res["compiled"]:  # --compile-ours
+            config["torch_compile"] = True
         options = dict(kernels=a.kernels, peft_config=peft, medusa=medusa, config=config or None)
         with patch_lines() as lines:
             trainer = harness.make_trainer(a.loss, a.impl, model, tokenizer, ds, ref=ref, **run, **options)

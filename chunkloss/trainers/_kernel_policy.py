@@ -150,12 +150,11 @@ def _check_settings(name: str, chunked: ChunkedArguments, args) -> bool:
             "full fine-tuning in float8 (torchao's float8 training) is not supported yet; chunk_fp8='base' "
             "stores a LoRA model's frozen base in fp8",
         )
-    for option in ("chunk_kernels_norm_recompute", "chunk_long_context"):
+    hooks = {"chunk_kernels_norm_recompute": "its", "chunk_long_context": "activation offloading's"}
+    for option, whose in hooks.items():
         if getattr(chunked, option) and args.torch_compile:
-            what = (
-                "its saved-tensor hooks" if "norm" in option else "activation offloading's saved-tensor hooks"
-            )
-            refuse(name, f"{option}=True with torch_compile=True", f"{what} are not traced by torch.compile")
+            why = f"{whose} saved-tensor hooks are not traced by torch.compile"
+            refuse(name, f"{option}=True with torch_compile=True", why)
     if setting is False:
         kernel_options = {
             "chunk_kernels_mlp_recompute": chunked.chunk_kernels_mlp_recompute,
