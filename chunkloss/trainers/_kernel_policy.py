@@ -9,7 +9,7 @@ import torch
 
 from ._arguments import ChunkedArguments
 from ._common import peft_base, refuse
-from ._long_context import mlp_options
+from ._long_context import layer_options
 
 __all__ = ["apply_chunk_kernels"]
 
@@ -69,8 +69,8 @@ def _check_fp8_base(name: str, model, why_no_kernels) -> None:
 
 def apply_chunk_kernels(trainer) -> None:
     """Patch the trainer's models with ``chunkloss.models.patch(model, loss=False,
-    mlp_recompute=chunk_kernels_mlp_recompute, norm_recompute=chunk_kernels_norm_recompute)`` as
-    ``chunk_kernels`` says.
+    mlp_recompute=..., mlp_tile=..., norm_recompute=...)`` as ``chunk_kernels`` says, the layer options from
+    :func:`~chunkloss.trainers._long_context.layer_options`.
 
     Called by every chunked trainer once TRL's constructor has built and placed its models. The trained model
     is patched (a PEFT model's base model, its plain LoRA layers inside the fused calls) when:
@@ -103,7 +103,7 @@ def apply_chunk_kernels(trainer) -> None:
     setting, fp8 = chunked.chunk_kernels, chunked.chunk_fp8
     if not _check_settings(name, chunked, args):
         return
-    options = {**mlp_options(args), "norm_recompute": bool(chunked.chunk_kernels_norm_recompute)}
+    options = layer_options(args)
     log = logging.getLogger("chunkloss.trainers")
     unwrap = trainer.accelerator.unwrap_model
     model = peft_base(unwrap(trainer.model))

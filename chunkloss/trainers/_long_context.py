@@ -12,6 +12,9 @@
 3. **The tiled MLP** (with the kernels): the fused MLP saves only its input and runs over tiles of
    :data:`MLP_TILE` tokens (``chunkloss.models.patch(..., mlp_recompute=True, mlp_tile=...)``), so its
    ``(tokens, intermediate)`` tensors exist for one tile at a time.
+4. **The attention's norm recomputed** (with the kernels): the fused norm + q/k/v + RoPE call keeps its input
+   and the per-token ``rstd``, not the normalised input, in the checkpoint's recompute too
+   (``patch(..., norm_recompute=True)``): H elements per token fewer in the backward of each layer.
 
 What the GPU then holds grows with the sequence by one layer's working set plus the chunked head's input,
 not by the layer count; docs/design.md has the measurement.
@@ -33,9 +36,9 @@ from ._arguments import ChunkedArguments
 MLP_TILE = 8192
 
 
-def mlp_options(args) -> dict:
-    """``patch``'s MLP options from a config: ``chunk_kernels_mlp_recompute`` and ``chunk_kernels_mlp_tile``,
-    both on under ``chunk_long_context``."""
+def layer_options(args) -> dict:
+    """``patch``'s layer options from a config: ``chunk_kernels_mlp_recompute``, ``chunk_kernels_mlp_tile``
+    and ``chunk_kernels_norm_recompute``, all on under ``chunk_long_context``."""
     chunked = ChunkedArguments.of(args)
     long_context, tile = bool(chunked.chunk_long_context), chunked.chunk_kernels_mlp_tile
     if tile is not None and (not isinstance(tile, int) or isinstance(tile, bool) or tile <= 0):
@@ -43,6 +46,7 @@ def mlp_options(args) -> dict:
     return {
         "mlp_recompute": bool(chunked.chunk_kernels_mlp_recompute) or long_context,
         "mlp_tile": tile if tile is not None else MLP_TILE if long_context else None,
+        "norm_recompute": bool(chunked.chunk_kernels_norm_recompute) or long_context,
     }
 
 

@@ -56,7 +56,7 @@ def _step(trainer, batch=None):
     return torch.as_tensor(trainer.training_step(trainer.model, inputs, None))
 
 
-def test_switch_turns_on_checkpointing_and_the_tiled_mlp(tmp_path):
+def test_switch_turns_on_checkpointing_the_tiled_mlp_and_the_norm_recompute(tmp_path):
     model = model_pair()[0]
     trainer = _sft(tmp_path, model, chunk_long_context=True, chunk_kernels=True)
     args = trainer.args
@@ -64,6 +64,8 @@ def test_switch_turns_on_checkpointing_and_the_tiled_mlp(tmp_path):
     assert args.activation_offloading is CUDA  # nothing to offload from on the CPU
     mlps = [m for m in model.modules() if isinstance(m, PatchedGatedMLP)]
     assert mlps and all(m.chunkloss_mlp.recompute and m.chunkloss_mlp.tile == MLP_TILE for m in mlps)
+    layers = model.model.layers
+    assert all(layer.chunkloss_layer.norm_recompute for layer in layers)
 
 
 def test_explicit_tile_and_refusals(tmp_path):
