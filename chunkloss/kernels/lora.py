@@ -246,9 +246,8 @@ def lora_dt(gs, t: torch.Tensor, weights, plan: LoraPlan, need, need_dt: bool):
     """``dt = [s_j·g_j·B_j]_j`` (N, Σr) in ``plan.dtype`` (None unless ``need_dt``) and the list of ``dB_j``
     (None where ``need``, the flags of (a, b, a, b, ...), says no), from the (N, out_j) upstream gradients."""
     dts, dbs = [], []
-    for j, (g, tj, b, s) in enumerate(
-        zip(gs, t.split(plan.ranks, dim=1), weights[1::2], plan.scalings, strict=True)
-    ):
+    ts = t.split(plan.ranks, dim=1) if t is not None else (None,) * len(plan.ranks)  # None: no dB wanted
+    for j, (g, tj, b, s) in enumerate(zip(gs, ts, weights[1::2], plan.scalings, strict=True)):
         gc = g.to(plan.dtype)
         dbs.append((gc.t() @ (tj * s)).to(b.dtype) if need[2 * j + 1] else None)
         if need_dt:

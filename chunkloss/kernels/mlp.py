@@ -131,7 +131,7 @@ def _gate_up(x, w_gate, w_up, b_gate, b_up, lora_in, t_in, opts: MLPOptions):
 
 class GatedMLPFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w_gate, w_up, w_down, b_gate, b_up, b_down, opts: MLPOptions, *lora):
+    def forward(ctx, x, w_gate, w_up, w_down, b_gate, b_up, b_down, opts: MLPOptions, held, *lora):
         lora_in, lora_out = lora[: 2 * _n_tensors(opts.lora_in)], lora[2 * _n_tensors(opts.lora_in) :]
         t_in, masks_in = lora_down(x, lora_in, opts.lora_in) if opts.lora_in is not None else (None, ())
         g, u = _gate_up(x, w_gate, w_up, b_gate, b_up, lora_in, t_in, opts)
@@ -143,23 +143,41 @@ class GatedMLPFunction(torch.autograd.Function):
             lora_up_([y], t_out, lora_out, opts.lora_out)
         saved = () if opts.recompute else (g, u)
         weights, ctx.frozen = split_frozen((w_gate, w_up, w_down))  # a FrozenWeight is loaded again
-        ctx.save_for_backward(x, *weights, b_gate, b_up, t_in, t_out, *masks_in, *masks_out, *lora, *saved)
-        ctx.opts = opts
+        ctx.opts, ctx.held = opts, held
+        if held is None:
+            ctx.save_for_backward(
+                x, *weights, b_gate, b_up, t_in, t_out, *masks_in, *masks_out, *lora, *saved
+            )
         return y
 
     @staticmethod
+    def saved(ctx) -> list:
+        """What :meth:`forward` saved, or, for a tile of :class:`_HeldInputs`, the same read from that node:
+        the tile's rows of ``x``, ``t_in`` computed again, ``t_out`` None (the backward computes it from the
+        ``h`` it recomputes) and no masks (held inputs have no dropout)."""
+        if ctx.held is None:
+            return list(ctx.saved_tensors)
+        held, start, stop = ctx.held
+        x, w_gate, w_up, w_down, b_gate, b_up, *lora = held.take()
+        x, opts = x[start:stop], ctx.opts
+        n_in, n_out = _n_tensors(opts.lora_in), _n_tensors(opts.lora_out)
+        t_in = lora_down(x, lora[: 2 * n_in], opts.lora_in)[0] if n_in else None
+        return [x, w_gate, w_up, w_down, b_gate, b_up, t_in, None, *(None,) * (n_in + n_out), *lora]
+
+    @staticmethod
     def backward(ctx, dy):
-        x, w_gate, w_up, w_down, b_gate, b_up, t_in, t_out, *rest = ctx.saved_tensors
+        x, w_gate, w_up, w_down, b_gate, b_up, t_in, t_out, *rest = GatedMLPFunction.saved(ctx)
         w_gate, w_up, w_down = joined((w_gate, w_up, w_down), ctx.frozen)
         need, opts = ctx.needs_input_grad, ctx.opts
         n_in, n_out = _n_tensors(opts.lora_in), _n_tensors(opts.lora_out)
         masks_in, masks_out, lora_in, lora_out, saved = _split(rest, n_in, n_out, 2 * n_in, 2 * n_out)
-        need_in, need_out = need[8 : 8 + 2 * n_in], need[8 + 2 * n_in :]
+        need_in, need_out = need[9 : 9 + 2 * n_in], need[9 + 2 * n_in :]
         dy = dy.contiguous()
         dh = grad_input(dy, w_down)
         dt_out = grads_out = None
-        if opts.lora_out is not None:  # dt·A into dh now, dA once the pass below has written h
-            dt_out, db_out = lora_dt([dy], t_out, lora_out, opts.lora_out, need_out, True)
+        if opts.lora_out is not None:  # dt·A into dh now, dA (and dB without t_out) once h is written below
+            need_b = need_out if t_out is not None else (need_out[0], False)
+            dt_out, db_out = lora_dt([dy], t_out, lora_out, opts.lora_out, need_b, True)
             lora_dx_(dh, dt_out, masks_out, lora_out, opts.lora_out)
         if saved:
             g, u = saved
@@ -168,6 +186,9 @@ class GatedMLPFunction(torch.autograd.Function):
         # One pass: dg, du over g, u (when replayed) and h over dh.
         dg, du, h = _glu_bwd(dh, g, u, GLUOptions(opts.activation, in_place=len(saved) == 0), c=dh)
         if opts.lora_out is not None:
+            if t_out is None:
+                t_out = lora_down(h, lora_out, opts.lora_out)[0]
+                db_out = lora_dt([dy], t_out, lora_out, opts.lora_out, need_out, False)[1]
             da_out = lora_da(dt_out, h, masks_out, lora_out, opts.lora_out, need_out)
             grads_out = tuple(g for pair in zip(da_out, db_out, strict=True) for g in pair)
         dw_down = dy.t() @ h if need[3] else None
@@ -185,7 +206,58 @@ class GatedMLPFunction(torch.autograd.Function):
         db_gate = dg.sum(0) if need[4] else None
         db_up = du.sum(0) if need[5] else None
         db_down = dy.sum(0) if need[6] else None
-        return dx, dw_gate, dw_up, dw_down, db_gate, db_up, db_down, None, *grads_in, *(grads_out or ())
+        return dx, dw_gate, dw_up, dw_down, db_gate, db_up, db_down, None, None, *grads_in, *(grads_out or ())
+
+
+class _HeldInputs(torch.autograd.Function):
+    """``x`` as it is, saving ``x`` and the MLP's parameters *before* the MLP runs; the tiles of
+    :class:`GatedMLPFunction` then save nothing and read them from this node in their backward.
+
+    Under non-reentrant checkpointing (early stop, torch's default) the recompute of a layer stops at its last
+    save. In a pre-norm layer this one is the last (the residual addition after the MLP saves nothing), so the
+    recompute never runs the MLP's forward, whose output nothing in the backward reads: one of the MLP's four
+    forward passes of a checkpointed step with ``recompute`` (forward, recompute, replay in the backward) is
+    gone. Where something after the MLP saves a tensor, the recompute runs on through the MLP as before."""
+
+    @staticmethod
+    def forward(ctx, x, *tensors):
+        ctx.save_for_backward(x, *tensors)
+        ctx.n = len(tensors)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dx):
+        return dx, *(None,) * ctx.n
+
+
+class _Held:
+    """A :class:`_HeldInputs` node's saved tensors for the ``tiles`` tile backwards that read them: unpacked
+    once (checkpointing allows one unpack per saved tensor) and let go after the last of them."""
+
+    __slots__ = ("node", "tiles", "left", "values")
+
+    def __init__(self, node, tiles: int):
+        self.node, self.tiles, self.left, self.values = node, tiles, tiles, None
+
+    def take(self) -> tuple:
+        values = self.values if self.values is not None else self.node.saved_tensors
+        self.left -= 1
+        self.values = values if self.left else None
+        self.left = self.left or self.tiles  # a second backward (retain_graph) unpacks again
+        return values
+
+
+def _hold(x2, weights, b_gate, b_up, opts: MLPOptions, lora):
+    """``(x2, node)``: ``x2`` through :class:`_HeldInputs` and its node, where the MLP saves only ``x``
+    (``recompute``, no adapter dropout: a mask is drawn in the forward) and runs eagerly with gradients; else
+    ``(x2, None)``, each tile saving its own tensors."""
+    plans = [p for p in (opts.lora_in, opts.lora_out) if p is not None]
+    if not opts.recompute or any(p.dropout_ps[i] for p in plans for i in range(len(p.ranks))):
+        return x2, None
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return x2, None
+    held = _HeldInputs.apply(x2, *split_frozen(weights)[0], b_gate, b_up, *lora)
+    return (held, held.grad_fn) if held.grad_fn is not None else (x2, None)
 
 
 def _check(x, w_gate, w_up, w_down, biases, activation):
@@ -289,10 +361,25 @@ def gated_mlp(
     if tile is not None and (type(tile) is not int or tile <= 0):
         raise ValueError(f"gated_mlp: tile must be a positive int or None, got {tile!r}")
     with torch.autocast(x.device.type, enabled=False):
-        tiles = [x2] if tile is None or x2.shape[0] <= tile else x2.split(tile)
+        x2, node = _hold(x2, (w_gate, w_up, w_down), b_gate, b_up, opts, (*lora_in, *lora_out))
+        rows = x2.shape[0]
+        bounds = [(a, min(a + tile, rows)) for a in range(0, rows, tile)] if tile else [(0, rows)]
+        node = None if node is None else _Held(node, len(bounds))
         ys = [
-            GatedMLPFunction.apply(t, w_gate, w_up, w_down, b_gate, b_up, b_down, opts, *lora_in, *lora_out)
-            for t in tiles
+            GatedMLPFunction.apply(
+                x2[a:b],
+                w_gate,
+                w_up,
+                w_down,
+                b_gate,
+                b_up,
+                b_down,
+                opts,
+                node and (node, a, b),
+                *lora_in,
+                *lora_out,
+            )
+            for a, b in bounds
         ]
         y = ys[0] if len(ys) == 1 else torch.cat(ys)
     return y.view(*shape[:-1], y.shape[-1])
