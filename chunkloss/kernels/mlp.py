@@ -17,6 +17,10 @@ Backward, with ``dy`` the upstream gradient (``'`` is the activation's derivativ
 
 ``recompute=True`` (default) saves only ``x``: the backward replays the gate/up GEMMs (not a checkpoint of the
 layer). ``recompute=False`` also saves ``g`` and ``u`` (2·I more elements per token) and replays nothing.
+With ``recompute`` and no adapter dropout, ``x`` and the parameters are saved by a node ahead of the MLP
+(:class:`_HeldInputs`), before it runs: a non-reentrant checkpoint's recompute of a pre-norm layer stops at
+that save, its last, and does not run the MLP's forward again (the adapters' ``t`` are then computed again in
+the backward, from ``x`` and the replayed ``h``).
 Weight gradients are computed only for weights that require grad.
 
 LoRA (``adapters=(gate, up, down)``, each a :class:`~chunkloss.kernels.lora.LoraAdapter` or None): the
