@@ -73,7 +73,8 @@ class ChunkedArguments:
             None: one call over all tokens, or 8192-token tiles under ``chunk_long_context``.
         chunk_long_context: train long sequences: checkpointing on, what it keeps (each layer's input)
             offloaded to pinned host memory on a side stream by TRL's activation offloading, and with the
-            kernels the MLP recomputed and tiled (:mod:`chunkloss.trainers._long_context`). Off by default.
+            kernels the MLP recomputed and tiled and the attention's norm recomputed
+            (:mod:`chunkloss.trainers._long_context`). Off by default.
         chunk_fp8: ``"base"``: a PEFT LoRA model's frozen q/k/v, o, gate, up and down base weights stored in
             float8 e4m3 with one scale per output row (:func:`chunkloss.models.quantize_base_fp8`) and their
             GEMMs run in fp8 inside the fused kernels; the adapters, norms and LM head keep the model's dtype.
@@ -148,7 +149,7 @@ class ChunkedArguments:
         metadata={
             "help": "Train long sequences: gradient checkpointing on, each checkpointed layer input "
             "offloaded to pinned CPU memory on a side stream (TRL's activation offloading), and with "
-            "chunk_kernels the MLP recomputed and tiled."
+            "chunk_kernels the MLP recomputed and tiled and the attention's norm recomputed."
         },
     )
     chunk_fp8: str | None = field(
