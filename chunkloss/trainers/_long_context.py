@@ -32,7 +32,7 @@ from ._arguments import ChunkedArguments
 
 #: Tokens per tile of the fused MLP under ``chunk_long_context`` (when ``chunk_kernels_mlp_tile`` is unset):
 #: each (tile, I) bf16 tensor is 128 MiB at Llama-3.2-1B's I = 8192, 224 MiB at Llama-3.1-8B's 14336. With
-#: these tiles and offloading the step took 5-8% longer than with checkpointing alone (docs/design.md).
+#: these tiles and offloading the step takes the time of checkpointing alone (docs/design.md).
 MLP_TILE = 8192
 
 
