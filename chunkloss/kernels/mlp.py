@@ -198,7 +198,7 @@ class GatedMLPFunction(torch.autograd.Function):
         dw_down = dy.t() @ h if need[3] else None
         del h, dh  # freed before the input and gate/up weight gradients are allocated
         dx = None
-        if need[0]:
+        if need[0] and (ctx.held is None or ctx.held[0].x_grad):  # a held x needing none still passes one
             dx = grad_input(dg, w_gate)
             add_grad_input_(dx, du, w_up)
         grads_in = ()
@@ -238,10 +238,11 @@ class _Held:
     """A :class:`_HeldInputs` node's saved tensors for the ``tiles`` tile backwards that read them: unpacked
     once (checkpointing allows one unpack per saved tensor) and let go after the last of them."""
 
-    __slots__ = ("node", "tiles", "left", "values")
+    __slots__ = ("node", "tiles", "left", "values", "x_grad")
 
-    def __init__(self, node, tiles: int):
+    def __init__(self, node, tiles: int, x_grad: bool):
         self.node, self.tiles, self.left, self.values = node, tiles, tiles, None
+        self.x_grad = x_grad  # whether x itself needs a gradient (the node's output does when a weight does)
 
     def take(self) -> tuple:
         values = self.values if self.values is not None else self.node.saved_tensors
@@ -368,7 +369,7 @@ def gated_mlp(
         x2, node = _hold(x2, (w_gate, w_up, w_down), b_gate, b_up, opts, (*lora_in, *lora_out))
         rows = x2.shape[0]
         bounds = [(a, min(a + tile, rows)) for a in range(0, rows, tile)] if tile else [(0, rows)]
-        node = None if node is None else _Held(node, len(bounds))
+        node = None if node is None else _Held(node, len(bounds), x.requires_grad)
         ys = [
             GatedMLPFunction.apply(
                 x2[a:b],

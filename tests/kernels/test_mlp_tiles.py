@@ -124,6 +124,26 @@ def test_checkpoint_recompute_stops_before_the_mlp(monkeypatch, recompute, dropo
         assert torch.equal(a, b)
 
 
+def test_held_input_without_grad_gets_no_input_gradient(monkeypatch):
+    """Trainable weights, an input without grad (a first layer under frozen embeddings): the held node's
+    output needs a gradient for the weights' sake, but no tile computes ``dx`` (one ``grad_input``, for
+    ``dh``, per tile), and the weights' gradients are those of the path that saves ``g`` and ``u``."""
+    calls = []
+    original = mlp_module.grad_input
+    monkeypatch.setattr(mlp_module, "grad_input", lambda *a, **k: calls.append(1) or original(*a, **k))
+    m = make_inputs(20, 16, 24, bias=False)
+
+    def weight_grads(recompute):
+        ws = [m[k].clone().requires_grad_() for k in ("w_gate", "w_up", "w_down")]
+        gated_mlp(m["x"], *ws, recompute=recompute, tile=8).square().sum().backward()
+        return [w.grad for w in ws]
+
+    held = weight_grads(True)
+    assert len(calls) == 3  # 20 rows in tiles of 8
+    for a, b in zip(held, weight_grads(False), strict=True):
+        torch.testing.assert_close(a, b)
+
+
 @pytest.mark.parametrize("tile", [0, -3, 2.5, True])
 def test_bad_tile_is_refused(tile):
     m = make_inputs(4, 8, 12, bias=False)
