@@ -255,7 +255,8 @@ def sweep(a) -> None:
             if world > 1:
                 # The other ranks may wait in a collective this rank will never join: end the process now,
                 # and the launcher ends them.
-                sys.stdout.flush(), sys.stderr.flush()
+                sys.stdout.flush()
+                sys.stderr.flush()
                 os._exit(3)
             break
         if rank == 0:

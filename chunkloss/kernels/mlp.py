@@ -252,17 +252,17 @@ class _Held:
         return values
 
 
-def _hold(x2, weights, b_gate, b_up, opts: MLPOptions, lora):
-    """``(x2, node)``: ``x2`` through :class:`_HeldInputs` and its node, where the MLP saves only ``x``
-    (``recompute``, no adapter dropout: a mask is drawn in the forward) and runs eagerly with gradients; else
-    ``(x2, None)``, each tile saving its own tensors."""
+def _hold(x2, weights, b_gate, b_up, opts: MLPOptions, lora, tiles: int, x_grad: bool):
+    """``(x2, held)``: ``x2`` through :class:`_HeldInputs` and its :class:`_Held` record for ``tiles``
+    tiles, where the MLP saves only ``x`` (``recompute``, no adapter dropout: a mask is drawn in the forward)
+    and runs eagerly with gradients; else ``(x2, None)``, each tile saving its own tensors."""
     plans = [p for p in (opts.lora_in, opts.lora_out) if p is not None]
-    if not opts.recompute or any(p.dropout_ps[i] for p in plans for i in range(len(p.ranks))):
+    if not opts.recompute or not all(p.shared for p in plans):  # shared: no dropout
         return x2, None
     if not torch.is_grad_enabled() or torch.compiler.is_compiling():
         return x2, None
-    held = _HeldInputs.apply(x2, *split_frozen(weights)[0], b_gate, b_up, *lora)
-    return (held, held.grad_fn) if held.grad_fn is not None else (x2, None)
+    out = _HeldInputs.apply(x2, *split_frozen(weights)[0], b_gate, b_up, *lora)
+    return (x2, None) if out.grad_fn is None else (out, _Held(out.grad_fn, tiles, x_grad))
 
 
 def _check(x, w_gate, w_up, w_down, biases, activation):
@@ -366,24 +366,13 @@ def gated_mlp(
     if tile is not None and (type(tile) is not int or tile <= 0):
         raise ValueError(f"gated_mlp: tile must be a positive int or None, got {tile!r}")
     with torch.autocast(x.device.type, enabled=False):
-        x2, node = _hold(x2, (w_gate, w_up, w_down), b_gate, b_up, opts, (*lora_in, *lora_out))
         rows = x2.shape[0]
         bounds = [(a, min(a + tile, rows)) for a in range(0, rows, tile)] if tile else [(0, rows)]
-        node = None if node is None else _Held(node, len(bounds), x.requires_grad)
+        lora = (*lora_in, *lora_out)
+        x2, held = _hold(x2, (w_gate, w_up, w_down), b_gate, b_up, opts, lora, len(bounds), x.requires_grad)
+        args = (w_gate, w_up, w_down, b_gate, b_up, b_down, opts)
         ys = [
-            GatedMLPFunction.apply(
-                x2[a:b],
-                w_gate,
-                w_up,
-                w_down,
-                b_gate,
-                b_up,
-                b_down,
-                opts,
-                node and (node, a, b),
-                *lora_in,
-                *lora_out,
-            )
+            GatedMLPFunction.apply(x2[a:b], *args, None if held is None else (held, a, b), *lora)
             for a, b in bounds
         ]
         y = ys[0] if len(ys) == 1 else torch.cat(ys)
