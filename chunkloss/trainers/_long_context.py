@@ -17,12 +17,17 @@
    (``patch(..., norm_recompute=True)``): H elements per token fewer in the backward of each layer.
 
 What the GPU then holds grows with the sequence by one layer's working set plus the chunked head's input,
-not by the layer count; docs/design.md has the measurement.
+not by the layer count; docs/design.md has the measurement. What the host holds grows by every layer's input,
+each in a pinned block that PyTorch's caching host allocator rounds up to a power of two:
+:class:`HostMemoryCheck` refuses, in one line before the forward, a batch whose blocks cannot fit in the
+machine's memory at all, where the kernel's out-of-memory killer would otherwise end the process mid-step.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 
 import torch
 
@@ -87,3 +92,73 @@ class LongContextStep:
     def training_step(self, *args, **kwargs):
         with self._chunk_offload or contextlib.nullcontext():
             return super().training_step(*args, **kwargs)
+
+
+#: ``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF`` keys (torch 2.13) above whose size, in MiB, a pinned
+#: block is not rounded up.
+_UNROUNDED_ABOVE = re.compile(r"pinned_max_(?:cached_size|round_threshold)_mb:(\d+)")
+GiB = 2**30
+
+
+def pinned_block_bytes(nbytes: int, env=os.environ) -> int:
+    """The pinned host memory PyTorch's caching host allocator takes for an ``nbytes`` request: the next power
+    of two, or ``nbytes`` above a size the allocator's config (``env``) exempts from rounding."""
+    config = ",".join(env.get(k, "") for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
+    limits = [int(mb) * 2**20 for mb in _UNROUNDED_ABOVE.findall(config)]
+    if limits and nbytes > min(limits):
+        return nbytes
+    return 1 << max(nbytes - 1, 0).bit_length()
+
+
+class HostMemoryCheck:
+    """Forward pre-hook of the first decoder layer while offloading: each new largest batch's pinned blocks
+    (one per decoder layer, ``pinned_block_bytes`` of the layer input's bytes) plus what the process held when
+    the trainer was built, against the machine's memory. A batch that cannot fit raises ``MemoryError`` with
+    one line before its forward runs.
+
+    Args:
+        layers: the decoder layers whose inputs are offloaded.
+        held: the process's resident bytes before training (the weights, the data).
+        total: the machine's memory in bytes.
+    """
+
+    def __init__(self, layers: int, held: int, total: int):
+        self.layers, self.held, self.total = layers, held, total
+        self.largest = 0  # elements of the largest layer input checked so far
+
+    def __call__(self, module, args, kwargs):
+        if torch.compiler.is_compiling():
+            return  # a compiled layer: no guard on the batch's size (the check runs in eager steps)
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        if not (torch.is_grad_enabled() and module.training and isinstance(hidden, torch.Tensor)):
+            return  # nothing is saved, so nothing is offloaded
+        if hidden.numel() <= self.largest:
+            return
+        self.largest = hidden.numel()
+        nbytes = hidden.numel() * hidden.element_size()
+        block = pinned_block_bytes(nbytes)
+        need = self.layers * block
+        if need + self.held > self.total:
+            tokens = hidden.numel() // hidden.shape[-1]
+            raise MemoryError(
+                f"chunk_long_context: offloading this batch's {tokens} tokens needs {need / GiB:.1f} GiB "
+                f"of pinned host memory ({self.layers} decoder-layer inputs of {nbytes / GiB:.2f} GiB, each "
+                f"taking {block / GiB:.2f}: PyTorch's pinned-memory allocator rounds blocks up to a power of "
+                f"two) on top of the {self.held / GiB:.1f} GiB this process holds, more than the machine's "
+                f'{self.total / GiB:.1f} GiB; train fewer tokens per device (docs/design.md, "Long context")'
+            )
+
+
+def check_host_memory(trainer):
+    """Put :class:`HostMemoryCheck` on the first decoder layer of a trainer that offloads
+    (``chunk_long_context`` on an accelerator); the hook's handle, or None."""
+    args = trainer.args
+    if not ChunkedArguments.of(args).chunk_long_context or not _offloads(args):
+        return None
+    import psutil  # accelerate's dependency, as TRL's offloading's
+
+    layers = transformers_compat.decoder_layers(trainer.model)
+    if not layers:
+        return None
+    held, total = psutil.Process().memory_info().rss, psutil.virtual_memory().total
+    return layers[0].register_forward_pre_hook(HostMemoryCheck(len(layers), held, total), with_kwargs=True)

@@ -104,6 +104,7 @@ class ChunkedTrainerSetup(
         apply_chunk_kernels(self)
         compile_layers(self)
         self._chunk_offload = long_context.offload_context(self)
+        long_context.check_host_memory(self)
         base = peft_base(self.accelerator.unwrap_model(self.model))
         check_head_supported(base)
         if self._patch_forward:

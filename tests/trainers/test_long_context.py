@@ -16,7 +16,8 @@ import torch
 
 from chunkloss.data import length_reward, tiny_dataset, tiny_model
 from chunkloss.models.layers import PatchedGatedMLP
-from chunkloss.trainers._long_context import MLP_TILE
+from chunkloss.trainers import _long_context as long_context
+from chunkloss.trainers._long_context import MLP_TILE, HostMemoryCheck, pinned_block_bytes
 from chunkloss.trainers.grpo import ChunkedGRPOConfig, ChunkedGRPOTrainer
 from chunkloss.trainers.sft import ChunkedSFTConfig, ChunkedSFTTrainer
 from tests.tolerances import assert_close_to_ref
@@ -186,3 +187,63 @@ def test_peak_growth_does_not_scale_with_the_layer_count(tmp_path):
     long = {n: _peak_growth(tmp_path, n, True) for n in (2, 8)}
     assert plain[8] - plain[2] >= 5 * one_input, plain  # 6 more layer inputs kept
     assert abs(long[8] - long[2]) <= one_input, long
+
+
+def test_pinned_blocks_round_up_to_a_power_of_two_unless_the_config_exempts_them():
+    assert pinned_block_bytes(2**30) == 2**30
+    assert pinned_block_bytes(2**30 + 1) == 2**31  # 342,733 tokens x 4096 x 2 bytes: 2.6 GiB takes 4
+    assert pinned_block_bytes(342_733 * 4096 * 2) == 4 * 2**30
+    exempt = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,pinned_max_cached_size_mb:1024"}
+    assert pinned_block_bytes(2**30 + 1, exempt) == 2**30 + 1
+    assert pinned_block_bytes(2**29 + 1, exempt) == 2**30  # below the limit: still rounded
+    assert (
+        pinned_block_bytes(2**30 + 1, {"PYTORCH_ALLOC_CONF": "pinned_max_round_threshold_mb:512"})
+        == 2**30 + 1
+    )
+
+
+def test_host_memory_check_refuses_a_batch_whose_pinned_blocks_cannot_fit(tmp_path):
+    """The hook on the first decoder layer: a batch whose offloaded layer inputs (each rounded up to a power
+    of two) and what the process holds exceed the machine's memory raises one line before the forward;
+    within the memory, without grad, in eval mode or at a size already checked it does nothing."""
+    model = model_pair()[0]
+    layers = long_context.transformers_compat.decoder_layers(model)
+    assert layers == list(model.model.layers)
+    h = model.config.hidden_size
+    per_token = h * 4  # fp32 layer inputs: 4 bytes per element
+    # 10 tokens: blocks of next_pow2(10 * per_token) bytes, one per layer.
+    block = pinned_block_bytes(10 * per_token)
+    fits = HostMemoryCheck(len(layers), held=100, total=len(layers) * block + 100)
+    handle = layers[0].register_forward_pre_hook(fits, with_kwargs=True)
+    ids = torch.randint(0, model.config.vocab_size, (1, 10))
+    model.train()
+    model(input_ids=ids)
+    assert fits.largest == 10 * h
+    handle.remove()
+    tight = HostMemoryCheck(len(layers), held=101, total=len(layers) * block + 100)
+    handle = layers[0].register_forward_pre_hook(tight, with_kwargs=True)
+    with torch.no_grad():
+        model(input_ids=ids)  # scoring: nothing saved, nothing offloaded
+    model.eval()
+    model(input_ids=ids)
+    model.train()
+    refused = r"offloading this batch's 10 tokens needs .* GiB of pinned host memory"
+    with pytest.raises(MemoryError, match=refused) as e:
+        model(input_ids=ids)
+    assert "\n" not in str(e.value)
+    tight.largest = 10 * h
+    model(input_ids=ids)  # a size already checked is not checked again
+    handle.remove()
+
+
+def test_host_memory_check_is_installed_only_where_offloading_runs(tmp_path, monkeypatch):
+    model = model_pair()[0]
+    trainer = _sft(tmp_path, model, chunk_long_context=True, chunk_kernels=True)
+    assert long_context.check_host_memory(trainer) is None  # on the CPU nothing is offloaded
+    monkeypatch.setattr(long_context, "_offloads", lambda args: True)
+    handle = long_context.check_host_memory(trainer)
+    first = long_context.transformers_compat.decoder_layers(trainer.model)[0]
+    hooks = first._forward_pre_hooks
+    assert handle.id in hooks and isinstance(hooks[handle.id], HostMemoryCheck)
+    assert hooks[handle.id].layers == trainer.model.config.num_hidden_layers
+    handle.remove()
