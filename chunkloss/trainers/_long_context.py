@@ -118,7 +118,7 @@ class HostMemoryCheck:
 
     Args:
         layers: the decoder layers whose inputs are offloaded.
-        held: the process's resident bytes before training (the weights, the data).
+        held: the process's resident bytes before training, less file-backed and shared pages.
         total: the machine's memory in bytes.
     """
 
@@ -160,5 +160,8 @@ def check_host_memory(trainer):
     layers = transformers_compat.decoder_layers(trainer.model)
     if not layers:
         return None
-    held, total = psutil.Process().memory_info().rss, psutil.virtual_memory().total
+    # Resident memory less its file-backed and shared pages (a model read through mmap, which the kernel can
+    # reclaim): what the process holds that pinned blocks cannot take.
+    mem = psutil.Process().memory_info()
+    held, total = mem.rss - getattr(mem, "shared", 0), psutil.virtual_memory().total
     return layers[0].register_forward_pre_hook(HostMemoryCheck(len(layers), held, total), with_kwargs=True)
