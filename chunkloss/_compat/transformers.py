@@ -20,7 +20,6 @@ __all__ = [
     "TRAINER_OVERRIDES",
     "attn_implementation",
     "cache_update",
-    "decoder_layers",
     "enable_activation_checkpointing",
     "eager_attention_forward",
     "layer_checkpointed",
@@ -108,12 +107,3 @@ def layer_checkpointed(layer) -> bool:
     """Whether a decoder layer runs under activation checkpointing now: ``GradientCheckpointingLayer``'s
     ``gradient_checkpointing`` flag (transformers 5.x; not renamed by 5.23) while training."""
     return bool(layer.training and getattr(layer, "gradient_checkpointing", False))
-
-
-def decoder_layers(model) -> list:
-    """The decoder layers of ``model`` (a PEFT wrapper included) in order: the modules that transformers'
-    activation checkpointing wraps, ``GradientCheckpointingLayer`` (``transformers.modeling_layers``, 4.52 and
-    5.x)."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]

@@ -1,9 +1,9 @@
-"""Small helpers every chunked trainer module uses: the refusal error, the model under a PEFT wrapper, a loss
-module built once per options, and the JSD loss of a pair of heads."""
+"""Small helpers every chunked trainer module uses: the refusal error, the model under a PEFT wrapper and its
+decoder layers, a loss module built once per options, and the JSD loss of a pair of heads."""
 
 from __future__ import annotations
 
-__all__ = ["cached_loss", "jsd_loss_for", "peft_base", "refuse"]
+__all__ = ["cached_loss", "decoder_layers", "jsd_loss_for", "peft_base", "refuse"]
 
 
 def refuse(trainer: str, option: str, why: str) -> None:
@@ -16,6 +16,14 @@ def peft_base(model):
     from accelerate.utils import is_peft_model
 
     return model.get_base_model() if is_peft_model(model) else model
+
+
+def decoder_layers(trainer) -> list:
+    """The trained model's decoder layers (``get_decoder().layers`` under accelerate's and PEFT's wrappers),
+    or ``[]`` where it has no list of them."""
+    model = peft_base(trainer.accelerator.unwrap_model(trainer.model))
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    return list(getattr(decoder, "layers", None) or [])
 
 
 def cached_loss(cache: dict, cls: type, chunk_opts: dict, **options):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 
 from ._arguments import ChunkedArguments
-from ._common import peft_base
+from ._common import decoder_layers
 
 __all__ = ["compile_layers"]
 
@@ -28,9 +28,7 @@ def compile_layers(trainer) -> None:
     args = trainer.args
     if not args.torch_compile or not ChunkedArguments.of(args).chunk_compile_layers:
         return
-    model = peft_base(trainer.accelerator.unwrap_model(trainer.model))
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    layers = getattr(decoder, "layers", None)
+    layers = decoder_layers(trainer)
     if not layers:
         logging.getLogger("chunkloss.trainers").warning(
             "%s: torch_compile compiles the model whole: it has no list of decoder layers",

@@ -34,6 +34,7 @@ import torch
 from chunkloss._compat import transformers as transformers_compat
 
 from ._arguments import ChunkedArguments
+from ._common import decoder_layers
 
 #: Tokens per tile of the fused MLP under ``chunk_long_context`` (when ``chunk_kernels_mlp_tile`` is unset):
 #: each (tile, I) bf16 tensor is 128 MiB at Llama-3.2-1B's I = 8192, 224 MiB at Llama-3.1-8B's 14336. With
@@ -157,7 +158,7 @@ def check_host_memory(trainer):
         return None
     import psutil  # accelerate's dependency, as TRL's offloading's
 
-    layers = transformers_compat.decoder_layers(trainer.model)
+    layers = decoder_layers(trainer)
     if not layers:
         return None
     # Resident memory less its file-backed and shared pages (a model read through mmap, which the kernel can

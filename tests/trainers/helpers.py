@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import socket
 
 import pytest
 import torch
@@ -173,3 +174,10 @@ def reference_pair(
             )
         )
     return tuple(built)
+
+
+def free_port() -> int:
+    """A TCP port free on this host now, for a process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -17,23 +17,18 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.trainers.helpers import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 GRAD_RTOL = 1e-5
 CURVE_RTOL = 1e-4
 STEPS = 20  # benchmarks.multigpu_parity.STEPS
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(args: list[str], env: dict) -> None:
@@ -47,7 +42,7 @@ def test_two_cpu_processes_train_as_one(trainer, tmp_path):
     script = ["-m", "benchmarks.multigpu_parity", "--trainer", trainer]
     multi, single, out = tmp_path / "multi", tmp_path / "single", tmp_path / "cmp.json"
     launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    _run([*launch, "--master_port", str(_free_port()), *script, "--out", str(multi)], env)
+    _run([*launch, "--master_port", str(free_port()), *script, "--out", str(multi)], env)
     _run([sys.executable, *script, "--single", "--world", "2", "--out", str(single)], env)
     _run([sys.executable, *script, "--compare", str(multi), str(single), "--out", str(out)], env)
     r = json.loads(out.read_text())

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import warnings
 
 import pytest
@@ -32,6 +31,7 @@ import torch.multiprocessing as mp
 from chunkloss.losses.cross_entropy import FusedLinearCrossEntropyLoss
 from chunkloss.trainers._head import add_chunked_head
 from tests.tolerances import assert_close_to_ref
+from tests.trainers.helpers import free_port
 
 WORLD = 2
 LAYOUTS = ("accelerate", "accelerate_tied", "head_alone")
@@ -160,16 +160,10 @@ def _worker(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def sharded_results(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("fsdp") / "rank0.pt")
-    mp.start_processes(_worker, args=(_free_port(), out), nprocs=WORLD, start_method="spawn")
+    mp.start_processes(_worker, args=(free_port(), out), nprocs=WORLD, start_method="spawn")
     return torch.load(out)
 
 

@@ -207,8 +207,7 @@ def test_host_memory_check_refuses_a_batch_whose_pinned_blocks_cannot_fit(tmp_pa
     of two) and what the process holds exceed the machine's memory raises one line before the forward;
     within the memory, without grad, in eval mode or at a size already checked it does nothing."""
     model = model_pair()[0]
-    layers = long_context.transformers_compat.decoder_layers(model)
-    assert layers == list(model.model.layers)
+    layers = model.model.layers
     h = model.config.hidden_size
     per_token = h * 4  # fp32 layer inputs: 4 bytes per element
     # 10 tokens: blocks of next_pow2(10 * per_token) bytes, one per layer.
@@ -242,8 +241,7 @@ def test_host_memory_check_is_installed_only_where_offloading_runs(tmp_path, mon
     assert long_context.check_host_memory(trainer) is None  # on the CPU nothing is offloaded
     monkeypatch.setattr(long_context, "_offloads", lambda args: True)
     handle = long_context.check_host_memory(trainer)
-    first = long_context.transformers_compat.decoder_layers(trainer.model)[0]
-    hooks = first._forward_pre_hooks
+    hooks = trainer.model.model.layers[0]._forward_pre_hooks
     assert handle.id in hooks and isinstance(hooks[handle.id], HostMemoryCheck)
     check = hooks[handle.id]
     assert check.layers == trainer.model.config.num_hidden_layers and 0 < check.held < check.total

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.tolerances import assert_close_to_ref
+from tests.trainers.helpers import free_port
 
 WORLD = 2
 LR = 0.5  # large enough that a wrong gradient moves the parameters visibly
@@ -147,16 +147,10 @@ def _worker(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def zero3_results(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("zero3") / "rank0.pt")
-    mp.start_processes(_worker, args=(_free_port(), out), nprocs=WORLD, start_method="spawn")
+    mp.start_processes(_worker, args=(free_port(), out), nprocs=WORLD, start_method="spawn")
     return torch.load(out)
 
 
