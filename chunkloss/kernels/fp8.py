@@ -43,6 +43,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from torch import nn
 
 from chunkloss._compat import torch as torch_compat
@@ -87,16 +89,102 @@ def scaled_mm_refusal(device: torch.device, k: int, n: int, dtype: torch.dtype) 
     return None
 
 
-def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(tq, scale)``: ``t`` (M, K) as e4m3 with one fp32 scale per row, ``t ≈ scale ⊙ tq``.
+def quantize_rows(
+    t: torch.Tensor, col_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_rows_ref`'s values, on CUDA from one kernel (:func:`_quantize_rows_kernel`: ``t`` read
+    twice, one byte written per element, where PyTorch makes five passes over an fp32 copy)."""
+    if t.is_cuda and t.ndim == 2 and t.dtype in _KERNEL_DTYPES and t.numel():
+        return _quantize_rows_triton(t, col_scale)
+    return quantize_rows_ref(t, col_scale)
+
+
+def quantize_rows_ref(
+    t: torch.Tensor, col_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tq, scale)``: ``t`` (M, K) as e4m3 with one fp32 scale per row, ``t ≈ scale ⊙ tq``; with
+    ``col_scale`` (1, K) fp32, ``t ⊙ col_scale`` (taken in fp32) is quantised instead.
 
     ``scale = max|t[m, :]| / 448``, 1 for a row of zeros; computed in fp32 whatever ``t``'s dtype, so an fp64
     reference and an fp32 run quantise fp32 values alike. A non-finite row gives a non-finite scale (NaN
     downstream, as the unquantised GEMM would give)."""
-    t32 = t.float()
+    t32 = t.float() if col_scale is None else t.float() * col_scale
     amax = t32.abs().amax(dim=1, keepdim=True)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
     tq = (t32 / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    return tq, scale
+
+
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_QUANT_BLOCK = 1024
+_FP8_MAX = tl.constexpr(FP8_MAX)
+
+
+@triton.jit
+def _e4m3_rtne(v):
+    """fp32 ``v`` (|v| <= 448) -> the e4m3fn byte rounded to nearest, ties to even, in integer operations
+    (Triton's interpreter converts to fp8 wrongly; on a GPU this equals ``cvt.rn.satfinite.e4m3``). Normal
+    range (|v| >= 2^-6): fp32's bits rounded to 3 mantissa bits, the exponent rebiased from 127 to 7.
+    Subnormals: ``m = rtne(|v| · 2^9)``, whose byte is ``m`` (8 gives 2^-6, the first normal, as it must)."""
+    b = v.to(tl.uint32, bitcast=True)
+    a = b & 0x7FFFFFFF
+    normal = ((a + (0x7FFFF + ((a >> 20) & 1))) >> 20) - 960
+    e = (a >> 23).to(tl.int32)
+    shift = tl.maximum(tl.minimum(141 - e, 31), 1).to(tl.uint32)  # read for subnormals only (21..31)
+    mant = (a & 0x7FFFFF) | 0x800000
+    sub = (mant + (1 << (shift - 1)) - 1 + ((mant >> shift) & 1)) >> shift
+    mag = tl.where(a >= (121 << 23), normal, tl.where(a == 0, 0, sub))
+    return (((b >> 24) & 0x80) | mag).to(tl.uint8)
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    t_ptr, cs_ptr, q_ptr, s_ptr, K, stride_m, stride_k, HAS_CS: tl.constexpr, BLOCK: tl.constexpr
+):
+    """One program per row: the row's amax over ``t`` (times ``cs`` when given) in fp32, then the row divided
+    by ``amax / 448`` (IEEE division, as torch's), clamped and rounded to e4m3 (to nearest, ties to even).
+    ``poison`` sums ``x · 0``: NaN when the row holds a non-finite value, which the scale then carries."""
+    row = tl.program_id(0).to(tl.int64)
+    base = t_ptr + row * stride_m
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    poison = tl.zeros([BLOCK], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        k = k0 + tl.arange(0, BLOCK)
+        x = tl.load(base + k * stride_k, mask=k < K, other=0.0).to(tl.float32)
+        if HAS_CS:
+            x = x * tl.load(cs_ptr + k, mask=k < K, other=0.0)
+        amax = tl.maximum(amax, tl.abs(x))
+        poison += x * 0.0
+    m = tl.max(amax, axis=0)
+    scale = tl.where(m > 0, tl.div_rn(m, _FP8_MAX), 1.0) + tl.sum(poison, axis=0)
+    tl.store(s_ptr + row, scale)
+    for k0 in range(0, K, BLOCK):
+        k = k0 + tl.arange(0, BLOCK)
+        x = tl.load(base + k * stride_k, mask=k < K, other=0.0).to(tl.float32)
+        if HAS_CS:
+            x = x * tl.load(cs_ptr + k, mask=k < K, other=0.0)
+        q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -_FP8_MAX), _FP8_MAX)
+        tl.store(q_ptr + row * K + k, _e4m3_rtne(q), mask=k < K)
+
+
+def _quantize_rows_triton(t: torch.Tensor, col_scale: torch.Tensor | None):
+    """:func:`quantize_rows` on CUDA in one kernel: what torch's five elementwise passes over an fp32 copy of
+    ``t`` compute, reading ``t`` twice and writing one byte per element."""
+    m, k = t.shape
+    tq = torch.empty(m, k, dtype=FP8, device=t.device)
+    scale = torch.empty(m, 1, dtype=torch.float32, device=t.device)
+    cs = t if col_scale is None else col_scale.reshape(k).float().contiguous()
+    _quantize_rows_kernel[(m,)](
+        t,
+        cs,
+        tq.view(torch.uint8),
+        scale,
+        k,
+        t.stride(0),
+        t.stride(1),
+        HAS_CS=col_scale is not None,
+        BLOCK=_QUANT_BLOCK,
+    )
     return tq, scale
 
 
@@ -252,7 +340,7 @@ class Float8Weight(FrozenWeight):
 
     def grad_input(self, g: torch.Tensor) -> torch.Tensor:
         """``g·W`` (M, in) for g (M, out): W's row scales folded into g, which is then quantised per row."""
-        gq, sg = quantize_rows(g.float() * self.scale.t())
+        gq, sg = quantize_rows(g, col_scale=self.scale.t())
         ones = torch.ones(1, self.shape[1], dtype=torch.float32, device=g.device)
         return _scaled_mm(gq, sg, self.data, ones, None, self.dtype)
 
@@ -266,7 +354,7 @@ class _Fp8LinearRef(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, bias, weight: Float8Weight):
-        xq, sx = quantize_rows(x)
+        xq, sx = quantize_rows_ref(x)
         y = F.linear(_dequantize(xq, sx, x.dtype), _dequantize(weight.data, weight.scale, x.dtype), bias)
         ctx.weight, ctx.has_bias = weight, bias is not None
         return y
@@ -276,7 +364,7 @@ class _Fp8LinearRef(torch.autograd.Function):
         w = ctx.weight
         dx = db = None
         if ctx.needs_input_grad[0]:
-            gq, sg = quantize_rows(dy.float() * w.scale.t())
+            gq, sg = quantize_rows_ref(dy, col_scale=w.scale.t())
             dx = _dequantize(gq, sg, dy.dtype) @ _dequantize(w.data, torch.ones_like(w.scale), dy.dtype)
         if ctx.has_bias and ctx.needs_input_grad[1]:
             db = dy.sum(0)

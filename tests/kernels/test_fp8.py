@@ -25,6 +25,7 @@ from chunkloss.kernels.fp8 import (
     fp8_linear_ref,
     fp8_refusal,
     quantize_rows,
+    quantize_rows_ref,
     scaled_mm_refusal,
 )
 from chunkloss.kernels.frozen import FrozenWeight
@@ -72,6 +73,42 @@ def test_quantize_rows_by_hand():
     # 0.3 * 448 / 1 = 134.4 lies between e4m3's 128 and 144: round to nearest
     q, _ = quantize_rows(torch.tensor([[1.0, 0.3]]))
     assert q.float().tolist() == [[448.0, 128.0]]
+
+
+def _e4m3_grid() -> torch.Tensor:
+    """Every finite e4m3 value, the midpoints between neighbours and an fp32 ulp either side of each."""
+    vals = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    vals = vals[vals.isfinite()].unique()
+    mids = (vals[1:] + vals[:-1]) / 2
+    up, down = torch.tensor(1e9), torch.tensor(-1e9)
+    return torch.cat([vals, mids, torch.nextafter(mids, up), torch.nextafter(mids, down)])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_quantize_rows_kernel_equals_torch(dtype):
+    """The Triton quantiser (the CUDA path of ``quantize_rows``; through the interpreter on CPU) gives
+    ``quantize_rows_ref``'s bytes and scales bit for bit: rows longer than a block and of odd length, a
+    strided input, the folded column scale of the input gradient, a zero row, every e4m3 value with the
+    rounding midpoints and an fp32 ulp either side of them; a non-finite row gets a non-finite scale."""
+    g = torch.Generator().manual_seed(0)
+    k = 2500
+    wide = torch.logspace(-6, 3, k).to(torch.get_default_device())
+    t = (_randn(6, k, gen=g) * wide).to(dtype)
+    t[3] = 0
+    col = (torch.rand(1, k, generator=g, device="cpu") + 0.5).to(t.device)
+    strided = _randn(k, 5, gen=g).to(dtype).t()
+    cases = [(t, None), (t, col), (strided, None)]
+    if dtype == torch.float32:
+        grid = _e4m3_grid().to(t.device)
+        cases.append((torch.stack([grid, -grid]), None))  # 448 in each row: scale 1
+    for x, cs in cases:
+        (q, s), (q_ref, s_ref) = fp8_module._quantize_rows_triton(x, cs), quantize_rows_ref(x, cs)
+        assert torch.equal(s, s_ref)
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    bad = _randn(3, 40, gen=g).to(dtype)
+    bad[1, 5], bad[2, 7] = float("nan"), float("inf")
+    s = fp8_module._quantize_rows_triton(bad, None)[1].flatten()
+    assert s[0].isfinite() and not s[1:].isfinite().any()
 
 
 def test_float8_weight_storage_and_join():
