@@ -80,9 +80,9 @@ class ChunkedArguments:
             GEMMs run in fp8 inside the fused kernels; the adapters, norms and LM head keep the model's dtype.
             Needs the kernels and a device with fp8 GEMMs (CUDA compute capability 8.9 or newer). ``None``
             (the default): off. ``"train"`` (full fine-tuning in float8) is refused: not supported yet.
-            It halves the base weights' bytes, not the step's time: at the Llama-3.1-8B shape (4 × 2048
-            tokens, H100) its step takes 1.42× the bf16 LoRA step, the on-the-fly quantisation costing
-            more than the fp8 GEMMs save (docs/design.md, "An FP8 base for LoRA").
+            It halves the base weights' bytes; at the Llama-3.1-8B shape (4 × 2048 tokens, H100) its step
+            takes 0.86× the bf16 LoRA step. Smaller shapes are not measured: there the fp8 GEMMs save less
+            than the quantisation costs (docs/design.md, "An FP8 base for LoRA").
 
     A config of TRL's own (what a trainer builds when given none) has none of these fields: :meth:`of`
     reads them from any config, the defaults where it has none. A chunked config checks them when it is
@@ -160,9 +160,9 @@ class ChunkedArguments:
         metadata={
             "help": "'base': store a PEFT LoRA model's frozen projection weights in float8 e4m3 (one scale "
             "per output row) and run their GEMMs in fp8 inside chunkloss's kernels (needs chunk_kernels and "
-            "CUDA compute capability 8.9+); it halves the base weights' bytes, not the step's time (1.42x "
-            "the bf16 LoRA step at Llama-3.1-8B, H100). None (default): off. 'train' (float8 full "
-            "fine-tuning) is not supported."
+            "CUDA compute capability 8.9+); it halves the base weights' bytes and takes 0.86x the bf16 LoRA "
+            "step at Llama-3.1-8B (H100; smaller shapes not measured). None (default): off. 'train' (float8 "
+            "full fine-tuning) is not supported."
         },
     )
 
