@@ -2,14 +2,13 @@
 
 Implementations (``--impl``), each in its own process (Liger patches transformers' classes process-wide):
 ``trl``, ``liger``, ``compile``, ``chunkloss`` (``--no-kernels``: no ``chunk_kernels``) and ``unsloth``
-(Unsloth's loader, 4-bit under ``qlora``, and its LoRA on the same weights, then TRL's trainer as Unsloth
-patches it; ``CHUNKLOSS_UNSLOTH_SITE=DIR``, a ``pip install --target DIR`` of the older TRL and datasets it
-pins, leads that process's ``PYTHONPATH``). Losses (``--loss``): ``harness.LOSSES`` as
-``harness.make_trainer`` sets them up (Medusa: ``--medusa-heads``, ``--medusa-stage``; its peer, ``--impl
-trl``, is Medusa's own loss on materialised fp32 logits). Tasks (``--task``): ``full``, ``lora`` (PEFT LoRA
-r=16 on q/k/v/o/gate/up/down, bf16 base), ``qlora`` (the same on a bitsandbytes 4-bit nf4 base) and ``fp8``
-(chunkloss only: the same LoRA on bases stored in float8 e4m3, ``chunk_fp8="base"``; its peer is chunkloss's
-``lora`` row). Shapes (``--shape``): ``harness.SHAPES`` with random weights.
+(Unsloth's loader, 4-bit under ``qlora``, its LoRA on the same weights, TRL's trainer as Unsloth patches it;
+``CHUNKLOSS_UNSLOTH_SITE=DIR``, a ``--target`` install of the TRL and datasets it pins, leads its path).
+Losses (``--loss``): ``harness.LOSSES`` as ``harness.make_trainer`` sets them up (Medusa: ``--medusa-heads``,
+``--medusa-stage``; its peer, ``--impl trl``, is Medusa's loss on fp32 logits). Tasks (``--task``): ``full``,
+``lora`` (PEFT LoRA r=16 on q/k/v/o/gate/up/down, bf16 base), ``qlora`` (on a bitsandbytes nf4 base);
+chunkloss only: ``fp8`` (that LoRA on e4m3 bases, ``chunk_fp8="base"``; its peer: ``lora``), ``fp8-train``
+(``full`` in float8 via torchao, ``chunk_fp8="train"``). Shapes: ``harness.SHAPES``.
 
 Per implementation, the batches of ``--batches`` run in turn until the first OOM, ``--steps`` steps each;
 step time is the median after ``--warmup``; peak memory is the highest CUDA memory allocated during training
@@ -44,7 +43,7 @@ from benchmarks import harness
 from benchmarks.harness import SHAPES
 from benchmarks.report import e2e_case, write_json
 
-TASKS = ("full", "lora", "qlora", "fp8")
+TASKS = ("full", "lora", "qlora", "fp8", "fp8-train")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA_RANK = 16
 LORA = dict(r=LORA_RANK, lora_alpha=2 * LORA_RANK, lora_dropout=0.0, target_modules=LORA_TARGETS)
@@ -126,12 +125,13 @@ def train(a, batch: int, profile: bool = False) -> dict:
         ds = harness.counting_dataset(a.loss, rows, a.seq // 2 if a.loss == "gkd" else a.seq)
         medusa = dict(num_heads=a.medusa_heads, stage=a.medusa_stage)
         peft = None  # full fine-tuning; Unsloth's model has its LoRA
-        if a.task != "full" and a.impl != "unsloth":
+        if a.task not in ("full", "fp8-train") and a.impl != "unsloth":
             from peft import LoraConfig
 
             peft = LoraConfig(**LORA, task_type="CAUSAL_LM")
         run = dict(out_dir=tempfile.mkdtemp(), batch=batch, steps=a.steps, seq=a.seq, gc=a.gc == "on")
-        config = {**(getattr(a, "extra", None) or {}), **({"chunk_fp8": "base"} if a.task == "fp8" else {})}
+        fp8 = {"chunk_fp8": a.task.partition("-")[2] or "base"} if a.task.startswith("fp8") else {}
+        config = {**(getattr(a, "extra", None) or {}), **fp8}
         if a.impl == "chunkloss" and res["compiled"]:  # --compile-ours
             config["torch_compile"] = True
         options = dict(kernels=a.kernels, peft_config=peft, medusa=medusa, config=config or None)
@@ -324,8 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--profile takes one --impl and one batch")
     if a.task == "qlora" and importlib.util.find_spec("bitsandbytes") is None:
         p.error("--task qlora needs bitsandbytes: pip install 'chunkloss[qlora]'")
-    if a.task == "fp8" and (impls != ["chunkloss"] or a.floor or not a.kernels):
-        p.error("--task fp8 is chunkloss's fp8 base: --impl chunkloss with its kernels, no --floor")
+    if a.task.startswith("fp8") and (impls != ["chunkloss"] or a.floor or not a.kernels):
+        p.error(f"--task {a.task} is chunkloss's chunk_fp8: --impl chunkloss with its kernels, no --floor")
     if a.worker:
         worker(a)
         return 0

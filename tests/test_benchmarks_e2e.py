@@ -184,10 +184,11 @@ def test_qlora_without_bitsandbytes_gets_one_line(monkeypatch, capsys):
     assert "--task qlora needs bitsandbytes" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("task", ["fp8", "fp8-train"])
 @pytest.mark.parametrize("extra", [["--impl", "trl,chunkloss"], ["--impl", "chunkloss", "--floor"]])
-def test_fp8_task_is_chunkloss_with_its_kernels_only(capsys, extra):
-    """``--task fp8`` runs chunkloss's fp8 base (``chunk_fp8="base"``): no peer has one, and the floor would
-    time bf16 GEMMs."""
+def test_fp8_tasks_are_chunkloss_with_its_kernels_only(capsys, task, extra):
+    """``--task fp8`` runs chunkloss's fp8 base (``chunk_fp8="base"``), ``--task fp8-train`` its float8 full
+    fine-tuning (``chunk_fp8="train"``): no peer has either, and the floor would time bf16 GEMMs."""
     with pytest.raises(SystemExit):
-        bench_e2e.main([*SMOKE, "--task", "fp8", *extra, "--out", "x.json"])
-    assert "--task fp8 is chunkloss's fp8 base" in capsys.readouterr().err
+        bench_e2e.main([*SMOKE, "--task", task, *extra, "--out", "x.json"])
+    assert f"--task {task} is chunkloss's chunk_fp8" in capsys.readouterr().err

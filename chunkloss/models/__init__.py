@@ -9,7 +9,7 @@ Example::
     loss = model(input_ids=ids, labels=ids).loss   # output.logits is None: the loss never builds them
 """
 
-from .fp8 import quantize_base_fp8
+from .fp8 import float8_training, quantize_base_fp8
 from .patch import SUPPORTED_MODEL_TYPES, patch
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "patch", "quantize_base_fp8"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "float8_training", "patch", "quantize_base_fp8"]

@@ -78,8 +78,12 @@ class ChunkedArguments:
         chunk_fp8: ``"base"``: a PEFT LoRA model's frozen q/k/v, o, gate, up and down base weights stored in
             float8 e4m3 with one scale per output row (:func:`chunkloss.models.quantize_base_fp8`) and their
             GEMMs run in fp8 inside the fused kernels; the adapters, norms and LM head keep the model's dtype.
-            Needs the kernels and a device with fp8 GEMMs (CUDA compute capability 8.9 or newer). ``None``
-            (the default): off. ``"train"`` (full fine-tuning in float8) is refused: not supported yet.
+            Needs the kernels and a device with fp8 GEMMs (CUDA compute capability 8.9 or newer).
+            ``"train"``: full fine-tuning in float8 through torchao's float8 training
+            (:func:`chunkloss.models.float8_training`, its ``tensorwise`` recipe): every linear layer but the
+            LM head runs its three GEMMs in float8; needs torchao (``pip install 'chunkloss[fp8]'``), a
+            model that is not a PEFT model and a device with fp8 GEMMs; the kernels, when on, keep the norms,
+            RoPE and the gating. ``None`` (the default): off.
             It halves the base weights' bytes; at the Llama-3.1-8B shape (4 × 2048 tokens, H100) its step
             takes 0.86× the bf16 LoRA step. Smaller shapes are not measured: there the fp8 GEMMs save less
             than the quantisation costs (docs/design.md, "An FP8 base for LoRA").
@@ -161,8 +165,8 @@ class ChunkedArguments:
             "help": "'base': store a PEFT LoRA model's frozen projection weights in float8 e4m3 (one scale "
             "per output row) and run their GEMMs in fp8 inside chunkloss's kernels (needs chunk_kernels and "
             "CUDA compute capability 8.9+); it halves the base weights' bytes and takes 0.86x the bf16 LoRA "
-            "step at Llama-3.1-8B (H100; smaller shapes not measured). None (default): off. 'train' (float8 "
-            "full fine-tuning) is not supported."
+            "step at Llama-3.1-8B (H100; smaller shapes not measured). 'train': full fine-tuning in float8 "
+            "through torchao (every linear layer but the LM head; needs torchao). None (default): off."
         },
     )
 

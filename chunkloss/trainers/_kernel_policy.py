@@ -3,6 +3,7 @@ options: :func:`apply_chunk_kernels`."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 
 import torch
@@ -47,7 +48,6 @@ def _check_fp8_base(name: str, model, why_no_kernels) -> None:
     ``nn.Linear`` base, or parameters on a device without fp8 GEMMs."""
     from accelerate.utils import is_peft_model
 
-    from chunkloss.kernels.fp8 import fp8_refusal
     from chunkloss.models.lora import _lora_kind
 
     if why_no_kernels is not None:
@@ -61,10 +61,36 @@ def _check_fp8_base(name: str, model, why_no_kernels) -> None:
         refuse(
             name, "chunk_fp8='base' without a PEFT LoRA model", "it stores a LoRA model's frozen base in fp8"
         )
+    _check_fp8_devices(name, "base", model)
+
+
+def _check_fp8_devices(name: str, setting: str, model) -> None:
+    from chunkloss.kernels.fp8 import fp8_refusal
+
     for device in sorted({str(p.device) for p in model.parameters()} - {"meta"}):
         fp8_why = fp8_refusal(device)
         if fp8_why is not None:
-            refuse(name, f"chunk_fp8='base' with parameters on {device}", fp8_why)
+            refuse(name, f"chunk_fp8={setting!r} with parameters on {device}", fp8_why)
+
+
+def _float8_training(name: str, model) -> None:
+    """``chunk_fp8='train'``: the trained model's linear layers to torchao's float8 training
+    (:func:`chunkloss.models.float8_training`), refused for a PEFT model, without torchao and on a device
+    without fp8 GEMMs."""
+    from accelerate.utils import is_peft_model
+
+    from chunkloss.models import float8_training
+
+    if is_peft_model(model):
+        why = "it trains every projection's weight in float8; chunk_fp8='base' is the fp8 option for LoRA"
+        refuse(name, "chunk_fp8='train' with a PEFT model", why)
+    if importlib.util.find_spec("torchao") is None:
+        refuse(name, "chunk_fp8='train' without torchao", "pip install 'chunkloss[fp8]'")
+    _check_fp8_devices(name, "train", model)
+    try:
+        float8_training(model)
+    except ValueError as e:
+        refuse(name, "chunk_fp8='train' on this model", str(e))
 
 
 def apply_chunk_kernels(trainer) -> None:
@@ -87,7 +113,10 @@ def apply_chunk_kernels(trainer) -> None:
 
     With ``chunk_fp8='base'`` the model's PEFT LoRA bases are first stored in fp8
     (:func:`chunkloss.models.quantize_base_fp8`); refused (``ValueError`` naming ``chunk_fp8``) without the
-    kernels, without a PEFT LoRA model, on a device without fp8 GEMMs, and for ``'train'``.
+    kernels, without a PEFT LoRA model and on a device without fp8 GEMMs. With ``chunk_fp8='train'`` the
+    trained model's linear layers but the LM head go to torchao's float8 training first
+    (:func:`chunkloss.models.float8_training`; with or without the kernels, which then keep the row work);
+    refused for a PEFT model, without torchao and on a device without fp8 GEMMs.
 
     The causal-LM loss is left alone: the trainer already computes it chunked. A reference model (DPO, GRPO)
     or teacher (GKD, distillation) is patched too when the kernels can take it, since its no-grad forwards get
@@ -101,14 +130,17 @@ def apply_chunk_kernels(trainer) -> None:
     name, args = type(trainer).__name__, trainer.args
     chunked = ChunkedArguments.of(args)
     setting, fp8 = chunked.chunk_kernels, chunked.chunk_fp8
-    if not _check_settings(name, chunked, args):
+    kernels = _check_settings(name, chunked, args)
+    unwrap = trainer.accelerator.unwrap_model
+    if fp8 == "train":  # before patching, which then leaves torchao's layers to it
+        _float8_training(name, unwrap(trainer.model))
+    if not kernels:
         return
     options = layer_options(args)
     log = logging.getLogger("chunkloss.trainers")
-    unwrap = trainer.accelerator.unwrap_model
     model = peft_base(unwrap(trainer.model))
     why = _why_not(model, args, auto=setting is None)
-    if fp8 is not None:
+    if fp8 == "base":
         _check_fp8_base(name, unwrap(trainer.model), why)
     if why is not None:
         if setting:
@@ -122,7 +154,7 @@ def apply_chunk_kernels(trainer) -> None:
             why[1],
         )
         return
-    if fp8 is not None:  # before patching: its log line then counts the fp8 bases
+    if fp8 == "base":  # before patching: its log line then counts the fp8 bases
         from chunkloss.models import quantize_base_fp8
 
         quantize_base_fp8(model)
@@ -143,13 +175,6 @@ def _check_settings(name: str, chunked: ChunkedArguments, args) -> bool:
         raise ValueError(f"chunk_kernels must be None, True or False, got {setting!r}")
     if fp8 not in FP8_SETTINGS:
         raise ValueError(f"chunk_fp8 must be None, 'base' or 'train', got {fp8!r}")
-    if fp8 == "train":
-        refuse(
-            name,
-            "chunk_fp8='train'",
-            "full fine-tuning in float8 (torchao's float8 training) is not supported yet; chunk_fp8='base' "
-            "stores a LoRA model's frozen base in fp8",
-        )
     hooks = {"chunk_kernels_norm_recompute": "its", "chunk_long_context": "activation offloading's"}
     for option, whose in hooks.items():
         if getattr(chunked, option) and args.torch_compile:
@@ -160,7 +185,7 @@ def _check_settings(name: str, chunked: ChunkedArguments, args) -> bool:
             "chunk_kernels_mlp_recompute": chunked.chunk_kernels_mlp_recompute,
             "chunk_kernels_norm_recompute": chunked.chunk_kernels_norm_recompute,
             "chunk_kernels_mlp_tile": chunked.chunk_kernels_mlp_tile,
-            "chunk_fp8": fp8,
+            "chunk_fp8": fp8 if fp8 == "base" else None,  # 'train' is torchao's GEMMs: no kernels needed
         }
         for key, value in kernel_options.items():
             if value:

@@ -1,6 +1,8 @@
-"""``chunk_fp8='base'`` on the chunked trainers: a PEFT LoRA model's frozen projection bases stored in fp8
-once at construction (``chunkloss.models.quantize_base_fp8``) and run in fp8 inside the kernels; refused in
-one line where it cannot run."""
+"""``chunk_fp8`` on the chunked trainers. ``'base'``: a PEFT LoRA model's frozen projection bases stored in
+fp8 once at construction (``chunkloss.models.quantize_base_fp8``) and run in fp8 inside the kernels.
+``'train'``: the model's linear layers but the LM head trained in float8 through torchao
+(``chunkloss.models.float8_training``), the step equal to TRL's on the same float8 model. Each refused in one
+line where it cannot run."""
 
 from __future__ import annotations
 
@@ -69,10 +71,7 @@ def test_sft_chunk_fp8_base_runs_the_lora_step_on_fp8_bases(tmp_path, caplog):
 @pytest.mark.parametrize(
     "cfg, message",
     [
-        (
-            {"chunk_fp8": "train"},
-            r"chunk_fp8='train': full fine-tuning in float8 \(torchao's float8 training\) ",
-        ),
+        ({"chunk_fp8": "train"}, r"chunk_fp8='train' with a PEFT model: it trains every projection's"),
         ({"chunk_fp8": "base", "chunk_kernels": False}, r"chunk_fp8='base' with chunk_kernels=False"),
         ({"chunk_fp8": "fp8"}, r"chunk_fp8 must be None, 'base' or 'train', got 'fp8'"),
     ],
@@ -116,3 +115,56 @@ def test_chunk_fp8_is_a_yaml_key():
     parser.set_defaults_with_config(chunk_fp8="base", output_dir="out", use_cpu=True, bf16=False)
     config = next(c for c in parser.parse_args_into_dataclasses([]) if isinstance(c, ChunkedSFTConfig))
     assert config.chunk_fp8 == "base"
+
+
+# ---- chunk_fp8='train': torchao's float8 training --------------------------------------------------------
+
+
+def _float8_layers(model) -> list[str]:
+    return [n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["modules", "kernels"])
+def test_chunk_fp8_train_step_equals_trls_on_the_same_float8_model(tmp_path, kernels):
+    """Every linear layer but the LM head becomes torchao's Float8Linear at construction; the first step's
+    loss and every gradient equal TRL's SFTTrainer on a copy converted by torchao directly (the same float8
+    GEMMs; ours with the chunked loss, and with the kernels' norms, RoPE and gating when they are on)."""
+    from trl import SFTConfig, SFTTrainer
+
+    from chunkloss.models import float8_training
+    from tests.trainers.helpers import assert_close_loss, assert_same_grads
+
+    pytest.importorskip("torchao")
+    ref_model, our_model = model_pair()
+    assert float8_training(ref_model) == 7
+    base = common_args(tmp_path, max_length=64)
+    data = tiny_dataset("sft", n=4)
+    ref = SFTTrainer(ref_model, SFTConfig(**base), train_dataset=data, processing_class=tokenizer())
+    ours = _sft(tmp_path, our_model, chunk_fp8="train", chunk_kernels=kernels)
+    assert _float8_layers(ours.model) == _float8_layers(ref.model) and "lm_head" not in _float8_layers(
+        ref.model
+    )
+    assert_close_loss(_step(ours), _step(ref))
+    assert_same_grads(ref.model, ours.model)
+
+
+def test_chunk_fp8_train_refusals(tmp_path, monkeypatch):
+    """Without torchao, and on a device without fp8 GEMMs: one line each, the model left as it was."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "torchao" else real(n, *a))
+    model, _ = model_pair()
+    with pytest.raises(
+        ValueError, match=r"chunk_fp8='train' without torchao: pip install 'chunkloss\[fp8\]'"
+    ):
+        _sft(tmp_path, model, chunk_fp8="train")
+    monkeypatch.setattr(importlib.util, "find_spec", real)
+    monkeypatch.setattr(
+        fp8_module, "fp8_refusal", lambda device: "CUDA compute capability 8.0 has no fp8 GEMM"
+    )
+    with pytest.raises(
+        ValueError, match=r"chunk_fp8='train' with parameters on cpu: CUDA compute capability"
+    ):
+        _sft(tmp_path, model, chunk_fp8="train")
+    assert not _float8_layers(model)
