@@ -323,7 +323,10 @@ def test_the_command_prints_one_line_and_no_traceback(tmp_path):
     path.write_text(MISTAKES["dpo_beta"][0])
     plain = _command("train", str(path), env={"CHUNKLOSS_DEBUG": ""})
     assert plain.returncode == 2
-    assert plain.stderr == f"chunkloss: error: {path}: beta must be positive, got -1.0\n", plain.stderr
+    # What other packages print while being imported (torchao's warnings, through transformers) is theirs.
+    ours = [line for line in plain.stderr.splitlines() if line.startswith("chunkloss")]
+    assert ours == [f"chunkloss: error: {path}: beta must be positive, got -1.0"], plain.stderr
+    assert "Traceback" not in plain.stderr, plain.stderr
 
 
 @pytest.mark.parametrize("how", ["--debug", "CHUNKLOSS_DEBUG=1"])
