@@ -159,7 +159,12 @@ def test_chunk_fp8_train_refusals(tmp_path, monkeypatch):
         ValueError, match=r"chunk_fp8='train' without torchao: pip install 'chunkloss\[fp8\]'"
     ):
         _sft(tmp_path, model, chunk_fp8="train")
-    monkeypatch.setattr(importlib.util, "find_spec", real)
+
+    # torchao found (installed or not): the device is refused before anything is converted
+    def found(name, *args):
+        return object() if name == "torchao" else real(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", found)
     monkeypatch.setattr(
         fp8_module, "fp8_refusal", lambda device: "CUDA compute capability 8.0 has no fp8 GEMM"
     )
