@@ -173,3 +173,24 @@ def test_chunk_fp8_train_refusals(tmp_path, monkeypatch):
     ):
         _sft(tmp_path, model, chunk_fp8="train")
     assert not _float8_layers(model)
+
+
+def test_float8_training_saves_a_plain_checkpoint_and_refuses_what_it_cannot_convert(tmp_path):
+    """torchao's layers keep the weights under their names: the saved model loads into transformers' own
+    classes with every tensor equal. A bad recipe and a model with nothing to convert raise one line."""
+    from transformers import AutoModelForCausalLM
+
+    from chunkloss.models import float8_training
+
+    pytest.importorskip("torchao")
+    model, plain = model_pair()
+    assert float8_training(model, recipe="rowwise") == 7
+    assert set(model.state_dict()) == set(plain.state_dict())
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert not _float8_layers(loaded)
+    assert all(torch.equal(t, model.state_dict()[k]) for k, t in loaded.state_dict().items())
+    with pytest.raises(ValueError, match=r"recipe must be one of \('tensorwise', 'rowwise'"):
+        float8_training(plain, recipe="delayed")
+    with pytest.raises(ValueError, match="has no nn.Linear with sides that are multiples of 16"):
+        float8_training(torch.nn.Sequential(torch.nn.Linear(8, 8)))
