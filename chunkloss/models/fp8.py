@@ -17,6 +17,8 @@ stays in the model's dtype for the chunked loss.
 
 from __future__ import annotations
 
+import dataclasses
+
 from torch import nn
 
 from chunkloss.kernels.fp8 import Float8Linear
@@ -75,22 +77,29 @@ def quantize_base_fp8(model: nn.Module) -> int:
 FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 
-def float8_training(model: nn.Module, recipe: str = "tensorwise") -> int:
+def float8_training(
+    model: nn.Module, recipe: str = "tensorwise", fsdp_float8_all_gather: bool = False
+) -> int:
     """Train ``model``'s linear layers in float8 through torchao (``convert_to_float8_training``).
 
     Every ``nn.Linear`` whose sides are multiples of 16 (what the fp8 GEMM takes) becomes torchao's
     ``Float8Linear``, except the output embedding, which the chunked loss reads as a weight. Call it before
-    :func:`~chunkloss.models.patch` (which then leaves those layers to torchao) and before sharding.
+    :func:`~chunkloss.models.patch` (which then leaves those layers to torchao) and before sharding. With
+    ``fsdp_float8_all_gather`` (the ``tensorwise`` recipe only) FSDP2 all-gathers those weights already cast
+    to float8, one byte per weight (torchao's ``enable_fsdp_float8_all_gather``).
 
     Returns:
         The number of layers converted.
 
     Raises:
         ModuleNotFoundError: torchao is not installed.
-        ValueError: ``recipe`` is not one of :data:`FLOAT8_RECIPES`, or no layer can be converted.
+        ValueError: ``recipe`` is not one of :data:`FLOAT8_RECIPES` (or not ``tensorwise`` with
+            ``fsdp_float8_all_gather``), or no layer can be converted.
     """
     if recipe not in FLOAT8_RECIPES:
         raise ValueError(f"float8_training: recipe must be one of {FLOAT8_RECIPES}, got {recipe!r}")
+    if fsdp_float8_all_gather and recipe != "tensorwise":
+        raise ValueError(f"float8_training: float8 all-gathers need the tensorwise recipe, got {recipe!r}")
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError as e:
@@ -110,6 +119,7 @@ def float8_training(model: nn.Module, recipe: str = "tensorwise") -> int:
         return ok
 
     config = Float8LinearConfig.from_recipe_name(recipe)
+    config = dataclasses.replace(config, enable_fsdp_float8_all_gather=fsdp_float8_all_gather)
     convert_to_float8_training(model, config=config, module_filter_fn=take)
     if not chosen:
         raise ValueError(

@@ -73,10 +73,10 @@ def _check_fp8_devices(name: str, setting: str, model) -> None:
             refuse(name, f"chunk_fp8={setting!r} with parameters on {device}", fp8_why)
 
 
-def _float8_training(name: str, model) -> None:
+def _float8_training(name: str, model, fsdp2: bool) -> None:
     """``chunk_fp8='train'``: the trained model's linear layers to torchao's float8 training
-    (:func:`chunkloss.models.float8_training`), refused for a PEFT model, without torchao and on a device
-    without fp8 GEMMs."""
+    (:func:`chunkloss.models.float8_training`; under FSDP2 its weights all-gathered in float8), refused for
+    a PEFT model, without torchao and on a device without fp8 GEMMs."""
     from accelerate.utils import is_peft_model
 
     from chunkloss.models import float8_training
@@ -88,7 +88,7 @@ def _float8_training(name: str, model) -> None:
         refuse(name, "chunk_fp8='train' without torchao", "pip install 'chunkloss[fp8]'")
     _check_fp8_devices(name, "train", model)
     try:
-        float8_training(model)
+        float8_training(model, fsdp_float8_all_gather=fsdp2)
     except ValueError as e:
         refuse(name, "chunk_fp8='train' on this model", str(e))
 
@@ -133,7 +133,7 @@ def apply_chunk_kernels(trainer) -> None:
     kernels = _check_settings(name, chunked, args)
     unwrap = trainer.accelerator.unwrap_model
     if fp8 == "train":  # before patching, which then leaves torchao's layers to it
-        _float8_training(name, unwrap(trainer.model))
+        _float8_training(name, unwrap(trainer.model), fsdp2=trainer.accelerator.is_fsdp2)
     if not kernels:
         return
     options = layer_options(args)

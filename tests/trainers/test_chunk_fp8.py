@@ -192,5 +192,20 @@ def test_float8_training_saves_a_plain_checkpoint_and_refuses_what_it_cannot_con
     assert all(torch.equal(t, model.state_dict()[k]) for k, t in loaded.state_dict().items())
     with pytest.raises(ValueError, match=r"recipe must be one of \('tensorwise', 'rowwise'"):
         float8_training(plain, recipe="delayed")
+    with pytest.raises(ValueError, match="float8 all-gathers need the tensorwise recipe, got 'rowwise'"):
+        float8_training(plain, recipe="rowwise", fsdp_float8_all_gather=True)
     with pytest.raises(ValueError, match="has no nn.Linear with sides that are multiples of 16"):
         float8_training(torch.nn.Sequential(torch.nn.Linear(8, 8)))
+
+
+def test_chunk_fp8_train_all_gathers_float8_under_fsdp2():
+    """Where the trainer's accelerator runs FSDP2, the converted weights are torchao's float8-castable
+    tensors, which FSDP2 all-gathers as float8 (tests/models/test_float8_fsdp_cpu.py); elsewhere plain."""
+    from chunkloss.trainers._kernel_policy import _float8_training
+
+    pytest.importorskip("torchao")
+    sharded, plain = model_pair()
+    _float8_training("T", sharded, fsdp2=True)
+    _float8_training("T", plain, fsdp2=False)
+    assert type(sharded.model.layers[0].mlp.up_proj.weight).__name__ == "WeightWithDynamicFloat8CastTensor"
+    assert type(plain.model.layers[0].mlp.up_proj.weight) is torch.nn.Parameter
