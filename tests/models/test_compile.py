@@ -73,9 +73,15 @@ def test_patched_forward_has_no_graph_break(model_type, lora_targets, monkeypatc
 
 
 def _model(kind: str, checkpointing: bool, device="cpu"):
-    """A tiny Llama on ``device``: full, with r=4 LoRA adapters on every projection, or those over a 4-bit
-    (nf4) base."""
-    if kind == "qlora":
+    """A tiny Llama on ``device``: full, with r=4 LoRA adapters on every projection, those over a 4-bit
+    (nf4) base, or full with its projections in torchao's float8 training."""
+    if kind == "float8":
+        pytest.importorskip("torchao")
+        from chunkloss.models import float8_training
+
+        model = tiny_model("llama").to(device)
+        float8_training(model)
+    elif kind == "qlora":
         from tests.models.test_qlora import qlora_model
 
         with torch.device(device):  # where bitsandbytes loads it
@@ -91,16 +97,18 @@ def _model(kind: str, checkpointing: bool, device="cpu"):
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the test below compiles the CUDA kernels")
 @pytest.mark.parametrize(
-    "kind,checkpointing", [("full", False), ("lora", False), ("lora", True), ("qlora", True)]
+    "kind,checkpointing",
+    [("full", False), ("lora", False), ("lora", True), ("qlora", True), ("float8", False)],
 )
 @in_fresh_process
 def test_patched_model_compiles_with_its_kernels_first_in_a_process(kind, checkpointing):
     """The kernels (the Triton interpreter, through their custom ops) compiled with the model, the first
-    compilation of the process: the loss and every gradient of the unpatched eager model, full, LoRA and
-    QLoRA, with and without checkpointing. Then three more sequence lengths: one recompilation, the one that
-    makes the length dynamic, and no more. Checkpointing splits the model into several graphs (transformers'
-    output capture mutates a context variable inside the checkpoint: a graph break on the unpatched model
-    too), each compiled once for the first length and once more with the length dynamic."""
+    compilation of the process: the loss and every gradient of the unpatched eager model, full, LoRA,
+    QLoRA and float8 (torchao's layers traced with the kernels around them), with and without
+    checkpointing. Then three more sequence lengths: one recompilation, the one that makes the length
+    dynamic, and no more. Checkpointing splits the model into several graphs (transformers' output capture
+    mutates a context variable inside the checkpoint: a graph break on the unpatched model too), each
+    compiled once for the first length and once more with the length dynamic."""
     from torch._dynamo.utils import counters
 
     if kind == "qlora":
