@@ -2,10 +2,13 @@
 
 Generation, rewards, the KL penalty (``beta``: TRL subtracts it from the rewards, from the old and reference
 log-probs), the leave-one-out advantages and their normalisation, vLLM, and the old and reference log-probs
-(TRL's own fused head, without grad) are TRL's. Only ``_compute_loss`` changes: the policy's hidden states at
+(through the chunked head, without grad) are TRL's. ``_compute_loss`` changes: the policy's hidden states at
 the completion positions go to the chunked RLOO loss with the LM head's weight, so the ``[B, T, V]`` logits
-never exist. The clip range (``epsilon``, ``epsilon_high``), the sampling temperature and the model's logit
-transforms are the loss's options; metrics are logged under TRL's names with TRL's values.
+never exist. And where the old log-probs equal the current ones when the loss reads them (on-policy: each
+generation used within one optimizer step, no KL penalty, or evaluating), their no-grad forward is skipped and
+the loss takes the current ones, detached, as TRL's GRPO trainer does by the same rule. The clip range
+(``epsilon``, ``epsilon_high``), the sampling temperature and the model's logit transforms are the loss's
+options; metrics are logged under TRL's names with TRL's values.
 """
 
 from __future__ import annotations
@@ -52,6 +55,35 @@ class ChunkedRLOOTrainer(ChunkedTrainerSetup, DeferredMetrics, ChunkedScoring, R
 
     def _setup_loss(self) -> None:
         self._chunk_losses: dict = {}
+
+    _skip_old_logps = False
+
+    def _old_logps_needed(self) -> bool:
+        """Whether the loss needs the sampling policy's log-probs scored apart: for the KL penalty
+        (``beta``), or in training when a generation outlives an optimizer step (TRL's GRPO rule:
+        ``gradient_accumulation_steps`` not a multiple of ``steps_per_generation · num_iterations``)."""
+        if self.beta != 0.0:
+            return True
+        every = self.args.steps_per_generation * self.num_iterations
+        return self.model.training and self.args.gradient_accumulation_steps % every != 0
+
+    def _generate_and_score_completions(self, inputs):
+        skip = not self._old_logps_needed()
+        self._skip_old_logps = skip
+        try:
+            out = super()._generate_and_score_completions(inputs)
+        finally:
+            self._skip_old_logps = False
+        if skip:
+            out["old_logps"] = None  # on-policy: the loss takes the current log-probs, detached
+        return out
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *a, **kw):
+        if self._skip_old_logps:  # the old log-probs' forward, while scoring on-policy: not needed
+            return input_ids.new_zeros(input_ids.size(0), logits_to_keep, dtype=torch.float32), None, None
+        return super()._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, *a, **kw
+        )
 
     def _rloo_loss(self) -> FusedLinearRLOOLoss:
         """The loss module for the trainer's current settings (read on each call, as TRL reads them)."""

@@ -16,6 +16,7 @@ from trl import RLOOConfig, RLOOTrainer
 from chunkloss.data import count_reward, tiny_dataset
 from chunkloss.testing.reference import rloo_loss_from_logps_ref
 from chunkloss.trainers import ChunkedRLOOConfig, ChunkedRLOOTrainer
+from chunkloss.trainers._online import ChunkedScoring
 from tests.tolerances import assert_close_to_ref
 from tests.trainers.helpers import (
     MOE,
@@ -240,9 +241,9 @@ def test_rloo_scoring_with_kl_in_the_reward(tmp_path):
 
 
 def test_rloo_scores_through_the_chunked_head(tmp_path, monkeypatch):
-    """The old log-probs come from the chunked head, not TRL's scoring forward (its logits), and equal
-    TRL's."""
-    ref, ours = _build(tmp_path)
+    """Off-policy (each generation used twice), the old log-probs come from the chunked head, not TRL's
+    scoring forward (its logits), and equal TRL's."""
+    ref, ours = _build(tmp_path, num_iterations=2)
     b_ref, _ = _scored(ref)
 
     def trl_scoring(*args, **kwargs):
@@ -262,7 +263,7 @@ def test_rloo_lora_on_lm_head(tmp_path):
         r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], lora_dropout=0.0, init_lora_weights=False
     )
     args = ChunkedRLOOConfig(
-        **common_args(tmp_path, num_generations=2, max_completion_length=K, beta=0.0),
+        **common_args(tmp_path, num_generations=2, max_completion_length=K, beta=0.0, num_iterations=2),
         chunk_size=5,
         chunk_compile=False,
     )
@@ -316,12 +317,36 @@ def test_rloo_moe_aux_loss(tmp_path):
     assert stored_metrics(ours)["aux_loss"] == pytest.approx(stored_metrics(ref)["aux_loss"], rel=1e-5)
 
 
-def test_rloo_train_drift(tmp_path):
-    """Three optimizer steps of ``train`` (SGD; each generation used twice, so the second use is off-policy):
-    every parameter's update and every logged value equal TRL's."""
+def test_rloo_on_policy_skips_the_old_logps_forward(tmp_path, monkeypatch):
+    """On-policy (each generation used within one optimizer step, β = 0) the batch carries no old log-probs
+    and their no-grad forward does not run: the loss takes the current ones, detached. Off-policy, or with a
+    KL penalty, they are scored."""
+    ref, ours = _build(tmp_path)
+    calls = []
+    real = ChunkedScoring._get_per_token_logps_and_entropies
+
+    def counted(self, *args, **kwargs):
+        calls.append(args[0])
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(ChunkedScoring, "_get_per_token_logps_and_entropies", counted)
+    batch, _ = _scored(ours)
+    assert batch["old_logps"] is None and not calls
+    assert _scored(ref)[0]["old_logps"] is not None  # TRL scores them
+    assert not ours._old_logps_needed()
+    assert _build(tmp_path, num_iterations=2)[1]._old_logps_needed()
+    ours.beta = 0.05  # read when scoring, as TRL reads it
+    assert ours._old_logps_needed()
+
+
+@pytest.mark.parametrize("iterations", [2, 1], ids=["off_policy", "on_policy"])
+def test_rloo_train_drift(tmp_path, iterations):
+    """Three optimizer steps of ``train`` (SGD): every parameter's update and every logged value equal
+    TRL's. Off-policy each generation is used twice, the second use partly clipped; on-policy ours skips the
+    old log-probs' forward (TRL's give ratios of 1 up to rounding)."""
     # lr 0.05: the second use of the first generation is partly clipped (at 0.2 and above, all of it is).
-    cfg = dict(max_steps=3, num_iterations=2, learning_rate=0.05, optim="sgd", lr_scheduler_type="constant")
-    ref, ours = _build(tmp_path, **cfg)
+    cfg = dict(max_steps=3, learning_rate=0.05, optim="sgd", lr_scheduler_type="constant")
+    ref, ours = _build(tmp_path, num_iterations=iterations, **cfg)
     before = {n: p.detach().clone() for n, p in ref.model.named_parameters()}
     for tr in (ref, ours):
         transformers.set_seed(0)
@@ -335,7 +360,8 @@ def test_rloo_train_drift(tmp_path):
     assert moved > 1e-3
     h_ref, h_our = ref.state.log_history, ours.state.log_history
     assert len(h_ref) == len(h_our) == 4  # three logged steps and the run's summary
-    assert 0 < h_ref[1]["clip_ratio/region_mean"] < 1 and h_ref[1]["grad_norm"] > 0
+    clipped = h_ref[1]["clip_ratio/region_mean"]
+    assert (0 < clipped < 1 if iterations == 2 else clipped == 0) and h_ref[1]["grad_norm"] > 0
     for a, b in zip(h_our, h_ref):
         assert sorted(a) == sorted(b)
         for key, v in b.items():
