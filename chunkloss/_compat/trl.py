@@ -43,12 +43,14 @@ _GKD = "trl.experimental.gkd.gkd_trainer.GKDTrainer"
 
 #: Private names of TRL 1.16's trainers that the chunked trainers override by name, with the trainers that
 #: define them: the loss (``_compute_loss``), KTO's KL log-probs (``_compute_kl_logps``), the no-grad
-#: log-probs of GRPO and RLOO (``_get_per_token_logps_and_entropies``), and the model card's tags
-#: (``_tag_names``, a class attribute).
+#: log-probs of GRPO and RLOO (``_get_per_token_logps_and_entropies``), RLOO's generation-and-scoring step
+#: (``_generate_and_score_completions``, wrapped), and the model card's tags (``_tag_names``, a class
+#: attribute).
 TRAINER_OVERRIDES = {
     "_compute_loss": (_DPO, _KTO, _GRPO, _RLOO, _DISTILLATION),
     "_compute_kl_logps": (_KTO,),
     "_get_per_token_logps_and_entropies": (_GRPO, _RLOO),
+    "_generate_and_score_completions": (_RLOO,),
     "_tag_names": (_SFT, _DPO, _KTO, _ORPO, _GRPO, _RLOO, _GKD, _DISTILLATION),
 }
 
