@@ -78,15 +78,15 @@ class ChunkedArguments:
         chunk_fp8: ``"base"``: a PEFT LoRA model's frozen q/k/v, o, gate, up and down base weights stored in
             float8 e4m3 with one scale per output row (:func:`chunkloss.models.quantize_base_fp8`) and their
             GEMMs run in fp8 inside the fused kernels; the adapters, norms and LM head keep the model's dtype.
-            Needs the kernels and a device with fp8 GEMMs (CUDA compute capability 8.9 or newer).
+            Needs the kernels and a device with fp8 GEMMs (CUDA compute capability 8.9 or newer). It halves
+            the base weights' bytes; at the Llama-3.1-8B shape (4 × 2048 tokens, H100) its step takes 0.86×
+            the bf16 LoRA step. Smaller shapes are not measured: there the fp8 GEMMs save less than the
+            quantisation costs (docs/design.md, "An FP8 base for LoRA").
             ``"train"``: full fine-tuning in float8 through torchao's float8 training
             (:func:`chunkloss.models.float8_training`, its ``tensorwise`` recipe): every linear layer but the
             LM head runs its three GEMMs in float8; needs torchao (``pip install 'chunkloss[fp8]'``), a
             model that is not a PEFT model and a device with fp8 GEMMs; the kernels, when on, keep the norms,
             RoPE and the gating. ``None`` (the default): off.
-            It halves the base weights' bytes; at the Llama-3.1-8B shape (4 × 2048 tokens, H100) its step
-            takes 0.86× the bf16 LoRA step. Smaller shapes are not measured: there the fp8 GEMMs save less
-            than the quantisation costs (docs/design.md, "An FP8 base for LoRA").
 
     A config of TRL's own (what a trainer builds when given none) has none of these fields: :meth:`of`
     reads them from any config, the defaults where it has none. A chunked config checks them when it is

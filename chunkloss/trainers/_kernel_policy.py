@@ -3,7 +3,6 @@ options: :func:`apply_chunk_kernels`."""
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 
 import torch
@@ -84,11 +83,11 @@ def _float8_training(name: str, model, fsdp2: bool) -> None:
     if is_peft_model(model):
         why = "it trains every projection's weight in float8; chunk_fp8='base' is the fp8 option for LoRA"
         refuse(name, "chunk_fp8='train' with a PEFT model", why)
-    if importlib.util.find_spec("torchao") is None:
-        refuse(name, "chunk_fp8='train' without torchao", "pip install 'chunkloss[fp8]'")
     _check_fp8_devices(name, "train", model)
     try:
         float8_training(model, fsdp_float8_all_gather=fsdp2)
+    except ModuleNotFoundError:
+        refuse(name, "chunk_fp8='train' without torchao", "pip install 'chunkloss[fp8]'")
     except ValueError as e:
         refuse(name, "chunk_fp8='train' on this model", str(e))
 

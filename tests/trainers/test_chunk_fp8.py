@@ -150,21 +150,16 @@ def test_chunk_fp8_train_step_equals_trls_on_the_same_float8_model(tmp_path, ker
 
 def test_chunk_fp8_train_refusals(tmp_path, monkeypatch):
     """Without torchao, and on a device without fp8 GEMMs: one line each, the model left as it was."""
-    import importlib.util
+    import sys
 
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "torchao" else real(n, *a))
     model, _ = model_pair()
-    with pytest.raises(
-        ValueError, match=r"chunk_fp8='train' without torchao: pip install 'chunkloss\[fp8\]'"
-    ):
-        _sft(tmp_path, model, chunk_fp8="train")
-
-    # torchao found (installed or not): the device is refused before anything is converted
-    def found(name, *args):
-        return object() if name == "torchao" else real(name, *args)
-
-    monkeypatch.setattr(importlib.util, "find_spec", found)
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "torchao.float8", None)  # its import fails, as without torchao
+        with pytest.raises(
+            ValueError, match=r"chunk_fp8='train' without torchao: pip install 'chunkloss\[fp8\]'"
+        ):
+            _sft(tmp_path, model, chunk_fp8="train")
+    # the device is refused before torchao is imported or anything converted
     monkeypatch.setattr(
         fp8_module, "fp8_refusal", lambda device: "CUDA compute capability 8.0 has no fp8 GEMM"
     )
