@@ -43,15 +43,15 @@ from benchmarks import harness
 from benchmarks.harness import SHAPES
 from benchmarks.report import e2e_case, write_json
 
-TASKS = ("full", "lora", "qlora", "fp8", "fp8-train")
+CHUNK_FP8 = {"fp8": "base", "fp8-train": "train"}  # the chunkloss-only tasks' chunk_fp8
+TASKS = ("full", "lora", "qlora", *CHUNK_FP8)
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA_RANK = 16
 LORA = dict(r=LORA_RANK, lora_alpha=2 * LORA_RANK, lora_dropout=0.0, target_modules=LORA_TARGETS)
 # Sequences per example: DPO and ORPO train a chosen and a rejected sequence.
 ROWS_PER_EXAMPLE = {"dpo": 2, "orpo": 2}
-# Forward passes without grad per step: DPO's reference, GKD's teacher; KTO's reference on the completions
-# and the policy and reference on the KL batch; RLOO's old log-probs.
-NO_GRAD_FORWARDS = {"dpo": 1, "gkd": 1, "kto": 3, "rloo": 1}
+# No-grad forwards a step: DPO's reference, GKD's teacher, KTO's reference and, on its KL batch, the policy
+NO_GRAD_FORWARDS = {"dpo": 1, "gkd": 1, "kto": 3}  # and the reference; RLOO none (on-policy, β = 0)
 
 
 def build_model(a, seed: int = 0):
@@ -130,7 +130,7 @@ def train(a, batch: int, profile: bool = False) -> dict:
 
             peft = LoraConfig(**LORA, task_type="CAUSAL_LM")
         run = dict(out_dir=tempfile.mkdtemp(), batch=batch, steps=a.steps, seq=a.seq, gc=a.gc == "on")
-        fp8 = {"chunk_fp8": a.task.partition("-")[2] or "base"} if a.task.startswith("fp8") else {}
+        fp8 = {"chunk_fp8": CHUNK_FP8[a.task]} if a.task in CHUNK_FP8 else {}
         config = {**(getattr(a, "extra", None) or {}), **fp8}
         if a.impl == "chunkloss" and res["compiled"]:  # --compile-ours
             config["torch_compile"] = True
@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--profile takes one --impl and one batch")
     if a.task == "qlora" and importlib.util.find_spec("bitsandbytes") is None:
         p.error("--task qlora needs bitsandbytes: pip install 'chunkloss[qlora]'")
-    if a.task.startswith("fp8") and (impls != ["chunkloss"] or a.floor or not a.kernels):
+    if a.task in CHUNK_FP8 and (impls != ["chunkloss"] or a.floor or not a.kernels):
         p.error(f"--task {a.task} is chunkloss's chunk_fp8: --impl chunkloss with its kernels, no --floor")
     if a.worker:
         worker(a)
